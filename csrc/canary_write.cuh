@@ -1,0 +1,376 @@
+/*!
+ * \file canary_write.cuh
+ * \brief canary_write_step: store the shadow record of every KV slot a forward filled (SPEC §4.1).
+ *
+ * Computes, per request r < min(write_num_valid_reqs, capacity), over entries e in
+ * [write_offsets[r], write_offsets[r+1]) in order: slot = out_cache_loc[e] (< 0 → skipped, no state
+ * change); record (input_ids[e], positions[e], running, real_kv_hash(slot)) stored at the slot; then
+ * running = mix3(running, token, position). running starts at H(seed slot), or at the anchor hash
+ * for seed -1. Optional input assert (token/position vs expected arrays) and chain-position assert
+ * (position == previous position + 1; active iff seed >= 0 and the device flag is 1).
+ *
+ * Grid:  CUDA: ceil(capacity / kWriteWarpsPerBlock) blocks (at least 1); one warp per request.
+ *        CPU: one loop over requests.
+ * Block: kWriteThreadsPerBlock threads = kWriteWarpsPerBlock warps. Per 32-entry chunk every lane
+ *        loads its own entry (slot, token, position), then all lanes walk the chunk's chain steps in
+ *        order (warp-uniform, values broadcast by shuffles) keeping the running hash before their own
+ *        entry; then lanes check, fold real KV and store records in parallel. Only the 64-bit chain
+ *        is serial.
+ * Reads:  plan arrays, token arrays, the seed record, real-KV bytes of written slots.
+ * Writes: records of written slots, violation rows, slot_run_counter (one atomic per request with
+ *         work), kernel_run_counter (+1 per launch, by block 0, even with no work).
+ * Bounds (kvcanary+, reason kReasonSlotOutOfRange, expected_aux = the offending index):
+ *   - slot >= num_slots: row (slot, position, token, token, running, slot); record not stored, not
+ *     counted; the chain still advances on the actual token/position.
+ *   - seed < -1 or seed >= num_slots: row (seed, -1, -1, -1, anchor hash, seed); the chain starts at
+ *     the anchor with the chain-position assert off.
+ *   - an entry range outside [0, num_tokens]: row (-1, -1, -1, -1, r, offending offset); the
+ *     request is skipped. A range with begin > end is empty, as in the seed.
+ * Aliasing: the slots one launch writes must be distinct and must not be a seed of the same launch
+ *   (an engine writes each KV slot once per forward); otherwise which record wins is unspecified.
+ * ABI: argument for argument the seed kernel's (sglang canary_write.cuh), so its order is fixed:
+ *      destination (canary_buf) first, then plan, inputs, sinks, real-KV sources.
+ */
+#pragma once
+
+#include <cstdint>
+
+#include "kvcanary/atomics.h"
+#include "kvcanary/hash.h"
+#include "kvcanary/launch.h"
+#include "kvcanary/layout.h"
+#include "kvcanary/macros.h"
+#include "kvcanary/memory.h"
+#include "kvcanary/real_kv.h"
+#include "kvcanary/tensor_check.h"
+#include "kvcanary/violation.h"
+#include "real_kv_args.cuh"
+
+namespace kvcanary {
+
+constexpr uint32_t kWarpSize = 32;
+constexpr uint32_t kWriteWarpsPerBlock = 4;
+constexpr uint32_t kWriteThreadsPerBlock = kWarpSize * kWriteWarpsPerBlock;
+
+struct WriteParams {
+  uint8_t* canary_buf;
+  int64_t slot_stride_bytes;
+  int64_t num_slots;
+  bool records_aligned16;
+
+  const int64_t* write_offsets;
+  const int64_t* write_seed_slot_indices;
+  const int32_t* write_num_valid_reqs;
+  int32_t write_req_capacity;
+
+  const int64_t* input_ids;
+  const int64_t* positions;
+  const int64_t* out_cache_loc;
+  int64_t num_tokens;
+
+  const int64_t* expected_input_tokens;     // nullptr when the input assert is off
+  const int64_t* expected_input_positions;  // nullptr when the input assert is off
+
+  ViolationSink sink;
+  int64_t* slot_run_counter;
+  int64_t* kernel_run_counter;
+  const int32_t* enable_chain_position_assert;
+
+  RealKvSources sources;
+};
+
+/*! \brief Chain state at the start of one request's entries. */
+struct WriteRequestStart {
+  int64_t begin;
+  int64_t end;  // begin >= end: nothing to do
+  uint64_t running;
+  int64_t prev_position;
+  bool chain_assert;
+};
+
+KVCANARY_HD int32_t active_write_requests(const WriteParams& p) {
+  const int32_t n = *p.write_num_valid_reqs;
+  if (n < 0) return 0;
+  return n < p.write_req_capacity ? n : p.write_req_capacity;
+}
+
+KVCANARY_HD uint8_t* record_row(uint8_t* buf, int64_t slot, int64_t stride) { return buf + slot * stride; }
+
+/*!
+ * \brief Read request r's range and seed; report (once, when `reporter`) a bad range or seed.
+ */
+KVCANARY_HD WriteRequestStart begin_write_request(const WriteParams& p, int64_t r, bool reporter) {
+  WriteRequestStart st{};
+  st.begin = p.write_offsets[r];
+  st.end = p.write_offsets[r + 1];
+  st.running = chain_head_hash();
+  st.prev_position = 0;
+  st.chain_assert = false;
+  if (st.begin >= st.end) {
+    st.end = st.begin;
+    return st;
+  }
+  if (st.begin < 0 || st.end > p.num_tokens) {
+    if (reporter) {
+      const int64_t offending = st.begin < 0 ? st.begin : st.end;
+      record_violation(p.sink, ViolationRow{kSkipWriteSlot, -1, -1, kNoExpectedToken, r, offending,
+                                            kReasonSlotOutOfRange});
+    }
+    st.end = st.begin;
+    return st;
+  }
+  const int64_t seed = p.write_seed_slot_indices[r];
+  if (seed == kChainHeadSlot) {
+    return st;
+  }
+  if (seed < 0 || seed >= p.num_slots) {
+    if (reporter) {
+      record_violation(p.sink, ViolationRow{seed, -1, -1, kNoExpectedToken, static_cast<int64_t>(st.running), seed,
+                                            kReasonSlotOutOfRange});
+    }
+    return st;
+  }
+  const CanaryRecord seed_record =
+      load_record(record_row(p.canary_buf, seed, p.slot_stride_bytes), p.records_aligned16);
+  st.running = chain_step(static_cast<uint64_t>(seed_record.prev_hash), seed_record.token, seed_record.position);
+  st.chain_assert = *p.enable_chain_position_assert != 0;
+  st.prev_position = seed_record.position;
+  return st;
+}
+
+/*!
+ * \brief Check and store one non-skipped entry (slot >= 0) given the chain state before it.
+ * \return 1 if the record was stored (counted in slot_run_counter), else 0.
+ */
+KVCANARY_HD int64_t write_entry(const WriteParams& p, int64_t e, int64_t slot, int64_t token, int64_t position,
+                                uint64_t running, int64_t prev_position, bool chain_assert) {
+  const int64_t running_signed = static_cast<int64_t>(running);
+  if (p.expected_input_tokens != nullptr) {
+    const int64_t expected_token = p.expected_input_tokens[e];
+    const int64_t expected_position = p.expected_input_positions[e];
+    int64_t bits = 0;
+    if (token != expected_token) bits |= kReasonWriteToken;
+    if (position != expected_position) bits |= kReasonWritePosition;
+    if (bits != 0) {
+      record_violation(p.sink,
+                       ViolationRow{slot, position, token, expected_token, running_signed, expected_position, bits});
+    }
+  }
+  if (chain_assert && position != prev_position + 1) {
+    record_violation(p.sink, ViolationRow{slot, position, token, token, running_signed, prev_position + 1,
+                                          kReasonWritePosition});
+  }
+  if (slot >= p.num_slots) {
+    record_violation(p.sink, ViolationRow{slot, position, token, token, running_signed, slot, kReasonSlotOutOfRange});
+    return 0;
+  }
+  CanaryRecord record;
+  record.token = token;
+  record.position = position;
+  record.prev_hash = running_signed;
+  record.real_kv_hash = static_cast<int64_t>(real_kv_fingerprint(p.sources, slot));
+  store_record(record_row(p.canary_buf, slot, p.slot_stride_bytes), record, p.records_aligned16);
+  return 1;
+}
+
+#if KVCANARY_DEVICE_BUILD
+
+constexpr unsigned kFullWarpMask = 0xffffffffu;
+
+__global__ void __launch_bounds__(kWriteThreadsPerBlock) canary_write_kernel(const __grid_constant__ WriteParams p) {
+  const uint32_t lane = threadIdx.x % kWarpSize;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kWriteWarpsPerBlock + threadIdx.x / kWarpSize;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    atomic_add_i64(p.kernel_run_counter, 1);
+  }
+  if (r >= active_write_requests(p)) {
+    return;  // warp-uniform
+  }
+  const WriteRequestStart st = begin_write_request(p, r, lane == 0);
+  uint64_t running = st.running;
+  int64_t prev_position = st.prev_position;
+  int64_t stored = 0;
+  for (int64_t chunk = st.begin; chunk < st.end; chunk += kWarpSize) {
+    const int64_t e = chunk + lane;
+    const int64_t slot = e < st.end ? p.out_cache_loc[e] : kSkipWriteSlot;
+    int64_t token = 0;
+    int64_t position = 0;
+    if (slot >= 0) {
+      token = p.input_ids[e];
+      position = p.positions[e];
+    }
+    // Serial part: every lane walks the chunk in entry order and keeps the state before its entry.
+    uint64_t my_running = running;
+    int64_t my_prev_position = prev_position;
+#pragma unroll
+    for (uint32_t j = 0; j < kWarpSize; ++j) {
+      const int64_t slot_j = __shfl_sync(kFullWarpMask, slot, j);
+      const int64_t token_j = __shfl_sync(kFullWarpMask, token, j);
+      const int64_t position_j = __shfl_sync(kFullWarpMask, position, j);
+      if (lane == j) {
+        my_running = running;
+        my_prev_position = prev_position;
+      }
+      if (slot_j >= 0) {
+        running = chain_step(running, token_j, position_j);
+        prev_position = position_j;
+      }
+    }
+    if (slot >= 0) {
+      stored += write_entry(p, e, slot, token, position, my_running, my_prev_position, st.chain_assert);
+    }
+  }
+#pragma unroll
+  for (uint32_t offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    stored += __shfl_xor_sync(kFullWarpMask, stored, offset);
+  }
+  if (lane == 0 && stored > 0) {
+    atomic_add_i64(p.slot_run_counter, stored);
+  }
+}
+
+#else
+
+inline void canary_write_cpu(const WriteParams& p) {
+  atomic_add_i64(p.kernel_run_counter, 1);
+  const int32_t active = active_write_requests(p);
+  for (int64_t r = 0; r < active; ++r) {
+    const WriteRequestStart st = begin_write_request(p, r, /*reporter=*/true);
+    uint64_t running = st.running;
+    int64_t prev_position = st.prev_position;
+    int64_t stored = 0;
+    for (int64_t e = st.begin; e < st.end; ++e) {
+      const int64_t slot = p.out_cache_loc[e];
+      if (slot < 0) continue;
+      const int64_t token = p.input_ids[e];
+      const int64_t position = p.positions[e];
+      stored += write_entry(p, e, slot, token, position, running, prev_position, st.chain_assert);
+      running = chain_step(running, token, position);
+      prev_position = position;
+    }
+    if (stored > 0) atomic_add_i64(p.slot_run_counter, stored);
+  }
+}
+
+#endif  // KVCANARY_DEVICE_BUILD
+
+namespace host {
+
+inline void canary_write_step(TensorView canary_buf, TensorView write_offsets, TensorView write_seed_slot_indices,
+                              TensorView write_num_valid_reqs, TensorView input_ids, TensorView positions,
+                              TensorView out_cache_loc, int64_t kernel_kind, int64_t enable_write_input_assert,
+                              tvm::ffi::Optional<TensorView> expected_input_tokens,
+                              tvm::ffi::Optional<TensorView> expected_input_positions, TensorView violation_ring,
+                              TensorView violation_write_index, TensorView slot_run_counter,
+                              TensorView kernel_run_counter, TensorView enable_chain_position_assert,
+                              TensorView real_kv_buf_0, TensorView real_kv_buf_1, TensorView real_kv_buf_2,
+                              TensorView real_kv_buf_3, TensorView real_kv_source_params, int64_t num_sources,
+                              int64_t real_kv_hash_mode) {
+  constexpr const char* kFn = "canary_write_step";
+  // 1. validate
+  SymbolicSize num_slots("num_slots");
+  SymbolicSize slot_stride("slot_stride_bytes");
+  SymbolicSize offsets_len("write_offsets_len");
+  SymbolicSize req_capacity("write_req_capacity");
+  SymbolicSize num_tokens("num_tokens");
+  SymbolicSize ring_capacity("ring_capacity");
+  SymbolicDevice device(KVCANARY_DEVICE_BUILD ? kDLCUDA : kDLCPU);
+
+  TensorMatcher(kFn, {num_slots, slot_stride}).dtype<uint8_t>().device(device).verify(canary_buf, "canary_buf");
+  TensorMatcher(kFn, {offsets_len}).dtype<int64_t>().device(device).verify(write_offsets, "write_offsets");
+  TensorMatcher(kFn, {req_capacity})
+      .dtype<int64_t>()
+      .device(device)
+      .verify(write_seed_slot_indices, "write_seed_slot_indices");
+  TensorMatcher(kFn, {1}).dtype<int32_t>().device(device).verify(write_num_valid_reqs, "write_num_valid_reqs");
+  TensorMatcher(kFn, {num_tokens})
+      .dtype<int64_t>()
+      .device(device)
+      .verify(input_ids, "input_ids")
+      .verify(positions, "positions")
+      .verify(out_cache_loc, "out_cache_loc");
+  KVCANARY_CHECK_ARG(enable_write_input_assert == 0 || enable_write_input_assert == 1, ValueError, kFn,
+                     "enable_write_input_assert")
+      << "must be 0 or 1, got " << enable_write_input_assert;
+  const bool input_assert = enable_write_input_assert == 1;
+  KVCANARY_CHECK_ARG(expected_input_tokens.has_value() == input_assert, ValueError, kFn, "expected_input_tokens")
+      << (input_assert ? "required when enable_write_input_assert=1" : "must be None when enable_write_input_assert=0");
+  KVCANARY_CHECK_ARG(expected_input_positions.has_value() == input_assert, ValueError, kFn,
+                     "expected_input_positions")
+      << (input_assert ? "required when enable_write_input_assert=1" : "must be None when enable_write_input_assert=0");
+  if (input_assert) {
+    TensorMatcher(kFn, {num_tokens})
+        .dtype<int64_t>()
+        .device(device)
+        .verify(expected_input_tokens.value(), "expected_input_tokens")
+        .verify(expected_input_positions.value(), "expected_input_positions");
+  }
+  TensorMatcher(kFn, {ring_capacity, kViolationFields})
+      .dtype<int64_t>()
+      .device(device)
+      .verify(violation_ring, "violation_ring");
+  TensorMatcher(kFn, {1}).dtype<int32_t>().device(device).verify(violation_write_index, "violation_write_index");
+  TensorMatcher(kFn, {1}).dtype<int64_t>().device(device).verify(slot_run_counter, "slot_run_counter");
+  TensorMatcher(kFn, {1}).dtype<int64_t>().device(device).verify(kernel_run_counter, "kernel_run_counter");
+  TensorMatcher(kFn, {1})
+      .dtype<int32_t>()
+      .device(device)
+      .verify(enable_chain_position_assert, "enable_chain_position_assert");
+
+  KVCANARY_CHECK_ARG(slot_stride.value() >= kMinSlotStrideBytes, ValueError, kFn, "canary_buf")
+      << "slot_stride_bytes (shape[1]) must be >= " << kMinSlotStrideBytes << ", got " << slot_stride.value();
+  KVCANARY_CHECK_ARG(offsets_len.value() == req_capacity.value() + 1, ValueError, kFn, "write_offsets")
+      << "expected length write_req_capacity + 1 = " << req_capacity.value() + 1 << " (write_req_capacity="
+      << req_capacity.value() << " bound by write_seed_slot_indices), got " << offsets_len.value();
+  KVCANARY_CHECK_ARG(req_capacity.value() < INT32_MAX, ValueError, kFn, "write_seed_slot_indices")
+      << "write_req_capacity must be < 2^31, got " << req_capacity.value();
+  KVCANARY_CHECK_ARG(ring_capacity.value() <= INT32_MAX, ValueError, kFn, "violation_ring")
+      << "ring_capacity must be <= 2^31-1, got " << ring_capacity.value();
+
+  const RealKvSources sources =
+      pack_real_kv_sources(kFn, device, num_slots.value(), real_kv_buf_0, real_kv_buf_1, real_kv_buf_2,
+                           real_kv_buf_3, real_kv_source_params, num_sources, real_kv_hash_mode);
+
+  // 2. extract parameters
+  WriteParams p{};
+  p.canary_buf = data_of<uint8_t>(canary_buf);
+  p.slot_stride_bytes = slot_stride.value();
+  p.num_slots = num_slots.value();
+  p.records_aligned16 =
+      reinterpret_cast<uintptr_t>(p.canary_buf) % kRealKvAlignBytes == 0 && p.slot_stride_bytes % kRealKvAlignBytes == 0;
+  p.write_offsets = data_of<const int64_t>(write_offsets);
+  p.write_seed_slot_indices = data_of<const int64_t>(write_seed_slot_indices);
+  p.write_num_valid_reqs = data_of<const int32_t>(write_num_valid_reqs);
+  p.write_req_capacity = static_cast<int32_t>(req_capacity.value());
+  p.input_ids = data_of<const int64_t>(input_ids);
+  p.positions = data_of<const int64_t>(positions);
+  p.out_cache_loc = data_of<const int64_t>(out_cache_loc);
+  p.num_tokens = num_tokens.value();
+  p.expected_input_tokens = input_assert ? data_of<const int64_t>(expected_input_tokens.value()) : nullptr;
+  p.expected_input_positions = input_assert ? data_of<const int64_t>(expected_input_positions.value()) : nullptr;
+  p.sink.ring = data_of<int64_t>(violation_ring);
+  p.sink.write_index = data_of<int32_t>(violation_write_index);
+  p.sink.capacity = static_cast<int32_t>(ring_capacity.value());
+  p.sink.kernel_kind = kernel_kind;
+  p.slot_run_counter = data_of<int64_t>(slot_run_counter);
+  p.kernel_run_counter = data_of<int64_t>(kernel_run_counter);
+  p.enable_chain_position_assert = data_of<const int32_t>(enable_chain_position_assert);
+  p.sources = sources;
+
+#if KVCANARY_DEVICE_BUILD
+  // 3. device guard + stream
+  const DLDevice dev = device.value();
+  tvm::ffi::CUDADeviceGuard guard(dev.device_id);
+  const cudaStream_t stream = current_stream(dev);
+  // 4. launch: grid depends only on the capacity, so the launch is CUDA-graph capturable.
+  const int64_t blocks = ceil_div(req_capacity.value(), kWriteWarpsPerBlock);
+  launch_kernel(canary_write_kernel, static_cast<uint32_t>(blocks > 0 ? blocks : 1), kWriteThreadsPerBlock, stream,
+                p);
+#else
+  // 3-4. CPU: run the same per-entry semantics in a loop.
+  canary_write_cpu(p);
+#endif
+}
+
+}  // namespace host
+}  // namespace kvcanary

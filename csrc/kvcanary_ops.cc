@@ -1,0 +1,24 @@
+/*!
+ * \file kvcanary_ops.cc
+ * \brief The export table: every tvm-ffi function kvcanary ships, declared once.
+ *
+ * g++ compiles this file for the CPU backend and nvcc (through a one-line .cu wrapper that includes
+ * it) for the CUDA backend; both modules export the same names.
+ */
+#include <tvm/ffi/function.h>
+
+#include "kvcanary/macros.h"
+#include "canary_layout.cuh"
+#include "canary_verify.cuh"
+#include "canary_write.cuh"
+
+// The export shims only unpack arguments; optimising tvm-ffi's 23-argument unpacking templates at
+// -O2/-O3 costs g++ ~10 s per build for no runtime gain, so the shims are built at -O1.
+#if defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
+#pragma GCC optimize("O1")
+#endif
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_write_step, kvcanary::host::canary_write_step);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_verify_step, kvcanary::host::canary_verify_step);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_layout_constants, kvcanary::host::canary_layout_constants);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_backend_name, kvcanary::host::canary_backend_name);

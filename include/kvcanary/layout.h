@@ -1,0 +1,132 @@
+/*!
+ * \file kvcanary/layout.h
+ * \brief The one source of every number in the canary's data layout (SPEC §1, §3).
+ *
+ * Records, violation rows, reason bits, real-KV parameter tables and sentinels. The Python mirror is
+ * `kvcanary.layout`; the exported `canary_layout_constants()` returns these values and a test keeps
+ * the two equal. Add a constant here, then to `kLayoutConstantTable` below, then to layout.py.
+ */
+#ifndef KVCANARY_LAYOUT_H_
+#define KVCANARY_LAYOUT_H_
+
+#include <cstdint>
+
+namespace kvcanary {
+
+// ---------------------------------------------------------------- canary record (one per KV slot)
+constexpr int32_t kRecordFieldToken = 0;
+constexpr int32_t kRecordFieldPosition = 1;
+constexpr int32_t kRecordFieldPrevHash = 2;
+constexpr int32_t kRecordFieldRealKvHash = 3;
+constexpr int32_t kRecordFields = 4;
+constexpr int32_t kRecordFieldBytes = 8;
+constexpr int32_t kRecordBytes = kRecordFields * kRecordFieldBytes;  // 32
+constexpr int32_t kMinSlotStrideBytes = kRecordBytes;
+
+// ---------------------------------------------------------------- chain hash
+constexpr uint64_t kChainAnchor = 0xC0FFEE1234567890ULL;
+constexpr uint64_t kSplitmixMul1 = 0xBF58476D1CE4E5B9ULL;
+constexpr uint64_t kSplitmixMul2 = 0x94D049BB133111EBULL;
+constexpr int32_t kSplitmixShift1 = 30;
+constexpr int32_t kSplitmixShift2 = 27;
+constexpr int32_t kSplitmixShift3 = 31;
+
+// ---------------------------------------------------------------- sentinels
+constexpr int64_t kPaddingSlot = 0;        // pool slot that padded tokens write; also "no slot"
+constexpr int64_t kPaddingReqPoolRow = 0;  // req_to_token row of CUDA-graph padding rows
+constexpr int64_t kChainHeadSlot = -1;     // seed / predecessor meaning "start of the chain"
+constexpr int64_t kUnknownPrevSlot = 0;    // predecessor meaning "not known: skip the chain check"
+constexpr int64_t kSkipWriteSlot = -1;     // out_cache_loc entries < 0 are skipped by write
+constexpr int64_t kNoExpectedToken = -1;   // verify: no token expectation for this entry
+
+// ---------------------------------------------------------------- real-KV sources
+constexpr int32_t kMaxRealKvSources = 4;
+constexpr int32_t kRealKvParamFields = 3;
+constexpr int32_t kRealKvParamPageSize = 0;
+constexpr int32_t kRealKvParamBytesPerToken = 1;
+constexpr int32_t kRealKvParamReadBytes = 2;
+constexpr int32_t kRealKvAlignBytes = 16;    // fold step, vector load width, alignment of all offsets
+constexpr int32_t kRealKvPartialBytes = 16;  // bytes per source read in PARTIAL mode
+
+enum class RealKvHashMode : int32_t { kNone = 0, kPartial = 1, kAll = 2 };
+constexpr int32_t kRealKvHashModeCount = 3;
+
+// ---------------------------------------------------------------- violation rows
+constexpr int32_t kViolationColKernelKind = 0;
+constexpr int32_t kViolationColSlot = 1;
+constexpr int32_t kViolationColPosition = 2;
+constexpr int32_t kViolationColStoredToken = 3;
+constexpr int32_t kViolationColExpectedToken = 4;
+constexpr int32_t kViolationColStoredChainHash = 5;
+constexpr int32_t kViolationColExpectedAux = 6;
+constexpr int32_t kViolationColFailReasonBits = 7;
+constexpr int32_t kViolationFields = 8;
+
+// Fail-reason bits (column 7). Bit 6 is kvcanary's own: an index the engine handed the canary lies
+// outside the buffer it indexes; the row's expected_aux column carries the offending index.
+constexpr int64_t kReasonVerifyChainHash = int64_t{1} << 0;
+constexpr int64_t kReasonVerifyPosition = int64_t{1} << 1;
+constexpr int64_t kReasonVerifyRealKvHash = int64_t{1} << 2;
+constexpr int64_t kReasonWriteToken = int64_t{1} << 3;
+constexpr int64_t kReasonWritePosition = int64_t{1} << 4;
+constexpr int64_t kReasonVerifyToken = int64_t{1} << 5;
+constexpr int64_t kReasonSlotOutOfRange = int64_t{1} << 6;
+
+/*! \brief (name, value) pairs exported to Python by canary_layout_constants(). */
+struct LayoutConstant {
+  const char* name;
+  int64_t value;
+};
+
+constexpr LayoutConstant kLayoutConstantTable[] = {
+    {"RECORD_FIELD_TOKEN", kRecordFieldToken},
+    {"RECORD_FIELD_POSITION", kRecordFieldPosition},
+    {"RECORD_FIELD_PREV_HASH", kRecordFieldPrevHash},
+    {"RECORD_FIELD_REAL_KV_HASH", kRecordFieldRealKvHash},
+    {"RECORD_FIELDS", kRecordFields},
+    {"RECORD_FIELD_BYTES", kRecordFieldBytes},
+    {"RECORD_BYTES", kRecordBytes},
+    {"MIN_SLOT_STRIDE_BYTES", kMinSlotStrideBytes},
+    {"CHAIN_ANCHOR", static_cast<int64_t>(kChainAnchor)},
+    {"SPLITMIX_MUL1", static_cast<int64_t>(kSplitmixMul1)},
+    {"SPLITMIX_MUL2", static_cast<int64_t>(kSplitmixMul2)},
+    {"SPLITMIX_SHIFT1", kSplitmixShift1},
+    {"SPLITMIX_SHIFT2", kSplitmixShift2},
+    {"SPLITMIX_SHIFT3", kSplitmixShift3},
+    {"PADDING_SLOT", kPaddingSlot},
+    {"PADDING_REQ_POOL_ROW", kPaddingReqPoolRow},
+    {"CHAIN_HEAD_SLOT", kChainHeadSlot},
+    {"UNKNOWN_PREV_SLOT", kUnknownPrevSlot},
+    {"SKIP_WRITE_SLOT", kSkipWriteSlot},
+    {"NO_EXPECTED_TOKEN", kNoExpectedToken},
+    {"MAX_REAL_KV_SOURCES", kMaxRealKvSources},
+    {"REAL_KV_PARAM_FIELDS", kRealKvParamFields},
+    {"REAL_KV_PARAM_PAGE_SIZE", kRealKvParamPageSize},
+    {"REAL_KV_PARAM_BYTES_PER_TOKEN", kRealKvParamBytesPerToken},
+    {"REAL_KV_PARAM_READ_BYTES", kRealKvParamReadBytes},
+    {"REAL_KV_ALIGN_BYTES", kRealKvAlignBytes},
+    {"REAL_KV_PARTIAL_BYTES", kRealKvPartialBytes},
+    {"REAL_KV_HASH_MODE_NONE", static_cast<int64_t>(RealKvHashMode::kNone)},
+    {"REAL_KV_HASH_MODE_PARTIAL", static_cast<int64_t>(RealKvHashMode::kPartial)},
+    {"REAL_KV_HASH_MODE_ALL", static_cast<int64_t>(RealKvHashMode::kAll)},
+    {"VIOLATION_COL_KERNEL_KIND", kViolationColKernelKind},
+    {"VIOLATION_COL_SLOT", kViolationColSlot},
+    {"VIOLATION_COL_POSITION", kViolationColPosition},
+    {"VIOLATION_COL_STORED_TOKEN", kViolationColStoredToken},
+    {"VIOLATION_COL_EXPECTED_TOKEN", kViolationColExpectedToken},
+    {"VIOLATION_COL_STORED_CHAIN_HASH", kViolationColStoredChainHash},
+    {"VIOLATION_COL_EXPECTED_AUX", kViolationColExpectedAux},
+    {"VIOLATION_COL_FAIL_REASON_BITS", kViolationColFailReasonBits},
+    {"VIOLATION_FIELDS", kViolationFields},
+    {"REASON_VERIFY_CHAIN_HASH", kReasonVerifyChainHash},
+    {"REASON_VERIFY_POSITION", kReasonVerifyPosition},
+    {"REASON_VERIFY_REAL_KV_HASH", kReasonVerifyRealKvHash},
+    {"REASON_WRITE_TOKEN", kReasonWriteToken},
+    {"REASON_WRITE_POSITION", kReasonWritePosition},
+    {"REASON_VERIFY_TOKEN", kReasonVerifyToken},
+    {"REASON_SLOT_OUT_OF_RANGE", kReasonSlotOutOfRange},
+};
+
+}  // namespace kvcanary
+
+#endif  // KVCANARY_LAYOUT_H_

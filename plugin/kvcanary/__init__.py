@@ -1,0 +1,13 @@
+"""kvcanary: a KV-cache integrity canary for LLM serving (an out-of-tree SGLang plugin).
+
+Kernels are JIT-built on first use (``kvcanary.ops``); ``kvcanary.ref`` is their plain reference.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from kvcanary import layout
+from kvcanary.real_kv import RealKvSource
+
+__all__ = ["RealKvSource", "__version__", "layout"]

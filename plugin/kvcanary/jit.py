@@ -1,0 +1,214 @@
+"""Build and load the kernels: one export table (csrc/kvcanary_ops.cc) built for CPU (g++) and CUDA
+(nvcc) through tvm-ffi, cached under a project-owned directory keyed by the sources' content.
+
+Cache layout: ``$KVCANARY_CACHE_DIR`` (default ``~/.cache/kvcanary``) /
+``<kvcanary version>-<sha256 of include/ + csrc/ contents>`` / ``<backend>-<arch>-tvmffi<version>``.
+A finished build leaves a ``.complete`` marker; a warm load only dlopens the ``.so``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("cpu", "cuda")
+MODULE_NAME = "kvcanary_ops"
+EXPORT_SOURCE = "kvcanary_ops.cc"
+CACHE_DIR_ENV = "KVCANARY_CACHE_DIR"
+CUDA_ARCH_ENV = "KVCANARY_CUDA_ARCH"
+_COMPLETE_MARKER = ".complete"
+_CXX_STD = "-std=c++17"
+_OPT = "-O3"
+
+_modules: dict[str, Any] = {}
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class BuildInfo:
+    """Where and how one backend was built (or found)."""
+
+    backend: str
+    arch: str
+    directory: Path
+    library: Path
+    seconds: float
+    cached: bool
+
+
+_build_info: dict[str, BuildInfo] = {}
+
+
+def source_root() -> Path:
+    """Directory holding ``include/`` and ``csrc/``: the installed package, else the repository root."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here, here.parent.parent):
+        if (candidate / "include" / "kvcanary").is_dir() and (candidate / "csrc" / EXPORT_SOURCE).is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"kvcanary: cannot find include/ and csrc/ next to {here} or in the repository root; "
+        "reinstall kvcanary (the wheel must carry them)"
+    )
+
+
+def source_digest(root: Path | None = None) -> str:
+    """sha256 over the relative paths and contents of include/ and csrc/ (first 16 hex digits)."""
+    root = root or source_root()
+    h = hashlib.sha256()
+    for sub in ("include", "csrc"):
+        for path in sorted((root / sub).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                h.update(path.relative_to(root).as_posix().encode())
+                h.update(b"\0")
+                h.update(path.read_bytes())
+                h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "kvcanary").expanduser()
+
+
+def _package_version() -> str:
+    from kvcanary import __version__
+
+    return __version__
+
+
+def _tvm_ffi_version() -> str:
+    import tvm_ffi
+
+    return str(getattr(tvm_ffi, "__version__", "unknown"))
+
+
+def cuda_arch() -> str:
+    """Arch for nvcc: ``$KVCANARY_CUDA_ARCH``, else the current GPU's (``9.0a`` on Hopper), else ``9.0a``.
+
+    tvm-ffi's own detection picks sm_90 on an H200 (no wgmma/TMA), so the arch is always set here.
+    """
+    explicit = os.environ.get(CUDA_ARCH_ENV)
+    if explicit:
+        return explicit
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            return f"{major}.{minor}{'a' if major == 9 else ''}"
+    except Exception as exc:  # noqa: BLE001 - a broken CUDA setup must not hide the fallback
+        logger.debug("kvcanary: could not query the CUDA device capability: %s", exc)
+    return "9.0a"
+
+
+def build_directory(backend: str, arch: str | None = None) -> Path:
+    _check_backend(backend)
+    tag = "cpu" if backend == "cpu" else f"cuda-sm{(arch or cuda_arch()).replace('.', '')}"
+    return cache_root() / f"{_package_version()}-{source_digest()}" / f"{tag}-tvmffi{_tvm_ffi_version()}"
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"kvcanary: backend: expected one of {BACKENDS}, got {backend!r}")
+
+
+@contextlib.contextmanager
+def _toolchain_env(backend: str, arch: str) -> Iterator[None]:
+    """PATH with ninja, and for CUDA: CUDA_HOME and tvm-ffi's arch list. Restored afterwards."""
+    saved = {k: os.environ.get(k) for k in ("PATH", "CUDA_HOME", "TVM_FFI_CUDA_ARCH_LIST")}
+    try:
+        if shutil.which("ninja") is None:
+            try:
+                import ninja
+
+                os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+            except ImportError as exc:
+                raise RuntimeError("kvcanary: the ninja build tool is missing; pip install ninja") from exc
+        if backend == "cuda":
+            if not os.environ.get("CUDA_HOME") and not os.environ.get("CUDA_PATH") and Path("/usr/local/cuda").is_dir():
+                os.environ["CUDA_HOME"] = "/usr/local/cuda"
+            os.environ["TVM_FFI_CUDA_ARCH_LIST"] = arch
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def build(backend: str, *, arch: str | None = None, force: bool = False) -> BuildInfo:
+    """Build ``backend`` into the cache (no load); returns where the library is.
+
+    With ``backend="cuda"`` this needs nvcc but no GPU: CI uses it to compile-check the CUDA build.
+    """
+    _check_backend(backend)
+    arch = arch or (cuda_arch() if backend == "cuda" else "host")
+    directory = build_directory(backend, arch if backend == "cuda" else None)
+    library = directory / f"{MODULE_NAME}.so"
+    marker = directory / _COMPLETE_MARKER
+    if not force and marker.is_file() and library.is_file():
+        return BuildInfo(backend, arch, directory, library, 0.0, cached=True)
+
+    import tvm_ffi.cpp
+
+    root = source_root()
+    wrapper = f'#include "{EXPORT_SOURCE}"\n'
+    defines = [f"-DKVCANARY_SRC_TAG={source_digest(root)}"]
+    common = {
+        "extra_include_paths": [str(root / "include"), str(root / "csrc")],
+        "build_directory": str(directory),
+    }
+    start = time.perf_counter()
+    directory.mkdir(parents=True, exist_ok=True)
+    with _toolchain_env(backend, arch):
+        if backend == "cpu":
+            path = tvm_ffi.cpp.build_inline(
+                MODULE_NAME, cpp_sources=wrapper, extra_cflags=[_CXX_STD, _OPT, *defines], **common
+            )
+        else:
+            path = tvm_ffi.cpp.build_inline(
+                MODULE_NAME,
+                cuda_sources=wrapper,
+                extra_cuda_cflags=[_CXX_STD, _OPT, "-lineinfo", *defines],
+                **common,
+            )
+    seconds = time.perf_counter() - start
+    tmp = marker.with_suffix(".tmp")
+    tmp.write_text(f"{backend} {arch} {seconds:.2f}s\n")
+    tmp.replace(marker)
+    logger.info("kvcanary: built the %s kernels (%s) in %.1f s into %s", backend, arch, seconds, directory)
+    return BuildInfo(backend, arch, directory, Path(path), seconds, cached=False)
+
+
+def load_module(backend: str) -> Any:
+    """The raw tvm-ffi module of ``backend`` ("cpu" or "cuda"), built on first use and memoised."""
+    _check_backend(backend)
+    module = _modules.get(backend)
+    if module is not None:
+        return module
+    with _lock:
+        module = _modules.get(backend)
+        if module is None:
+            import tvm_ffi
+
+            info = build(backend)
+            module = tvm_ffi.load_module(str(info.library))
+            _modules[backend] = module
+            _build_info[backend] = info
+    return module
+
+
+def build_info(backend: str) -> BuildInfo | None:
+    """How the loaded module of ``backend`` was obtained (None if not loaded yet)."""
+    return _build_info.get(backend)

@@ -1,0 +1,111 @@
+"""Python mirror of ``include/kvcanary/layout.h`` (SPEC §1, §3).
+
+Every value here must equal the C++ constant of the same name; ``tests/kernels/test_layout.py``
+compares this module with ``canary_layout_constants()`` exported by the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import enum
+
+# canary record (one per KV slot)
+RECORD_FIELD_TOKEN = 0
+RECORD_FIELD_POSITION = 1
+RECORD_FIELD_PREV_HASH = 2
+RECORD_FIELD_REAL_KV_HASH = 3
+RECORD_FIELDS = 4
+RECORD_FIELD_BYTES = 8
+RECORD_BYTES = RECORD_FIELDS * RECORD_FIELD_BYTES
+MIN_SLOT_STRIDE_BYTES = RECORD_BYTES
+
+# chain hash (unsigned values; the export carries them as signed int64)
+CHAIN_ANCHOR = 0xC0FFEE1234567890
+SPLITMIX_MUL1 = 0xBF58476D1CE4E5B9
+SPLITMIX_MUL2 = 0x94D049BB133111EB
+SPLITMIX_SHIFT1 = 30
+SPLITMIX_SHIFT2 = 27
+SPLITMIX_SHIFT3 = 31
+
+# sentinels
+PADDING_SLOT = 0
+PADDING_REQ_POOL_ROW = 0
+CHAIN_HEAD_SLOT = -1
+UNKNOWN_PREV_SLOT = 0
+SKIP_WRITE_SLOT = -1
+NO_EXPECTED_TOKEN = -1
+
+# real-KV sources
+MAX_REAL_KV_SOURCES = 4
+REAL_KV_PARAM_FIELDS = 3
+REAL_KV_PARAM_PAGE_SIZE = 0
+REAL_KV_PARAM_BYTES_PER_TOKEN = 1
+REAL_KV_PARAM_READ_BYTES = 2
+REAL_KV_ALIGN_BYTES = 16
+REAL_KV_PARTIAL_BYTES = 16
+
+
+class RealKvHashMode(enum.IntEnum):
+    """How much of each real-KV source a fingerprint reads."""
+
+    NONE = 0
+    PARTIAL = 1
+    ALL = 2
+
+
+REAL_KV_HASH_MODE_NONE = int(RealKvHashMode.NONE)
+REAL_KV_HASH_MODE_PARTIAL = int(RealKvHashMode.PARTIAL)
+REAL_KV_HASH_MODE_ALL = int(RealKvHashMode.ALL)
+
+# violation rows
+VIOLATION_COL_KERNEL_KIND = 0
+VIOLATION_COL_SLOT = 1
+VIOLATION_COL_POSITION = 2
+VIOLATION_COL_STORED_TOKEN = 3
+VIOLATION_COL_EXPECTED_TOKEN = 4
+VIOLATION_COL_STORED_CHAIN_HASH = 5
+VIOLATION_COL_EXPECTED_AUX = 6
+VIOLATION_COL_FAIL_REASON_BITS = 7
+VIOLATION_FIELDS = 8
+
+
+class FailReason(enum.IntFlag):
+    """Bits of a violation row's fail_reason_bits column."""
+
+    VERIFY_CHAIN_HASH = 1 << 0
+    VERIFY_POSITION = 1 << 1
+    VERIFY_REAL_KV_HASH = 1 << 2
+    WRITE_TOKEN = 1 << 3
+    WRITE_POSITION = 1 << 4
+    VERIFY_TOKEN = 1 << 5
+    SLOT_OUT_OF_RANGE = 1 << 6
+
+
+REASON_VERIFY_CHAIN_HASH = int(FailReason.VERIFY_CHAIN_HASH)
+REASON_VERIFY_POSITION = int(FailReason.VERIFY_POSITION)
+REASON_VERIFY_REAL_KV_HASH = int(FailReason.VERIFY_REAL_KV_HASH)
+REASON_WRITE_TOKEN = int(FailReason.WRITE_TOKEN)
+REASON_WRITE_POSITION = int(FailReason.WRITE_POSITION)
+REASON_VERIFY_TOKEN = int(FailReason.VERIFY_TOKEN)
+REASON_SLOT_OUT_OF_RANGE = int(FailReason.SLOT_OUT_OF_RANGE)
+
+
+def reason_names(bits: int) -> list[str]:
+    """Decode fail_reason_bits into lower-case names, lowest bit first (unknown bits as ``bit<N>``)."""
+    names = []
+    for bit in range(64):
+        if bits >> bit & 1:
+            try:
+                names.append(FailReason(1 << bit).name.lower())  # type: ignore[union-attr]
+            except ValueError:
+                names.append(f"bit{bit}")
+    return names
+
+
+def _to_signed64(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def exported_names() -> dict[str, int]:
+    """Every constant the C++ layout table exports, as signed int64 like the export."""
+    names = [n for n in globals() if n.isupper() and isinstance(globals()[n], int)]
+    return {n: _to_signed64(int(globals()[n])) for n in names}

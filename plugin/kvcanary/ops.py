@@ -1,0 +1,158 @@
+"""Typed wrappers of the kernels: keyword-only, dispatching on ``canary_buf.device``.
+
+Argument checks live in C++ (one layer for the CPU build, the CUDA build and direct tvm-ffi calls);
+this module only turns ``real_kv_sources`` into the fixed four-buffer ABI and forwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvcanary import layout
+from kvcanary.jit import load_module
+from kvcanary.real_kv import RealKvSource
+
+__all__ = ["canary_verify_step", "canary_write_step", "load_module", "real_kv_launch_args"]
+
+_unused_source_cache: dict[torch.device, torch.Tensor] = {}
+
+
+def _backend_of(device: torch.device) -> str:
+    if device.type in ("cpu", "cuda"):
+        return device.type
+    raise ValueError(f"kvcanary: canary_buf: device {device} is not supported (cpu or cuda)")
+
+
+def _unused_source(device: torch.device) -> torch.Tensor:
+    """A tiny aligned uint8 [1, 16] tensor standing in for unused ABI source slots (never read)."""
+    t = _unused_source_cache.get(device)
+    if t is None:
+        t = torch.zeros((1, layout.REAL_KV_ALIGN_BYTES), dtype=torch.uint8, device=device)
+        _unused_source_cache[device] = t
+    return t
+
+
+def real_kv_launch_args(
+    real_kv_sources: Sequence[RealKvSource], device: torch.device
+) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+    """(four byte tensors, CPU int32 [4, 3] param table, num_sources) for the raw ABI."""
+    sources = tuple(real_kv_sources)
+    if len(sources) > layout.MAX_REAL_KV_SOURCES:
+        raise ValueError(
+            f"kvcanary: real_kv_sources: at most {layout.MAX_REAL_KV_SOURCES} sources, got {len(sources)}"
+        )
+    for i, src in enumerate(sources):
+        if not isinstance(src, RealKvSource):
+            raise TypeError(f"kvcanary: real_kv_sources[{i}]: expected RealKvSource, got {type(src).__name__}")
+    params = torch.zeros((layout.MAX_REAL_KV_SOURCES, layout.REAL_KV_PARAM_FIELDS), dtype=torch.int32)
+    bufs = []
+    for i in range(layout.MAX_REAL_KV_SOURCES):
+        if i < len(sources):
+            src = sources[i]
+            bufs.append(src.kv_bytes)
+            params[i, layout.REAL_KV_PARAM_PAGE_SIZE] = src.page_size
+            params[i, layout.REAL_KV_PARAM_BYTES_PER_TOKEN] = src.num_bytes_per_token
+            params[i, layout.REAL_KV_PARAM_READ_BYTES] = src.read_bytes
+        else:
+            bufs.append(_unused_source(device))
+    return bufs, params, len(sources)
+
+
+def canary_write_step(
+    *,
+    canary_buf: torch.Tensor,
+    write_offsets: torch.Tensor,
+    write_seed_slot_indices: torch.Tensor,
+    write_num_valid_reqs: torch.Tensor,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    kernel_kind: int,
+    enable_write_input_assert: bool,
+    expected_input_tokens: torch.Tensor | None,
+    expected_input_positions: torch.Tensor | None,
+    violation_ring: torch.Tensor,
+    violation_write_index: torch.Tensor,
+    slot_run_counter: torch.Tensor,
+    kernel_run_counter: torch.Tensor,
+    enable_chain_position_assert: torch.Tensor,
+    real_kv_sources: Sequence[RealKvSource] = (),
+    real_kv_hash_mode: int = layout.REAL_KV_HASH_MODE_NONE,
+) -> None:
+    """Store the shadow records of the slots one forward filled (SPEC §4.1; see csrc/canary_write.cuh).
+
+    Runs on ``canary_buf.device`` (CPU build or CUDA build, on torch's current stream) and never
+    synchronises. Violations go to ``violation_ring``; counters are bumped on the device.
+    """
+    module: Any = load_module(_backend_of(canary_buf.device))
+    bufs, params, num_sources = real_kv_launch_args(real_kv_sources, canary_buf.device)
+    module.canary_write_step(
+        canary_buf,
+        write_offsets,
+        write_seed_slot_indices,
+        write_num_valid_reqs,
+        input_ids,
+        positions,
+        out_cache_loc,
+        int(kernel_kind),
+        int(enable_write_input_assert),
+        expected_input_tokens,
+        expected_input_positions,
+        violation_ring,
+        violation_write_index,
+        slot_run_counter,
+        kernel_run_counter,
+        enable_chain_position_assert,
+        *bufs,
+        params,
+        num_sources,
+        int(real_kv_hash_mode),
+    )
+
+
+def canary_verify_step(
+    *,
+    canary_buf: torch.Tensor,
+    verify_slot_indices: torch.Tensor,
+    verify_expected_tokens: torch.Tensor,
+    verify_expected_positions: torch.Tensor,
+    verify_prev_slot_indices: torch.Tensor,
+    verify_num_valid: torch.Tensor,
+    verify_enable: torch.Tensor,
+    kernel_kind: int,
+    violation_ring: torch.Tensor,
+    violation_write_index: torch.Tensor,
+    slot_run_counter: torch.Tensor,
+    kernel_run_counter: torch.Tensor,
+    real_kv_sources: Sequence[RealKvSource] = (),
+    real_kv_hash_mode: int = layout.REAL_KV_HASH_MODE_NONE,
+    check_tokens: bool = False,
+) -> None:
+    """Check the records of planned prefix entries (SPEC §4.2; see csrc/canary_verify.cuh).
+
+    Never modifies ``canary_buf``; runs on its device without synchronising.
+    """
+    module: Any = load_module(_backend_of(canary_buf.device))
+    bufs, params, num_sources = real_kv_launch_args(real_kv_sources, canary_buf.device)
+    module.canary_verify_step(
+        canary_buf,
+        verify_slot_indices,
+        verify_expected_tokens,
+        verify_expected_positions,
+        verify_prev_slot_indices,
+        verify_num_valid,
+        verify_enable,
+        int(kernel_kind),
+        violation_ring,
+        violation_write_index,
+        slot_run_counter,
+        kernel_run_counter,
+        *bufs,
+        params,
+        num_sources,
+        int(real_kv_hash_mode),
+        int(check_tokens),
+    )
