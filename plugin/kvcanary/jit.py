@@ -27,6 +27,8 @@ MODULE_NAME = "kvcanary_ops"
 EXPORT_SOURCE = "kvcanary_ops.cc"
 CACHE_DIR_ENV = "KVCANARY_CACHE_DIR"
 CUDA_ARCH_ENV = "KVCANARY_CUDA_ARCH"
+SANITIZE_ENV = "KVCANARY_SANITIZE"  # "address": CPU build under AddressSanitizer (tests; needs libasan preloaded)
+_SANITIZE_FLAGS = {"address": ["-fsanitize=address", "-fno-omit-frame-pointer", "-g"]}
 _COMPLETE_MARKER = ".complete"
 _CXX_STD = "-std=c++17"
 _OPT = "-O3"
@@ -111,9 +113,21 @@ def cuda_arch() -> str:
     return "9.0a"
 
 
+def sanitizer() -> str | None:
+    """The sanitizer the CPU build is instrumented with (``$KVCANARY_SANITIZE``), if any."""
+    value = os.environ.get(SANITIZE_ENV) or None
+    if value is not None and value not in _SANITIZE_FLAGS:
+        raise ValueError(f"{SANITIZE_ENV}: expected one of {sorted(_SANITIZE_FLAGS)} or unset, got {value!r}")
+    return value
+
+
 def build_directory(backend: str, arch: str | None = None) -> Path:
     _check_backend(backend)
-    tag = "cpu" if backend == "cpu" else f"cuda-sm{(arch or cuda_arch()).replace('.', '')}"
+    if backend == "cpu":
+        san = sanitizer()
+        tag = f"cpu-{san}" if san else "cpu"
+    else:
+        tag = f"cuda-sm{(arch or cuda_arch()).replace('.', '')}"
     return cache_root() / f"{_package_version()}-{source_digest()}" / f"{tag}-tvmffi{_tvm_ffi_version()}"
 
 
@@ -173,8 +187,13 @@ def build(backend: str, *, arch: str | None = None, force: bool = False) -> Buil
     directory.mkdir(parents=True, exist_ok=True)
     with _toolchain_env(backend, arch):
         if backend == "cpu":
+            san_flags = _SANITIZE_FLAGS.get(sanitizer() or "", [])
             path = tvm_ffi.cpp.build_inline(
-                MODULE_NAME, cpp_sources=wrapper, extra_cflags=[_CXX_STD, _OPT, *defines], **common
+                MODULE_NAME,
+                cpp_sources=wrapper,
+                extra_cflags=[_CXX_STD, _OPT, *san_flags, *defines],
+                extra_ldflags=san_flags,
+                **common,
             )
         else:
             path = tvm_ffi.cpp.build_inline(

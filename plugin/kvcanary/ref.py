@@ -1,0 +1,273 @@
+"""Plain Python/torch reference of the kernels (SPEC §2–§4.2), for differential tests.
+
+Deliberately simple: Python ints for all hashing, one entry at a time, in the documented order.
+Functions take the same keyword arguments as :mod:`kvcanary.ops` and update the given CPU tensors
+in place. Semantics beyond the seed (out-of-range indices, reason ``SLOT_OUT_OF_RANGE``) follow the
+contract blocks of ``csrc/canary_write.cuh`` and ``csrc/canary_verify.cuh``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcanary import layout
+from kvcanary.real_kv import RealKvSource
+
+U64_MASK = (1 << 64) - 1
+
+
+def to_u64(x: int) -> int:
+    return x & U64_MASK
+
+
+def to_i64(x: int) -> int:
+    x &= U64_MASK
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def splitmix64(x: int) -> int:
+    x &= U64_MASK
+    x ^= x >> layout.SPLITMIX_SHIFT1
+    x = (x * layout.SPLITMIX_MUL1) & U64_MASK
+    x ^= x >> layout.SPLITMIX_SHIFT2
+    x = (x * layout.SPLITMIX_MUL2) & U64_MASK
+    x ^= x >> layout.SPLITMIX_SHIFT3
+    return x
+
+
+def mix3(a: int, b: int, c: int) -> int:
+    h = splitmix64(a)
+    h = splitmix64(h ^ to_u64(b))
+    return splitmix64(h ^ to_u64(c))
+
+
+def chain_head_hash() -> int:
+    """Unsigned prev_hash of a chain head."""
+    return splitmix64(layout.CHAIN_ANCHOR)
+
+
+def chain_step(prev_hash: int, token: int, position: int) -> int:
+    return mix3(to_u64(prev_hash), token, position)
+
+
+def fold_bytes(data: bytes) -> int:
+    """Per-source accumulator over 16-byte steps of ``data``."""
+    acc = 0
+    for off in range(0, len(data), layout.REAL_KV_ALIGN_BYTES):
+        lo = int.from_bytes(data[off : off + 8], "little")
+        hi = int.from_bytes(data[off + 8 : off + 16], "little")
+        acc = splitmix64(acc ^ lo)
+        acc = splitmix64(acc ^ hi)
+    return acc
+
+
+def slot_bytes(source: RealKvSource, slot: int, num_bytes: int) -> bytes:
+    row, col = divmod(slot, source.page_size)
+    col *= source.num_bytes_per_token
+    return bytes(source.kv_bytes[row, col : col + num_bytes].cpu().tolist())
+
+
+def real_kv_fingerprint(sources: Sequence[RealKvSource], mode: int, slot: int) -> int:
+    """Unsigned real_kv_hash of ``slot``."""
+    if mode == layout.REAL_KV_HASH_MODE_NONE:
+        return 0
+    total = 0
+    for src in sources:
+        n = min(src.read_bytes, layout.REAL_KV_PARTIAL_BYTES) if mode == layout.REAL_KV_HASH_MODE_PARTIAL else src.read_bytes
+        if n <= 0:
+            continue
+        total = splitmix64(total ^ fold_bytes(slot_bytes(src, slot, n)))
+    return total
+
+
+@dataclass
+class _Records:
+    """A mutable byte image of a canary buffer."""
+
+    buf: torch.Tensor
+    data: bytearray = field(init=False)
+    stride: int = field(init=False)
+    num_slots: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_slots, self.stride = int(self.buf.shape[0]), int(self.buf.shape[1])
+        self.data = bytearray(self.buf.cpu().flatten().tolist())
+
+    def load(self, slot: int) -> tuple[int, int, int, int]:
+        base = slot * self.stride
+        return tuple(  # type: ignore[return-value]
+            int.from_bytes(self.data[base + 8 * i : base + 8 * i + 8], "little", signed=True)
+            for i in range(layout.RECORD_FIELDS)
+        )
+
+    def store(self, slot: int, fields: Sequence[int]) -> None:
+        base = slot * self.stride
+        for i, value in enumerate(fields):
+            self.data[base + 8 * i : base + 8 * i + 8] = to_u64(value).to_bytes(8, "little")
+
+    def commit(self) -> None:
+        image = torch.tensor(list(self.data), dtype=torch.uint8).view(self.num_slots, self.stride)
+        self.buf.copy_(image)
+
+
+class _Sink:
+    def __init__(self, ring: torch.Tensor, write_index: torch.Tensor, kernel_kind: int) -> None:
+        self.ring = ring
+        self.write_index = write_index
+        self.capacity = int(ring.shape[0])
+        self.index = int(write_index[0])
+        self.kernel_kind = kernel_kind
+        self.rows: dict[int, list[int]] = {}
+
+    def record(self, *row: int) -> None:
+        index = self.index
+        self.index = to_i64(index + 1) if index + 1 < 1 << 31 else index + 1 - (1 << 32)
+        if 0 <= index < self.capacity:
+            self.rows[index] = [self.kernel_kind, *row]
+
+    def commit(self) -> None:
+        for index, row in self.rows.items():
+            self.ring[index] = torch.tensor([to_i64(v) for v in row], dtype=torch.int64)
+        self.write_index[0] = self.index
+
+
+def canary_write_step(
+    *,
+    canary_buf: torch.Tensor,
+    write_offsets: torch.Tensor,
+    write_seed_slot_indices: torch.Tensor,
+    write_num_valid_reqs: torch.Tensor,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    kernel_kind: int,
+    enable_write_input_assert: bool,
+    expected_input_tokens: torch.Tensor | None,
+    expected_input_positions: torch.Tensor | None,
+    violation_ring: torch.Tensor,
+    violation_write_index: torch.Tensor,
+    slot_run_counter: torch.Tensor,
+    kernel_run_counter: torch.Tensor,
+    enable_chain_position_assert: torch.Tensor,
+    real_kv_sources: Sequence[RealKvSource] = (),
+    real_kv_hash_mode: int = layout.REAL_KV_HASH_MODE_NONE,
+) -> None:
+    records = _Records(canary_buf)
+    sink = _Sink(violation_ring, violation_write_index, kernel_kind)
+    offsets = write_offsets.tolist()
+    seeds = write_seed_slot_indices.tolist()
+    tokens, pos, locs = input_ids.tolist(), positions.tolist(), out_cache_loc.tolist()
+    exp_tok = expected_input_tokens.tolist() if enable_write_input_assert else None
+    exp_pos = expected_input_positions.tolist() if enable_write_input_assert else None
+    chain_flag = int(enable_chain_position_assert[0]) != 0
+    capacity, num_tokens = len(seeds), len(tokens)
+    active = max(0, min(int(write_num_valid_reqs[0]), capacity))
+    stored_total = 0
+    for r in range(active):
+        begin, end = offsets[r], offsets[r + 1]
+        if begin >= end:
+            continue
+        if begin < 0 or end > num_tokens:
+            sink.record(layout.SKIP_WRITE_SLOT, -1, -1, layout.NO_EXPECTED_TOKEN, r, begin if begin < 0 else end,
+                        layout.REASON_SLOT_OUT_OF_RANGE)
+            continue
+        seed = seeds[r]
+        running = chain_head_hash()
+        prev_position = 0
+        chain_assert = False
+        if seed != layout.CHAIN_HEAD_SLOT:
+            if 0 <= seed < records.num_slots:
+                s_tok, s_pos, s_prev, _ = records.load(seed)
+                running = chain_step(s_prev, s_tok, s_pos)
+                prev_position = s_pos
+                chain_assert = chain_flag
+            else:
+                sink.record(seed, -1, -1, layout.NO_EXPECTED_TOKEN, running, seed, layout.REASON_SLOT_OUT_OF_RANGE)
+        for e in range(begin, end):
+            slot = locs[e]
+            if slot < 0:
+                continue
+            token, position = tokens[e], pos[e]
+            if exp_tok is not None and exp_pos is not None:
+                bits = (layout.REASON_WRITE_TOKEN if token != exp_tok[e] else 0) | (
+                    layout.REASON_WRITE_POSITION if position != exp_pos[e] else 0
+                )
+                if bits:
+                    sink.record(slot, position, token, exp_tok[e], running, exp_pos[e], bits)
+            if chain_assert and position != prev_position + 1:
+                sink.record(slot, position, token, token, running, prev_position + 1, layout.REASON_WRITE_POSITION)
+            if slot >= records.num_slots:
+                sink.record(slot, position, token, token, running, slot, layout.REASON_SLOT_OUT_OF_RANGE)
+            else:
+                fp = real_kv_fingerprint(real_kv_sources, real_kv_hash_mode, slot)
+                records.store(slot, (token, position, running, fp))
+                stored_total += 1
+            running = chain_step(running, token, position)
+            prev_position = position
+    records.commit()
+    sink.commit()
+    kernel_run_counter[0] = to_i64(int(kernel_run_counter[0]) + 1)
+    slot_run_counter[0] = to_i64(int(slot_run_counter[0]) + stored_total)
+
+
+def canary_verify_step(
+    *,
+    canary_buf: torch.Tensor,
+    verify_slot_indices: torch.Tensor,
+    verify_expected_tokens: torch.Tensor,
+    verify_expected_positions: torch.Tensor,
+    verify_prev_slot_indices: torch.Tensor,
+    verify_num_valid: torch.Tensor,
+    verify_enable: torch.Tensor,
+    kernel_kind: int,
+    violation_ring: torch.Tensor,
+    violation_write_index: torch.Tensor,
+    slot_run_counter: torch.Tensor,
+    kernel_run_counter: torch.Tensor,
+    real_kv_sources: Sequence[RealKvSource] = (),
+    real_kv_hash_mode: int = layout.REAL_KV_HASH_MODE_NONE,
+    check_tokens: bool = False,
+) -> None:
+    records = _Records(canary_buf)
+    sink = _Sink(violation_ring, violation_write_index, kernel_kind)
+    slots, prevs = verify_slot_indices.tolist(), verify_prev_slot_indices.tolist()
+    exp_tok, exp_pos = verify_expected_tokens.tolist(), verify_expected_positions.tolist()
+    enabled = int(verify_enable[0]) != 0
+    active = max(0, min(int(verify_num_valid[0]), len(slots))) if enabled else 0
+    for e in range(active):
+        slot = slots[e]
+        if slot == layout.PADDING_SLOT:
+            continue
+        if slot < 0 or slot >= records.num_slots:
+            sink.record(slot, exp_pos[e], -1, exp_tok[e], 0, slot, layout.REASON_SLOT_OUT_OF_RANGE)
+            continue
+        token, position, prev_hash, kv_hash = records.load(slot)
+        prev = prevs[e]
+        bits = 0
+        expected_aux = prev_hash
+        if prev == layout.CHAIN_HEAD_SLOT:
+            expected_aux = to_i64(chain_head_hash())
+        elif layout.UNKNOWN_PREV_SLOT < prev < records.num_slots:
+            p_tok, p_pos, p_prev, _ = records.load(prev)
+            expected_aux = to_i64(chain_step(p_prev, p_tok, p_pos))
+        elif prev != layout.UNKNOWN_PREV_SLOT:
+            bits |= layout.REASON_SLOT_OUT_OF_RANGE
+            expected_aux = prev
+        if (prev == layout.CHAIN_HEAD_SLOT or layout.UNKNOWN_PREV_SLOT < prev < records.num_slots) and (
+            prev_hash != expected_aux
+        ):
+            bits |= layout.REASON_VERIFY_CHAIN_HASH
+        if check_tokens and exp_tok[e] != layout.NO_EXPECTED_TOKEN and token != exp_tok[e]:
+            bits |= layout.REASON_VERIFY_TOKEN
+        if position != exp_pos[e]:
+            bits |= layout.REASON_VERIFY_POSITION
+        if kv_hash != to_i64(real_kv_fingerprint(real_kv_sources, real_kv_hash_mode, slot)):
+            bits |= layout.REASON_VERIFY_REAL_KV_HASH
+        if bits:
+            sink.record(slot, position, token, exp_tok[e], prev_hash, expected_aux, bits)
+    sink.commit()
+    kernel_run_counter[0] = to_i64(int(kernel_run_counter[0]) + 1)
+    slot_run_counter[0] = to_i64(int(slot_run_counter[0]) + active)
