@@ -91,14 +91,8 @@ REASON_SLOT_OUT_OF_RANGE = int(FailReason.SLOT_OUT_OF_RANGE)
 
 def reason_names(bits: int) -> list[str]:
     """Decode fail_reason_bits into lower-case names, lowest bit first (unknown bits as ``bit<N>``)."""
-    names = []
-    for bit in range(64):
-        if bits >> bit & 1:
-            try:
-                names.append(FailReason(1 << bit).name.lower())  # type: ignore[union-attr]
-            except ValueError:
-                names.append(f"bit{bit}")
-    return names
+    known = {int(member): member.name.lower() for member in FailReason if member.name}
+    return [known.get(1 << bit, f"bit{bit}") for bit in range(64) if (bits >> bit) & 1]
 
 
 def _to_signed64(value: int) -> int:
