@@ -100,10 +100,10 @@ KVCANARY_HD void verify_entry(const VerifyParams& p, int64_t e) {
   const int64_t prev = p.prev_slot_indices[e];
   const bool prev_in_range = prev > kUnknownPrevSlot && prev < p.num_slots;
   // Issue both record loads before any use so their latencies overlap.
-  const CanaryRecord record = load_record(verify_record_row(p, slot), p.records_aligned16);
+  const CanaryRecord record = load_record_readonly(verify_record_row(p, slot), p.records_aligned16);
   CanaryRecord prev_record{};
   if (prev_in_range) {
-    prev_record = load_record(verify_record_row(p, prev), p.records_aligned16);
+    prev_record = load_record_readonly(verify_record_row(p, prev), p.records_aligned16);
   }
 
   int64_t bits = 0;

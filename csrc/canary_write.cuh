@@ -9,13 +9,14 @@
  * for seed -1. Optional input assert (token/position vs expected arrays) and chain-position assert
  * (position == previous position + 1; active iff seed >= 0 and the device flag is 1).
  *
- * Grid:  CUDA: ceil(capacity / kWriteWarpsPerBlock) blocks (at least 1); one warp per request.
- *        CPU: one loop over requests.
- * Block: kWriteThreadsPerBlock threads = kWriteWarpsPerBlock warps. Per 32-entry chunk every lane
- *        loads its own entry (slot, token, position), then all lanes walk the chunk's chain steps in
- *        order (warp-uniform, values broadcast by shuffles) keeping the running hash before their own
- *        entry; then lanes check, fold real KV and store records in parallel. Only the 64-bit chain
- *        is serial.
+ * Grid:  CUDA: max(capacity, 1) blocks, one per request. CPU: one loop over requests.
+ * Block: kWriteThreadsPerBlock threads. A record splits into the chain field (prev_hash), which
+ *        depends on every earlier entry, and the payload (token, position, real_kv_hash), which does
+ *        not. Warp 0 is the chain warp: per 32-entry chunk each lane loads its entry (the next chunk
+ *        is prefetched), all lanes walk the chunk's chain steps in order (warp-uniform, values
+ *        broadcast by shuffles) keeping the hash before their own entry, then they run the asserts
+ *        and store prev_hash. The other warps store payloads (loads, real-KV folds, stores) for
+ *        all entries in parallel, so their memory latency never stalls the serial chain.
  * Reads:  plan arrays, token arrays, the seed record, real-KV bytes of written slots.
  * Writes: records of written slots, violation rows, slot_run_counter (one atomic per request with
  *         work), kernel_run_counter (+1 per launch, by block 0, even with no work).
@@ -49,8 +50,9 @@
 namespace kvcanary {
 
 constexpr uint32_t kWarpSize = 32;
-constexpr uint32_t kWriteWarpsPerBlock = 4;
+constexpr uint32_t kWriteWarpsPerBlock = 4;  // 1 chain warp + 3 payload warps
 constexpr uint32_t kWriteThreadsPerBlock = kWarpSize * kWriteWarpsPerBlock;
+constexpr uint32_t kWriteChainWarp = 0;
 
 struct WriteParams {
   uint8_t* canary_buf;
@@ -138,12 +140,16 @@ KVCANARY_HD WriteRequestStart begin_write_request(const WriteParams& p, int64_t 
   return st;
 }
 
+/*! \brief Whether a non-skipped entry's record is stored (its slot lies inside the buffer). */
+KVCANARY_HD bool write_slot_in_range(const WriteParams& p, int64_t slot) { return slot >= 0 && slot < p.num_slots; }
+
 /*!
- * \brief Check and store one non-skipped entry (slot >= 0) given the chain state before it.
- * \return 1 if the record was stored (counted in slot_run_counter), else 0.
+ * \brief The chain half of one non-skipped entry (slot >= 0): asserts, the out-of-range report and
+ *        the prev_hash field, given the chain state before the entry.
+ * \return 1 if the slot's record is stored (counted in slot_run_counter), else 0.
  */
-KVCANARY_HD int64_t write_entry(const WriteParams& p, int64_t e, int64_t slot, int64_t token, int64_t position,
-                                uint64_t running, int64_t prev_position, bool chain_assert) {
+KVCANARY_HD int64_t write_entry_chain(const WriteParams& p, int64_t e, int64_t slot, int64_t token, int64_t position,
+                                      uint64_t running, int64_t prev_position, bool chain_assert) {
   const int64_t running_signed = static_cast<int64_t>(running);
   if (p.expected_input_tokens != nullptr) {
     const int64_t expected_token = p.expected_input_tokens[e];
@@ -160,50 +166,61 @@ KVCANARY_HD int64_t write_entry(const WriteParams& p, int64_t e, int64_t slot, i
     record_violation(p.sink, ViolationRow{slot, position, token, token, running_signed, prev_position + 1,
                                           kReasonWritePosition});
   }
-  if (slot >= p.num_slots) {
+  if (!write_slot_in_range(p, slot)) {
     record_violation(p.sink, ViolationRow{slot, position, token, token, running_signed, slot, kReasonSlotOutOfRange});
     return 0;
   }
-  CanaryRecord record;
-  record.token = token;
-  record.position = position;
-  record.prev_hash = running_signed;
-  record.real_kv_hash = static_cast<int64_t>(real_kv_fingerprint(p.sources, slot));
-  store_record(record_row(p.canary_buf, slot, p.slot_stride_bytes), record, p.records_aligned16);
+  store_record_prev_hash(record_row(p.canary_buf, slot, p.slot_stride_bytes), running_signed, p.records_aligned16);
   return 1;
+}
+
+/*! \brief The payload half of entry e: token, position and real-KV fingerprint, if its slot is in range. */
+KVCANARY_HD void write_entry_payload(const WriteParams& p, int64_t e) {
+  const int64_t slot = p.out_cache_loc[e];
+  if (!write_slot_in_range(p, slot)) {
+    return;
+  }
+  store_record_payload(record_row(p.canary_buf, slot, p.slot_stride_bytes), p.input_ids[e], p.positions[e],
+                       static_cast<int64_t>(real_kv_fingerprint(p.sources, slot)), p.records_aligned16);
 }
 
 #if KVCANARY_DEVICE_BUILD
 
 constexpr unsigned kFullWarpMask = 0xffffffffu;
 
-__global__ void __launch_bounds__(kWriteThreadsPerBlock) canary_write_kernel(const __grid_constant__ WriteParams p) {
-  const uint32_t lane = threadIdx.x % kWarpSize;
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * kWriteWarpsPerBlock + threadIdx.x / kWarpSize;
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    atomic_add_i64(p.kernel_run_counter, 1);
-  }
-  if (r >= active_write_requests(p)) {
-    return;  // warp-uniform
-  }
+/*! \brief Chain warp: the serial hash over request r's entries, asserts, prev_hash fields, counter. */
+__device__ __forceinline__ void write_request_chain(const WriteParams& p, int64_t r, uint32_t lane) {
   const WriteRequestStart st = begin_write_request(p, r, lane == 0);
   uint64_t running = st.running;
   int64_t prev_position = st.prev_position;
   int64_t stored = 0;
+  // Software pipeline: the next chunk's loads are in flight while this chunk's chain runs.
+  int64_t next_slot = kSkipWriteSlot;
+  int64_t next_token = 0;
+  int64_t next_position = 0;
+  if (st.begin + lane < st.end) {
+    next_slot = p.out_cache_loc[st.begin + lane];
+    next_token = p.input_ids[st.begin + lane];
+    next_position = p.positions[st.begin + lane];
+  }
   for (int64_t chunk = st.begin; chunk < st.end; chunk += kWarpSize) {
     const int64_t e = chunk + lane;
-    const int64_t slot = e < st.end ? p.out_cache_loc[e] : kSkipWriteSlot;
-    int64_t token = 0;
-    int64_t position = 0;
-    if (slot >= 0) {
-      token = p.input_ids[e];
-      position = p.positions[e];
+    const int64_t slot = next_slot;
+    const int64_t token = next_token;
+    const int64_t position = next_position;
+    const int64_t e_next = e + kWarpSize;
+    next_slot = kSkipWriteSlot;
+    if (e_next < st.end) {
+      next_slot = p.out_cache_loc[e_next];
+      next_token = p.input_ids[e_next];
+      next_position = p.positions[e_next];
     }
-    // Serial part: every lane walks the chunk in entry order and keeps the state before its entry.
+    const int64_t remaining = st.end - chunk;
+    const uint32_t steps = remaining < kWarpSize ? static_cast<uint32_t>(remaining) : kWarpSize;
     uint64_t my_running = running;
     int64_t my_prev_position = prev_position;
-#pragma unroll
-    for (uint32_t j = 0; j < kWarpSize; ++j) {
+#pragma unroll 4
+    for (uint32_t j = 0; j < steps; ++j) {
       const int64_t slot_j = __shfl_sync(kFullWarpMask, slot, j);
       const int64_t token_j = __shfl_sync(kFullWarpMask, token, j);
       const int64_t position_j = __shfl_sync(kFullWarpMask, position, j);
@@ -217,7 +234,7 @@ __global__ void __launch_bounds__(kWriteThreadsPerBlock) canary_write_kernel(con
       }
     }
     if (slot >= 0) {
-      stored += write_entry(p, e, slot, token, position, my_running, my_prev_position, st.chain_assert);
+      stored += write_entry_chain(p, e, slot, token, position, my_running, my_prev_position, st.chain_assert);
     }
   }
 #pragma unroll
@@ -226,6 +243,31 @@ __global__ void __launch_bounds__(kWriteThreadsPerBlock) canary_write_kernel(con
   }
   if (lane == 0 && stored > 0) {
     atomic_add_i64(p.slot_run_counter, stored);
+  }
+}
+
+/*! \brief Payload warps: token, position and real-KV fingerprint of every entry, in parallel. */
+__device__ __forceinline__ void write_request_payloads(const WriteParams& p, int64_t r, uint32_t thread,
+                                                       uint32_t num_threads) {
+  const WriteRequestStart st = begin_write_request(p, r, /*reporter=*/false);
+  for (int64_t e = st.begin + thread; e < st.end; e += num_threads) {
+    write_entry_payload(p, e);
+  }
+}
+
+__global__ void __launch_bounds__(kWriteThreadsPerBlock) canary_write_kernel(const __grid_constant__ WriteParams p) {
+  const int64_t r = blockIdx.x;
+  const uint32_t warp = threadIdx.x / kWarpSize;
+  if (r == 0 && threadIdx.x == 0) {
+    atomic_add_i64(p.kernel_run_counter, 1);
+  }
+  if (r >= active_write_requests(p)) {
+    return;  // block-uniform
+  }
+  if (warp == kWriteChainWarp) {
+    write_request_chain(p, r, threadIdx.x % kWarpSize);
+  } else {
+    write_request_payloads(p, r, threadIdx.x - kWarpSize, blockDim.x - kWarpSize);
   }
 }
 
@@ -244,7 +286,8 @@ inline void canary_write_cpu(const WriteParams& p) {
       if (slot < 0) continue;
       const int64_t token = p.input_ids[e];
       const int64_t position = p.positions[e];
-      stored += write_entry(p, e, slot, token, position, running, prev_position, st.chain_assert);
+      stored += write_entry_chain(p, e, slot, token, position, running, prev_position, st.chain_assert);
+      write_entry_payload(p, e);
       running = chain_step(running, token, position);
       prev_position = position;
     }
@@ -363,9 +406,8 @@ inline void canary_write_step(TensorView canary_buf, TensorView write_offsets, T
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
   const cudaStream_t stream = current_stream(dev);
   // 4. launch: grid depends only on the capacity, so the launch is CUDA-graph capturable.
-  const int64_t blocks = ceil_div(req_capacity.value(), kWriteWarpsPerBlock);
-  launch_kernel(canary_write_kernel, static_cast<uint32_t>(blocks > 0 ? blocks : 1), kWriteThreadsPerBlock, stream,
-                p);
+  const int64_t blocks = req_capacity.value() > 0 ? req_capacity.value() : 1;
+  launch_kernel(canary_write_kernel, static_cast<uint32_t>(blocks), kWriteThreadsPerBlock, stream, p);
 #else
   // 3-4. CPU: run the same per-entry semantics in a loop.
   canary_write_cpu(p);

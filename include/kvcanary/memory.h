@@ -72,6 +72,51 @@ KVCANARY_HD void store_record(uint8_t* row, const CanaryRecord& r, bool aligned1
   std::memcpy(row, &r, sizeof(r));
 }
 
+/*! \brief Store the payload fields (token, position, real_kv_hash) of a record; prev_hash untouched. */
+KVCANARY_HD void store_record_payload(uint8_t* row, int64_t token, int64_t position, int64_t real_kv_hash,
+                                      bool aligned16) {
+#if KVCANARY_DEVICE_CODE
+  if (aligned16) {
+    *reinterpret_cast<longlong2*>(row) = make_longlong2(token, position);
+    *reinterpret_cast<int64_t*>(row + kRecordFieldRealKvHash * kRecordFieldBytes) = real_kv_hash;
+    return;
+  }
+#endif
+  (void)aligned16;
+  std::memcpy(row + kRecordFieldToken * kRecordFieldBytes, &token, sizeof(token));
+  std::memcpy(row + kRecordFieldPosition * kRecordFieldBytes, &position, sizeof(position));
+  std::memcpy(row + kRecordFieldRealKvHash * kRecordFieldBytes, &real_kv_hash, sizeof(real_kv_hash));
+}
+
+/*! \brief Store the prev_hash field of a record; the other fields untouched. */
+KVCANARY_HD void store_record_prev_hash(uint8_t* row, int64_t prev_hash, bool aligned16) {
+#if KVCANARY_DEVICE_CODE
+  if (aligned16) {
+    *reinterpret_cast<int64_t*>(row + kRecordFieldPrevHash * kRecordFieldBytes) = prev_hash;
+    return;
+  }
+#endif
+  (void)aligned16;
+  std::memcpy(row + kRecordFieldPrevHash * kRecordFieldBytes, &prev_hash, sizeof(prev_hash));
+}
+
+/*! \brief Load a record that no thread of the running kernel writes (read-only data path on device). */
+KVCANARY_HD CanaryRecord load_record_readonly(const uint8_t* row, bool aligned16) {
+#if KVCANARY_DEVICE_CODE
+  if (aligned16) {
+    const longlong2 a = __ldg(reinterpret_cast<const longlong2*>(row));
+    const longlong2 b = __ldg(reinterpret_cast<const longlong2*>(row + 2 * kRecordFieldBytes));
+    CanaryRecord r;
+    r.token = a.x;
+    r.position = a.y;
+    r.prev_hash = b.x;
+    r.real_kv_hash = b.y;
+    return r;
+  }
+#endif
+  return load_record(row, aligned16);
+}
+
 /*! \brief Load 16 KV bytes; `p` is 16-byte aligned (checked by the host wrapper). */
 KVCANARY_HD Word128 load_word128(const uint8_t* p) {
   Word128 w;
