@@ -518,11 +518,11 @@ def test_device_id_mismatch(fn: str, arg: str) -> None:
     """Every tensor must sit on the device canary_buf bound (here cpu:1 vs cpu:0, relabelled)."""
     args = VALID_ARGS[fn]()
     args[arg] = Relabelled(args[arg], _DL_CPU, 1)
-    if arg == "canary_buf":  # canary_buf binds the device; the next tensor is the one that disagrees
-        named = ARG_ORDER[fn][1]
+    if arg == "canary_buf":  # canary_buf binds cpu:1; the next tensor (cpu:0) is the one that disagrees
+        named, message = ARG_ORDER[fn][1], "expected device cpu:1 (bound by canary_buf), got cpu"
     else:
-        named = arg
-    expect_rejected(fn, args, ValueError, arg_error(fn, named, "expected device cpu (bound by canary_buf)"))
+        named, message = arg, "expected device cpu (bound by canary_buf), got cpu:1"
+    expect_rejected(fn, args, ValueError, arg_error(fn, named, message))
 
 
 def test_params_table_device_id_is_not_bound() -> None:
