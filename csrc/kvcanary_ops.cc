@@ -9,6 +9,7 @@
 
 #include "kvcanary/macros.h"
 #include "canary_layout.cuh"
+#include "canary_plan.cuh"
 #include "canary_verify.cuh"
 #include "canary_write.cuh"
 
@@ -20,5 +21,6 @@
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_write_step, kvcanary::host::canary_write_step);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_verify_step, kvcanary::host::canary_verify_step);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_plan_step, kvcanary::host::canary_plan_step);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_layout_constants, kvcanary::host::canary_layout_constants);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_backend_name, kvcanary::host::canary_backend_name);

@@ -38,6 +38,14 @@ constexpr int64_t kChainHeadSlot = -1;     // seed / predecessor meaning "start 
 constexpr int64_t kUnknownPrevSlot = 0;    // predecessor meaning "not known: skip the chain check"
 constexpr int64_t kSkipWriteSlot = -1;     // out_cache_loc entries < 0 are skipped by write
 constexpr int64_t kNoExpectedToken = -1;   // verify: no token expectation for this entry
+constexpr int64_t kNoExpectedPosition = -1;  // verify: entry planned for an index error, no position
+
+// A plan entry standing for an index the plan could not follow (a req_pool_index outside
+// req_to_token, a prefix beyond max_context_len, a negative extend, a slot outside the SWA LUT):
+// slot = kPlanIndexErrorFlag | (offending value & kPlanIndexValueMask). It lies outside every canary
+// buffer, so verify reports it with kReasonSlotOutOfRange and never dereferences it.
+constexpr int64_t kPlanIndexErrorFlag = int64_t{1} << 62;
+constexpr int64_t kPlanIndexValueMask = kPlanIndexErrorFlag - 1;
 
 // ---------------------------------------------------------------- real-KV sources
 constexpr int32_t kMaxRealKvSources = 4;
@@ -99,6 +107,9 @@ constexpr LayoutConstant kLayoutConstantTable[] = {
     {"UNKNOWN_PREV_SLOT", kUnknownPrevSlot},
     {"SKIP_WRITE_SLOT", kSkipWriteSlot},
     {"NO_EXPECTED_TOKEN", kNoExpectedToken},
+    {"NO_EXPECTED_POSITION", kNoExpectedPosition},
+    {"PLAN_INDEX_ERROR_FLAG", kPlanIndexErrorFlag},
+    {"PLAN_INDEX_VALUE_MASK", kPlanIndexValueMask},
     {"MAX_REAL_KV_SOURCES", kMaxRealKvSources},
     {"REAL_KV_PARAM_FIELDS", kRealKvParamFields},
     {"REAL_KV_PARAM_PAGE_SIZE", kRealKvParamPageSize},

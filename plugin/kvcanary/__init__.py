@@ -8,6 +8,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from kvcanary import layout
+from kvcanary.batch import BatchView, ForwardKind
+from kvcanary.plan import VerifyPlan, WritePlan
 from kvcanary.real_kv import RealKvSource
 
-__all__ = ["RealKvSource", "__version__", "layout"]
+__all__ = ["BatchView", "ForwardKind", "RealKvSource", "VerifyPlan", "WritePlan", "__version__", "layout"]

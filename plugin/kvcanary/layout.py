@@ -33,6 +33,12 @@ CHAIN_HEAD_SLOT = -1
 UNKNOWN_PREV_SLOT = 0
 SKIP_WRITE_SLOT = -1
 NO_EXPECTED_TOKEN = -1
+NO_EXPECTED_POSITION = -1
+
+# A plan entry standing for an index the plan could not follow: flag | (value & mask); verify reports it
+# as SLOT_OUT_OF_RANGE. ``decode_plan_index_error`` recovers the offending value.
+PLAN_INDEX_ERROR_FLAG = 1 << 62
+PLAN_INDEX_VALUE_MASK = PLAN_INDEX_ERROR_FLAG - 1
 
 # real-KV sources
 MAX_REAL_KV_SOURCES = 4
@@ -93,6 +99,18 @@ def reason_names(bits: int) -> list[str]:
     """Decode fail_reason_bits into lower-case names, lowest bit first (unknown bits as ``bit<N>``)."""
     known = {int(member): member.name.lower() for member in FailReason if member.name}
     return [known.get(1 << bit, f"bit{bit}") for bit in range(64) if (bits >> bit) & 1]
+
+
+def encode_plan_index_error(value: int) -> int:
+    return PLAN_INDEX_ERROR_FLAG | (value & PLAN_INDEX_VALUE_MASK)
+
+
+def decode_plan_index_error(slot: int) -> int | None:
+    """The offending value of a plan index-error entry, or None if `slot` is not one."""
+    if slot < 0 or not slot & PLAN_INDEX_ERROR_FLAG:
+        return None
+    value = slot & PLAN_INDEX_VALUE_MASK
+    return value - PLAN_INDEX_ERROR_FLAG if value >= PLAN_INDEX_ERROR_FLAG >> 1 else value
 
 
 def _to_signed64(value: int) -> int:

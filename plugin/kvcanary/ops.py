@@ -13,9 +13,10 @@ import torch
 
 from kvcanary import layout
 from kvcanary.jit import load_module
+from kvcanary.plan import VerifyPlan, WritePlan
 from kvcanary.real_kv import RealKvSource
 
-__all__ = ["canary_verify_step", "canary_write_step", "load_module", "real_kv_launch_args"]
+__all__ = ["canary_plan_step", "canary_verify_step", "canary_write_step", "load_module", "real_kv_launch_args"]
 
 _unused_source_cache: dict[torch.device, torch.Tensor] = {}
 
@@ -155,4 +156,52 @@ def canary_verify_step(
         num_sources,
         int(real_kv_hash_mode),
         int(check_tokens),
+    )
+
+
+def canary_plan_step(
+    *,
+    write_plan: WritePlan,
+    verify_plan: VerifyPlan,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    req_to_token: torch.Tensor,
+    swa_window_size: int = 0,
+    full_to_swa_index_mapping: torch.Tensor | None = None,
+    expected_tokens: torch.Tensor | None = None,
+    expected_tokens_valid_lens: torch.Tensor | None = None,
+    kv_token_id_vs_position_offset: int = 0,
+) -> None:
+    """Fill ``write_plan`` and ``verify_plan`` for one forward (SPEC §4.3; see csrc/canary_plan.cuh).
+
+    Runs on the plans' device without synchronising; the amount of work lives in the plans' device
+    scalars, so the launch is CUDA-graph capturable. An overflowing verify plan is disabled
+    (``verify_enable == 0``), which the caller drains and reports.
+    """
+    if not isinstance(write_plan, WritePlan):
+        raise TypeError(f"canary_plan_step: write_plan: expected WritePlan, got {type(write_plan).__name__}")
+    if not isinstance(verify_plan, VerifyPlan):
+        raise TypeError(f"canary_plan_step: verify_plan: expected VerifyPlan, got {type(verify_plan).__name__}")
+    module: Any = load_module(_backend_of(write_plan.write_offsets.device))
+    module.canary_plan_step(
+        write_plan.write_offsets,
+        write_plan.write_seed_slot_indices,
+        write_plan.write_num_valid_reqs,
+        write_plan.verify_row_offsets,
+        verify_plan.verify_slot_indices,
+        verify_plan.verify_expected_tokens,
+        verify_plan.verify_expected_positions,
+        verify_plan.verify_prev_slot_indices,
+        verify_plan.verify_num_valid,
+        verify_plan.verify_enable,
+        req_pool_indices,
+        prefix_lens,
+        extend_lens,
+        req_to_token,
+        int(swa_window_size),
+        full_to_swa_index_mapping,
+        expected_tokens,
+        expected_tokens_valid_lens,
+        int(kv_token_id_vs_position_offset),
     )

@@ -1,0 +1,458 @@
+/*!
+ * \file canary_plan.cuh
+ * \brief canary_plan_step: build one forward's write plan and verify plan on the device (SPEC §4.3).
+ *
+ * Computes, for each batch row r < bs with rp = req_pool_indices[r] != 0:
+ *   verify entries for positions [window_start, prefix) with window_start = max(0, prefix - W) when
+ *   an SWA window W > 0 is given, else 0: slot = T(req_to_token[rp, pos]), prev = T(req_to_token[rp,
+ *   pos - 1]) or -1 at pos 0, expected token = expected_tokens[rp, pos + offset] when that index lies in
+ *   [0, valid_len[r]) (else -1), expected position = pos; rows laid out in batch-row order.
+ *   write plan: write_num_valid_reqs = bs; offsets = exclusive prefix sum of extend lens (rows with
+ *   rp = 0 count 0); seed = T(req_to_token[rp, prefix - 1]) when prefix > 0 and extend > 0, else -1.
+ *   T is the SWA LUT (full_to_swa_index_mapping) when given, else the identity.
+ *   If the verify total exceeds the verify capacity: num_valid = capacity, enable = 0 and no entry
+ *   is written (the host drains `enable` and warns); else num_valid = total, enable = 1.
+ * Index errors (kvcanary+): nothing the engine hands the plan is dereferenced out of range. An rp
+ *   outside req_to_token, a prefix outside [0, max_context_len], a negative extend, a req_to_token
+ *   value outside the LUT each become one verify entry whose slot is kPlanIndexErrorFlag | value (and
+ *   expected position -1, prev 0); verify reports it as kReasonSlotOutOfRange. Such a row keeps its
+ *   write range (its tokens are in the batch) with seed -1; a bad prefix clips the window to the table.
+ * Grid:  CUDA: two launches, both sized by capacities only. Rows: 1 block of kPlanRowThreads threads
+ *        scanning rows in chunks (block-wide prefix sums). Entries: min(ceil(verify_capacity /
+ *        kPlanEntryThreads), SMs * kPlanEntryBlocksPerSm) blocks, grid-stride; each entry finds its row
+ *        by binary search over verify_row_offsets. CPU: one loop.
+ * Block: rows kernel kPlanRowThreads threads; entries kernel kPlanEntryThreads threads.
+ * Reads:  batch rows, req_to_token, the LUT, the expected-token table and valid lengths.
+ * Writes: write plan (offsets, seeds, num_valid, verify_row_offsets), verify plan (entries, num_valid,
+ *         enable). Entries past num_valid are left untouched.
+ */
+#pragma once
+
+#include <cstdint>
+
+#include "kvcanary/launch.h"
+#include "kvcanary/layout.h"
+#include "kvcanary/macros.h"
+#include "kvcanary/tensor_check.h"
+
+namespace kvcanary {
+
+constexpr uint32_t kPlanRowThreads = 1024;
+constexpr uint32_t kPlanEntryThreads = 256;
+constexpr uint32_t kPlanEntryBlocksPerSm = 8;
+
+struct PlanParams {
+  // batch rows
+  const int64_t* req_pool_indices;
+  const int64_t* prefix_lens;
+  const int64_t* extend_lens;
+  int64_t batch_rows;
+  // req_to_token [req_rows, max_context] (row stride in elements)
+  const int32_t* req_to_token;
+  int64_t req_rows;
+  int64_t max_context;
+  int64_t req_to_token_row_stride;
+  // SWA
+  int64_t swa_window;
+  const int64_t* lut;  // nullptr: no translation
+  int64_t lut_len;
+  // expected tokens [exp_rows, exp_cols] indexed by rp; valid lengths per batch row
+  const int64_t* expected_tokens;  // nullptr: no token expectations
+  int64_t exp_rows;
+  int64_t exp_cols;
+  int64_t exp_row_stride;
+  const int64_t* expected_valid_lens;
+  int64_t token_offset;
+  // write plan
+  int64_t* write_offsets;
+  int64_t* write_seeds;
+  int32_t* write_num_valid;
+  int64_t* verify_row_offsets;
+  int64_t write_capacity;
+  // verify plan
+  int64_t* slots;
+  int64_t* expected_tok;
+  int64_t* expected_pos;
+  int64_t* prevs;
+  int32_t* verify_num_valid;
+  int32_t* verify_enable;
+  int64_t verify_capacity;
+};
+
+/*! \brief What one batch row contributes to the plans. */
+struct RowPlan {
+  int64_t rp;
+  bool rp_ok;            // rp indexes req_to_token
+  int64_t window_start;  // first verified position
+  int64_t window_end;    // one past the last verified position (prefix clipped to the table)
+  bool bad_prefix;
+  bool bad_extend;
+  int64_t verify_count;
+  int64_t write_count;
+  int64_t seed;
+};
+
+KVCANARY_HD int64_t plan_index_error(int64_t value) { return kPlanIndexErrorFlag | (value & kPlanIndexValueMask); }
+
+/*! \brief req_to_token[rp, pos] translated through the LUT; rp and pos must be in range. */
+KVCANARY_HD int64_t plan_slot(const PlanParams& p, int64_t rp, int64_t pos) {
+  const int64_t full = static_cast<int64_t>(p.req_to_token[rp * p.req_to_token_row_stride + pos]);
+  if (p.lut == nullptr || full < 0) {
+    return full;  // negatives pass through: verify reports them as out of range
+  }
+  return full < p.lut_len ? p.lut[full] : plan_index_error(full);
+}
+
+KVCANARY_HD RowPlan plan_row(const PlanParams& p, int64_t r) {
+  RowPlan row{};
+  row.seed = kChainHeadSlot;
+  row.rp = p.req_pool_indices[r];
+  if (row.rp == kPaddingReqPoolRow) {
+    return row;
+  }
+  const int64_t prefix = p.prefix_lens[r];
+  const int64_t extend = p.extend_lens[r];
+  row.bad_extend = extend < 0;
+  row.write_count = row.bad_extend ? 0 : extend;
+  row.rp_ok = row.rp >= 0 && row.rp < p.req_rows;
+  if (!row.rp_ok) {
+    row.verify_count = 1;
+    return row;
+  }
+  row.bad_prefix = prefix < 0 || prefix > p.max_context;
+  row.window_end = prefix < 0 ? 0 : (prefix > p.max_context ? p.max_context : prefix);
+  const int64_t windowed = row.window_end - p.swa_window;
+  row.window_start = (p.swa_window > 0 && windowed > 0) ? windowed : 0;
+  row.verify_count = (row.window_end - row.window_start) + (row.bad_prefix ? 1 : 0) + (row.bad_extend ? 1 : 0);
+  if (!row.bad_prefix && prefix > 0 && extend > 0) {
+    row.seed = plan_slot(p, row.rp, prefix - 1);
+  }
+  return row;
+}
+
+KVCANARY_HD int64_t plan_expected_token(const PlanParams& p, int64_t r, int64_t rp, int64_t pos) {
+  if (p.expected_tokens == nullptr || rp < 0 || rp >= p.exp_rows) {
+    return kNoExpectedToken;
+  }
+  const int64_t index = pos + p.token_offset;
+  if (index < 0 || index >= p.expected_valid_lens[r] || index >= p.exp_cols) {
+    return kNoExpectedToken;
+  }
+  return p.expected_tokens[rp * p.exp_row_stride + index];
+}
+
+/*! \brief Write verify entry `e`, the k-th entry of batch row r. */
+KVCANARY_HD void plan_verify_entry(const PlanParams& p, int64_t r, const RowPlan& row, int64_t k, int64_t e) {
+  int64_t slot;
+  int64_t prev = kUnknownPrevSlot;
+  int64_t token = kNoExpectedToken;
+  int64_t position = kNoExpectedPosition;
+  const int64_t window = row.rp_ok ? row.window_end - row.window_start : 0;
+  if (!row.rp_ok) {
+    slot = plan_index_error(row.rp);
+  } else if (k < window) {
+    position = row.window_start + k;
+    slot = plan_slot(p, row.rp, position);
+    prev = position > 0 ? plan_slot(p, row.rp, position - 1) : kChainHeadSlot;
+    token = plan_expected_token(p, r, row.rp, position);
+  } else if (k == window && row.bad_prefix) {
+    slot = plan_index_error(p.prefix_lens[r]);
+  } else {
+    slot = plan_index_error(p.extend_lens[r]);
+  }
+  p.slots[e] = slot;
+  p.prevs[e] = prev;
+  p.expected_tok[e] = token;
+  p.expected_pos[e] = position;
+}
+
+/*! \brief Totals → verify num_valid / enable; write num_valid. Done once, by one thread. */
+KVCANARY_HD void plan_finish(const PlanParams& p, int64_t verify_total) {
+  const bool overflow = verify_total > p.verify_capacity;
+  *p.verify_num_valid = static_cast<int32_t>(overflow ? p.verify_capacity : verify_total);
+  *p.verify_enable = overflow ? 0 : 1;
+  *p.write_num_valid = static_cast<int32_t>(p.batch_rows);
+}
+
+/*! \brief Row r of the write plan (r < write_capacity; rows past bs are empty). */
+KVCANARY_HD void plan_store_row(const PlanParams& p, int64_t r, int64_t seed, int64_t write_end, int64_t verify_end) {
+  p.write_seeds[r] = seed;
+  p.write_offsets[r + 1] = write_end;
+  p.verify_row_offsets[r + 1] = verify_end;
+}
+
+#if KVCANARY_DEVICE_BUILD
+
+/*! \brief Inclusive block-wide sum of two counters at once; returns the block totals. */
+__device__ __forceinline__ void block_inclusive_scan2(int64_t& a, int64_t& b, int64_t& total_a, int64_t& total_b) {
+  constexpr uint32_t kWarps = kPlanRowThreads / 32;
+  __shared__ int64_t warp_a[kWarps];
+  __shared__ int64_t warp_b[kWarps];
+  const uint32_t lane = threadIdx.x % 32;
+  const uint32_t warp = threadIdx.x / 32;
+#pragma unroll
+  for (uint32_t d = 1; d < 32; d *= 2) {
+    const int64_t ua = __shfl_up_sync(0xffffffffu, a, d);
+    const int64_t ub = __shfl_up_sync(0xffffffffu, b, d);
+    if (lane >= d) {
+      a += ua;
+      b += ub;
+    }
+  }
+  if (lane == 31) {
+    warp_a[warp] = a;
+    warp_b[warp] = b;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    int64_t wa = lane < kWarps ? warp_a[lane] : 0;
+    int64_t wb = lane < kWarps ? warp_b[lane] : 0;
+#pragma unroll
+    for (uint32_t d = 1; d < 32; d *= 2) {
+      const int64_t ua = __shfl_up_sync(0xffffffffu, wa, d);
+      const int64_t ub = __shfl_up_sync(0xffffffffu, wb, d);
+      if (lane >= d) {
+        wa += ua;
+        wb += ub;
+      }
+    }
+    if (lane < kWarps) {
+      warp_a[lane] = wa;
+      warp_b[lane] = wb;
+    }
+  }
+  __syncthreads();
+  if (warp > 0) {
+    a += warp_a[warp - 1];
+    b += warp_b[warp - 1];
+  }
+  total_a = warp_a[kWarps - 1];
+  total_b = warp_b[kWarps - 1];
+  __syncthreads();  // warp_a/warp_b are reused by the next chunk
+}
+
+__global__ void __launch_bounds__(kPlanRowThreads) canary_plan_rows_kernel(const __grid_constant__ PlanParams p) {
+  int64_t carry_write = 0;
+  int64_t carry_verify = 0;
+  for (int64_t base = 0; base < p.write_capacity; base += kPlanRowThreads) {
+    const int64_t r = base + threadIdx.x;
+    RowPlan row{};
+    row.seed = kChainHeadSlot;
+    if (r < p.batch_rows) {
+      row = plan_row(p, r);
+    }
+    int64_t write_end = row.write_count;
+    int64_t verify_end = row.verify_count;
+    int64_t total_write = 0;
+    int64_t total_verify = 0;
+    block_inclusive_scan2(write_end, verify_end, total_write, total_verify);
+    if (r < p.write_capacity) {
+      plan_store_row(p, r, row.seed, carry_write + write_end, carry_verify + verify_end);
+    }
+    carry_write += total_write;
+    carry_verify += total_verify;
+  }
+  if (threadIdx.x == 0) {
+    p.write_offsets[0] = 0;
+    p.verify_row_offsets[0] = 0;
+    plan_finish(p, carry_verify);
+  }
+}
+
+__global__ void __launch_bounds__(kPlanEntryThreads) canary_plan_entries_kernel(const __grid_constant__ PlanParams p) {
+  if (*p.verify_enable == 0) {
+    return;
+  }
+  const int64_t total = *p.verify_num_valid;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total; e += stride) {
+    // Row r: the last row whose start offset is <= e (empty rows share offsets with the next one).
+    int64_t lo = 0;
+    int64_t hi = p.batch_rows;  // verify_row_offsets[batch_rows] == total > e
+    while (hi - lo > 1) {
+      const int64_t mid = (lo + hi) / 2;
+      if (p.verify_row_offsets[mid] <= e) {
+        lo = mid;
+      } else {
+        hi = mid;
+      }
+    }
+    const RowPlan row = plan_row(p, lo);
+    plan_verify_entry(p, lo, row, e - p.verify_row_offsets[lo], e);
+  }
+}
+
+#else
+
+inline void canary_plan_cpu(const PlanParams& p) {
+  int64_t write_end = 0;
+  int64_t verify_end = 0;
+  p.write_offsets[0] = 0;
+  p.verify_row_offsets[0] = 0;
+  for (int64_t r = 0; r < p.write_capacity; ++r) {
+    RowPlan row{};
+    row.seed = kChainHeadSlot;
+    if (r < p.batch_rows) {
+      row = plan_row(p, r);
+    }
+    write_end += row.write_count;
+    verify_end += row.verify_count;
+    plan_store_row(p, r, row.seed, write_end, verify_end);
+  }
+  plan_finish(p, verify_end);
+  if (*p.verify_enable == 0) {
+    return;
+  }
+  for (int64_t r = 0; r < p.batch_rows; ++r) {
+    const RowPlan row = plan_row(p, r);
+    const int64_t start = p.verify_row_offsets[r];
+    for (int64_t k = 0; k < row.verify_count; ++k) {
+      plan_verify_entry(p, r, row, k, start + k);
+    }
+  }
+}
+
+#endif  // KVCANARY_DEVICE_BUILD
+
+namespace host {
+
+inline void canary_plan_step(TensorView write_offsets, TensorView write_seed_slot_indices,
+                             TensorView write_num_valid_reqs, TensorView verify_row_offsets,
+                             TensorView verify_slot_indices, TensorView verify_expected_tokens,
+                             TensorView verify_expected_positions, TensorView verify_prev_slot_indices,
+                             TensorView verify_num_valid, TensorView verify_enable, TensorView req_pool_indices,
+                             TensorView prefix_lens, TensorView extend_lens, TensorView req_to_token,
+                             int64_t swa_window_size, tvm::ffi::Optional<TensorView> full_to_swa_index_mapping,
+                             tvm::ffi::Optional<TensorView> expected_tokens,
+                             tvm::ffi::Optional<TensorView> expected_tokens_valid_lens,
+                             int64_t kv_token_id_vs_position_offset) {
+  constexpr const char* kFn = "canary_plan_step";
+  // 1. validate
+  SymbolicSize offsets_len("write_offsets_len");
+  SymbolicSize write_capacity("write_capacity");
+  SymbolicSize verify_capacity("verify_capacity");
+  SymbolicSize batch_rows("batch_rows");
+  SymbolicSize req_rows("req_rows");
+  SymbolicSize max_context("max_context_len");
+  SymbolicDevice device(KVCANARY_DEVICE_BUILD ? kDLCUDA : kDLCPU);
+
+  TensorMatcher(kFn, {offsets_len})
+      .dtype<int64_t>()
+      .device(device)
+      .verify(write_offsets, "write_offsets")
+      .verify(verify_row_offsets, "verify_row_offsets");
+  TensorMatcher(kFn, {write_capacity})
+      .dtype<int64_t>()
+      .device(device)
+      .verify(write_seed_slot_indices, "write_seed_slot_indices");
+  TensorMatcher(kFn, {1}).dtype<int32_t>().device(device).verify(write_num_valid_reqs, "write_num_valid_reqs");
+  TensorMatcher(kFn, {verify_capacity})
+      .dtype<int64_t>()
+      .device(device)
+      .verify(verify_slot_indices, "verify_slot_indices")
+      .verify(verify_expected_tokens, "verify_expected_tokens")
+      .verify(verify_expected_positions, "verify_expected_positions")
+      .verify(verify_prev_slot_indices, "verify_prev_slot_indices");
+  TensorMatcher(kFn, {1}).dtype<int32_t>().device(device).verify(verify_num_valid, "verify_num_valid");
+  TensorMatcher(kFn, {1}).dtype<int32_t>().device(device).verify(verify_enable, "verify_enable");
+  TensorMatcher(kFn, {batch_rows})
+      .dtype<int64_t>()
+      .device(device)
+      .verify(req_pool_indices, "req_pool_indices")
+      .verify(prefix_lens, "prefix_lens")
+      .verify(extend_lens, "extend_lens");
+  TensorMatcher(kFn, {req_rows, max_context})
+      .dtype<int32_t>()
+      .device(device)
+      .inner_contiguous()
+      .verify(req_to_token, "req_to_token");
+  KVCANARY_CHECK_ARG(offsets_len.value() == write_capacity.value() + 1, ValueError, kFn, "write_offsets")
+      << "expected length write_capacity + 1 = " << write_capacity.value() + 1
+      << " (write_capacity bound by write_seed_slot_indices), got " << offsets_len.value();
+  KVCANARY_CHECK_ARG(batch_rows.value() <= write_capacity.value(), ValueError, kFn, "req_pool_indices")
+      << "batch has " << batch_rows.value() << " rows, more than the write plan's capacity "
+      << write_capacity.value();
+  KVCANARY_CHECK_ARG(write_capacity.value() < INT32_MAX, ValueError, kFn, "write_seed_slot_indices")
+      << "write_capacity must be < 2^31, got " << write_capacity.value();
+  KVCANARY_CHECK_ARG(verify_capacity.value() < INT32_MAX, ValueError, kFn, "verify_slot_indices")
+      << "verify_capacity must be < 2^31, got " << verify_capacity.value();
+  KVCANARY_CHECK_ARG(swa_window_size >= 0, ValueError, kFn, "swa_window_size")
+      << "must be >= 0 (0: no sliding window), got " << swa_window_size;
+  SymbolicSize lut_len("lut_len");
+  if (full_to_swa_index_mapping.has_value()) {
+    TensorMatcher(kFn, {lut_len})
+        .dtype<int64_t>()
+        .device(device)
+        .verify(full_to_swa_index_mapping.value(), "full_to_swa_index_mapping");
+  }
+  KVCANARY_CHECK_ARG(expected_tokens.has_value() == expected_tokens_valid_lens.has_value(), ValueError, kFn,
+                     expected_tokens.has_value() ? "expected_tokens_valid_lens" : "expected_tokens")
+      << "expected_tokens and expected_tokens_valid_lens must be given together";
+  SymbolicSize exp_rows("expected_rows");
+  SymbolicSize exp_cols("expected_cols");
+  if (expected_tokens.has_value()) {
+    TensorMatcher(kFn, {exp_rows, exp_cols})
+        .dtype<int64_t>()
+        .device(device)
+        .inner_contiguous()
+        .verify(expected_tokens.value(), "expected_tokens");
+    TensorMatcher(kFn, {batch_rows})
+        .dtype<int64_t>()
+        .device(device)
+        .verify(expected_tokens_valid_lens.value(), "expected_tokens_valid_lens");
+  }
+
+  // 2. extract parameters
+  PlanParams p{};
+  p.req_pool_indices = data_of<const int64_t>(req_pool_indices);
+  p.prefix_lens = data_of<const int64_t>(prefix_lens);
+  p.extend_lens = data_of<const int64_t>(extend_lens);
+  p.batch_rows = batch_rows.value();
+  p.req_to_token = data_of<const int32_t>(req_to_token);
+  p.req_rows = req_rows.value();
+  p.max_context = max_context.value();
+  p.req_to_token_row_stride = p.req_rows > 1 ? stride_of(req_to_token, 0) : p.max_context;
+  p.swa_window = swa_window_size;
+  p.lut = full_to_swa_index_mapping.has_value() ? data_of<const int64_t>(full_to_swa_index_mapping.value()) : nullptr;
+  p.lut_len = full_to_swa_index_mapping.has_value() ? lut_len.value() : 0;
+  p.expected_tokens = expected_tokens.has_value() ? data_of<const int64_t>(expected_tokens.value()) : nullptr;
+  p.exp_rows = expected_tokens.has_value() ? exp_rows.value() : 0;
+  p.exp_cols = expected_tokens.has_value() ? exp_cols.value() : 0;
+  p.exp_row_stride =
+      expected_tokens.has_value() && p.exp_rows > 1 ? stride_of(expected_tokens.value(), 0) : p.exp_cols;
+  p.expected_valid_lens =
+      expected_tokens_valid_lens.has_value() ? data_of<const int64_t>(expected_tokens_valid_lens.value()) : nullptr;
+  p.token_offset = kv_token_id_vs_position_offset;
+  p.write_offsets = data_of<int64_t>(write_offsets);
+  p.write_seeds = data_of<int64_t>(write_seed_slot_indices);
+  p.write_num_valid = data_of<int32_t>(write_num_valid_reqs);
+  p.verify_row_offsets = data_of<int64_t>(verify_row_offsets);
+  p.write_capacity = write_capacity.value();
+  p.slots = data_of<int64_t>(verify_slot_indices);
+  p.expected_tok = data_of<int64_t>(verify_expected_tokens);
+  p.expected_pos = data_of<int64_t>(verify_expected_positions);
+  p.prevs = data_of<int64_t>(verify_prev_slot_indices);
+  p.verify_num_valid = data_of<int32_t>(verify_num_valid);
+  p.verify_enable = data_of<int32_t>(verify_enable);
+  p.verify_capacity = verify_capacity.value();
+
+#if KVCANARY_DEVICE_BUILD
+  // 3. device guard + stream
+  const DLDevice dev = device.value();
+  tvm::ffi::CUDADeviceGuard guard(dev.device_id);
+  const cudaStream_t stream = current_stream(dev);
+  // 4. launch: rows (one block), then entries (persistent grid); both sized by capacities only.
+  launch_kernel(canary_plan_rows_kernel, 1u, kPlanRowThreads, stream, p);
+  const int64_t wanted = ceil_div(p.verify_capacity, kPlanEntryThreads);
+  const int64_t resident = static_cast<int64_t>(sm_count(dev.device_id)) * kPlanEntryBlocksPerSm;
+  const int64_t blocks = wanted < resident ? wanted : resident;
+  launch_kernel(canary_plan_entries_kernel, static_cast<uint32_t>(blocks > 0 ? blocks : 1), kPlanEntryThreads,
+                stream, p);
+#else
+  // 3-4. CPU: the same per-row and per-entry semantics in a loop.
+  canary_plan_cpu(p);
+#endif
+}
+
+}  // namespace host
+}  // namespace kvcanary
