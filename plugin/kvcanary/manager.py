@@ -1,0 +1,423 @@
+"""CanaryManager: the engine-agnostic runtime an adapter drives once per forward (SPEC §5).
+
+Per forward: ``before_forward(batch)`` (plan, then verify every running request's prefix; snapshots the
+batch's token, position and slot arrays because some models mutate them) runs before the model writes
+KV; ``after_forward(batch)`` (write the new records with real-KV fingerprints) runs after. Both only
+enqueue device work with fixed capacities and stable buffers, so they can sit inside a captured CUDA
+graph, and neither ever synchronises with the host.
+
+``step()`` is the host half, called after each forward outside any graph capture: it drains violations
+and counters through :class:`kvcanary.pump.DevicePump` (a snapshot taken at step T is read at T+1; rows
+it announces are copied then and read at T+2), reports them (log lines, JSONL, or an exception in raise
+mode), runs the health check and the stats line, and sweeps the prefix cache every ``sweep_interval``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvcanary import layout, ops
+from kvcanary.batch import BatchView
+from kvcanary.config import Config, Mode
+from kvcanary.health import HealthMonitor, StatsLogger
+from kvcanary.plan import VerifyPlan, WritePlan
+from kvcanary.pump import DevicePump, Snapshot
+from kvcanary.real_kv import RealKvSource
+from kvcanary.report import Reporter, Violation
+from kvcanary.tags import NUM_LAUNCH_TAGS, LaunchTag
+
+logger = logging.getLogger(__name__)
+
+SweepSource = Callable[[], tuple[Sequence[int], Sequence[int], Sequence[int]]]
+DEFAULT_VERIFY_CAPACITY_PER_SLOT = 3  # prefix sharing lets Σ prefix exceed the pool
+
+
+@dataclass
+class CanaryStats:
+    """Host view of the device counters (as of the last drained snapshot)."""
+
+    forwards: int = 0
+    kernel_runs: tuple[int, ...] = (0,) * NUM_LAUNCH_TAGS
+    slot_runs: tuple[int, ...] = (0,) * NUM_LAUNCH_TAGS
+    violations_seen: int = 0
+    verify_overflows: int = 0
+    sweeps: int = 0
+
+
+def _is_capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class CanaryManager:
+    """Owns the canary buffer, plans, violation ring and counters of one KV pool.
+
+    Args:
+        config: runtime settings (mode must not be off).
+        num_slots: KV slots of the pool (rows of the canary buffer; slot 0 is the padding slot).
+        req_to_token: the engine's live int32 [rows, max_context_len] request → slot table.
+        device: where the canary lives (the pool's device).
+        max_batch_size: most batch rows in one forward (CUDA-graph padding included).
+        max_tokens_per_forward: most tokens in one forward.
+        real_kv_sources: real KV bytes to fingerprint (at most 4).
+        verify_capacity: most prefix entries verified per forward (default 3 × num_slots).
+        swa_window_size / full_to_swa_index_mapping: sliding-window pool (verify only the window).
+        reporter: where violations go (default: one built from ``config``).
+        rank: e.g. ``{"tp_rank": 1}``, attached to every violation.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        num_slots: int,
+        req_to_token: torch.Tensor,
+        device: torch.device | str,
+        max_batch_size: int,
+        max_tokens_per_forward: int,
+        real_kv_sources: Sequence[RealKvSource] = (),
+        verify_capacity: int | None = None,
+        swa_window_size: int = 0,
+        full_to_swa_index_mapping: torch.Tensor | None = None,
+        reporter: Reporter | None = None,
+        rank: dict[str, int] | None = None,
+    ) -> None:
+        if not config.enabled:
+            raise ValueError("CanaryManager: config: mode is off; do not build a manager")
+        self.config = config
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        for name, value in (("num_slots", num_slots), ("max_batch_size", max_batch_size),
+                            ("max_tokens_per_forward", max_tokens_per_forward)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"CanaryManager: {name}: expected an int >= 1, got {value!r}")
+        if req_to_token.dtype != torch.int32 or req_to_token.dim() != 2:
+            raise ValueError(
+                f"CanaryManager: req_to_token: expected int32 [rows, max_context_len], got {req_to_token.dtype} "
+                f"{list(req_to_token.shape)}"
+            )
+        if req_to_token.device != self.device:
+            raise ValueError(f"CanaryManager: req_to_token: expected device {self.device}, got {req_to_token.device}")
+        for i, src in enumerate(real_kv_sources):
+            if src.device != self.device:
+                raise ValueError(f"CanaryManager: real_kv_sources[{i}]: expected device {self.device}, got {src.device}")
+            if src.num_slots < num_slots:
+                raise ValueError(
+                    f"CanaryManager: real_kv_sources[{i}]: covers {src.num_slots} slots, fewer than num_slots={num_slots}"
+                )
+        self.num_slots = num_slots
+        self.req_to_token = req_to_token
+        self.real_kv_sources = tuple(real_kv_sources)
+        self.real_kv_mode = config.real_kv_mode if self.real_kv_sources else layout.REAL_KV_HASH_MODE_NONE
+        self.swa_window_size = int(swa_window_size)
+        self.full_to_swa_index_mapping = full_to_swa_index_mapping
+        self.rank = dict(rank) if rank else None
+        self.reporter = reporter if reporter is not None else Reporter(
+            config.mode, config.report_path_for(self.rank.get("tp_rank", 0) if self.rank else 0), rank=self.rank
+        )
+        dev = self.device
+        i64 = {"dtype": torch.int64, "device": dev}
+
+        # Device state. Every buffer keeps its address for the manager's lifetime (graph capture).
+        self.canary_buf = torch.zeros((num_slots, layout.RECORD_BYTES), dtype=torch.uint8, device=dev)
+        self.write_plan = WritePlan.allocate(max_batch_size, dev)
+        vcap = verify_capacity if verify_capacity is not None else DEFAULT_VERIFY_CAPACITY_PER_SLOT * num_slots
+        self.verify_plan = VerifyPlan.allocate(vcap, dev)
+        self.violation_ring = torch.zeros((config.ring_capacity, layout.VIOLATION_FIELDS), **i64)
+        self.violation_write_index = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.kernel_run_counters = torch.zeros(NUM_LAUNCH_TAGS, **i64)
+        self.slot_run_counters = torch.zeros(NUM_LAUNCH_TAGS, **i64)
+        self.verify_overflow_count = torch.zeros(1, **i64)
+        self.enable_chain_position_assert = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.max_tokens_per_forward = max_tokens_per_forward
+        self._input_ids = torch.zeros(max_tokens_per_forward, **i64)
+        self._positions = torch.zeros(max_tokens_per_forward, **i64)
+        self._out_cache_loc = torch.zeros(max_tokens_per_forward, **i64)
+        rows, max_ctx = req_to_token.shape
+        self.expected_tokens: torch.Tensor | None = None
+        self._expected_valid_lens_by_row: torch.Tensor | None = None
+        self._expected_valid_lens = torch.zeros(max_batch_size, **i64)
+        if config.verify_tokens:
+            self.expected_tokens = torch.full((rows, max_ctx), layout.NO_EXPECTED_TOKEN, **i64)
+            self._expected_valid_lens_by_row = torch.zeros(rows, **i64)
+        self._sweep_plan: VerifyPlan | None = None
+
+        # Host state.
+        self._pump = DevicePump(dev)
+        self._forwards = 0
+        self._steps = 0
+        self._status: Snapshot | None = None
+        self._rows: Snapshot | None = None
+        self._rows_requested = 0  # ring rows already asked for (all rows below this are in flight or read)
+        self._lost_reported = 0
+        self._overflows_reported = 0
+        self.stats = CanaryStats()
+        self.violations: list[Violation] = []
+        self._sweep_source: SweepSource | None = None
+        self._in_forward = False
+        self.health = HealthMonitor(config.health_window, self._expected_tags())
+        self.stats_logger = StatsLogger(config.stats_every)
+        logger.info(
+            "kvcanary: manager on %s: %d slots, batch<=%d, tokens<=%d, verify<=%d entries, %d real-KV source(s) (%s); %s",
+            dev, num_slots, max_batch_size, max_tokens_per_forward, vcap, len(self.real_kv_sources),
+            layout.RealKvHashMode(self.real_kv_mode).name.lower(), config.describe(),
+        )
+
+    # ------------------------------------------------------------------------------------------ forward half
+    def _counter_views(self, tag: LaunchTag) -> dict[str, torch.Tensor]:
+        return {
+            "violation_ring": self.violation_ring,
+            "violation_write_index": self.violation_write_index,
+            "slot_run_counter": self.slot_run_counters[tag : tag + 1],
+            "kernel_run_counter": self.kernel_run_counters[tag : tag + 1],
+        }
+
+    def before_forward(self, batch: BatchView) -> None:
+        """Plan and verify (before the model writes KV). Graph-capturable; never synchronises."""
+        n, bs = batch.num_tokens, batch.batch_size
+        if n > self.max_tokens_per_forward:
+            raise ValueError(f"CanaryManager: batch has {n} tokens, more than max_tokens_per_forward={self.max_tokens_per_forward}")
+        if bs > self.write_plan.capacity:
+            raise ValueError(f"CanaryManager: batch has {bs} rows, more than max_batch_size={self.write_plan.capacity}")
+        self._input_ids[:n].copy_(batch.input_ids)
+        self._positions[:n].copy_(batch.positions)
+        self._out_cache_loc[:n].copy_(batch.out_cache_loc)
+        expected = {}
+        if self.expected_tokens is not None and self._expected_valid_lens_by_row is not None:
+            rows = self._expected_valid_lens_by_row.shape[0]
+            valid = self._expected_valid_lens[:bs]
+            torch.index_select(self._expected_valid_lens_by_row, 0, batch.req_pool_indices.clamp(0, rows - 1), out=valid)
+            expected = {"expected_tokens": self.expected_tokens, "expected_tokens_valid_lens": valid}
+        ops.canary_plan_step(
+            write_plan=self.write_plan,
+            verify_plan=self.verify_plan,
+            req_pool_indices=batch.req_pool_indices,
+            prefix_lens=batch.prefix_lens,
+            extend_lens=batch.extend_lens,
+            req_to_token=self.req_to_token,
+            swa_window_size=self.swa_window_size,
+            full_to_swa_index_mapping=self.full_to_swa_index_mapping,
+            **expected,
+        )
+        self.verify_overflow_count += self.verify_plan.verify_enable == 0
+        ops.canary_verify_step(
+            canary_buf=self.canary_buf,
+            **self.verify_plan.kernel_args(),
+            kernel_kind=LaunchTag.VERIFY,
+            **self._counter_views(LaunchTag.VERIFY),
+            real_kv_sources=self.real_kv_sources,
+            real_kv_hash_mode=self.real_kv_mode,
+            check_tokens=self.expected_tokens is not None,
+        )
+        self._in_forward = True
+
+    def after_forward(self, batch: BatchView) -> None:
+        """Write the new records (after the model wrote KV). Graph-capturable; never synchronises."""
+        n = batch.num_tokens
+        ops.canary_write_step(
+            canary_buf=self.canary_buf,
+            **self.write_plan.kernel_args(),
+            input_ids=self._input_ids[:n],
+            positions=self._positions[:n],
+            out_cache_loc=self._out_cache_loc[:n],
+            kernel_kind=LaunchTag.WRITE,
+            enable_write_input_assert=False,
+            expected_input_tokens=None,
+            expected_input_positions=None,
+            **self._counter_views(LaunchTag.WRITE),
+            enable_chain_position_assert=self.enable_chain_position_assert,
+            real_kv_sources=self.real_kv_sources,
+            real_kv_hash_mode=self.real_kv_mode,
+        )
+        self._in_forward = False
+
+    def mark_init_finished(self) -> None:
+        """Warmup and capture are over: switch the write chain-position assert on."""
+        self.enable_chain_position_assert.fill_(1)
+        logger.info("kvcanary: init finished; chain-position assert on")
+
+    # ------------------------------------------------------------------------------------------ token check
+    def set_expected_tokens(self, row: int, tokens: Sequence[int]) -> None:
+        """Tokens of the request in req_to_token row `row` (positions 0..len-1), for the token check.
+
+        Host → device copy through pinned memory, non-blocking; call outside graph capture.
+        """
+        if self.expected_tokens is None or self._expected_valid_lens_by_row is None:
+            raise RuntimeError("CanaryManager: set_expected_tokens needs config.verify_tokens")
+        width = self.expected_tokens.shape[1]
+        count = min(len(tokens), width)
+        if count:
+            staged = torch.tensor(list(tokens[:count]), dtype=torch.int64)
+            if self.device.type == "cuda":
+                staged = staged.pin_memory()
+            self.expected_tokens[row, :count].copy_(staged, non_blocking=True)
+        self._expected_valid_lens_by_row[row : row + 1].fill_(count)
+
+    # ------------------------------------------------------------------------------------------ sweep
+    def set_sweep_source(self, source: SweepSource | None) -> None:
+        """`source()` returns (slots, prevs, positions) of every slot the prefix cache holds."""
+        self._sweep_source = source
+        self.health.set_expected(self._expected_tags())
+
+    def _expected_tags(self) -> tuple[int, ...]:
+        tags = [LaunchTag.VERIFY, LaunchTag.WRITE]
+        if 0 < self.config.sweep_interval <= self.config.health_window and self._sweep_source is not None:
+            tags.append(LaunchTag.SWEEP)
+        return tuple(tags)
+
+    def sweep(self, slots: Sequence[int], prevs: Sequence[int], positions: Sequence[int]) -> None:
+        """Verify the given entries (slot, predecessor slot or -1, position) with real-KV, tag SWEEP.
+
+        Host-called, outside graph capture; the copies are non-blocking.
+        """
+        n = len(slots)
+        if len(prevs) != n or len(positions) != n:
+            raise ValueError(f"CanaryManager.sweep: slots/prevs/positions lengths differ: {n}/{len(prevs)}/{len(positions)}")
+        plan = self._sweep_plan
+        if plan is None or plan.capacity < n:
+            plan = self._sweep_plan = VerifyPlan.allocate(max(n, 2 * (plan.capacity if plan else 0), 1024), self.device)
+        host = torch.tensor([list(slots), list(prevs), list(positions)], dtype=torch.int64).view(3, n)
+        counts = torch.tensor([n, 1], dtype=torch.int32)
+        if self.device.type == "cuda":
+            host, counts = host.pin_memory(), counts.pin_memory()
+        plan.verify_slot_indices[:n].copy_(host[0], non_blocking=True)
+        plan.verify_prev_slot_indices[:n].copy_(host[1], non_blocking=True)
+        plan.verify_expected_positions[:n].copy_(host[2], non_blocking=True)
+        plan.verify_expected_tokens[:n].fill_(layout.NO_EXPECTED_TOKEN)
+        plan.verify_num_valid.copy_(counts[0:1], non_blocking=True)
+        plan.verify_enable.copy_(counts[1:2], non_blocking=True)
+        ops.canary_verify_step(
+            canary_buf=self.canary_buf,
+            **plan.kernel_args(),
+            kernel_kind=LaunchTag.SWEEP,
+            **self._counter_views(LaunchTag.SWEEP),
+            real_kv_sources=self.real_kv_sources,
+            real_kv_hash_mode=self.real_kv_mode,
+            check_tokens=False,
+        )
+        self.stats.sweeps += 1
+
+    # ------------------------------------------------------------------------------------------ host half
+    def step(self) -> list[Violation]:
+        """Host bookkeeping after a forward (no-op during graph capture). Returns violations reported now.
+
+        Raises ``CanaryViolationError`` (raise mode) or ``CanaryHealthError`` (raise mode, stalled path).
+        """
+        if _is_capturing(self.device):
+            return []
+        self._forwards += 1
+        self._steps += 1
+        if self._sweep_source is not None and self.config.sweep_interval > 0 and self._steps % self.config.sweep_interval == 0:
+            self.sweep(*self._sweep_source())
+        return self._drain()
+
+    def poll(self) -> list[Violation]:
+        """Drain whatever the device has announced, without counting a forward."""
+        if _is_capturing(self.device):
+            return []
+        return self._drain()
+
+    def _status_tensors(self) -> dict[str, torch.Tensor]:
+        return {
+            "write_index": self.violation_write_index,
+            "kernel_runs": self.kernel_run_counters,
+            "slot_runs": self.slot_run_counters,
+            "overflows": self.verify_overflow_count,
+        }
+
+    def _drain(self) -> list[Violation]:
+        reported: list[Violation] = []
+        if self._status is None:
+            self._status = self._pump.snapshot(self._status_tensors(), step=self._steps)
+        if self._rows is not None and self._rows.ready():
+            reported += self._read_rows(self._rows)
+            self._rows = None
+        if self._status.ready():
+            status, self._status = self._status, None
+            self._read_status(status)
+            if self._rows is not None and self._rows.ready():  # CPU: the rows copy is immediate
+                reported += self._read_rows(self._rows)
+                self._rows = None
+        return reported
+
+    def _read_status(self, status: Snapshot) -> None:
+        index = int(status.values["write_index"][0])
+        kernel_runs = tuple(int(x) for x in status.values["kernel_runs"].tolist())
+        slot_runs = tuple(int(x) for x in status.values["slot_runs"].tolist())
+        overflows = int(status.values["overflows"][0])
+        self.stats.kernel_runs, self.stats.slot_runs = kernel_runs, slot_runs
+        self.stats.violations_seen = index
+        self.stats.forwards = self._forwards
+        if overflows > self._overflows_reported:
+            logger.warning(
+                "kvcanary: verify skipped for %d forward(s): the plan exceeded its capacity of %d entries "
+                "(raise verify_capacity)", overflows - self._overflows_reported, self.verify_plan.capacity,
+            )
+            self._overflows_reported = overflows
+            self.stats.verify_overflows = overflows
+        capacity = self.violation_ring.shape[0]
+        kept = min(index, capacity) if index >= 0 else capacity
+        if kept > self._rows_requested and self._rows is None:
+            rows = self.violation_ring[self._rows_requested : kept]
+            snap = self._pump.snapshot({"rows": rows}, step=status.step)
+            snap.values["first"] = torch.tensor([self._rows_requested])
+            snap.values["lost"] = torch.tensor([max(0, index - capacity) if index >= 0 else 0])
+            self._rows = snap
+            self._rows_requested = kept
+        elif index > capacity and self._rows is None:
+            lost = index - capacity
+            if lost > self._lost_reported:
+                self.reporter.report([], lost=lost - self._lost_reported, step=status.step)
+                self._lost_reported = lost
+        stalled = self.health.observe(self._steps, kernel_runs)
+        if stalled:
+            self.reporter.health_error(self.health.message(stalled, self._steps), step=self._steps, tags=stalled)
+        if self.stats_logger.due(self._steps):
+            self.stats_logger.maybe_log(
+                self._steps,
+                forwards=self._forwards,
+                tokens_written=slot_runs[LaunchTag.WRITE],
+                entries_verified=slot_runs[LaunchTag.VERIFY],
+                entries_swept=slot_runs[LaunchTag.SWEEP],
+                violations=self.reporter.total_reported,
+                lost=self.reporter.total_lost,
+            )
+
+    def _read_rows(self, snap: Snapshot) -> list[Violation]:
+        rows = snap.values["rows"].tolist()
+        lost_total = int(snap.values["lost"][0])
+        lost = max(0, lost_total - self._lost_reported)
+        self._lost_reported = max(self._lost_reported, lost_total)
+        violations = [Violation.from_row(r, step=snap.step, rank=self.rank) for r in rows]
+        self.violations.extend(violations)
+        self.reporter.report(violations, lost=lost, step=snap.step)
+        return violations
+
+    def flush(self) -> list[Violation]:
+        """Synchronise and drain everything (shutdown / tests only: this blocks)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        reported: list[Violation] = []
+        for _ in range(3):
+            reported += self._drain()
+            if self._rows is None and self._status is None:
+                break
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        return reported
+
+    def close(self) -> None:
+        """Drain what is left and close the report file. Errors in raise mode still propagate."""
+        try:
+            if not _is_capturing(self.device):
+                self.flush()
+        finally:
+            self.reporter.close()
+
+    @property
+    def mode(self) -> Mode:
+        return self.config.mode

@@ -1,0 +1,429 @@
+"""Violation records, their log line and JSONL forms, and the Reporter that emits them (SPEC §3, §5).
+
+Log line (one line per violation, WARNING level; the format is frozen, tools parse it)::
+
+    kvcanary violation: step=12 tag=verify reasons=verify_chain_hash+verify_position slot=17 position=3
+    stored_token=101 expected_token=-1 stored_chain_hash=0x1a2b3c4d5e6f7081 expected_aux=0x0badc0ffee000001
+    request_row=5 tp_rank=0
+
+(printed here on three lines; it is one). Keys always appear in this order; rank keys (``tp_rank=0`` …) follow
+when the manager knows them. No value contains a space. Rules:
+
+* ``tag``: ``verify``, ``write``, ``sweep`` or ``tag<N>`` for an unknown launch tag;
+* ``reasons``: decoded fail_reason_bits joined by ``+`` (``layout.reason_names``; unknown bits ``bit<N>``);
+* ``stored_chain_hash``: always ``0x%016x`` of the unsigned 64-bit value;
+* ``expected_aux``: ``0x%016x`` when it is a hash (verify and sweep rows without ``slot_out_of_range``),
+  otherwise a decimal int: the expected position on write rows, the offending index on rows with
+  ``slot_out_of_range``;
+* ``request_row``: the req_to_token row, or ``-`` when unknown.
+
+``parse_log_line`` is the inverse (``LOG_LINE_RE``) and ``Violation.from_log_fields`` rebuilds the record.
+
+JSONL report (``KVCANARY_REPORT``): one JSON object per line, three schemas:
+
+* ``kvcanary.violation/1``: ``schema, step, tag, kernel_kind, reasons (list), fail_reason_bits, slot, position,
+  stored_token, expected_token, stored_chain_hash (hex string), expected_aux (signed int), expected_aux_hex
+  (hex string), expected_aux_kind ("hash" | "position" | "index"), request_row (int or null), rank (object or
+  null), time (unix seconds)``;
+* ``kvcanary.lost/1``: ``schema, count, step, rank, time``: rows the ring overflowed and could not keep;
+* ``kvcanary.health/1``: ``schema, message, step, tags (list of names), rank, time``.
+
+Concurrency: the report file is opened with ``O_APPEND`` and each line is written with one ``os.write``, so
+several processes (TP ranks) may append to the same file and their lines never interleave (on a local file
+system; use ``{rank}`` in the path for network file systems). Lines reach the OS immediately (no user-space
+buffer), so a crash of the process loses nothing that ``report`` has returned from or raised after.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import errno
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcanary import layout
+from kvcanary.config import Mode
+from kvcanary.tags import LaunchTag, is_write, tag_name
+
+logger = logging.getLogger(__name__)
+_MODULE_LOGGER = logger
+
+VIOLATION_SCHEMA = "kvcanary.violation/1"
+LOST_SCHEMA = "kvcanary.lost/1"
+HEALTH_SCHEMA = "kvcanary.health/1"
+
+LOG_PREFIX = "kvcanary violation:"
+LOST_LOG_PREFIX = "kvcanary lost:"
+HEALTH_LOG_PREFIX = "kvcanary health:"
+
+# Keys of a violation log line, in order; rank keys follow.
+LOG_KEYS: tuple[str, ...] = (
+    "step",
+    "tag",
+    "reasons",
+    "slot",
+    "position",
+    "stored_token",
+    "expected_token",
+    "stored_chain_hash",
+    "expected_aux",
+    "request_row",
+)
+_KEY = r"[a-z_][a-z0-9_]*"
+_RANK_KEY_RE = re.compile(rf"^{_KEY}$")
+# A violation log line anywhere in a string (logging prefixes before it are allowed); group "fields" holds
+# the space-separated key=value pairs.
+LOG_LINE_RE = re.compile(rf"kvcanary violation:(?P<fields>(?: {_KEY}=\S+)+)[ \t]*$")
+_FIELD_RE = re.compile(rf"({_KEY})=(\S+)")
+
+# How many log lines CanaryViolationError's message includes.
+ERROR_MESSAGE_LINES = 5
+
+_U64 = (1 << 64) - 1
+
+
+def hex64(value: int) -> str:
+    """``0x%016x`` of the two's-complement unsigned 64-bit value (negative int64 hashes included)."""
+    return f"0x{int(value) & _U64:016x}"
+
+
+def from_hex64(text: str) -> int:
+    """Inverse of ``hex64``: the signed int64 value (as stored in the ring)."""
+    value = int(text, 16)
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def parse_log_line(line: str) -> dict[str, str]:
+    """The key=value fields of a violation log line (the inverse of ``Violation.log_line``).
+
+    Text before ``kvcanary violation:`` (a logging prefix) is ignored. Raises ``ValueError`` when ``line``
+    holds no violation log line.
+    """
+    match = LOG_LINE_RE.search(line.rstrip("\r\n"))
+    if match is None:
+        raise ValueError(f"not a kvcanary violation log line: {line!r}")
+    return dict(_FIELD_RE.findall(match.group("fields")))
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One violation ring row (SPEC §3 columns) plus what the host knows about it."""
+
+    kernel_kind: int
+    slot: int
+    position: int
+    stored_token: int
+    expected_token: int
+    stored_chain_hash: int
+    expected_aux: int
+    fail_reason_bits: int
+    step: int
+    request_row: int | None = None
+    rank: Mapping[str, int] | None = field(default=None, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.rank is not None:
+            rank = {str(k): int(v) for k, v in self.rank.items()}
+            for key in rank:
+                if not _RANK_KEY_RE.match(key) or key in LOG_KEYS:
+                    raise ValueError(f"rank key {key!r}: expected a lower-case identifier not in {LOG_KEYS}")
+            object.__setattr__(self, "rank", rank)
+
+    @classmethod
+    def from_row(
+        cls,
+        row: Sequence[int],
+        *,
+        step: int,
+        request_row: int | None = None,
+        rank: Mapping[str, int] | None = None,
+    ) -> Violation:
+        """From one ring row (8 ints, e.g. ``ring[i].tolist()``)."""
+        if len(row) != layout.VIOLATION_FIELDS:
+            raise ValueError(f"violation row: expected {layout.VIOLATION_FIELDS} columns; got {len(row)}")
+        v = [int(x) for x in row]
+        return cls(
+            kernel_kind=v[layout.VIOLATION_COL_KERNEL_KIND],
+            slot=v[layout.VIOLATION_COL_SLOT],
+            position=v[layout.VIOLATION_COL_POSITION],
+            stored_token=v[layout.VIOLATION_COL_STORED_TOKEN],
+            expected_token=v[layout.VIOLATION_COL_EXPECTED_TOKEN],
+            stored_chain_hash=v[layout.VIOLATION_COL_STORED_CHAIN_HASH],
+            expected_aux=v[layout.VIOLATION_COL_EXPECTED_AUX],
+            fail_reason_bits=v[layout.VIOLATION_COL_FAIL_REASON_BITS],
+            step=int(step),
+            request_row=None if request_row is None else int(request_row),
+            rank=rank,
+        )
+
+    @classmethod
+    def from_log_fields(cls, fields: Mapping[str, str]) -> Violation:
+        """Rebuild a violation from ``parse_log_line`` output (fail_reason_bits from the reason names)."""
+        bits = 0
+        if fields["reasons"] != "-":
+            by_name = {name: 1 << b for b in range(64) for name in layout.reason_names(1 << b)}
+            for name in fields["reasons"].split("+"):
+                bits |= by_name[name]
+        tag = fields["tag"]
+        kind = int(tag[3:]) if tag.startswith("tag") else int(LaunchTag[tag.upper()])
+        aux = fields["expected_aux"]
+        rank = {k: int(v) for k, v in fields.items() if k not in LOG_KEYS}
+        return cls(
+            kernel_kind=kind,
+            slot=int(fields["slot"]),
+            position=int(fields["position"]),
+            stored_token=int(fields["stored_token"]),
+            expected_token=int(fields["expected_token"]),
+            stored_chain_hash=from_hex64(fields["stored_chain_hash"]),
+            expected_aux=from_hex64(aux) if aux.startswith("0x") else int(aux),
+            fail_reason_bits=bits,
+            step=int(fields["step"]),
+            request_row=None if fields["request_row"] == "-" else int(fields["request_row"]),
+            rank=rank or None,
+        )
+
+    @property
+    def reasons(self) -> tuple[str, ...]:
+        """Decoded fail_reason_bits, lowest bit first."""
+        return tuple(layout.reason_names(self.fail_reason_bits))
+
+    @property
+    def tag_name(self) -> str:
+        """``verify``, ``write``, ``sweep`` or ``tag<N>``."""
+        return tag_name(self.kernel_kind)
+
+    @property
+    def is_write(self) -> bool:
+        return is_write(self.kernel_kind)
+
+    @property
+    def out_of_range(self) -> bool:
+        """Whether the row carries the slot_out_of_range bit (then expected_aux is the offending index)."""
+        return bool(self.fail_reason_bits & layout.REASON_SLOT_OUT_OF_RANGE)
+
+    @property
+    def expected_aux_kind(self) -> str:
+        """What expected_aux holds: ``"index"`` (out-of-range rows), ``"position"`` (write rows) or ``"hash"``."""
+        if self.out_of_range:
+            return "index"
+        if self.is_write:
+            return "position"
+        return "hash"
+
+    def log_line(self) -> str:
+        """The one-line key=value form (module docstring); stable, parsed by ``parse_log_line``."""
+        aux = hex64(self.expected_aux) if self.expected_aux_kind == "hash" else str(self.expected_aux)
+        parts = [
+            f"step={self.step}",
+            f"tag={self.tag_name}",
+            f"reasons={'+'.join(self.reasons) or '-'}",
+            f"slot={self.slot}",
+            f"position={self.position}",
+            f"stored_token={self.stored_token}",
+            f"expected_token={self.expected_token}",
+            f"stored_chain_hash={hex64(self.stored_chain_hash)}",
+            f"expected_aux={aux}",
+            f"request_row={'-' if self.request_row is None else self.request_row}",
+        ]
+        if self.rank:
+            parts.extend(f"{k}={v}" for k, v in self.rank.items())
+        return f"{LOG_PREFIX} {' '.join(parts)}"
+
+    def to_json(self, *, now: float | None = None) -> dict[str, Any]:
+        """The ``kvcanary.violation/1`` JSONL object (module docstring); ``now`` defaults to ``time.time()``."""
+        return {
+            "schema": VIOLATION_SCHEMA,
+            "step": self.step,
+            "tag": self.tag_name,
+            "kernel_kind": self.kernel_kind,
+            "reasons": list(self.reasons),
+            "fail_reason_bits": self.fail_reason_bits,
+            "slot": self.slot,
+            "position": self.position,
+            "stored_token": self.stored_token,
+            "expected_token": self.expected_token,
+            "stored_chain_hash": hex64(self.stored_chain_hash),
+            "expected_aux": self.expected_aux,
+            "expected_aux_hex": hex64(self.expected_aux),
+            "expected_aux_kind": self.expected_aux_kind,
+            "request_row": self.request_row,
+            "rank": dict(self.rank) if self.rank else None,
+            "time": time.time() if now is None else float(now),
+        }
+
+
+class CanaryViolationError(RuntimeError):
+    """Raised in ``raise`` mode: the KV cache failed an integrity check. ``.violations`` holds the batch."""
+
+    def __init__(self, violations: Sequence[Violation], *, lost: int = 0) -> None:
+        self.violations: list[Violation] = list(violations)
+        self.lost = int(lost)
+        n = len(self.violations)
+        head = f"{n} kvcanary violation{'s' if n != 1 else ''}"
+        if self.lost:
+            head += f" (+{self.lost} lost to violation ring overflow)"
+        lines = [f"{head}: KV cache integrity check failed"]
+        lines.extend(f"  {v.log_line()}" for v in self.violations[:ERROR_MESSAGE_LINES])
+        if n > ERROR_MESSAGE_LINES:
+            lines.append(f"  ... and {n - ERROR_MESSAGE_LINES} more")
+        super().__init__("\n".join(lines))
+
+
+class CanaryHealthError(RuntimeError):
+    """Raised in ``raise`` mode when a canary launch that should run shows no progress."""
+
+
+def _as_mode(mode: Mode | str) -> Mode:
+    return mode if isinstance(mode, Mode) else Mode(str(mode).strip().lower())
+
+
+class Reporter:
+    """Turns drained violations into WARNING log lines, JSONL rows and (raise mode) exceptions.
+
+    ``report_path`` (already rank-formatted, see ``Config.report_path_for``) is opened at construction with
+    ``O_APPEND | O_CREAT`` (parent directories created), so a bad path fails at install time. In ``off``
+    mode nothing is opened and every method is a no-op. ``rank`` (e.g. ``{"tp_rank": 0}``) is attached to
+    violations that carry none and to the lost/health JSON lines. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        mode: Mode | str,
+        report_path: str | None = None,
+        *,
+        logger: logging.Logger | None = None,
+        rank: Mapping[str, int] | None = None,
+    ) -> None:
+        self.mode = _as_mode(mode)
+        self.report_path = report_path
+        self.rank: dict[str, int] | None = dict(rank) if rank else None
+        self.total_reported = 0
+        self.total_lost = 0
+        self.total_health_errors = 0
+        self._log = logger if logger is not None else _MODULE_LOGGER
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._atexit_registered = False
+        if self.mode is not Mode.OFF and report_path:
+            self._open()
+
+    # -- file --------------------------------------------------------------------------------------------
+    def _open(self) -> None:
+        assert self.report_path
+        parent = os.path.dirname(os.path.abspath(self.report_path))
+        os.makedirs(parent, exist_ok=True)
+        self._fd = os.open(self.report_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        if not self._atexit_registered:
+            atexit.register(self.close)
+            self._atexit_registered = True
+
+    def _write_lines(self, objects: Iterable[dict[str, Any]]) -> None:
+        """Append objects as JSON lines, one ``os.write`` each (caller holds the lock)."""
+        if not self.report_path:
+            return
+        if self._fd is None:  # closed earlier (e.g. atexit ran before a last drain): reopen, lose nothing
+            self._open()
+        assert self._fd is not None
+        for obj in objects:
+            data = (json.dumps(obj, separators=(",", ":"), allow_nan=False) + "\n").encode()
+            while data:
+                try:
+                    written = os.write(self._fd, data)
+                except InterruptedError:
+                    continue
+                except OSError as exc:
+                    if exc.errno == errno.EINTR:
+                        continue
+                    raise
+                data = data[written:]
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None
+
+    def close(self) -> None:
+        """Close the report file (idempotent). Writes reach the OS as they happen, so there is nothing to flush."""
+        with self._lock:
+            if self._fd is not None:
+                fd, self._fd = self._fd, None
+                try:
+                    os.fsync(fd)
+                except OSError:
+                    pass
+                os.close(fd)
+            if self._atexit_registered:
+                atexit.unregister(self.close)
+                self._atexit_registered = False
+
+    def __enter__(self) -> Reporter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- reporting ---------------------------------------------------------------------------------------
+    def report(self, violations: Sequence[Violation], *, lost: int = 0, step: int | None = None) -> None:
+        """Log, record and (raise mode) raise one drained batch.
+
+        ``lost``: rows the ring overflowed in this batch (index beyond capacity), reported as one WARNING line
+        and one ``kvcanary.lost/1`` JSON line. ``step`` labels the lost line; it defaults to the last
+        violation's step. Everything is logged and written before ``CanaryViolationError`` is raised.
+        """
+        if self.mode is Mode.OFF or (not violations and lost <= 0):
+            return
+        lost = max(int(lost), 0)
+        if step is None and violations:
+            step = violations[-1].step
+        if self.rank:
+            violations = [v if v.rank is not None else dataclasses.replace(v, rank=self.rank) for v in violations]
+        now = time.time()
+        with self._lock:
+            for v in violations:
+                self._log.warning("%s", v.log_line())
+            if lost:
+                self._log.warning(
+                    "%s step=%s count=%d (violation ring overflowed; raise KVCANARY_RING_CAPACITY to keep more)",
+                    LOST_LOG_PREFIX,
+                    "-" if step is None else step,
+                    lost,
+                )
+            records = [v.to_json(now=now) for v in violations]
+            if lost:
+                records.append({"schema": LOST_SCHEMA, "count": lost, "step": step, "rank": self.rank, "time": now})
+            self.total_reported += len(violations)
+            self.total_lost += lost
+            self._write_lines(records)
+        if self.mode is Mode.RAISE:
+            raise CanaryViolationError(violations, lost=lost)
+
+    def health_error(self, message: str, *, step: int | None = None, tags: Iterable[int] = ()) -> None:
+        """A canary path is not executing: ERROR log line (log mode) or ``CanaryHealthError`` (raise mode).
+
+        Also writes a ``kvcanary.health/1`` JSON line first, in both modes.
+        """
+        if self.mode is Mode.OFF:
+            return
+        line = f"{HEALTH_LOG_PREFIX} {message}"
+        record = {
+            "schema": HEALTH_SCHEMA,
+            "message": message,
+            "step": step,
+            "tags": [tag_name(t) for t in tags],
+            "rank": self.rank,
+            "time": time.time(),
+        }
+        with self._lock:
+            self.total_health_errors += 1
+            self._write_lines([record])
+            if self.mode is Mode.LOG:
+                self._log.error("%s", line)
+        if self.mode is Mode.RAISE:
+            raise CanaryHealthError(line)

@@ -1,0 +1,161 @@
+"""CanaryManager on CPU: a hand-driven sequence of forwards, detection, raise mode, sweep, health."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kvcanary import layout
+from kvcanary.batch import BatchView, ForwardKind
+from kvcanary.config import Config, Mode
+from kvcanary.manager import CanaryManager
+from kvcanary.real_kv import RealKvSource
+from kvcanary.report import CanaryHealthError, CanaryViolationError
+
+NUM_SLOTS = 64
+
+
+class TinyEngine:
+    """Two requests in req_to_token rows 1 and 2; slots handed out in order; KV = f(token, position)."""
+
+    def __init__(self, mode: Mode = Mode.RAISE, **config: object) -> None:
+        self.req_to_token = torch.zeros((4, 32), dtype=torch.int32)
+        self.kv = torch.zeros((NUM_SLOTS, 32), dtype=torch.uint8)
+        self.next_slot = 1
+        self.lengths = {1: 0, 2: 0}
+        self.tokens: dict[int, list[int]] = {1: [], 2: []}
+        cfg = Config(mode=mode, **config)  # type: ignore[arg-type]
+        self.mgr = CanaryManager(
+            cfg,
+            num_slots=NUM_SLOTS,
+            req_to_token=self.req_to_token,
+            device="cpu",
+            max_batch_size=4,
+            max_tokens_per_forward=16,
+            real_kv_sources=[RealKvSource(self.kv, 1, 32, 32)],
+        )
+
+    def forward(self, rows: list[int], counts: list[int]) -> None:
+        ids, pos, locs, prefixes = [], [], [], []
+        for row, count in zip(rows, counts):
+            prefixes.append(self.lengths[row])
+            for _ in range(count):
+                p = self.lengths[row]
+                slot = self.next_slot
+                self.next_slot += 1
+                self.req_to_token[row, p] = slot
+                token = 100 * row + p
+                ids.append(token)
+                pos.append(p)
+                locs.append(slot)
+                self.lengths[row] += 1
+                self.tokens[row].append(token)
+        t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+        batch = BatchView(
+            kind=ForwardKind.EXTEND if max(counts) > 1 else ForwardKind.DECODE,
+            input_ids=t(ids), positions=t(pos), out_cache_loc=t(locs),
+            req_pool_indices=t(rows), prefix_lens=t(prefixes), extend_lens=t(counts),
+        )
+        batch.validate()
+        self.mgr.before_forward(batch)
+        for token, p, slot in zip(ids, pos, locs):  # the "model" writes KV
+            self.kv[slot] = torch.full((32,), (token * 7 + p) % 251, dtype=torch.uint8)
+        self.mgr.after_forward(batch)
+        self.mgr.step()
+
+
+def test_clean_prefill_and_decode() -> None:
+    eng = TinyEngine()
+    eng.mgr.mark_init_finished()
+    eng.forward([1, 2], [5, 3])
+    for _ in range(6):
+        eng.forward([1, 2], [1, 1])
+    eng.mgr.flush()
+    assert eng.mgr.violations == []
+    runs = eng.mgr.stats.kernel_runs
+    assert runs[0] == 7 and runs[1] == 7  # verify and write once per forward
+    assert eng.mgr.stats.slot_runs[1] == 8 + 12  # tokens written
+    assert eng.mgr.stats.slot_runs[0] == sum(5 + 3 + 2 * k for k in range(6)) + 0  # prefix entries verified
+
+
+def test_redirect_is_reported_in_log_mode(caplog: pytest.LogCaptureFixture) -> None:
+    eng = TinyEngine(mode=Mode.LOG)
+    eng.forward([1, 2], [4, 4])
+    eng.req_to_token[1, 2] = eng.req_to_token[2, 2]  # point row 1 position 2 at row 2's slot
+    with caplog.at_level(logging.WARNING):
+        eng.forward([1, 2], [1, 1])
+        eng.mgr.flush()
+    assert eng.mgr.violations, "redirect not detected"
+    reasons = {r for v in eng.mgr.violations for r in v.reasons}
+    assert "verify_chain_hash" in reasons
+    assert any("kvcanary violation:" in rec.getMessage() for rec in caplog.records)
+
+
+def test_raise_mode_raises_with_all_violations() -> None:
+    eng = TinyEngine(mode=Mode.RAISE)
+    eng.forward([1], [4])
+    eng.kv[int(eng.req_to_token[1, 1]), 0] ^= 0xFF  # flip a KV byte of a live slot
+    with pytest.raises(CanaryViolationError) as info:
+        eng.forward([1], [1])
+        eng.mgr.flush()
+    assert [v.reasons for v in info.value.violations] == [("verify_real_kv_hash",)]
+
+
+def test_sweep_checks_cached_slots() -> None:
+    eng = TinyEngine(mode=Mode.LOG, sweep_interval=2)
+    eng.forward([1], [4])
+    slots = [int(s) for s in eng.req_to_token[1, :4]]
+    eng.mgr.set_sweep_source(lambda: (slots, [-1, *slots[:-1]], list(range(4))))
+    eng.kv[slots[3], 5] ^= 1
+    eng.forward([2], [2])
+    eng.forward([2], [1])
+    eng.mgr.flush()
+    swept = [v for v in eng.mgr.violations if v.tag_name == "sweep"]
+    assert [(v.slot, v.reasons) for v in swept] == [(slots[3], ("verify_real_kv_hash",))]
+
+
+def test_health_raises_when_a_launch_stops_running() -> None:
+    eng = TinyEngine(mode=Mode.RAISE, health_window=3)
+    eng.forward([1], [2])
+    with pytest.raises(CanaryHealthError):
+        for _ in range(8):  # steps without forwards: verify/write counters stand still
+            eng.mgr.step()
+
+
+def test_overflow_disables_verify_and_warns(caplog: pytest.LogCaptureFixture) -> None:
+    req = torch.zeros((2, 8), dtype=torch.int32)
+    mgr = CanaryManager(Config(mode=Mode.LOG), num_slots=16, req_to_token=req, device="cpu", max_batch_size=2,
+                        max_tokens_per_forward=8, verify_capacity=2)
+    req[1, :5] = torch.arange(1, 6, dtype=torch.int32)
+    t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    batch = BatchView(ForwardKind.DECODE, t([9]), t([5]), t([6]), t([1]), t([5]), t([1]))
+    with caplog.at_level(logging.WARNING):
+        mgr.before_forward(batch)
+        mgr.after_forward(batch)
+        mgr.step()
+        mgr.flush()
+    assert any("verify skipped" in r.getMessage() for r in caplog.records)
+    assert mgr.stats.verify_overflows == 1
+
+
+def test_batch_beyond_capacity_is_refused() -> None:
+    eng = TinyEngine()
+    t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    big = BatchView(ForwardKind.EXTEND, t([1] * 20), t(list(range(20))), t([1] * 20), t([1]), t([0]), t([20]))
+    with pytest.raises(ValueError, match="max_tokens_per_forward"):
+        eng.mgr.before_forward(big)
+
+
+def test_plan_index_error_reported_as_out_of_range() -> None:
+    eng = TinyEngine(mode=Mode.LOG)
+    eng.forward([1], [2])
+    t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    bad = BatchView(ForwardKind.DECODE, t([5]), t([2]), t([40]), t([7]), t([2]), t([1]))  # rp 7 > rows
+    eng.mgr.before_forward(bad)
+    eng.mgr.after_forward(bad)
+    eng.mgr.step()
+    eng.mgr.flush()
+    oob = [v for v in eng.mgr.violations if "slot_out_of_range" in v.reasons]
+    assert len(oob) == 1 and layout.decode_plan_index_error(oob[0].slot) == 7
