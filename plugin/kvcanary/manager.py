@@ -7,8 +7,9 @@ enqueue device work with fixed capacities and stable buffers, so they can sit in
 graph, and neither ever synchronises with the host.
 
 ``step()`` is the host half, called after each forward outside any graph capture: it drains violations
-and counters through :class:`kvcanary.pump.DevicePump` (a snapshot taken at step T is read at T+1; rows
-it announces are copied then and read at T+2), reports them (log lines, JSONL, or an exception in raise
+and counters through :class:`kvcanary.pump.DevicePump` (a snapshot of the ring index, counters and the
+next few ring rows taken at step T is read at step T+1 on CUDA, at once on the CPU; a burst larger than
+the peek is fetched by one more copy), reports them (log lines, JSONL, or an exception in raise
 mode), runs the health check and the stats line, and sweeps the prefix cache every ``sweep_interval``.
 """
 
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 SweepSource = Callable[[], tuple[Sequence[int], Sequence[int], Sequence[int]]]
 DEFAULT_VERIFY_CAPACITY_PER_SLOT = 3  # prefix sharing lets Σ prefix exceed the pool
+ROW_PEEK = 32  # ring rows copied with every status snapshot: the usual few violations need no second copy
 
 
 @dataclass
@@ -322,33 +324,39 @@ class CanaryManager:
         return self._drain()
 
     def _status_tensors(self) -> dict[str, torch.Tensor]:
+        """What one status snapshot copies: the ring index, counters, overflow count, and a peek at the
+        next ring rows so that a few new violations arrive with the index itself (one-step latency)."""
+        first = self._rows_requested
+        peek_end = min(first + ROW_PEEK, self.violation_ring.shape[0])
         return {
             "write_index": self.violation_write_index,
             "kernel_runs": self.kernel_run_counters,
             "slot_runs": self.slot_run_counters,
             "overflows": self.verify_overflow_count,
+            "peek": self.violation_ring[first:peek_end],
         }
 
     def _drain(self) -> list[Violation]:
         reported: list[Violation] = []
-        if self._status is None:
-            self._status = self._pump.snapshot(self._status_tensors(), step=self._steps)
-        if self._rows is not None and self._rows.ready():
-            reported += self._read_rows(self._rows)
-            self._rows = None
-        if self._status.ready():
-            status, self._status = self._status, None
-            self._read_status(status)
-            if self._rows is not None and self._rows.ready():  # CPU: the rows copy is immediate
-                reported += self._read_rows(self._rows)
-                self._rows = None
+        for _ in range(2):  # the second pass reads a snapshot that is ready at once (CPU, idle GPU)
+            if self._rows is not None and self._rows.ready():
+                rows, self._rows = self._rows, None
+                reported += self._read_rows(rows)
+            if self._status is not None and self._status.ready():
+                status, self._status = self._status, None
+                reported += self._read_status(status)
+            if self._status is None:
+                snap = self._pump.snapshot(self._status_tensors(), step=self._steps)
+                snap.values["first"] = torch.tensor([self._rows_requested])
+                self._status = snap
         return reported
 
-    def _read_status(self, status: Snapshot) -> None:
-        index = int(status.values["write_index"][0])
-        kernel_runs = tuple(int(x) for x in status.values["kernel_runs"].tolist())
-        slot_runs = tuple(int(x) for x in status.values["slot_runs"].tolist())
-        overflows = int(status.values["overflows"][0])
+    def _read_status(self, status: Snapshot) -> list[Violation]:
+        values = status.values
+        index = int(values["write_index"][0])
+        kernel_runs = tuple(int(x) for x in values["kernel_runs"].tolist())
+        slot_runs = tuple(int(x) for x in values["slot_runs"].tolist())
+        overflows = int(values["overflows"][0])
         self.stats.kernel_runs, self.stats.slot_runs = kernel_runs, slot_runs
         self.stats.violations_seen = index
         self.stats.forwards = self._forwards
@@ -360,19 +368,23 @@ class CanaryManager:
             self._overflows_reported = overflows
             self.stats.verify_overflows = overflows
         capacity = self.violation_ring.shape[0]
-        kept = min(index, capacity) if index >= 0 else capacity
-        if kept > self._rows_requested and self._rows is None:
-            rows = self.violation_ring[self._rows_requested : kept]
-            snap = self._pump.snapshot({"rows": rows}, step=status.step)
-            snap.values["first"] = torch.tensor([self._rows_requested])
-            snap.values["lost"] = torch.tensor([max(0, index - capacity) if index >= 0 else 0])
-            self._rows = snap
-            self._rows_requested = kept
-        elif index > capacity and self._rows is None:
-            lost = index - capacity
-            if lost > self._lost_reported:
-                self.reporter.report([], lost=lost - self._lost_reported, step=status.step)
-                self._lost_reported = lost
+        kept = min(index, capacity) if index >= 0 else capacity  # a wrapped int32 index: the ring is full
+        lost_total = max(0, index - capacity) if index >= 0 else 0
+        reported: list[Violation] = []
+        first = int(values["first"][0])
+        if self._rows is None and kept > self._rows_requested:
+            peek = values["peek"]
+            have = min(kept, first + peek.shape[0])
+            if first == self._rows_requested and have > first:
+                reported += self._report_rows(peek[: have - first].tolist(), status.step, lost_total)
+                self._rows_requested = have
+            if kept > self._rows_requested:  # more rows than the peek carried: fetch them (read next step)
+                snap = self._pump.snapshot({"rows": self.violation_ring[self._rows_requested : kept]}, step=status.step)
+                snap.values["lost"] = torch.tensor([lost_total])
+                self._rows = snap
+                self._rows_requested = kept
+        elif self._rows is None and lost_total > self._lost_reported:
+            reported += self._report_rows([], status.step, lost_total)
         stalled = self.health.observe(self._steps, kernel_runs)
         if stalled:
             self.reporter.health_error(self.health.message(stalled, self._steps), step=self._steps, tags=stalled)
@@ -386,15 +398,17 @@ class CanaryManager:
                 violations=self.reporter.total_reported,
                 lost=self.reporter.total_lost,
             )
+        return reported
 
     def _read_rows(self, snap: Snapshot) -> list[Violation]:
-        rows = snap.values["rows"].tolist()
-        lost_total = int(snap.values["lost"][0])
+        return self._report_rows(snap.values["rows"].tolist(), snap.step, int(snap.values["lost"][0]))
+
+    def _report_rows(self, rows: list[list[int]], step: int, lost_total: int) -> list[Violation]:
         lost = max(0, lost_total - self._lost_reported)
         self._lost_reported = max(self._lost_reported, lost_total)
-        violations = [Violation.from_row(r, step=snap.step, rank=self.rank) for r in rows]
+        violations = [Violation.from_row(r, step=step, rank=self.rank) for r in rows]
         self.violations.extend(violations)
-        self.reporter.report(violations, lost=lost, step=snap.step)
+        self.reporter.report(violations, lost=lost, step=step)
         return violations
 
     def flush(self) -> list[Violation]:

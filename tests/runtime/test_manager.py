@@ -33,7 +33,7 @@ class TinyEngine:
             req_to_token=self.req_to_token,
             device="cpu",
             max_batch_size=4,
-            max_tokens_per_forward=16,
+            max_tokens_per_forward=32,
             real_kv_sources=[RealKvSource(self.kv, 1, 32, 32)],
         )
 
@@ -143,7 +143,7 @@ def test_overflow_disables_verify_and_warns(caplog: pytest.LogCaptureFixture) ->
 def test_batch_beyond_capacity_is_refused() -> None:
     eng = TinyEngine()
     t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
-    big = BatchView(ForwardKind.EXTEND, t([1] * 20), t(list(range(20))), t([1] * 20), t([1]), t([0]), t([20]))
+    big = BatchView(ForwardKind.EXTEND, t([1] * 40), t(list(range(40))), t([1] * 40), t([1]), t([0]), t([40]))
     with pytest.raises(ValueError, match="max_tokens_per_forward"):
         eng.mgr.before_forward(big)
 
@@ -159,3 +159,17 @@ def test_plan_index_error_reported_as_out_of_range() -> None:
     eng.mgr.flush()
     oob = [v for v in eng.mgr.violations if "slot_out_of_range" in v.reasons]
     assert len(oob) == 1 and layout.decode_plan_index_error(oob[0].slot) == 7
+
+
+def test_burst_beyond_peek_and_ring_overflow_are_reported() -> None:
+    eng = TinyEngine(mode=Mode.LOG, ring_capacity=40)
+    eng.forward([1, 2], [15, 15])
+    for row in (1, 2):
+        for p in range(15):
+            eng.kv[int(eng.req_to_token[row, p]), 3] ^= 0x10  # 30 corrupt slots, verified twice below
+    eng.forward([1, 2], [1, 1])
+    eng.forward([1, 2], [1, 1])
+    eng.mgr.flush()
+    assert len(eng.mgr.violations) == 40  # the ring keeps the first 40 rows
+    assert eng.mgr.reporter.total_lost == 20  # and counts the 20 it could not keep
+    assert {v.reasons for v in eng.mgr.violations} == {("verify_real_kv_hash",)}
