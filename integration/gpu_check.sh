@@ -12,6 +12,7 @@
 #             (override the -k expression with GPU_CHECK_MEMCHECK_K)
 #             (reported as UNAVAILABLE, not FAIL, when the sanitizer cannot run on this machine)
 #   bench     benchmarks/bench_kernels.py (--quick when little time is left)
+#   bench-manager  benchmarks/bench_manager.py (per-forward canary cost, decode with CUDA graphs)
 # Output: $OUT/gpu_check.md (summary table, also printed last), $OUT/<step>.log, $OUT/bench.json;
 # $OUT defaults to ./gpu_check_out. Exit status: 0 only if no step failed.
 # Total wall time is capped by GPU_CHECK_BUDGET_S (default 480 s): each step's timeout is cut to what is left.
@@ -245,6 +246,10 @@ bench_note="$(grep -m1 -E '^correctness checks:' "$OUT_DIR/bench.log")"
 [[ " ${bench_args[*]} " == *" --quick "* ]] && bench_note="quick; $bench_note"
 record bench "$(status_of $STEP_RC)" "$STEP_S" "${bench_note:-see bench.log}"
 
+# ------------------------------------------------------------------------------------------------ bench-manager
+run_step bench-manager 150 "$PY" benchmarks/bench_manager.py --json "$OUT_DIR/bench_manager.json"
+record bench-manager "$(status_of $STEP_RC)" "$STEP_S" "decode 1/64/256 x 4096 with graphs; see the table below"
+
 # ------------------------------------------------------------------------------------------------ summary
 {
   echo "## kvcanary GPU check"
@@ -262,6 +267,7 @@ record bench "$(status_of $STEP_RC)" "$STEP_S" "${bench_note:-see bench.log}"
   if [[ -f "$OUT_DIR/bench.json" ]]; then
     "$PY" -c 'import json,sys; print(json.load(open(sys.argv[1])).get("markdown", ""))' "$OUT_DIR/bench.json" 2>/dev/null
   fi
+  sed -n '/^### canary per-forward cost/,$p' "$OUT_DIR/bench-manager.log" 2>/dev/null
 } > "$SUMMARY"
 
 # Show the end of each failing step's log, then the table (last, so it survives output truncation).

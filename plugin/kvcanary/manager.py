@@ -7,7 +7,7 @@ enqueue device work with fixed capacities and stable buffers, so they can sit in
 graph, and neither ever synchronises with the host.
 
 ``step()`` is the host half, called after each forward outside any graph capture: it drains violations
-and counters through :class:`kvcanary.pump.DevicePump` (a snapshot of the ring index, counters and the
+and counters through :class:`kvcanary.pump.PinnedChannel` copies (a snapshot of the ring index, counters and the
 next few ring rows taken at step T is read at step T+1 on CUDA, at once on the CPU; a burst larger than
 the peek is fetched by one more copy), reports them (log lines, JSONL, or an exception in raise
 mode), runs the health check and the stats line, and sweeps the prefix cache every ``sweep_interval``.
@@ -26,7 +26,7 @@ from kvcanary.batch import BatchView
 from kvcanary.config import Config, Mode
 from kvcanary.health import HealthMonitor, StatsLogger
 from kvcanary.plan import VerifyPlan, WritePlan
-from kvcanary.pump import DevicePump, Snapshot
+from kvcanary.pump import PinnedChannel, side_stream
 from kvcanary.real_kv import RealKvSource
 from kvcanary.report import Reporter, Violation
 from kvcanary.tags import NUM_LAUNCH_TAGS, LaunchTag
@@ -36,6 +36,16 @@ logger = logging.getLogger(__name__)
 SweepSource = Callable[[], tuple[Sequence[int], Sequence[int], Sequence[int]]]
 DEFAULT_VERIFY_CAPACITY_PER_SLOT = 3  # prefix sharing lets Σ prefix exceed the pool
 ROW_PEEK = 32  # ring rows copied with every status snapshot: the usual few violations need no second copy
+MAX_STATUS_ROWS = 1024  # the status copy is the state prefix up to the peeked rows; past this, no peek
+
+# Layout of the manager's flat int64 state buffer: one header, then the violation ring, so that the
+# header drains with one copy. The ring's int32 write index lives in the low half of element 0.
+_STATE_WRITE_INDEX = 0
+_STATE_OVERFLOWS = 1
+_STATE_KERNEL_RUNS = 2
+_STATE_SLOT_RUNS = _STATE_KERNEL_RUNS + NUM_LAUNCH_TAGS
+_STATE_HEADER = 8
+assert _STATE_SLOT_RUNS + NUM_LAUNCH_TAGS <= _STATE_HEADER
 
 
 @dataclass
@@ -129,11 +139,13 @@ class CanaryManager:
         self.write_plan = WritePlan.allocate(max_batch_size, dev)
         vcap = verify_capacity if verify_capacity is not None else DEFAULT_VERIFY_CAPACITY_PER_SLOT * num_slots
         self.verify_plan = VerifyPlan.allocate(vcap, dev)
-        self.violation_ring = torch.zeros((config.ring_capacity, layout.VIOLATION_FIELDS), **i64)
-        self.violation_write_index = torch.zeros(1, dtype=torch.int32, device=dev)
-        self.kernel_run_counters = torch.zeros(NUM_LAUNCH_TAGS, **i64)
-        self.slot_run_counters = torch.zeros(NUM_LAUNCH_TAGS, **i64)
-        self.verify_overflow_count = torch.zeros(1, **i64)
+        ring_numel = config.ring_capacity * layout.VIOLATION_FIELDS
+        self._state = torch.zeros(_STATE_HEADER + ring_numel, **i64)
+        self.violation_write_index = self._state[_STATE_WRITE_INDEX : _STATE_WRITE_INDEX + 1].view(torch.int32)[0:1]
+        self.verify_overflow_count = self._state[_STATE_OVERFLOWS : _STATE_OVERFLOWS + 1]
+        self.kernel_run_counters = self._state[_STATE_KERNEL_RUNS : _STATE_KERNEL_RUNS + NUM_LAUNCH_TAGS]
+        self.slot_run_counters = self._state[_STATE_SLOT_RUNS : _STATE_SLOT_RUNS + NUM_LAUNCH_TAGS]
+        self.violation_ring = self._state[_STATE_HEADER:].view(config.ring_capacity, layout.VIOLATION_FIELDS)
         self.enable_chain_position_assert = torch.zeros(1, dtype=torch.int32, device=dev)
         self.max_tokens_per_forward = max_tokens_per_forward
         self._input_ids = torch.zeros(max_tokens_per_forward, **i64)
@@ -149,11 +161,12 @@ class CanaryManager:
         self._sweep_plan: VerifyPlan | None = None
 
         # Host state.
-        self._pump = DevicePump(dev)
+        stream = side_stream(dev)
+        status_rows = min(config.ring_capacity, MAX_STATUS_ROWS)
+        self._status_channel = PinnedChannel(_STATE_HEADER + status_rows * layout.VIOLATION_FIELDS, torch.int64, dev, stream)
+        self._rows_channel = PinnedChannel(ring_numel, torch.int64, dev, stream)
         self._forwards = 0
         self._steps = 0
-        self._status: Snapshot | None = None
-        self._rows: Snapshot | None = None
         self._rows_requested = 0  # ring rows already asked for (all rows below this are in flight or read)
         self._lost_reported = 0
         self._overflows_reported = 0
@@ -323,40 +336,40 @@ class CanaryManager:
             return []
         return self._drain()
 
-    def _status_tensors(self) -> dict[str, torch.Tensor]:
-        """What one status snapshot copies: the ring index, counters, overflow count, and a peek at the
-        next ring rows so that a few new violations arrive with the index itself (one-step latency)."""
+    def _start_status(self) -> None:
+        """One copy of the state prefix: the header (ring index, overflows, counters) and the ring up to the
+        next ROW_PEEK unread rows (none once more than MAX_STATUS_ROWS rows were read: then rows come by
+        the rows channel, one step later)."""
         first = self._rows_requested
         peek_end = min(first + ROW_PEEK, self.violation_ring.shape[0])
-        return {
-            "write_index": self.violation_write_index,
-            "kernel_runs": self.kernel_run_counters,
-            "slot_runs": self.slot_run_counters,
-            "overflows": self.verify_overflow_count,
-            "peek": self.violation_ring[first:peek_end],
-        }
+        if peek_end > MAX_STATUS_ROWS:
+            peek_end = first = 0
+        numel = _STATE_HEADER + peek_end * layout.VIOLATION_FIELDS
+        self._status_channel.start(self._state[:numel], step=self._steps, first=first, peek_end=peek_end)
 
     def _drain(self) -> list[Violation]:
         reported: list[Violation] = []
         for _ in range(2):  # the second pass reads a snapshot that is ready at once (CPU, idle GPU)
-            if self._rows is not None and self._rows.ready():
-                rows, self._rows = self._rows, None
-                reported += self._read_rows(rows)
-            if self._status is not None and self._status.ready():
-                status, self._status = self._status, None
-                reported += self._read_status(status)
-            if self._status is None:
-                snap = self._pump.snapshot(self._status_tensors(), step=self._steps)
-                snap.values["first"] = torch.tensor([self._rows_requested])
-                self._status = snap
+            if self._rows_channel.ready():
+                reported += self._read_rows()
+            if self._status_channel.ready():
+                reported += self._read_status()
+            if not self._status_channel.busy:
+                self._start_status()
         return reported
 
-    def _read_status(self, status: Snapshot) -> list[Violation]:
-        values = status.values
-        index = int(values["write_index"][0])
-        kernel_runs = tuple(int(x) for x in values["kernel_runs"].tolist())
-        slot_runs = tuple(int(x) for x in values["slot_runs"].tolist())
-        overflows = int(values["overflows"][0])
+    def _read_status(self) -> list[Violation]:
+        channel = self._status_channel
+        step, first, peek_end = channel.step, channel.meta["first"], channel.meta["peek_end"]
+        flat = channel.take()
+        header = flat[:_STATE_HEADER]
+        fields = layout.VIOLATION_FIELDS
+        peek = flat[_STATE_HEADER + first * fields : _STATE_HEADER + peek_end * fields]
+        index = header[_STATE_WRITE_INDEX] & 0xFFFFFFFF
+        index = index - (1 << 32) if index >= 1 << 31 else index  # the int32 in the low half
+        overflows = header[_STATE_OVERFLOWS]
+        kernel_runs = tuple(header[_STATE_KERNEL_RUNS : _STATE_KERNEL_RUNS + NUM_LAUNCH_TAGS])
+        slot_runs = tuple(header[_STATE_SLOT_RUNS : _STATE_SLOT_RUNS + NUM_LAUNCH_TAGS])
         self.stats.kernel_runs, self.stats.slot_runs = kernel_runs, slot_runs
         self.stats.violations_seen = index
         self.stats.forwards = self._forwards
@@ -371,20 +384,19 @@ class CanaryManager:
         kept = min(index, capacity) if index >= 0 else capacity  # a wrapped int32 index: the ring is full
         lost_total = max(0, index - capacity) if index >= 0 else 0
         reported: list[Violation] = []
-        first = int(values["first"][0])
-        if self._rows is None and kept > self._rows_requested:
-            peek = values["peek"]
-            have = min(kept, first + peek.shape[0])
+        if not self._rows_channel.busy and kept > self._rows_requested:
+            have = min(kept, first + len(peek) // fields)
             if first == self._rows_requested and have > first:
-                reported += self._report_rows(peek[: have - first].tolist(), status.step, lost_total)
+                rows = [peek[i * fields : (i + 1) * fields] for i in range(have - first)]
+                reported += self._report_rows(rows, step, lost_total)
                 self._rows_requested = have
             if kept > self._rows_requested:  # more rows than the peek carried: fetch them (read next step)
-                snap = self._pump.snapshot({"rows": self.violation_ring[self._rows_requested : kept]}, step=status.step)
-                snap.values["lost"] = torch.tensor([lost_total])
-                self._rows = snap
+                self._rows_channel.start(
+                    self.violation_ring[self._rows_requested : kept].view(-1), step=step, lost=lost_total
+                )
                 self._rows_requested = kept
-        elif self._rows is None and lost_total > self._lost_reported:
-            reported += self._report_rows([], status.step, lost_total)
+        elif not self._rows_channel.busy and lost_total > self._lost_reported:
+            reported += self._report_rows([], step, lost_total)
         stalled = self.health.observe(self._steps, kernel_runs)
         if stalled:
             self.reporter.health_error(self.health.message(stalled, self._steps), step=self._steps, tags=stalled)
@@ -400,8 +412,13 @@ class CanaryManager:
             )
         return reported
 
-    def _read_rows(self, snap: Snapshot) -> list[Violation]:
-        return self._report_rows(snap.values["rows"].tolist(), snap.step, int(snap.values["lost"][0]))
+    def _read_rows(self) -> list[Violation]:
+        channel = self._rows_channel
+        step, lost_total = channel.step, channel.meta["lost"]
+        flat = channel.take()
+        fields = layout.VIOLATION_FIELDS
+        rows = [flat[i : i + fields] for i in range(0, len(flat), fields)]
+        return self._report_rows(rows, step, lost_total)
 
     def _report_rows(self, rows: list[list[int]], step: int, lost_total: int) -> list[Violation]:
         lost = max(0, lost_total - self._lost_reported)
@@ -418,7 +435,7 @@ class CanaryManager:
         reported: list[Violation] = []
         for _ in range(3):
             reported += self._drain()
-            if self._rows is None and self._status is None:
+            if not self._rows_channel.busy and not self._status_channel.busy:
                 break
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

@@ -1,55 +1,54 @@
-"""Device → host copies that never block the forward: pinned buffers, a side stream and an event.
+"""Device → host copies that never block the forward: preallocated pinned buffers, a side stream, events.
 
-A snapshot is taken after a forward's work is enqueued: the side stream waits on the compute stream,
-copies the tensors into pinned host memory and records an event. A later step checks the event
-(``ready()``, a non-blocking query) and only then reads the host copies. On the CPU the copy is
-immediate.
+A ``PinnedChannel`` copies a (prefix of a) device tensor into its own pinned host buffer once the work
+enqueued so far on the compute stream has run: the side stream waits on the compute stream, copies and
+records an event. A later step checks the event with a non-blocking query and only then reads the host
+copy. Buffers, streams and events are allocated once, so a step costs a few microseconds of host time.
+On the CPU the copy is immediate.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 
-@dataclass
-class Snapshot:
-    """Host copies of some device tensors, valid once ``ready()``."""
+class PinnedChannel:
+    """One reusable device → host copy of up to ``numel`` elements of ``dtype``."""
 
-    values: dict[str, torch.Tensor]
-    step: int
-    event: torch.cuda.Event | None = None
-    keep_alive: list[torch.Tensor] = field(default_factory=list)
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, stream: torch.cuda.Stream | None) -> None:
+        self.device = device
+        self.stream = stream
+        self.host = torch.zeros(max(numel, 1), dtype=dtype, pin_memory=device.type == "cuda")
+        self.event = torch.cuda.Event() if device.type == "cuda" else None
+        self.count = 0
+        self.step = 0
+        self.meta: dict[str, int] = {}
+        self.busy = False
+
+    def start(self, src: torch.Tensor, *, step: int, **meta: int) -> None:
+        """Copy the 1-D contiguous device tensor ``src`` (at most ``numel`` elements)."""
+        if self.busy:
+            raise RuntimeError("PinnedChannel: a copy is already in flight")
+        n = src.numel()
+        self.count, self.step, self.meta, self.busy = n, step, meta, True
+        if self.stream is None:
+            self.host[:n].copy_(src)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            self.host[:n].copy_(src, non_blocking=True)
+            assert self.event is not None
+            self.event.record(self.stream)
 
     def ready(self) -> bool:
-        return self.event is None or self.event.query()
+        return self.busy and (self.event is None or self.event.query())
+
+    def take(self) -> list[int]:
+        """The copied values (call once ``ready()``); frees the channel for the next copy."""
+        self.busy = False
+        return self.host[: self.count].tolist()
 
 
-class DevicePump:
-    """Schedules snapshots of device tensors on a side stream (CUDA) or copies at once (CPU)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
-
-    def snapshot(self, tensors: dict[str, torch.Tensor], *, step: int) -> Snapshot:
-        """Copy `tensors` (device) to fresh host tensors once the work enqueued so far has run."""
-        if not self.cuda:
-            return Snapshot({k: v.detach().clone() for k, v in tensors.items()}, step)
-        assert self.stream is not None
-        compute = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(compute)
-        host: dict[str, torch.Tensor] = {}
-        with torch.cuda.stream(self.stream):
-            for name, t in tensors.items():
-                out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                out.copy_(t, non_blocking=True)
-                host[name] = out
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        # The sources are read on the side stream: keep torch's allocator from reusing them too early.
-        for t in tensors.values():
-            t.record_stream(self.stream)
-        return Snapshot(host, step, event, keep_alive=list(tensors.values()))
+def side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The stream device → host copies run on (None on the CPU)."""
+    return torch.cuda.Stream(device=device) if device.type == "cuda" else None
