@@ -158,7 +158,11 @@ def test_cpu_kernels_under_address_sanitizer(tmp_path: Path) -> None:
     libasan = _libasan()
     if libasan is None:
         pytest.skip("gcc's libasan is not available")
+    import kvcanary
+
     env = dict(os.environ)
+    package_parent = str(Path(kvcanary.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH", "")) if p)
     env.update(
         KVCANARY_SANITIZE="address",
         KVCANARY_CACHE_DIR=str(tmp_path / "cache"),
