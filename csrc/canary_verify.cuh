@@ -9,8 +9,9 @@
  *   - token:    only with check_tokens and an expected token != -1;
  *   - position: always;
  *   - real-KV:  stored real_kv_hash vs the fingerprint of the slot's current bytes (0 in mode NONE).
- *   One row per failing entry: (slot, stored position, stored token, expected token, stored prev_hash,
- *   expected prev_hash — or the stored one when the chain was not checked, failure bits).
+ *   One row per failing entry: (slot, stored position, stored token, expected token — -1 unless
+ *   check_tokens, stored prev_hash, expected prev_hash — or the stored one when the chain was not
+ *   checked, failure bits).
  * Grid:  CUDA: min(ceil(capacity / kVerifyThreadsPerBlock), SMs * kVerifyBlocksPerSm) blocks, at least
  *        1, grid-stride over entries. CPU: one loop.
  * Block: kVerifyThreadsPerBlock threads, one entry per thread per step; the slot's and the
@@ -19,7 +20,7 @@
  * Writes: violation rows; kernel_run_counter +1 and slot_run_counter += active entries, both by
  *         thread 0 of block 0 (no per-entry atomics; the active count is known up front).
  * Bounds (kvcanary+, reason kReasonSlotOutOfRange):
- *   - slot < 0 or slot >= num_slots: row (slot, expected position, -1, expected token, 0, slot) with
+ *   - slot < 0 or slot >= num_slots: row (slot, expected position, -1, expected token*, 0, slot) with
  *     only that bit; nothing is dereferenced.
  *   - prev < -1 or prev >= num_slots: the chain is not checked; the row carries the other failures
  *     plus that bit, with expected_aux = prev.
@@ -93,8 +94,10 @@ KVCANARY_HD void verify_entry(const VerifyParams& p, int64_t e) {
   }
   const int64_t expected_token = p.expected_tokens[e];
   const int64_t expected_position = p.expected_positions[e];
+  // Rows show the expected token only when it was checked (as SGLang's built-in verify does).
+  const int64_t reported_token = p.check_tokens ? expected_token : kNoExpectedToken;
   if (slot < 0 || slot >= p.num_slots) {
-    record_violation(p.sink, ViolationRow{slot, expected_position, -1, expected_token, 0, slot, kReasonSlotOutOfRange});
+    record_violation(p.sink, ViolationRow{slot, expected_position, -1, reported_token, 0, slot, kReasonSlotOutOfRange});
     return;
   }
   const int64_t prev = p.prev_slot_indices[e];
@@ -129,7 +132,7 @@ KVCANARY_HD void verify_entry(const VerifyParams& p, int64_t e) {
     bits |= kReasonVerifyRealKvHash;
   }
   if (bits != 0) {
-    record_violation(p.sink, ViolationRow{slot, record.position, record.token, expected_token, record.prev_hash,
+    record_violation(p.sink, ViolationRow{slot, record.position, record.token, reported_token, record.prev_hash,
                                           expected_aux, bits});
   }
 }

@@ -242,8 +242,9 @@ def canary_verify_step(
         slot = slots[e]
         if slot == layout.PADDING_SLOT:
             continue
+        reported_token = exp_tok[e] if check_tokens else layout.NO_EXPECTED_TOKEN
         if slot < 0 or slot >= records.num_slots:
-            sink.record(slot, exp_pos[e], -1, exp_tok[e], 0, slot, layout.REASON_SLOT_OUT_OF_RANGE)
+            sink.record(slot, exp_pos[e], -1, reported_token, 0, slot, layout.REASON_SLOT_OUT_OF_RANGE)
             continue
         token, position, prev_hash, kv_hash = records.load(slot)
         prev = prevs[e]
@@ -268,7 +269,7 @@ def canary_verify_step(
         if kv_hash != to_i64(real_kv_fingerprint(real_kv_sources, real_kv_hash_mode, slot)):
             bits |= layout.REASON_VERIFY_REAL_KV_HASH
         if bits:
-            sink.record(slot, position, token, exp_tok[e], prev_hash, expected_aux, bits)
+            sink.record(slot, position, token, reported_token, prev_hash, expected_aux, bits)
     sink.commit()
     kernel_run_counter[0] = to_i64(int(kernel_run_counter[0]) + 1)
     slot_run_counter[0] = to_i64(int(slot_run_counter[0]) + active)
