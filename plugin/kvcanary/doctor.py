@@ -24,12 +24,11 @@ from pathlib import Path
 
 import torch
 
-from kvcanary import jit, layout
+from kvcanary import jit, layout, ref
 from kvcanary.real_kv import RealKvSource
 
 logger = logging.getLogger(__name__)
 
-_MASK64 = (1 << 64) - 1
 
 # Self-test shape: three requests of distinct lengths over distinct, non-padding slots.
 SELFTEST_NUM_SLOTS = 32
@@ -141,28 +140,11 @@ class DoctorReport:
 
 
 # --------------------------------------------------------------------------------------------------
-# hashes (SPEC §2), independent of the kernels and of kvcanary.ref
+# hashes (SPEC §2): the plain-Python model in kvcanary.ref, independent of the compiled kernels
 
-
-def _splitmix64(x: int) -> int:
-    x &= _MASK64
-    x ^= x >> layout.SPLITMIX_SHIFT1
-    x = (x * layout.SPLITMIX_MUL1) & _MASK64
-    x ^= x >> layout.SPLITMIX_SHIFT2
-    x = (x * layout.SPLITMIX_MUL2) & _MASK64
-    x ^= x >> layout.SPLITMIX_SHIFT3
-    return x
-
-
-def _mix3(a: int, b: int, c: int) -> int:
-    h = _splitmix64(a)
-    h = _splitmix64(h ^ (b & _MASK64))
-    return _splitmix64(h ^ (c & _MASK64))
-
-
-def _signed(x: int) -> int:
-    x &= _MASK64
-    return x - (1 << 64) if x >> 63 else x
+_splitmix64 = ref.splitmix64
+_mix3 = ref.mix3
+_signed = ref.to_i64
 
 
 def _fold(data: bytes) -> int:
