@@ -44,8 +44,9 @@ _STATE_WRITE_INDEX = 0
 _STATE_OVERFLOWS = 1
 _STATE_KERNEL_RUNS = 2
 _STATE_SLOT_RUNS = _STATE_KERNEL_RUNS + NUM_LAUNCH_TAGS
-_STATE_HEADER = 8
-assert _STATE_SLOT_RUNS + NUM_LAUNCH_TAGS <= _STATE_HEADER
+_STATE_RING_EPOCH = _STATE_SLOT_RUNS + NUM_LAUNCH_TAGS  # how many times the drained ring was emptied
+_STATE_HEADER = 16
+assert _STATE_RING_EPOCH < _STATE_HEADER
 
 
 @dataclass
@@ -146,6 +147,10 @@ class CanaryManager:
         self.kernel_run_counters = self._state[_STATE_KERNEL_RUNS : _STATE_KERNEL_RUNS + NUM_LAUNCH_TAGS]
         self.slot_run_counters = self._state[_STATE_SLOT_RUNS : _STATE_SLOT_RUNS + NUM_LAUNCH_TAGS]
         self.violation_ring = self._state[_STATE_HEADER:].view(config.ring_capacity, layout.VIOLATION_FIELDS)
+        self._ring_epoch = self._state[_STATE_RING_EPOCH : _STATE_RING_EPOCH + 1]
+        # Ring index value up to which the host has read every row (-1: none pending). The next forward
+        # empties the ring if nothing was appended since (see _reuse_drained_ring).
+        self._ring_drained_to = torch.full((1,), -1, **i64)
         self.enable_chain_position_assert = torch.zeros(1, dtype=torch.int32, device=dev)
         self.max_tokens_per_forward = max_tokens_per_forward
         self._input_ids = torch.zeros(max_tokens_per_forward, **i64)
@@ -169,6 +174,9 @@ class CanaryManager:
         self._steps = 0
         self._rows_requested = 0  # ring rows already asked for (all rows below this are in flight or read)
         self._lost_reported = 0
+        self._epoch = 0
+        self._last_index = 0
+        self._drained_marker_sent: int | None = None
         self._overflows_reported = 0
         self.stats = CanaryStats()
         self.violations: list[Violation] = []
@@ -191,6 +199,19 @@ class CanaryManager:
             "kernel_run_counter": self.kernel_run_counters[tag : tag + 1],
         }
 
+    def _reuse_drained_ring(self) -> None:
+        """Empty the ring if the host has read every row and nothing was appended since.
+
+        Device ops, stream-ordered before this forward's launches: when the write index still equals
+        the value the host acknowledged, no row beyond what it read exists, so resetting loses nothing.
+        The epoch counter tells the host the ring restarted. Without this a long-running engine would
+        keep details of only its first ``ring_capacity`` violations.
+        """
+        drained = self.violation_write_index == self._ring_drained_to
+        self.violation_write_index.masked_fill_(drained, 0)
+        self._ring_epoch.add_(drained)
+        self._ring_drained_to.masked_fill_(drained, -1)
+
     def before_forward(self, batch: BatchView) -> None:
         """Plan and verify (before the model writes KV). Graph-capturable; never synchronises."""
         n, bs = batch.num_tokens, batch.batch_size
@@ -198,6 +219,7 @@ class CanaryManager:
             raise ValueError(f"CanaryManager: batch has {n} tokens, more than max_tokens_per_forward={self.max_tokens_per_forward}")
         if bs > self.write_plan.capacity:
             raise ValueError(f"CanaryManager: batch has {bs} rows, more than max_batch_size={self.write_plan.capacity}")
+        self._reuse_drained_ring()
         self._input_ids[:n].copy_(batch.input_ids)
         self._positions[:n].copy_(batch.positions)
         self._out_cache_loc[:n].copy_(batch.out_cache_loc)
@@ -367,6 +389,11 @@ class CanaryManager:
         peek = flat[_STATE_HEADER + first * fields : _STATE_HEADER + peek_end * fields]
         index = header[_STATE_WRITE_INDEX] & 0xFFFFFFFF
         index = index - (1 << 32) if index >= 1 << 31 else index  # the int32 in the low half
+        epoch = header[_STATE_RING_EPOCH]
+        if epoch != self._epoch:  # the device emptied the ring after we acknowledged every row
+            self._epoch, self._rows_requested, self._lost_reported = epoch, 0, 0
+            self._drained_marker_sent = None
+        self._last_index = index
         overflows = header[_STATE_OVERFLOWS]
         kernel_runs = tuple(header[_STATE_KERNEL_RUNS : _STATE_KERNEL_RUNS + NUM_LAUNCH_TAGS])
         slot_runs = tuple(header[_STATE_SLOT_RUNS : _STATE_SLOT_RUNS + NUM_LAUNCH_TAGS])
@@ -397,6 +424,7 @@ class CanaryManager:
                 self._rows_requested = kept
         elif not self._rows_channel.busy and lost_total > self._lost_reported:
             reported += self._report_rows([], step, lost_total)
+        self._acknowledge_drained_rows()
         stalled = self.health.observe(self._steps, kernel_runs)
         if stalled:
             self.reporter.health_error(self.health.message(stalled, self._steps), step=self._steps, tags=stalled)
@@ -418,7 +446,24 @@ class CanaryManager:
         flat = channel.take()
         fields = layout.VIOLATION_FIELDS
         rows = [flat[i : i + fields] for i in range(0, len(flat), fields)]
-        return self._report_rows(rows, step, lost_total)
+        reported = self._report_rows(rows, step, lost_total)
+        self._acknowledge_drained_rows()
+        return reported
+
+    def _acknowledge_drained_rows(self) -> None:
+        """Tell the device every row up to the last seen index was read (so the next forward may empty
+        the ring). A non-blocking copy, stream-ordered before the next forward."""
+        index = self._last_index
+        capacity = self.violation_ring.shape[0]
+        if index <= 0 or self._rows_channel.busy or index == self._drained_marker_sent:
+            return
+        if self._rows_requested < min(index, capacity) or self._lost_reported < max(0, index - capacity):
+            return
+        staged = torch.tensor([index], dtype=torch.int64)
+        if self.device.type == "cuda":
+            staged = staged.pin_memory()
+        self._ring_drained_to.copy_(staged, non_blocking=True)
+        self._drained_marker_sent = index
 
     def _report_rows(self, rows: list[list[int]], step: int, lost_total: int) -> list[Violation]:
         lost = max(0, lost_total - self._lost_reported)

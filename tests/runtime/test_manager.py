@@ -14,7 +14,7 @@ from kvcanary.manager import CanaryManager
 from kvcanary.real_kv import RealKvSource
 from kvcanary.report import CanaryHealthError, CanaryViolationError
 
-NUM_SLOTS = 64
+NUM_SLOTS = 128
 
 
 class TinyEngine:
@@ -161,8 +161,8 @@ def test_plan_index_error_reported_as_out_of_range() -> None:
     assert len(oob) == 1 and layout.decode_plan_index_error(oob[0].slot) == 7
 
 
-def test_burst_beyond_peek_and_ring_overflow_are_reported() -> None:
-    eng = TinyEngine(mode=Mode.LOG, ring_capacity=40)
+def test_ring_overflow_keeps_the_first_rows_and_counts_the_rest() -> None:
+    eng = TinyEngine(mode=Mode.LOG, ring_capacity=20)
     eng.forward([1, 2], [15, 15])
     for row in (1, 2):
         for p in range(15):
@@ -170,6 +170,35 @@ def test_burst_beyond_peek_and_ring_overflow_are_reported() -> None:
     eng.forward([1, 2], [1, 1])
     eng.forward([1, 2], [1, 1])
     eng.mgr.flush()
-    assert len(eng.mgr.violations) == 40  # the ring keeps the first 40 rows
-    assert eng.mgr.reporter.total_lost == 20  # and counts the 20 it could not keep
+    # each verify finds 30 corrupt slots: the ring keeps the first 20 of each forward's rows,
+    # counts the other 10 as lost, and is emptied for reuse once the host has read it
+    assert len(eng.mgr.violations) == 40
+    assert eng.mgr.reporter.total_lost == 20
     assert {v.reasons for v in eng.mgr.violations} == {("verify_real_kv_hash",)}
+
+
+def test_ring_is_reused_once_drained() -> None:
+    """A small ring keeps reporting violation after violation: the drained ring is emptied and reused."""
+    eng = TinyEngine(mode=Mode.LOG, ring_capacity=4)
+    eng.forward([1, 2], [12, 12])
+    victims = [int(eng.req_to_token[1 + (i % 2), i % 12]) for i in range(10)]
+    for slot in victims:
+        eng.kv[slot, 7] ^= 0x40  # one corrupt slot at a time
+        eng.forward([1, 2], [1, 1])  # verify finds it
+        eng.kv[slot, 7] ^= 0x40  # repaired
+        eng.forward([1, 2], [1, 1])
+    eng.mgr.flush()
+    assert [v.slot for v in eng.mgr.violations] == victims
+    assert eng.mgr.reporter.total_lost == 0
+
+
+def test_burst_larger_than_the_status_peek_arrives_complete() -> None:
+    eng = TinyEngine(mode=Mode.LOG, ring_capacity=100)
+    eng.forward([1, 2], [25, 25])
+    slots = sorted(int(eng.req_to_token[row, p]) for row in (1, 2) for p in range(25))
+    for slot in slots:
+        eng.kv[slot, 1] ^= 0x01  # 50 violations in one verify: more than the 32 rows a status copy peeks at
+    eng.forward([1, 2], [1, 1])
+    eng.mgr.flush()
+    assert sorted(v.slot for v in eng.mgr.violations) == slots
+    assert eng.mgr.reporter.total_lost == 0

@@ -1,0 +1,281 @@
+"""Fault injection: engine-agnostic injectors for every SPEC §7 fault class.
+
+Each injector mutates the tensors it is handed (in place), logs one WARNING line saying exactly what it
+changed, and returns an :class:`Injection` naming the KV slots it touched, so that a test (or an operator
+reading the log) can match the canary's detections to injections. The injectors know nothing about an
+engine: which row, slot or batch entry to corrupt is the caller's choice (``tests/sim`` drives them from a
+simulator; the SGLang adapter from :class:`FaultPlan`).
+
+Classes (``FAULT_CLASSES``), injector, what the canary should report (``EXPECTED_REASONS``):
+
+* ``req_to_token_redirect``: :func:`redirect_req_to_token`; verify_chain_hash.
+* ``real_kv_flip``: :func:`flip_real_kv`; verify_real_kv_hash.
+* ``stale_slot_reuse``: the engine frees a slot and lets another request write it,
+  :func:`keep_stale_mapping` keeps the old mapping; verify chain / token / position.
+* ``cached_idle_corruption``: :func:`flip_cached_idle`; verify_real_kv_hash, from the sweep.
+* ``token_swap``: :func:`swap_tokens`; write_token (input assert) or verify_token (token check).
+* ``position_skew``: :func:`skew_position`; write_position (chain-position assert) / verify_position.
+* ``out_of_range_index``: :func:`out_of_range_slot`; slot_out_of_range, and no out-of-bounds access.
+
+Environment (read by :meth:`FaultPlan.from_env`; never set it in production):
+``KVCANARY_FAULT=<class>[,<class>...]`` (or ``all``), ``KVCANARY_FAULT_EVERY=<steps>`` (default 100),
+``KVCANARY_FAULT_WARMUP=<steps>`` (default 0), ``KVCANARY_FAULT_SEED=<int>`` (default 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from kvcanary.real_kv import RealKvSource
+
+logger = logging.getLogger(__name__)
+
+REQ_TO_TOKEN_REDIRECT = "req_to_token_redirect"
+REAL_KV_FLIP = "real_kv_flip"
+STALE_SLOT_REUSE = "stale_slot_reuse"
+CACHED_IDLE_CORRUPTION = "cached_idle_corruption"
+TOKEN_SWAP = "token_swap"
+POSITION_SKEW = "position_skew"
+OUT_OF_RANGE_INDEX = "out_of_range_index"
+
+FAULT_CLASSES: tuple[str, ...] = (
+    REQ_TO_TOKEN_REDIRECT,
+    REAL_KV_FLIP,
+    STALE_SLOT_REUSE,
+    CACHED_IDLE_CORRUPTION,
+    TOKEN_SWAP,
+    POSITION_SKEW,
+    OUT_OF_RANGE_INDEX,
+)
+
+# The reason names (``kvcanary.layout.reason_names``) each class is expected to produce; any one of them counts.
+EXPECTED_REASONS: Mapping[str, tuple[str, ...]] = {
+    REQ_TO_TOKEN_REDIRECT: ("verify_chain_hash",),
+    REAL_KV_FLIP: ("verify_real_kv_hash",),
+    STALE_SLOT_REUSE: ("verify_chain_hash", "verify_token", "verify_position"),
+    CACHED_IDLE_CORRUPTION: ("verify_real_kv_hash",),
+    TOKEN_SWAP: ("write_token", "verify_token"),
+    POSITION_SKEW: ("write_position", "verify_position"),
+    OUT_OF_RANGE_INDEX: ("slot_out_of_range",),
+}
+
+ENV_FAULT = "KVCANARY_FAULT"
+ENV_FAULT_EVERY = "KVCANARY_FAULT_EVERY"
+ENV_FAULT_WARMUP = "KVCANARY_FAULT_WARMUP"
+ENV_FAULT_SEED = "KVCANARY_FAULT_SEED"
+
+
+@dataclass(frozen=True)
+class Injection:
+    """What one injector did: the fault class, the engine step (if the caller gave one), the KV slots it
+    touched (slots whose records or bytes no longer agree, or the bad index itself), and a readable detail."""
+
+    fault: str
+    step: int | None
+    slots: tuple[int, ...]
+    detail: str
+
+
+def _log(inj: Injection) -> Injection:
+    logger.warning("kvcanary fault injected: %s step=%s slots=%s %s", inj.fault, inj.step, list(inj.slots), inj.detail)
+    return inj
+
+
+def _check_index(name: str, value: int, size: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < size:
+        raise IndexError(f"kvcanary.faults: {name}: expected an int in [0, {size}), got {value!r}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------- injectors
+def redirect_req_to_token(
+    req_to_token: torch.Tensor, row: int, position: int, new_slot: int, *, step: int | None = None
+) -> Injection:
+    """Point the live entry ``req_to_token[row, position]`` at ``new_slot`` (another live slot).
+
+    Touched slots: the new slot, the old one and the successor ``req_to_token[row, position + 1]`` when that
+    is mapped (its chain check reads the redirected predecessor, so it fails too).
+    """
+    _check_index("row", row, req_to_token.shape[0])
+    _check_index("position", position, req_to_token.shape[1])
+    old = int(req_to_token[row, position])
+    req_to_token[row, position] = new_slot
+    slots = (int(new_slot), old)
+    if position + 1 < req_to_token.shape[1] and int(req_to_token[row, position + 1]) != 0:
+        slots += (int(req_to_token[row, position + 1]),)
+    return _log(Injection(REQ_TO_TOKEN_REDIRECT, step, slots, f"req_to_token[{row}, {position}]: {old} -> {new_slot}"))
+
+
+def _flip(fault: str, source: RealKvSource, slot: int, byte: int, mask: int, step: int | None) -> Injection:
+    _check_index("slot", slot, source.num_slots)
+    _check_index("byte", byte, source.num_bytes_per_token)
+    if not 0 < mask <= 0xFF:
+        raise ValueError(f"kvcanary.faults: mask: expected an int in [1, 255], got {mask!r}")
+    row, col = divmod(slot, source.page_size)
+    col = col * source.num_bytes_per_token + byte
+    old = int(source.kv_bytes[row, col])
+    source.kv_bytes[row, col] = old ^ mask
+    return _log(Injection(fault, step, (int(slot),),
+                          f"real KV slot {slot} byte {byte}: 0x{old:02x} -> 0x{old ^ mask:02x} (mask 0x{mask:02x})"))
+
+
+def flip_real_kv(
+    source: RealKvSource, slot: int, byte: int = 0, mask: int = 0xFF, *, step: int | None = None
+) -> Injection:
+    """XOR ``mask`` into byte ``byte`` of a live slot's real KV bytes (byte < 16 is inside the PARTIAL window).
+
+    Calling it again with the same arguments restores the byte.
+    """
+    return _flip(REAL_KV_FLIP, source, slot, byte, mask, step)
+
+
+def flip_cached_idle(
+    source: RealKvSource, slot: int, byte: int = 0, mask: int = 0xFF, *, step: int | None = None
+) -> Injection:
+    """:func:`flip_real_kv` on a slot that only the prefix cache holds (no running request reads it): only
+    the periodic sweep can see it."""
+    return _flip(CACHED_IDLE_CORRUPTION, source, slot, byte, mask, step)
+
+
+def keep_stale_mapping(
+    req_to_token: torch.Tensor, row: int, position: int, slot: int, *, step: int | None = None
+) -> Injection:
+    """Write the freed ``slot`` back into live ``req_to_token[row, position]``: the engine gave the slot away
+    (another request is writing it) but this row still maps it."""
+    _check_index("row", row, req_to_token.shape[0])
+    _check_index("position", position, req_to_token.shape[1])
+    old = int(req_to_token[row, position])
+    req_to_token[row, position] = slot
+    return _log(Injection(STALE_SLOT_REUSE, step, (int(slot),),
+                          f"req_to_token[{row}, {position}] keeps freed slot {slot} (was {old})"))
+
+
+def swap_tokens(
+    input_ids: torch.Tensor, i: int, j: int, *, out_cache_loc: torch.Tensor | None = None, step: int | None = None
+) -> Injection:
+    """Swap the input tokens of batch entries ``i`` and ``j`` (two requests' next tokens).
+
+    Touched slots: ``out_cache_loc[i]`` and ``out_cache_loc[j]`` when ``out_cache_loc`` is given.
+    """
+    n = input_ids.shape[0]
+    _check_index("i", i, n)
+    _check_index("j", j, n)
+    a, b = int(input_ids[i]), int(input_ids[j])
+    input_ids[i], input_ids[j] = b, a
+    slots = () if out_cache_loc is None else (int(out_cache_loc[i]), int(out_cache_loc[j]))
+    return _log(Injection(TOKEN_SWAP, step, slots, f"input_ids[{i}] {a} <-> input_ids[{j}] {b}"))
+
+
+def skew_position(
+    positions: torch.Tensor, i: int, delta: int, *, out_cache_loc: torch.Tensor | None = None, step: int | None = None
+) -> Injection:
+    """Add ``delta`` (non-zero) to ``positions[i]``: the token is written at the wrong position.
+
+    Touched slot: ``out_cache_loc[i]`` when given.
+    """
+    _check_index("i", i, positions.shape[0])
+    if delta == 0:
+        raise ValueError("kvcanary.faults: delta: must be non-zero")
+    old = int(positions[i])
+    positions[i] = old + delta
+    slots = () if out_cache_loc is None else (int(out_cache_loc[i]),)
+    return _log(Injection(POSITION_SKEW, step, slots, f"positions[{i}]: {old} -> {old + delta}"))
+
+
+def out_of_range_slot(
+    index: torch.Tensor, i: int | tuple[int, int], num_slots: int, *, offset: int = 0, step: int | None = None
+) -> Injection:
+    """Set one slot index to ``num_slots + offset`` (``offset >= 0``: past the end of the pool).
+
+    ``index`` is ``out_cache_loc`` (``i`` an int) or ``req_to_token`` (``i`` a (row, position) pair).
+    Touched slots: the bad index and the slot it replaced.
+    """
+    if offset < 0:
+        raise ValueError(f"kvcanary.faults: offset: must be >= 0, got {offset}")
+    key = (i,) if isinstance(i, int) else tuple(i)
+    if len(key) != index.dim():
+        raise ValueError(f"kvcanary.faults: i: expected {index.dim()} indices for a {index.dim()}-d tensor, got {i!r}")
+    for d, k in enumerate(key):
+        _check_index(f"i[{d}]", k, index.shape[d])
+    bad = num_slots + offset
+    if index.dtype == torch.int32 and bad >= 1 << 31:
+        raise ValueError(f"kvcanary.faults: num_slots + offset = {bad} does not fit int32")
+    old = int(index[key])
+    index[key] = bad
+    where = "[" + ", ".join(map(str, key)) + "]"
+    detail = f"index{where}: {old} -> {bad} (num_slots {num_slots})"
+    return _log(Injection(OUT_OF_RANGE_INDEX, step, (bad, old), detail))
+
+
+# ---------------------------------------------------------------------------------------------- plan
+def _env_int(environ: Mapping[str, str], var: str, default: int, minimum: int) -> int:
+    raw = environ.get(var, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw, 10)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ValueError(f"{var}: expected an integer >= {minimum}; got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """When and what to inject in a running engine: one fault every ``every`` steps after ``warmup``,
+    cycling through ``classes`` in a seeded random order."""
+
+    classes: tuple[str, ...]
+    every: int = 100
+    warmup: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.classes:
+            raise ValueError("FaultPlan: classes: expected at least one fault class")
+        for c in self.classes:
+            if c not in FAULT_CLASSES:
+                raise ValueError(f"FaultPlan: unknown fault class {c!r}; expected one of {', '.join(FAULT_CLASSES)}")
+        if self.every < 1 or self.warmup < 0:
+            raise ValueError(f"FaultPlan: every must be >= 1 and warmup >= 0, got {self.every}, {self.warmup}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> FaultPlan | None:
+        """The plan ``KVCANARY_FAULT*`` describes, or None when ``KVCANARY_FAULT`` is unset or empty.
+
+        A bad value raises ``ValueError`` naming the variable and the allowed values.
+        """
+        env = os.environ if environ is None else environ
+        raw = env.get(ENV_FAULT, "").strip()
+        if not raw:
+            return None
+        names = [n.strip().lower() for n in raw.split(",")]
+        if names == ["all"]:
+            classes = FAULT_CLASSES
+        else:
+            bad = [n for n in names if n not in FAULT_CLASSES]
+            if bad:
+                raise ValueError(f"{ENV_FAULT}: expected a comma-separated list of {', '.join(FAULT_CLASSES)} "
+                                 f"(or all); got {raw!r}")
+            classes = tuple(dict.fromkeys(names))
+        return cls(
+            classes=classes,
+            every=_env_int(env, ENV_FAULT_EVERY, 100, 1),
+            warmup=_env_int(env, ENV_FAULT_WARMUP, 0, 0),
+            seed=_env_int(env, ENV_FAULT_SEED, 0, 0),
+        )
+
+    def due(self, step: int) -> bool:
+        """Whether to inject at ``step``."""
+        return step >= self.warmup and (step - self.warmup) % self.every == 0
+
+    def pick(self, step: int) -> str:
+        """The class to inject at ``step`` (deterministic in (seed, step))."""
+        return random.Random(self.seed * 1_000_003 + step).choice(self.classes)

@@ -1,0 +1,17 @@
+"""Simulator tests: make ``kvcanary`` (plugin/) and the simulator (tests/sim/engine.py) importable, and build
+a simulator wired to a real ``CanaryManager`` on the CPU (``engine.build_sim``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+_PLUGIN = _HERE.parents[1] / "plugin"
+
+try:
+    import kvcanary  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(_PLUGIN))
+if str(_HERE) not in sys.path:
+    sys.path.insert(0, str(_HERE))
