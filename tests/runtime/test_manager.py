@@ -33,7 +33,7 @@ class TinyEngine:
             req_to_token=self.req_to_token,
             device="cpu",
             max_batch_size=4,
-            max_tokens_per_forward=32,
+            max_tokens_per_forward=64,
             real_kv_sources=[RealKvSource(self.kv, 1, 32, 32)],
         )
 
@@ -143,7 +143,7 @@ def test_overflow_disables_verify_and_warns(caplog: pytest.LogCaptureFixture) ->
 def test_batch_beyond_capacity_is_refused() -> None:
     eng = TinyEngine()
     t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
-    big = BatchView(ForwardKind.EXTEND, t([1] * 40), t(list(range(40))), t([1] * 40), t([1]), t([0]), t([40]))
+    big = BatchView(ForwardKind.EXTEND, t([1] * 80), t(list(range(80))), t([1] * 80), t([1]), t([0]), t([80]))
     with pytest.raises(ValueError, match="max_tokens_per_forward"):
         eng.mgr.before_forward(big)
 
