@@ -82,4 +82,5 @@ def test_wheel_metadata(wheel: Path) -> None:
         assert f"Requires-Dist: {dep}" in metadata, metadata
     assert "kvcanary = kvcanary.cli:main" in entry_points
     assert "[console_scripts]" in entry_points
-    assert "sglang" not in entry_points  # the SGLang plugin entry point comes in a later change
+    assert "[sglang.srt.plugins]" in entry_points, entry_points
+    assert "kvcanary = kvcanary.sglang:register" in entry_points, entry_points

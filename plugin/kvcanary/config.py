@@ -66,6 +66,8 @@ KNOWN_ENV_VARS: frozenset[str] = frozenset(
         # owned by kvcanary.jit
         "KVCANARY_CUDA_ARCH",
         "KVCANARY_SANITIZE",
+        # owned by the SGLang adapter (kvcanary.sglang.common)
+        "KVCANARY_REAL_KV_LAYERS",
     }
 )
 # Whole families owned by other modules: fault injection (kvcanary.faults) reads KVCANARY_FAULT*.

@@ -413,15 +413,17 @@ class CanaryManager:
         reported: list[Violation] = []
         if not self._rows_channel.busy and kept > self._rows_requested:
             have = min(kept, first + len(peek) // fields)
+            peeked: list[list[int]] = []
             if first == self._rows_requested and have > first:
-                rows = [peek[i * fields : (i + 1) * fields] for i in range(have - first)]
-                reported += self._report_rows(rows, step, lost_total)
-                self._rows_requested = have
+                peeked = [peek[i * fields : (i + 1) * fields] for i in range(have - first)]
+                self._rows_requested = have  # before reporting: raise mode must not see these rows again
             if kept > self._rows_requested:  # more rows than the peek carried: fetch them (read next step)
                 self._rows_channel.start(
                     self.violation_ring[self._rows_requested : kept].view(-1), step=step, lost=lost_total
                 )
                 self._rows_requested = kept
+            if peeked:
+                reported += self._report_rows(peeked, step, lost_total)
         elif not self._rows_channel.busy and lost_total > self._lost_reported:
             reported += self._report_rows([], step, lost_total)
         self._acknowledge_drained_rows()
@@ -466,11 +468,15 @@ class CanaryManager:
         self._drained_marker_sent = index
 
     def _report_rows(self, rows: list[list[int]], step: int, lost_total: int) -> list[Violation]:
+        """Record and report rows already marked as read (so a raise never repeats them)."""
         lost = max(0, lost_total - self._lost_reported)
         self._lost_reported = max(self._lost_reported, lost_total)
         violations = [Violation.from_row(r, step=step, rank=self.rank) for r in rows]
         self.violations.extend(violations)
-        self.reporter.report(violations, lost=lost, step=step)
+        try:
+            self.reporter.report(violations, lost=lost, step=step)
+        finally:
+            self._acknowledge_drained_rows()
         return violations
 
     def flush(self) -> list[Violation]:

@@ -202,3 +202,17 @@ def test_burst_larger_than_the_status_peek_arrives_complete() -> None:
     eng.mgr.flush()
     assert sorted(v.slot for v in eng.mgr.violations) == slots
     assert eng.mgr.reporter.total_lost == 0
+
+
+def test_raise_mode_reports_each_violation_once() -> None:
+    """After a CanaryViolationError the engine may go on (e.g. a test harness): the same rows never raise twice."""
+    eng = TinyEngine(mode=Mode.RAISE)
+    eng.forward([1], [4])
+    slot = int(eng.req_to_token[1, 1])
+    eng.kv[slot, 0] ^= 0xFF
+    with pytest.raises(CanaryViolationError):
+        eng.forward([1], [1])
+    eng.kv[slot, 0] ^= 0xFF  # repaired
+    eng.forward([1], [1])  # must not raise the old rows again
+    eng.mgr.flush()
+    assert [v.slot for v in eng.mgr.violations] == [slot]

@@ -1,0 +1,190 @@
+"""Version-agnostic parts of the SGLang adapter: the adapter's own environment variables, the per-runner
+installation (one CanaryManager per KV group), the ``model.forward`` wrapper and fault injection.
+
+Nothing here names an sglang attribute: the version module (e.g. ``kvcanary.sglang.v0_5_12``) turns sglang
+objects into :class:`GroupSpec`, :class:`~kvcanary.batch.BatchView` and plain callables.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcanary.batch import BatchView
+from kvcanary.config import Config
+from kvcanary.manager import CanaryManager, SweepSource
+from kvcanary.real_kv import RealKvSource
+
+logger = logging.getLogger("kvcanary.sglang")
+
+ENV_REAL_KV_LAYERS = "KVCANARY_REAL_KV_LAYERS"
+DEFAULT_REAL_KV_LAYERS: tuple[int, ...] = (0, -1)
+MAX_REAL_KV_SOURCES = 4
+
+
+class UnsupportedSetupError(RuntimeError):
+    """An sglang setup kvcanary cannot protect; the message says what to change."""
+
+
+class HookTargetError(RuntimeError):
+    """A hook target is missing from the installed sglang or has unexpected parameters."""
+
+
+def parse_real_kv_layers(environ: Mapping[str, str] | None = None) -> tuple[int, ...]:
+    """``KVCANARY_REAL_KV_LAYERS``: comma-separated layer indices (negative counts from the last layer).
+
+    Default ``0,-1`` (the first and the last layer). A bad value raises ValueError naming the variable.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(ENV_REAL_KV_LAYERS)
+    if raw is None or not raw.strip():
+        return DEFAULT_REAL_KV_LAYERS
+    layers = []
+    for part in raw.split(","):
+        try:
+            layers.append(int(part.strip(), 10))
+        except ValueError:
+            raise ValueError(
+                f"{ENV_REAL_KV_LAYERS}: expected a comma-separated list of layer indices (negative counts from the "
+                f"last layer), e.g. 0,-1; got {raw!r}"
+            ) from None
+    return tuple(layers)
+
+
+def resolve_layers(layers: Sequence[int], num_layers: int, per_layer: int, what: str) -> list[int]:
+    """Layer indices → distinct local indices in [0, num_layers), in order; at most MAX_REAL_KV_SOURCES sources."""
+    out: list[int] = []
+    for layer in layers:
+        idx = layer + num_layers if layer < 0 else layer
+        if not 0 <= idx < num_layers:
+            raise ValueError(
+                f"{ENV_REAL_KV_LAYERS}: layer {layer} is out of range for {what} with {num_layers} layer(s) "
+                f"(valid: 0..{num_layers - 1} or -{num_layers}..-1)"
+            )
+        if idx not in out:
+            out.append(idx)
+    if len(out) * per_layer > MAX_REAL_KV_SOURCES:
+        raise ValueError(
+            f"{ENV_REAL_KV_LAYERS}: {len(out)} layer(s) x {per_layer} buffer(s) per layer of {what} is more than "
+            f"{MAX_REAL_KV_SOURCES} real-KV sources; name at most {MAX_REAL_KV_SOURCES // per_layer} layer(s)"
+        )
+    return out
+
+
+def token_major_source(buffer: torch.Tensor, num_slots: int, page_size: int) -> RealKvSource:
+    """A RealKvSource over one per-layer KV buffer: token-major ``[slots, ...]`` or page-major ``[pages, page, ...]``."""
+    if buffer.dim() >= 3 and buffer.shape[0] < num_slots and buffer.shape[1] == page_size:
+        per_token = buffer[0, 0].numel() * buffer.element_size()
+        return RealKvSource(buffer, page_size, per_token, per_token)
+    per_token = buffer[0].numel() * buffer.element_size()
+    return RealKvSource(buffer, 1, per_token, per_token)
+
+
+@dataclass(repr=False)
+class GroupSpec:
+    """One shadowed KV (sub-)pool: its slot count, real-KV sources and, for a sliding-window pool, the LUT."""
+
+    name: str
+    num_slots: int
+    sources: tuple[RealKvSource, ...]
+    swa_window_size: int = 0
+    full_to_swa_index_mapping: torch.Tensor | None = None
+    # Which slot array of a ForwardBatch this group writes: "full" (out_cache_loc) or "swa" (translated).
+    loc: str = "full"
+
+
+@dataclass(repr=False)
+class Group:
+    spec: GroupSpec
+    manager: CanaryManager
+
+
+@dataclass(repr=False)
+class Installation:
+    """kvcanary on one sglang ModelRunner: the managers of its KV groups and the per-forward glue."""
+
+    config: Config
+    groups: list[Group]
+    to_views: Callable[[object, torch.Tensor, torch.Tensor], list[BatchView]]  # forward_batch, ids, pos -> per group
+    req_to_token: torch.Tensor
+    fault_plan: object | None = None
+    runner_ref: Callable[[], object] | None = None
+    steps: int = 0
+    injections: list = field(default_factory=list)
+
+    @property
+    def manager(self) -> CanaryManager:
+        """The manager of the full pool (the first group)."""
+        return self.groups[0].manager
+
+    # ------------------------------------------------------------------------------------------- in-graph half
+    def wrap_model_forward(self, model: torch.nn.Module) -> None:
+        """Replace the instance's ``model.forward`` so plan/verify/write sit inside captured decode graphs."""
+        original = model.forward
+        if getattr(original, "kvcanary_wrapped", False):
+            return
+        install = self
+
+        @functools.wraps(original)
+        def forward(input_ids, positions, forward_batch, *args, **kwargs):
+            views = install.to_views(forward_batch, input_ids, positions)
+            for group, view in zip(install.groups, views):
+                group.manager.before_forward(view)
+            out = original(input_ids, positions, forward_batch, *args, **kwargs)
+            for group, view in zip(install.groups, views):
+                group.manager.after_forward(view)
+            return out
+
+        forward.kvcanary_wrapped = True  # type: ignore[attr-defined]
+        model.forward = forward
+
+    # ------------------------------------------------------------------------------------------- host half
+    def host_before(self, inject: Callable[[Installation, int], None] | None = None) -> None:
+        """Outside the graph, before a real forward: fault injection (when KVCANARY_FAULT asks for it)."""
+        if self.fault_plan is not None and inject is not None and self.fault_plan.due(self.steps):
+            inject(self, self.steps)
+
+    def host_after(self) -> None:
+        """Outside the graph, after a real forward: drain violations, health, stats, sweep (per group)."""
+        self.steps += 1
+        for group in self.groups:
+            group.manager.step()
+
+    def mark_init_finished(self) -> None:
+        for group in self.groups:
+            group.manager.mark_init_finished()
+
+    def set_sweep_source(self, source: SweepSource | None) -> None:
+        self.manager.set_sweep_source(source)
+
+    def set_expected_tokens(self, row: int, tokens: Sequence[int]) -> None:
+        for group in self.groups:
+            group.manager.set_expected_tokens(row, tokens)
+
+    @property
+    def verify_tokens(self) -> bool:
+        return self.config.verify_tokens
+
+    def close(self) -> None:
+        for group in self.groups:
+            group.manager.close()
+
+
+_INSTALLATIONS: list[weakref.ReferenceType] = []
+
+
+def remember(inst: Installation) -> None:
+    _INSTALLATIONS.append(weakref.ref(inst))
+
+
+def installations() -> list[Installation]:
+    """Live installations in this process (one per hooked ModelRunner)."""
+    alive = [r() for r in _INSTALLATIONS]
+    _INSTALLATIONS[:] = [r for r, i in zip(_INSTALLATIONS, alive) if i is not None]
+    return [i for i in alive if i is not None]

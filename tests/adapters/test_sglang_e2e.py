@@ -1,0 +1,165 @@
+"""End to end in a REAL sglang 0.5.12 ModelRunner on CPU, kvcanary activated through its entry point.
+
+KVCANARY_MODE=raise, CPU kernels, >= 200 forwards through ScheduleBatch -> ForwardBatch -> ModelRunner.forward:
+requests sharing a prefix matched through the RadixCache, chunked extend, decode, finished requests whose
+req_to_token rows and KV slots later requests reuse, page_size 1 and 16. Then a req_to_token redirect and a
+K-byte flip on a live slot are each reported with the expected reason.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.metadata
+import random
+import textwrap
+
+import pytest
+
+pytest.importorskip("sglang", reason="sglang is not installed (pip install --no-deps -r requirements-sglang-cpu.txt)")
+
+import hooks_state  # noqa: E402
+import sgl_engine  # noqa: E402
+
+from kvcanary import faults  # noqa: E402
+from kvcanary.report import CanaryViolationError  # noqa: E402
+from kvcanary.sglang import v0_5_12  # noqa: E402
+from kvcanary.tags import LaunchTag  # noqa: E402
+
+FORWARDS = 210
+SWEEP_INTERVAL = 7
+
+
+def _ensure_entry_point(tmp_path, monkeypatch) -> None:
+    """kvcanary's entry point as pip would install it; synthesised (dist-info on sys.path) for a source checkout."""
+    if any(ep.name == "kvcanary" for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")):
+        return
+    dist = tmp_path / "kvcanary_src-0.0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvcanary-src\nVersion: 0.0.0\n")
+    (dist / "entry_points.txt").write_text("[sglang.srt.plugins]\nkvcanary = kvcanary.sglang:register\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+
+
+@pytest.fixture(params=[1, 16], ids=["page1", "page16"])
+def engine(request, tmp_path, monkeypatch):
+    import sglang.srt.plugins as plugins
+
+    page_size = request.param
+    hooks_state.clear_kvcanary_env(monkeypatch)
+    monkeypatch.setenv("KVCANARY_MODE", "raise")
+    monkeypatch.setenv("KVCANARY_VERIFY_TOKENS", "1")
+    monkeypatch.setenv("KVCANARY_SWEEP_INTERVAL", str(SWEEP_INTERVAL))
+    monkeypatch.setenv("SGLANG_PLUGINS", "kvcanary")
+    _ensure_entry_point(tmp_path, monkeypatch)
+    state = hooks_state.snapshot(hooks_state.all_targets())
+    hooks_state.restore(state)
+    plugins.load_plugins()  # discovers kvcanary through the entry point, registers and applies its hooks
+    try:
+        for t in v0_5_12.TARGETS:
+            assert hooks_state.is_patched(t.dotted), t.dotted
+        sa = sgl_engine.server_args(sgl_engine.write_model_dir(tmp_path / "tiny-llama"), page_size=page_size,
+                                    chunked_prefill_size=48)
+        mr = sgl_engine.build_runner(sa, nccl_port=29531 + page_size)
+        tree = sgl_engine.build_tree_cache(mr, sa)
+        inst = v0_5_12.installation_of(mr)
+        assert inst is not None and inst.manager._sweep_source is not None
+        yield types_ns(mr=mr, tree=tree, inst=inst, page_size=page_size)
+    finally:
+        hooks_state.restore(state)
+        sgl_engine.destroy_distributed()
+
+
+def types_ns(**kw):
+    import types
+
+    return types.SimpleNamespace(**kw)
+
+
+def _drive(sched, rng, prefix, forwards: int) -> None:
+    while len(sched.forwards) < forwards:
+        if len(sched.waiting) < 2 and rng.random() < 0.3:
+            tail = [rng.randrange(3, 2000) for _ in range(rng.randrange(4, 70))]
+            sched.add((prefix if rng.random() < 0.7 else []) + tail, rng.randrange(3, 15))
+        if not sched.idle:
+            sched.step()
+
+
+def _live_row(sched, min_prefix: int):
+    for req in sched.running.reqs:
+        n = len(req.origin_input_ids) + len(req.output_ids) - 1  # tokens already in the KV cache before the next decode
+        if req.req_pool_idx and n >= min_prefix:
+            return req, n
+    raise AssertionError("no running request long enough")
+
+
+def test_real_engine_clean_run_then_detections(engine, capsys) -> None:
+    mr, tree, inst = engine.mr, engine.tree, engine.inst
+    rng = random.Random(engine.page_size)
+    prefix = [rng.randrange(3, 2000) for _ in range(40)]
+    sched = sgl_engine.MiniScheduler(mr, tree, chunk_size=48)
+    _drive(sched, rng, prefix, FORWARDS)
+    manager = inst.manager
+    manager.flush()
+    st = manager.stats
+    modes = collections.Counter(sched.forwards)
+    n = len(sched.forwards)
+    summary = textwrap.dedent(f"""
+        page_size={engine.page_size} forwards={n} modes={dict(modes)} prefix_tokens_from_radix={sched.cached_tokens}
+        finished={len(sched.finished)} reused_req_rows={len(sched.reused_rows)} violations={st.violations_seen}
+        kernel_runs verify={st.kernel_runs[LaunchTag.VERIFY]} write={st.kernel_runs[LaunchTag.WRITE]} sweep={st.kernel_runs[LaunchTag.SWEEP]}
+        slot_runs verified={st.slot_runs[LaunchTag.VERIFY]} written={st.slot_runs[LaunchTag.WRITE]} swept={st.slot_runs[LaunchTag.SWEEP]}
+        """)
+    with capsys.disabled():
+        print(summary)
+    assert n >= 200 and modes["EXTEND"] > 0 and modes["DECODE"] > 0
+    assert sched.cached_tokens > 0  # shared prefixes were matched through the RadixCache
+    assert sched.chunked_steps > 0  # chunked extend happened
+    assert len(sched.finished) > 10 and sched.reused_rows  # finished requests' rows were reused
+    assert st.violations_seen == 0 and manager.violations == []
+    assert st.forwards == n == inst.steps
+    assert st.kernel_runs[LaunchTag.VERIFY] == n and st.kernel_runs[LaunchTag.WRITE] == n  # every forward planned+verified+written
+    assert st.kernel_runs[LaunchTag.SWEEP] == n // SWEEP_INTERVAL and st.slot_runs[LaunchTag.SWEEP] > 0
+    assert st.slot_runs[LaunchTag.VERIFY] > 0 and st.slot_runs[LaunchTag.WRITE] >= sum(
+        len(r.origin_input_ids) for r in sched.finished) - sched.cached_tokens
+
+    # 1. req_to_token redirect: point a live (row, position) of a running request at another live slot.
+    sched.waiting.clear()
+    while sched.chunked_req is not None or not sched.running or sched.running.is_empty():
+        sched.add([rng.randrange(3, 2000) for _ in range(20)], 30)
+        sched.step()
+    req, cached = _live_row(sched, 4)
+    r2t = mr.req_to_token_pool.req_to_token
+    row, pos = req.req_pool_idx, 1
+    original = int(r2t[row, pos])
+    other = int(r2t[row, 2])
+    inj = faults.redirect_req_to_token(r2t, row, pos, other)
+    with pytest.raises(CanaryViolationError) as exc:
+        sched.step()
+    reasons = {name for v in exc.value.violations for name in v.reasons}
+    with capsys.disabled():
+        print("redirect:", inj.detail, "->", exc.value.violations[0].log_line())
+    assert "verify_chain_hash" in reasons, exc.value
+    assert any(v.slot in inj.slots for v in exc.value.violations)
+    r2t[row, pos] = original
+    sgl_engine.abort_running(sched)
+
+    # 2. K-byte flip on a live slot (layer-0 K, inside the PARTIAL window).
+    while sched.chunked_req is not None or not sched.running or sched.running.is_empty():
+        sched.add([rng.randrange(3, 2000) for _ in range(20)], 30)
+        sched.step()
+    req, cached = _live_row(sched, 4)
+    slot = int(r2t[req.req_pool_idx, 2])
+    k_source = inst.groups[0].spec.sources[0]
+    assert k_source.tensor.data_ptr() == mr.token_to_kv_pool.k_buffer[0].data_ptr()
+    inj = faults.flip_real_kv(k_source, slot, byte=3)
+    before = manager.stats.slot_runs
+    with pytest.raises(CanaryViolationError) as exc:
+        sched.step()
+        raise AssertionError(f"{inj} not detected: {manager.config.describe()} real_kv_mode={manager.real_kv_mode} "
+                             f"slot_runs {before} -> {manager.stats.slot_runs} violations={manager.violations[-3:]} "
+                             f"byte now {int(k_source.kv_bytes[slot, 3]):#x} last forward {sched.forwards[-1]} row={req.req_pool_idx} r2t={r2t[req.req_pool_idx, :6].tolist()}")
+    with capsys.disabled():
+        print("flip:", inj.detail, "->", exc.value.violations[0].log_line())
+    assert {v.slot for v in exc.value.violations} == {slot}
+    assert all(v.reasons == ("verify_real_kv_hash",) for v in exc.value.violations)

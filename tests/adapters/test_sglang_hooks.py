@@ -1,0 +1,302 @@
+"""The SGLang adapter's entry point, hook targets, guards, pools and batch conversion on a real sglang 0.5.12."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("sglang", reason="sglang is not installed (pip install --no-deps -r requirements-sglang-cpu.txt)")
+
+import hooks_state  # noqa: E402
+import sgl_engine  # noqa: E402
+
+from kvcanary.sglang import common, register, v0_5_12  # noqa: E402
+
+
+@pytest.fixture
+def hooks(monkeypatch):
+    """Fresh HookRegistry and unpatched sglang targets before and after the test; no KVCANARY_* variables."""
+    hooks_state.clear_kvcanary_env(monkeypatch)
+    state = hooks_state.snapshot(hooks_state.all_targets())
+    hooks_state.restore(state)
+    yield state
+    hooks_state.restore(state)
+
+
+@pytest.fixture(scope="module")
+def server_args(tmp_path_factory):
+    return sgl_engine.server_args(sgl_engine.write_model_dir(tmp_path_factory.mktemp("tiny-llama")))
+
+
+# --------------------------------------------------------------------------------------------- targets
+@pytest.mark.parametrize("target", v0_5_12.TARGETS, ids=lambda t: t.dotted.rsplit(".", 2)[-2] + "." + t.dotted.rsplit(".", 1)[-1])
+def test_hook_target_resolves_with_expected_parameters(target) -> None:
+    import inspect
+
+    fn = v0_5_12.resolve_target(target)
+    assert callable(fn)
+    params = list(inspect.signature(fn).parameters)
+    assert params[0] == target.params[0]
+    assert set(target.params) <= set(params), (target.dotted, params)
+
+
+def test_missing_target_fails_naming_it() -> None:
+    bogus = v0_5_12.Target(v0_5_12._MR + ".no_such_method", "AFTER", ("self",))
+    with pytest.raises(common.HookTargetError, match="ModelRunner.no_such_method"):
+        v0_5_12.resolve_target(bogus)
+    renamed = v0_5_12.Target(v0_5_12.T_FORWARD, "AROUND", ("self", "forward_batch", "not_a_param"))
+    with pytest.raises(common.HookTargetError, match="ModelRunner.forward.*not_a_param"):
+        v0_5_12.resolve_target(renamed)
+
+
+# --------------------------------------------------------------------------------------------- register
+def test_register_patches_every_target_through_apply_hooks(hooks, monkeypatch) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    monkeypatch.setenv("KVCANARY_MODE", "log")
+    register()
+    HookRegistry.apply_hooks()
+    for t in v0_5_12.TARGETS:
+        assert hooks_state.is_patched(t.dotted), t.dotted
+    assert not hooks_state.is_patched(v0_5_12.STARTUP_FAILURE_TARGET)
+    register()  # a second call in the same process registers nothing twice
+    assert all(len(HookRegistry._hooks[t.dotted]) == 1 for t in v0_5_12.TARGETS)
+
+
+@pytest.mark.parametrize("mode", [None, "off", " OFF "])
+def test_mode_unset_or_off_patches_nothing(hooks, monkeypatch, caplog, mode) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    if mode is not None:
+        monkeypatch.setenv("KVCANARY_MODE", mode)
+    with caplog.at_level(logging.INFO, logger="kvcanary.sglang"):
+        register()
+    HookRegistry.apply_hooks()
+    assert not any(HookRegistry._hooks.get(t) for t in hooks_state.all_targets())
+    assert not any(hooks_state.is_patched(t) for t in hooks_state.all_targets())
+    assert [r.getMessage() for r in caplog.records if r.name == "kvcanary.sglang"] == [
+        "kvcanary: KVCANARY_MODE is unset or off; the SGLang plugin installs nothing"
+    ]
+
+
+def test_entry_point_is_listed() -> None:
+    from importlib.metadata import entry_points
+
+    eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    if "kvcanary" not in eps:
+        pytest.skip("kvcanary is not pip-installed in this environment (pip install -e .)")
+    assert eps["kvcanary"] == "kvcanary.sglang:register"
+
+
+@pytest.mark.parametrize(
+    "var,value",
+    [("KVCANARY_MODE", "loud"), ("KVCANARY_SWEEP_INTERVAL", "-3"), ("KVCANARY_REAL_KV_LAYERS", "0,last"),
+     ("KVCANARY_FAULT", "nonsense")],
+)
+def test_bad_value_stops_startup_naming_the_variable(hooks, monkeypatch, server_args, var, value) -> None:
+    """load_plugins() swallows plugin errors, so register() also makes ModelRunner construction fail."""
+    import sglang.srt.plugins as plugins
+
+    if var != "KVCANARY_MODE":
+        monkeypatch.setenv("KVCANARY_MODE", "raise")
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=var):
+        register()
+    hooks_state.restore(hooks)
+    monkeypatch.setenv("SGLANG_PLUGINS", "kvcanary")
+    if "kvcanary" not in {ep.name for ep in __import__("importlib.metadata").metadata.entry_points(group="sglang.srt.plugins")}:
+        pytest.skip("kvcanary entry point not installed")
+    plugins.load_plugins()  # logs the error, does not raise
+    assert hooks_state.is_patched(v0_5_12.STARTUP_FAILURE_TARGET)
+    with pytest.raises(ValueError, match=f"kvcanary refused to start: {var}"):
+        sgl_engine.build_runner(server_args)
+
+
+# --------------------------------------------------------------------------------------------- guards
+GUARDS = [
+    ("piecewise", {"disable_piecewise_cuda_graph": False}, "--disable-piecewise-cuda-graph"),
+    ("torch_compile", {"enable_torch_compile": True}, "remove --enable-torch-compile"),
+    ("split_prefill", {"enable_pdmux": True}, "remove --enable-pdmux"),
+    ("eagle_topk", {"speculative_algorithm": "EAGLE", "speculative_eagle_topk": 4}, "--speculative-eagle-topk 1"),
+    ("speculative", {"speculative_algorithm": "EAGLE", "speculative_eagle_topk": 1}, "remove --speculative-algorithm"),
+    ("own_canary", {"kv_canary": "log"}, "drop --kv-canary"),
+]
+
+
+@pytest.mark.parametrize("changes,setting", [(c, s) for _, c, s in GUARDS], ids=[g[0] for g in GUARDS])
+def test_guard_refuses_at_install_naming_the_setting(server_args, monkeypatch, changes, setting) -> None:
+    monkeypatch.setenv("KVCANARY_MODE", "raise")
+    sa = dataclasses.replace(server_args)
+    for k, v in changes.items():
+        setattr(sa, k, v)
+    v0_5_12.check_supported(server_args)  # the test setup itself is accepted
+    runner = types.SimpleNamespace(server_args=sa, token_to_kv_pool=None)
+    with pytest.raises(common.UnsupportedSetupError, match=setting.replace("-", r"\-")):
+        v0_5_12.install(runner)  # refused before anything is built
+    assert not hasattr(runner, v0_5_12.INSTALL_ATTR)
+
+
+def test_piecewise_runner_found_after_initialize_is_refused() -> None:
+    with pytest.raises(common.UnsupportedSetupError, match="--disable-piecewise-cuda-graph"):
+        v0_5_12.check_after_initialize(types.SimpleNamespace(piecewise_cuda_graph_runner=object()))
+
+
+# --------------------------------------------------------------------------------------------- pools
+def _mha(page_size: int, layers: int = 3):
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    return MHATokenToKVPool(size=64, page_size=page_size, dtype=torch.bfloat16, head_num=2, head_dim=8,
+                            layer_num=layers, device="cpu", enable_memory_saver=False)
+
+
+def _cfg(real_kv: str = "partial"):
+    from kvcanary.config import Config
+
+    return Config.from_env({"KVCANARY_MODE": "raise", "KVCANARY_REAL_KV": real_kv})
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_mha_pool_gives_k_and_v_of_first_and_last_layer(page_size) -> None:
+    pool = _mha(page_size)
+    (group,) = v0_5_12.pool_groups(pool, _cfg(), layers=(0, -1))
+    assert group.name == "full" and group.num_slots == 64 + page_size and group.full_to_swa_index_mapping is None
+    expected = [pool.k_buffer[0], pool.v_buffer[0], pool.k_buffer[2], pool.v_buffer[2]]
+    assert [s.tensor.data_ptr() for s in group.sources] == [t.data_ptr() for t in expected]
+    for s in group.sources:
+        assert (s.page_size, s.num_bytes_per_token, s.read_bytes) == (1, 32, 32)
+        assert s.num_slots == 64 + page_size
+
+
+def test_real_kv_layers_variable(monkeypatch) -> None:
+    pool = _mha(1)
+    monkeypatch.setenv("KVCANARY_REAL_KV_LAYERS", "1")
+    (group,) = v0_5_12.pool_groups(pool, _cfg())
+    assert [s.tensor.data_ptr() for s in group.sources] == [pool.k_buffer[1].data_ptr(), pool.v_buffer[1].data_ptr()]
+    monkeypatch.setenv("KVCANARY_REAL_KV_LAYERS", "0,1,2")
+    with pytest.raises(ValueError, match="KVCANARY_REAL_KV_LAYERS: 3 layer"):
+        v0_5_12.pool_groups(pool, _cfg())
+    monkeypatch.setenv("KVCANARY_REAL_KV_LAYERS", "5")
+    with pytest.raises(ValueError, match="KVCANARY_REAL_KV_LAYERS: layer 5 is out of range"):
+        v0_5_12.pool_groups(pool, _cfg())
+    monkeypatch.delenv("KVCANARY_REAL_KV_LAYERS")
+    (group,) = v0_5_12.pool_groups(pool, _cfg("none"))
+    assert group.sources == ()
+
+
+def test_known_variable_is_not_warned_about(caplog) -> None:
+    from kvcanary.config import Config
+
+    with caplog.at_level(logging.WARNING):
+        Config.from_env({"KVCANARY_MODE": "log", "KVCANARY_REAL_KV_LAYERS": "0"})
+    assert "KVCANARY_REAL_KV_LAYERS" not in caplog.text
+
+
+def test_mla_pool_gives_the_latent_buffer() -> None:
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    pool = MLATokenToKVPool(size=64, page_size=16, dtype=torch.bfloat16, kv_lora_rank=32, qk_rope_head_dim=16,
+                            layer_num=2, device="cpu", enable_memory_saver=False)
+    (group,) = v0_5_12.pool_groups(pool, _cfg(), layers=(0, -1))
+    assert group.num_slots == 80
+    assert [s.tensor.data_ptr() for s in group.sources] == [pool.kv_buffer[0].data_ptr(), pool.kv_buffer[1].data_ptr()]
+    assert group.sources[0].num_bytes_per_token == 48 * 2
+
+
+def test_swa_pool_gives_full_and_swa_groups_with_the_lut() -> None:
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    pool = SWAKVPool(size=64, size_swa=32, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=8,
+                     swa_attention_layer_ids=[0, 2], full_attention_layer_ids=[1], enable_kvcache_transpose=False,
+                     device="cpu")
+    lut = torch.zeros(66, dtype=torch.int64)
+    lut[-1] = -1
+    pool.register_mapping(lut)
+    full, swa = v0_5_12.pool_groups(pool, _cfg(), sliding_window_size=8, layers=(0, -1))
+    assert (full.name, full.num_slots, full.swa_window_size, full.loc) == ("full", 65, 0, "full")
+    assert (swa.name, swa.num_slots, swa.swa_window_size, swa.loc) == ("swa", 33, 8, "swa")
+    assert swa.full_to_swa_index_mapping is lut
+    assert [s.tensor.data_ptr() for s in full.sources] == [pool.full_kv_pool.k_buffer[0].data_ptr(),
+                                                           pool.full_kv_pool.v_buffer[0].data_ptr()]
+    assert len(swa.sources) == 4 and swa.sources[0].tensor.data_ptr() == pool.swa_kv_pool.k_buffer[0].data_ptr()
+
+
+def test_unsupported_pool_is_refused_naming_the_class() -> None:
+    class DoubleSparseTokenToKVPool:
+        size, page_size = 8, 1
+
+    with pytest.raises(NotImplementedError, match="KV pool DoubleSparseTokenToKVPool is not supported"):
+        v0_5_12.pool_groups(DoubleSparseTokenToKVPool(), _cfg())
+
+
+# --------------------------------------------------------------------------------------------- batches
+def _i64(*v):
+    return torch.tensor(v, dtype=torch.int64)
+
+
+def test_forward_modes_map_to_batch_views() -> None:
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    ones, empty = torch.ones(8, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    dec = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, req_pool_indices=_i64(3, 0), out_cache_loc=_i64(9, 0))
+    v = v0_5_12.batch_view(dec, _i64(5, 6), _i64(7, 0), ones, empty)
+    assert v.kind.name == "DECODE" and v.prefix_lens.tolist() == [7, 0] and v.extend_lens.tolist() == [1, 1]
+    ext = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, req_pool_indices=_i64(1, 2), out_cache_loc=_i64(4, 5, 6),
+                                extend_prefix_lens=torch.tensor([3, 0], dtype=torch.int32),
+                                extend_seq_lens=torch.tensor([1, 2], dtype=torch.int32))
+    v = v0_5_12.batch_view(ext, _i64(1, 2, 3), _i64(3, 0, 1), ones, empty)
+    assert v.prefix_lens.dtype == torch.int64 and v.prefix_lens.tolist() == [3, 0] and v.extend_lens.tolist() == [1, 2]
+    v.validate()
+    mixed = types.SimpleNamespace(**{**vars(ext), "forward_mode": ForwardMode.MIXED})
+    assert v0_5_12.batch_view(mixed, _i64(1, 2, 3), _i64(3, 0, 1), ones, empty).kind.name == "MIXED"
+    idle = types.SimpleNamespace(forward_mode=ForwardMode.IDLE, req_pool_indices=empty, out_cache_loc=empty)
+    v = v0_5_12.batch_view(idle, empty, empty, ones, empty)
+    assert v.kind.name == "IDLE" and v.num_tokens == 0 and v.batch_size == 0
+
+
+@pytest.mark.parametrize("mode", ["TARGET_VERIFY", "DRAFT_EXTEND", "DRAFT_EXTEND_V2", "SPLIT_PREFILL", "PREBUILT"])
+def test_unsupported_forward_modes_are_refused(mode) -> None:
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    fb = types.SimpleNamespace(forward_mode=ForwardMode[mode])
+    with pytest.raises(NotImplementedError, match=f"forward mode {mode} is not supported"):
+        v0_5_12.batch_view(fb, None, None, None, None)
+    runner = types.SimpleNamespace(_kvcanary=types.SimpleNamespace(req_to_token=torch.zeros(1, 1, dtype=torch.int32)))
+    with pytest.raises(NotImplementedError, match=mode):
+        v0_5_12.around_forward(lambda *a, **k: None, runner, fb)
+
+
+def test_populate_hook_zeroes_padded_rows(hooks, monkeypatch) -> None:
+    """0.5.12 leaves stale req_pool_indices/positions in padded rows; the AFTER hook zeroes them."""
+    from sglang.srt.model_executor.cuda_graph_runner import DecodeInputBuffers
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    monkeypatch.setenv("KVCANARY_MODE", "log")
+    register()
+    HookRegistry.apply_hooks()
+    bufs = DecodeInputBuffers.create(
+        device=torch.device("cpu"), max_bs=4, max_num_token=4, hidden_size=8, vocab_size=16, dtype=torch.bfloat16,
+        dp_size=1, pp_size=1, is_encoder_decoder=False, require_mlp_tp_gather=False, seq_len_fill_value=1,
+        encoder_len_fill_value=0, num_tokens_per_bs=1, cache_loc_dtype=torch.int64, enable_mamba_track=False,
+    )
+
+    def fb(rows, positions):
+        n = len(rows)
+        return types.SimpleNamespace(
+            input_ids=torch.arange(n), req_pool_indices=_i64(*rows), seq_lens=torch.tensor(positions, dtype=torch.int32) + 1,
+            out_cache_loc=torch.arange(1, n + 1), positions=_i64(*positions), mrope_positions=None, encoder_lens=None,
+            ngram_embedding_info=None, mamba_track_indices=None, mamba_track_mask=None, out_cache_loc_swa=None,
+            seq_lens_cpu=None, num_token_non_padded=None,
+        )
+
+    common_kwargs = dict(seq_len_fill_value=1, require_gathered_buffer=False, num_tokens_per_bs=1,
+                         nsa_enable_prefill_cp=False, enable_num_token_non_padded_flag=False)
+    bufs.populate_from_forward_batch(forward_batch=fb([5, 6, 7, 8], [10, 11, 12, 13]), raw_bs=4, raw_num_token=4, bs=4,
+                                     **common_kwargs)
+    bufs.populate_from_forward_batch(forward_batch=fb([1, 2], [20, 21]), raw_bs=2, raw_num_token=2, bs=4, **common_kwargs)
+    assert bufs.req_pool_indices.tolist() == [1, 2, 0, 0]
+    assert bufs.positions.tolist() == [20, 21, 0, 0]
+    assert bufs.out_cache_loc.tolist() == [1, 2, 0, 0]
