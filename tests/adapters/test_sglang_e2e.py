@@ -8,6 +8,8 @@ K-byte flip on a live slot are each reported with the expected reason.
 
 from __future__ import annotations
 
+import importlib.util
+
 import collections
 import importlib.metadata
 import random
@@ -15,7 +17,9 @@ import textwrap
 
 import pytest
 
-pytest.importorskip("sglang", reason="sglang is not installed (pip install --no-deps -r requirements-sglang-cpu.txt)")
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip("sglang is not installed (pip install --no-deps -r requirements-sglang-cpu.txt)", allow_module_level=True)
+import sglang  # noqa: E402,F401  (installed but broken must fail, not skip)
 
 import hooks_state  # noqa: E402
 import sgl_engine  # noqa: E402

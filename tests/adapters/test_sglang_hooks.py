@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import dataclasses
 import logging
 import types
@@ -9,7 +11,9 @@ import types
 import pytest
 import torch
 
-pytest.importorskip("sglang", reason="sglang is not installed (pip install --no-deps -r requirements-sglang-cpu.txt)")
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip("sglang is not installed (pip install --no-deps -r requirements-sglang-cpu.txt)", allow_module_level=True)
+import sglang  # noqa: E402,F401  (installed but broken must fail, not skip)
 
 import hooks_state  # noqa: E402
 import sgl_engine  # noqa: E402
