@@ -130,7 +130,6 @@ def random_write_launch(rng: random.Random, *, allow_out_of_range: bool = True) 
         r = rng.randrange(capacity)
         offsets[r + 1 if rng.random() < 0.5 else r] = rng.choice([-4, len(locs) + 3])
     input_assert = rng.random() < 0.4
-    n = len(locs)
     kwargs: dict[str, Any] = {
         "canary_buf": canary,
         "write_offsets": int64(offsets),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from canary_cases import int64, random_verify_launch, random_write_launch, scalar_i32, scalar_i64
+from canary_cases import int64, random_verify_launch, random_write_launch, scalar_i32
 
 from kvcanary import layout, ops
 
