@@ -26,7 +26,10 @@ JSONL report (``KVCANARY_REPORT``): one JSON object per line, three schemas:
   (hex string), expected_aux_kind ("hash" | "position" | "index"), request_row (int or null), rank (object or
   null), time (unix seconds)``;
 * ``kvcanary.lost/1``: ``schema, count, step, rank, time``: rows the ring overflowed and could not keep;
-* ``kvcanary.health/1``: ``schema, message, step, tags (list of names), rank, time``.
+* ``kvcanary.health/1``: ``schema, message, step, tags (list of names), rank, time``;
+* ``kvcanary.injection/1`` (fault injection for tests only, ``KVCANARY_FAULT``): ``schema, fault, step, slots
+  (list of ints), detail, rank, time``: one line per injected fault (``Reporter.record_injection``); ``step`` is
+  the engine forward (0-based) the fault was injected before, so its violations carry a step > ``step``.
 
 Concurrency: the report file is opened with ``O_APPEND`` and each line is written with one ``os.write``, so
 several processes (TP ranks) may append to the same file and their lines never interleave (on a local file
@@ -59,6 +62,7 @@ _MODULE_LOGGER = logger
 VIOLATION_SCHEMA = "kvcanary.violation/1"
 LOST_SCHEMA = "kvcanary.lost/1"
 HEALTH_SCHEMA = "kvcanary.health/1"
+INJECTION_SCHEMA = "kvcanary.injection/1"
 
 LOG_PREFIX = "kvcanary violation:"
 LOST_LOG_PREFIX = "kvcanary lost:"
@@ -308,6 +312,7 @@ class Reporter:
         self.total_reported = 0
         self.total_lost = 0
         self.total_health_errors = 0
+        self.total_injections = 0
         self._log = logger if logger is not None else _MODULE_LOGGER
         self._lock = threading.Lock()
         self._fd: int | None = None
@@ -427,3 +432,27 @@ class Reporter:
                 self._log.error("%s", line)
         if self.mode is Mode.RAISE:
             raise CanaryHealthError(line)
+
+    def record_injection(self, injection: Any) -> dict[str, Any] | None:
+        """Write one ``kvcanary.injection/1`` JSON line for an injected fault (``kvcanary.faults.Injection`` or any
+        object with ``fault``, ``step``, ``slots`` and ``detail``), so a test can match detections to injections.
+
+        Returns the record written (None in ``off`` mode). Never raises for the mode: an injection is not a
+        violation. The injector itself logs the WARNING line.
+        """
+        if self.mode is Mode.OFF:
+            return None
+        step = getattr(injection, "step", None)
+        record = {
+            "schema": INJECTION_SCHEMA,
+            "fault": str(injection.fault),
+            "step": None if step is None else int(step),
+            "slots": [int(s) for s in injection.slots],
+            "detail": str(injection.detail),
+            "rank": self.rank,
+            "time": time.time(),
+        }
+        with self._lock:
+            self.total_injections += 1
+            self._write_lines([record])
+        return record

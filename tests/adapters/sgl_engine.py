@@ -11,6 +11,7 @@ does it, ``ScheduleBatch.prepare_for_extend / prepare_for_decode / filter_batch 
 from __future__ import annotations
 
 import json
+import socket
 import types
 from pathlib import Path
 
@@ -82,7 +83,14 @@ def _torch_paged_allocator_class():
     return TorchPagedAllocator
 
 
-def build_runner(sa, nccl_port: int = 29531):
+def free_port() -> int:
+    """A TCP port nobody listens on now (for torch.distributed's rendezvous; tests may run side by side)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_runner(sa, nccl_port: int | None = None):
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.server_args import set_global_server_args_for_scheduler
@@ -90,7 +98,7 @@ def build_runner(sa, nccl_port: int = 29531):
     set_global_server_args_for_scheduler(sa)
     mr = ModelRunner(
         model_config=ModelConfig.from_server_args(sa), mem_fraction_static=0.05, gpu_id=0, tp_rank=0, tp_size=1,
-        moe_ep_rank=0, moe_ep_size=1, pp_rank=0, pp_size=1, nccl_port=nccl_port, server_args=sa,
+        moe_ep_rank=0, moe_ep_size=1, pp_rank=0, pp_size=1, nccl_port=nccl_port if nccl_port is not None else free_port(), server_args=sa,
     )
     if sa.page_size > 1:
         mr.token_to_kv_pool_allocator.__class__ = _torch_paged_allocator_class()

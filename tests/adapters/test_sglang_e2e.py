@@ -64,7 +64,7 @@ def engine(request, tmp_path, monkeypatch):
             assert hooks_state.is_patched(t.dotted), t.dotted
         sa = sgl_engine.server_args(sgl_engine.write_model_dir(tmp_path / "tiny-llama"), page_size=page_size,
                                     chunked_prefill_size=48)
-        mr = sgl_engine.build_runner(sa, nccl_port=29531 + page_size)
+        mr = sgl_engine.build_runner(sa)
         tree = sgl_engine.build_tree_cache(mr, sa)
         inst = v0_5_12.installation_of(mr)
         assert inst is not None and inst.manager._sweep_source is not None

@@ -16,6 +16,7 @@ from kvcanary import layout
 from kvcanary.config import Mode
 from kvcanary.report import (
     HEALTH_SCHEMA,
+    INJECTION_SCHEMA,
     LOG_LINE_RE,
     LOG_PREFIX,
     LOST_SCHEMA,
@@ -342,6 +343,37 @@ def test_health_error_raise_mode_writes_first(tmp_path: Path) -> None:
             reporter.health_error("sweep stalled", step=5, tags=[2])
         assert read_jsonl(path)[0]["tags"] == ["sweep"]
         assert reporter.total_health_errors == 1
+
+
+@pytest.mark.parametrize("mode", [Mode.LOG, Mode.RAISE])
+def test_record_injection_writes_one_line_and_never_raises(tmp_path: Path, mode: Mode) -> None:
+    from kvcanary.faults import Injection
+
+    path = tmp_path / "r.jsonl"
+    inj = Injection("req_to_token_redirect", 41, (7, 9, 12), "req_to_token[3, 5]: 9 -> 7")
+    with Reporter(mode, str(path), rank={"tp_rank": 1}) as reporter:
+        record = reporter.record_injection(inj)
+        reporter.report([make(verify_row(), step=42)] if mode is Mode.LOG else [])
+        assert reporter.total_injections == 1
+    rows = read_jsonl(path)
+    assert rows[0] == record
+    assert rows[0]["schema"] == INJECTION_SCHEMA
+    assert {k: rows[0][k] for k in ("fault", "step", "slots", "detail", "rank")} == {
+        "fault": "req_to_token_redirect", "step": 41, "slots": [7, 9, 12], "detail": "req_to_token[3, 5]: 9 -> 7",
+        "rank": {"tp_rank": 1},
+    }
+    assert isinstance(rows[0]["time"], float)
+    assert [r["schema"] for r in rows[1:]] == ([VIOLATION_SCHEMA] if mode is Mode.LOG else [])
+
+
+def test_record_injection_off_mode_and_no_path(tmp_path: Path) -> None:
+    from kvcanary.faults import Injection
+
+    inj = Injection("token_swap", None, (), "input_ids[0] 1 <-> input_ids[1] 2")
+    assert Reporter(Mode.OFF, str(tmp_path / "off.jsonl")).record_injection(inj) is None
+    assert not (tmp_path / "off.jsonl").exists()
+    reporter = Reporter(Mode.LOG)  # no report path: counted, nothing written
+    assert reporter.record_injection(inj)["step"] is None and reporter.total_injections == 1
 
 
 def _append_worker(path: str, rank: int, barrier: Any) -> None:

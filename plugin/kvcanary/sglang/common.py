@@ -117,6 +117,15 @@ class Installation:
     runner_ref: Callable[[], object] | None = None
     steps: int = 0
     injections: list = field(default_factory=list)
+    # Fault injection (KVCANARY_FAULT, tests only): the class due but not yet injected (no fitting batch yet)
+    # and the step it fell due; undo actions for this forward's injection, run in host_after before
+    # ("before_step") or after ("after_step") the managers' step (drain + sweep).
+    pending_fault: tuple[str, int] | None = None
+    fault_skips: int = 0
+    _undo: list = field(default_factory=list)
+    # Engine facts the version module records for the fault injector (row -> tokens the request still decodes).
+    row_remaining: dict = field(default_factory=dict)
+    prefix_cache: object | None = None
 
     @property
     def manager(self) -> CanaryManager:
@@ -145,16 +154,58 @@ class Installation:
         model.forward = forward
 
     # ------------------------------------------------------------------------------------------- host half
-    def host_before(self, inject: Callable[[Installation, int], None] | None = None) -> None:
-        """Outside the graph, before a real forward: fault injection (when KVCANARY_FAULT asks for it)."""
-        if self.fault_plan is not None and inject is not None and self.fault_plan.due(self.steps):
-            inject(self, self.steps)
+    def host_before(self, inject: Callable[[Installation, int, str], object | None] | None = None) -> None:
+        """Outside the graph, before a real forward: fault injection (when KVCANARY_FAULT asks for it).
+
+        When the plan is due, its class becomes pending; ``inject(self, step, fault_class)`` is tried on this and
+        the following forwards until it returns an Injection (a class that needs a particular batch, e.g. a
+        sweep step or an extend, waits for one). A class still pending when the plan falls due again is
+        counted in ``fault_skips`` and replaced.
+        """
+        plan = self.fault_plan
+        if plan is None or inject is None:
+            return
+        if plan.due(self.steps):
+            if self.pending_fault is not None:
+                self.fault_skips += 1
+                logger.warning("kvcanary: fault %s (due at step %d) found no fitting batch before step %d; skipped",
+                               self.pending_fault[0], self.pending_fault[1], self.steps)
+            self.pending_fault = (plan.pick(self.steps), self.steps)
+        if self.pending_fault is None:
+            return
+        injection = inject(self, self.steps, self.pending_fault[0])
+        if injection is not None:
+            self.pending_fault = None
+            self.record_injection(injection)
+
+    def record_injection(self, injection) -> None:
+        """Keep an injection and write it to the report (``kvcanary.injection/1``) of the first group's manager."""
+        self.injections.append(injection)
+        self.manager.reporter.record_injection(injection)
+
+    def undo_after_forward(self, action: Callable[[], None], *, after_step: bool = False) -> None:
+        """Run ``action`` in this forward's host_after: before the managers' step, or after it (``after_step``,
+        e.g. to keep a corruption in place for the sweep that step runs)."""
+        self._undo.append((after_step, action))
+
+    def _run_undo(self, after_step: bool) -> None:
+        keep = []
+        for when, action in self._undo:
+            if when == after_step:
+                action()
+            else:
+                keep.append((when, action))
+        self._undo = keep
 
     def host_after(self) -> None:
         """Outside the graph, after a real forward: drain violations, health, stats, sweep (per group)."""
         self.steps += 1
-        for group in self.groups:
-            group.manager.step()
+        try:
+            self._run_undo(False)
+            for group in self.groups:
+                group.manager.step()
+        finally:
+            self._run_undo(True)
 
     def mark_init_finished(self) -> None:
         for group in self.groups:

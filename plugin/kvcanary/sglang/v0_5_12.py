@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import logging
 import pkgutil
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ import torch
 from kvcanary.batch import BatchView, ForwardKind
 from kvcanary.config import Config
 from kvcanary.manager import CanaryManager
+from kvcanary.report import Reporter
 from kvcanary.sglang.common import (
     Group,
     GroupSpec,
@@ -43,6 +45,9 @@ T_POPULATE = "sglang.srt.model_executor.cuda_graph_runner.DecodeInputBuffers.pop
 T_INIT_CACHE = "sglang.srt.managers.scheduler.Scheduler.init_cache_with_memory_pool"
 T_FB_INIT_NEW = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 STARTUP_FAILURE_TARGET = f"{_MR}.__init__"
+
+# Most verify-plan entries per forward the adapter allocates beyond 3 x the pool's slots (64 MiB of plan).
+VERIFY_CAPACITY_CAP = 1 << 21
 
 # The attribute of a ModelRunner that holds its Installation.
 INSTALL_ATTR = "_kvcanary"
@@ -329,6 +334,39 @@ def radix_sweep_source(tree_cache) -> Callable | None:
 
 
 # ----------------------------------------------------------------------------------------------- install
+def runner_ranks(runner) -> tuple[dict[str, int], int]:
+    """The rank keys every violation of ``runner`` carries, and the ``{rank}`` value of its KVCANARY_REPORT path.
+
+    Keys (sglang 0.5.12 ``ModelRunner`` attributes): ``tp_rank`` always; ``pp_rank`` when ``pp_size`` > 1;
+    ``attn_dp_rank`` (``runner.dp_rank``) with ``--enable-dp-attention`` and ``dp_size`` > 1; ``dp_rank``
+    (``runner.dp_rank``: the replica of ``--dp-size N`` without DP attention, or ``SGLANG_DP_RANK``) when it is
+    set and not the only replica's 0.
+
+    ``{rank}`` is the process's index among all TP/PP/DP scheduler processes, so per-rank files never collide:
+    ``(dp_rank * pp_size + pp_rank) * tp_size + tp_rank`` with ``dp_rank`` counted only for DP replicas (with
+    DP attention ``tp_rank`` is already global). With one pipeline stage and one replica it is ``tp_rank``.
+    """
+    server_args = runner.server_args
+    tp_rank = int(getattr(runner, "tp_rank", 0) or 0)
+    tp_size = max(int(getattr(runner, "tp_size", 1) or 1), 1)
+    pp_rank = int(getattr(runner, "pp_rank", 0) or 0)
+    pp_size = max(int(getattr(runner, "pp_size", 1) or 1), 1)
+    dp_rank = getattr(runner, "dp_rank", None)
+    dp_size = max(int(getattr(server_args, "dp_size", 1) or 1), 1)
+    rank = {"tp_rank": tp_rank}
+    if pp_size > 1:
+        rank["pp_rank"] = pp_rank
+    replica = 0
+    if dp_rank is not None:
+        if getattr(server_args, "enable_dp_attention", False):
+            if dp_size > 1:
+                rank["attn_dp_rank"] = int(dp_rank)
+        elif dp_size > 1 or int(dp_rank) != 0:
+            replica = int(dp_rank)
+            rank["dp_rank"] = replica
+    return rank, (replica * pp_size + pp_rank) * tp_size + tp_rank
+
+
 def install(runner) -> Installation:
     """Build the managers for the runner's pools and wrap its ``model.forward`` (called after init_memory_pool)."""
     existing = getattr(runner, INSTALL_ATTR, None)
@@ -342,11 +380,14 @@ def install(runner) -> Installation:
     r2t = runner.req_to_token_pool.req_to_token
     device = r2t.device
     max_bs = max(int(runner.req_to_token_pool.size) + 1, int(getattr(server_args, "cuda_graph_max_bs", 0) or 0))
-    rank = {"tp_rank": int(getattr(runner, "tp_rank", 0))}
-    if int(getattr(runner, "pp_size", 1) or 1) > 1:
-        rank["pp_rank"] = int(getattr(runner, "pp_rank", 0))
+    rank, report_rank = runner_ranks(runner)
     groups = []
     for spec in specs:
+        # Σ prefix over a batch can exceed the pool many times over when rows share a cached prefix (radix hits):
+        # size the verify plan for every row's full context, up to VERIFY_CAPACITY_CAP entries (32 B each;
+        # the verify grid is sized from the SM count, so capacity costs memory only).
+        rows, ctx = int(r2t.shape[0]), int(r2t.shape[1])
+        vcap = max(3 * spec.num_slots, min(rows * ctx, VERIFY_CAPACITY_CAP))
         manager = CanaryManager(
             config,
             num_slots=spec.num_slots,
@@ -354,9 +395,11 @@ def install(runner) -> Installation:
             device=device,
             max_batch_size=max_bs,
             max_tokens_per_forward=max(spec.num_slots, max_bs),
+            verify_capacity=vcap,
             real_kv_sources=spec.sources,
             swa_window_size=spec.swa_window_size,
             full_to_swa_index_mapping=spec.full_to_swa_index_mapping,
+            reporter=Reporter(config.mode, config.report_path_for(report_rank), rank=rank),
             rank=rank,
         )
         groups.append(Group(spec, manager))
@@ -371,7 +414,8 @@ def install(runner) -> Installation:
     setattr(runner, INSTALL_ATTR, inst)
     remember(inst)
     logger.info(
-        "kvcanary: installed on %s (%s) with %d group(s): %s", type(pool).__name__, device, len(groups),
+        "kvcanary: installed on %s (%s, %s, report %s) with %d group(s): %s", type(pool).__name__, device,
+        " ".join(f"{k}={v}" for k, v in rank.items()), groups[0].manager.reporter.report_path or "-", len(groups),
         ", ".join(f"{g.spec.name}: {g.spec.num_slots} slots, {len(g.spec.sources)} real-KV source(s)" for g in groups),
     )
     return inst
@@ -409,7 +453,7 @@ def around_forward(original, self, forward_batch, *args, **kwargs):
             f"kvcanary: forward mode {mode} is not supported by the sglang {SGLANG_VERSION} adapter "
             f"(supported: {', '.join(FORWARD_MODES)})"
         )
-    inst.host_before(lambda i, step: inject_fault(i, step, forward_batch))
+    inst.host_before(lambda i, step, cls: inject_fault(i, step, forward_batch, cls))
     out = original(self, forward_batch, *args, **kwargs)
     inst.host_after()
     return out
@@ -437,60 +481,206 @@ def after_init_cache(result, self, *args, **kwargs):
                                type(tree).__name__)
         else:
             inst.set_sweep_source(source)
+            inst.prefix_cache = tree
             logger.info("kvcanary: sweep source: %s", type(tree).__name__)
     return result
 
 
+# A request still being prefilled in chunks (Req.is_chunked > 0) has this many forwards ahead, for the injector.
+_CHUNKED_REMAINING = 1 << 30
+
+
 def after_forward_batch_init(result, cls, batch, model_runner, *args, **kwargs):
     inst = installation_of(model_runner)
-    if inst is None or not inst.verify_tokens:
+    if inst is None or (not inst.verify_tokens and inst.fault_plan is None):
         return result
-    for req in getattr(batch, "reqs", None) or ():
-        row = getattr(req, "req_pool_idx", None)
-        if row is None:
-            continue
-        inst.set_expected_tokens(int(row), list(req.origin_input_ids) + list(req.output_ids))
+    reqs = getattr(batch, "reqs", None) or ()
+    if inst.fault_plan is not None:
+        # ModelWorkerBatch.reqs (0.5.12): how many tokens each row's request still decodes, so the injector
+        # can pick rows whose next forward re-verifies what it corrupts. Under the overlap scheduler
+        # output_ids may lag one step behind; the injector keeps a margin.
+        inst.row_remaining = {
+            int(req.req_pool_idx): (_CHUNKED_REMAINING if getattr(req, "is_chunked", 0) > 0 else
+                                    int(req.sampling_params.max_new_tokens or 0) - len(req.output_ids))
+            for req in reqs if getattr(req, "req_pool_idx", None) is not None
+        }
+    if inst.verify_tokens:
+        for req in reqs:
+            row = getattr(req, "req_pool_idx", None)
+            if row is None:
+                continue
+            inst.set_expected_tokens(int(row), list(req.origin_input_ids) + list(req.output_ids))
     return result
 
 
 # ----------------------------------------------------------------------------------------------- faults
-def inject_fault(inst: Installation, step: int, fb) -> None:
-    """KVCANARY_FAULT in a real engine: inject the class the plan picks for this step into live state."""
-    from kvcanary import faults
+# How many tokens a row's request must still decode for a token swap to be re-verified by a later forward
+# (one token of margin for the overlap scheduler's lagging output_ids, one for the forward itself).
+SWAP_MIN_REMAINING = 3
 
-    cls = inst.fault_plan.pick(step)
+
+def idle_cached_slots(tree_cache) -> list[int]:
+    """Slots the RadixCache holds in nodes no running request locks (``TreeNode.lock_ref == 0``), in walk order."""
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    inner = getattr(tree_cache, "inner", None) or getattr(tree_cache, "tree_cache", None)
+    if not isinstance(tree_cache, RadixCache) and isinstance(inner, RadixCache):
+        tree_cache = inner
+    if not isinstance(tree_cache, RadixCache):
+        return []
+    out: list[int] = []
+    stack = [tree_cache.root_node]
+    while stack:
+        node = stack.pop()
+        for child in list(node.children.values()):
+            if child.value is None:
+                continue
+            if getattr(child, "lock_ref", 0) == 0:
+                out.extend(int(x) for x in child.value.tolist())
+            stack.append(child)
+    return out
+
+
+def _batch_rows(fb) -> tuple[str, list[int], list[int], list[int]]:
+    """(mode name, req_to_token rows, cached prefix length per row, extend length per row) of a ForwardBatch."""
     mode = getattr(fb.forward_mode, "name", "")
-    if mode not in ("EXTEND", "DECODE", "MIXED") or fb.req_pool_indices is None:
-        return
     rows = fb.req_pool_indices.tolist()
     if mode == "DECODE":
-        prefixes = fb.positions.tolist()[: len(rows)]
-    else:
-        prefixes = fb.extend_prefix_lens.tolist()
-    live = [(r, p) for r, p in zip(rows, prefixes) if r > 0 and p >= 2]
+        return mode, rows, fb.positions.tolist()[: len(rows)], [1] * len(rows)
+    return mode, rows, fb.extend_prefix_lens.tolist(), fb.extend_seq_lens.tolist()
+
+
+def inject_fault(inst: Installation, step: int, fb, cls: str | None = None):
+    """KVCANARY_FAULT in a real engine: inject ``cls`` (default: the plan's pick) into live state before this
+    forward; returns the Injection, or None when this batch cannot take it (the class then stays pending).
+
+    Every class is chosen so the canary must see it, and undone so it corrupts nothing beyond the slots it
+    names (a later violation on any other slot is a false positive):
+
+    * req_to_token_redirect: ``req_to_token[row, p]`` of a batch row with a cached prefix of >= 3 tokens
+      (1 <= p <= prefix-2) -> the row's position-0 slot; this forward's verify sees the redirected entry
+      and its successor (chain hash); restored after the forward (the write seeds from prefix-1, untouched).
+    * real_kv_flip: byte 0 of the first real-KV source of the last cached slot of a batch row (inside the
+      PARTIAL window); this forward's verify sees it; flipped back after the forward.
+    * cached_idle_corruption: only before a forward whose step runs the sweep; a RadixCache slot no request
+      locks and this forward does not verify; the sweep sees it; flipped back after the sweep.
+    * token_swap: decode only; the input tokens of two rows whose requests decode >= SWAP_MIN_REMAINING more
+      tokens (needs KVCANARY_VERIFY_TOKENS): their next forward's verify sees the stored tokens (verify_token).
+    * position_skew: extend/mixed only (never graph-replayed); +1 on the last token of a row with a cached
+      prefix (the chain-position assert is armed there): this forward's write reports it (write_position);
+      after the forward the position and the canary records of the forward are rewritten as the engine
+      meant them, so the successor written next is not reported too.
+    """
+    from kvcanary import faults
+
+    if cls is None:
+        cls = inst.fault_plan.pick(step)
+    mode = getattr(fb.forward_mode, "name", "")
+    if mode not in ("EXTEND", "DECODE", "MIXED") or fb.req_pool_indices is None or fb.input_ids is None:
+        return None
+    mode, rows, prefixes, extends = _batch_rows(fb)
     r2t = inst.req_to_token
-    if cls == faults.REQ_TO_TOKEN_REDIRECT and live:
-        row, prefix = live[0]
-        other = int(r2t[row, 0])
-        inst.injections.append(faults.redirect_req_to_token(r2t, row, prefix - 1, other, step=step))
-    elif cls == faults.REAL_KV_FLIP and live and inst.groups[0].spec.sources:
-        row, prefix = live[0]
+    sources = inst.groups[0].spec.sources
+    rng = random.Random(step)
+
+    if cls == faults.REQ_TO_TOKEN_REDIRECT:
+        live = [(r, p) for r, p in zip(rows, prefixes) if r > 0 and p >= 3]
+        if not live:
+            return None
+        row, prefix = rng.choice(live)
+        pos = rng.randrange(1, prefix - 1)
+        old = int(r2t[row, pos])
+        inj = faults.redirect_req_to_token(r2t, row, pos, int(r2t[row, 0]), step=step)
+
+        def undo_redirect(row=row, pos=pos, old=old):
+            r2t[row, pos] = old
+
+        inst.undo_after_forward(undo_redirect)
+        return inj
+
+    if cls == faults.REAL_KV_FLIP:
+        live = [(r, p) for r, p in zip(rows, prefixes) if r > 0 and p >= 1]
+        if not live or not sources:
+            return None
+        row, prefix = rng.choice(live)
         slot = int(r2t[row, prefix - 1])
-        inst.injections.append(faults.flip_real_kv(inst.groups[0].spec.sources[0], slot, step=step))
-    elif cls == faults.POSITION_SKEW and fb.positions.numel():
-        inst.injections.append(faults.skew_position(fb.positions, 0, 1, out_cache_loc=fb.out_cache_loc, step=step))
-    elif cls == faults.TOKEN_SWAP and fb.input_ids.numel() >= 2:
+        inj = faults.flip_real_kv(sources[0], slot, byte=0, step=step)
+        inst.undo_after_forward(lambda slot=slot: _flip_back(sources[0], slot))
+        return inj
+
+    if cls == faults.CACHED_IDLE_CORRUPTION:
+        manager = inst.manager
+        interval = manager.config.sweep_interval
+        if not sources or manager._sweep_source is None or interval <= 0 or inst.prefix_cache is None:
+            return None
+        if (manager._steps + 1) % interval != 0:
+            return None  # wait for the forward whose step sweeps
+        verified = set()
+        for r, p in zip(rows, prefixes):
+            if r > 0 and p > 0:
+                verified.update(r2t[r, :p].tolist())
+        idle = [s for s in idle_cached_slots(inst.prefix_cache) if s > 0 and s not in verified]
+        if not idle:
+            return None
+        slot = rng.choice(idle)
+        inj = faults.flip_cached_idle(sources[0], slot, byte=0, step=step)
+        inst.undo_after_forward(lambda slot=slot: _flip_back(sources[0], slot), after_step=True)
+        return inj
+
+    if cls == faults.TOKEN_SWAP:
+        if mode != "DECODE" or not inst.verify_tokens:
+            return None
         ids = fb.input_ids.tolist()
-        j = next((k for k in range(1, len(ids)) if ids[k] != ids[0]), None)
-        if j is not None:
-            inst.injections.append(faults.swap_tokens(fb.input_ids, 0, j, out_cache_loc=fb.out_cache_loc, step=step))
-    elif cls == faults.CACHED_IDLE_CORRUPTION and inst.manager._sweep_source is not None and inst.groups[0].spec.sources:
-        live_slots = {int(s) for r, p in zip(rows, prefixes) if r > 0 for s in r2t[r, :p].tolist()}
-        idle = [s for s in inst.manager._sweep_source()[0] if s not in live_slots]
-        if idle:
-            inst.injections.append(faults.flip_cached_idle(inst.groups[0].spec.sources[0], idle[0], step=step))
-    else:
-        logger.warning("kvcanary: fault %s cannot be injected at step %d in this batch (%s); skipped", cls, step, mode)
+        ok = [i for i, r in enumerate(rows) if r > 0 and inst.row_remaining.get(r, 0) >= SWAP_MIN_REMAINING]
+        rng.shuffle(ok)
+        pair = next(((i, j) for i in ok for j in ok if i < j and ids[i] != ids[j]), None)
+        if pair is None:
+            return None
+        i, j = pair
+        inj = faults.swap_tokens(fb.input_ids, i, j, out_cache_loc=fb.out_cache_loc, step=step)
+
+        def undo_swap(i=i, j=j, a=ids[i], b=ids[j]):
+            fb.input_ids[i], fb.input_ids[j] = a, b  # the canary records keep the swapped tokens
+
+        inst.undo_after_forward(undo_swap)
+        return inj
+
+    if cls == faults.POSITION_SKEW:
+        if mode == "DECODE":
+            return None
+        starts = [0]
+        for e in extends:
+            starts.append(starts[-1] + e)
+        locs = fb.out_cache_loc.tolist()
+        cand = [starts[k + 1] - 1 for k, (r, p, e) in enumerate(zip(rows, prefixes, extends))
+                if r > 0 and p >= 1 and e >= 1 and locs[starts[k + 1] - 1] > 0]
+        if not cand or not any(int(g.manager.enable_chain_position_assert[0]) for g in inst.groups[:1]):
+            return None
+        i = rng.choice(cand)
+        old = int(fb.positions[i])
+        inj = faults.skew_position(fb.positions, i, 1, out_cache_loc=fb.out_cache_loc, step=step)
+
+        def undo_skew(i=i, old=old):
+            fb.positions[i] = old
+            views = inst.to_views(fb, fb.input_ids, fb.positions)
+            for group, view in zip(inst.groups, views):
+                group.manager._positions[i] = old
+                group.manager.after_forward(view)  # rewrite this forward's records with the true position
+
+        inst.undo_after_forward(undo_skew)
+        return inj
+
+    logger.warning("kvcanary: fault %s cannot be injected by the sglang %s adapter; skipped", cls, SGLANG_VERSION)
+    inst.pending_fault = None
+    inst.fault_skips += 1
+    return None
+
+
+def _flip_back(source, slot: int) -> None:
+    row, col = divmod(slot, source.page_size)
+    col = col * source.num_bytes_per_token
+    kv = source.kv_bytes
+    kv[row, col] = kv[row, col] ^ 0xFF  # byte 0 back (device op, no sync)
 
 
 TARGETS: tuple[Target, ...] = tuple(t for t, _ in _hook_table())

@@ -1,0 +1,830 @@
+#!/usr/bin/env python3
+"""kvcanary inside the real sglang 0.5.12 offline Engine: clean soak, injected faults, overhead (one command).
+
+    python integration/sglang_e2e.py                       # all phases, tiny dummy-weight Llama, ./sglang_e2e_out
+    python integration/sglang_e2e.py --phases 1,3 --budget 300 --out /tmp/e2e
+    python integration/sglang_e2e.py --dry-run             # no sglang, no GPU: workload + report parsing + table
+
+Needs sglang 0.5.12 with a CUDA GPU and kvcanary installed (its ``sglang.srt.plugins`` entry point). This driver
+never imports kvcanary: the plugin comes in through the entry point and is configured per phase through
+``KVCANARY_*`` variables only, exactly as a user gets it. Each phase runs in its own subprocess with a fresh
+Engine (``--worker``), then the parent reads kvcanary's JSONL report(s) and the Engine log and prints one
+summary (also written to ``<out>/summary.md`` and ``<out>/summary.json``).
+
+Phases (``--phases``, default ``1,2,3,4``):
+
+1. ``clean``: ``KVCANARY_MODE=raise``, no CUDA graph, token check and sweep on, a KV pool so tight (and the
+   scheduler so optimistic) that the prefix cache evicts, slots are reused and decode retracts requests.
+2. ``graph``: the same with decode CUDA graphs (batch sizes up to 64).
+3. ``faults``: ``KVCANARY_MODE=log`` with decode graphs, every fault class of SPEC §7 that a live engine can
+   take injected through ``KVCANARY_FAULT*`` (req_to_token redirect, real-KV flip on a live slot,
+   cached-but-idle corruption caught by the sweep, token swap, position skew), one every few forwards;
+   kvcanary writes each injection to the report (``kvcanary.injection/1``) and the driver matches the
+   violations to them by slot and step window.
+4. ``overhead``: the same workload with the plugin off and with ``log`` + PARTIAL real-KV, both Engines in one
+   subprocess (``--overhead-split`` runs them in two): tokens/s and wall time per forward, and their ratio.
+
+Time: ``--budget`` (default 570 s) caps the whole run; a phase gets at most what is left (and its own cap);
+a phase that cannot start in time is reported SKIPPED, a worker near its deadline stops sending requests and
+reports what it finished (TRUNCATED). Piecewise CUDA graphs are always off (kvcanary refuses them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+# ---------------------------------------------------------------------------------------------------- facts
+# The fault classes a live engine can take through KVCANARY_FAULT, and the reason names kvcanary reports for
+# each (must equal kvcanary.faults.EXPECTED_REASONS; tests/integration checks it, this file does not import it).
+E2E_FAULTS: tuple[str, ...] = (
+    "req_to_token_redirect",
+    "real_kv_flip",
+    "cached_idle_corruption",
+    "token_swap",
+    "position_skew",
+)
+EXPECTED_REASONS: dict[str, tuple[str, ...]] = {
+    "req_to_token_redirect": ("verify_chain_hash",),
+    "real_kv_flip": ("verify_real_kv_hash",),
+    "cached_idle_corruption": ("verify_real_kv_hash",),
+    "token_swap": ("write_token", "verify_token"),
+    "position_skew": ("write_position", "verify_position"),
+}
+# Forwards after the injection within which a detection counts (the violation's step is the forward count when
+# kvcanary drained it: > the injection's step). A token swap is seen when its row's next forward verifies it.
+DETECT_WINDOW: dict[str, int] = {"token_swap": 256}
+DEFAULT_DETECT_WINDOW = 8
+
+INJECTION_SCHEMA = "kvcanary.injection/1"
+VIOLATION_SCHEMA = "kvcanary.violation/1"
+HEALTH_SCHEMA = "kvcanary.health/1"
+LOST_SCHEMA = "kvcanary.lost/1"
+STATS_RE = re.compile(
+    r"kvcanary stats: step=(?P<step>\d+) forwards=(?P<forwards>\d+) tokens_written=(?P<tokens_written>\d+) "
+    r"entries_verified=(?P<entries_verified>\d+) entries_swept=(?P<entries_swept>\d+) "
+    r"violations=(?P<violations>\d+) lost=(?P<lost>\d+)"
+)
+RETRACT_RE = re.compile(r"KV cache pool is full\. Retract requests")
+KVCANARY_KEEP = ("KVCANARY_CUDA_ARCH", "KVCANARY_CACHE_DIR", "KVCANARY_SANITIZE")  # build settings pass through
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "vocab_size": 2048, "max_position_embeddings": 4096, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+    "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+}
+
+
+# ---------------------------------------------------------------------------------------------------- phases
+@dataclass(frozen=True)
+class Phase:
+    key: str  # "1" .. "4"
+    name: str
+    mode: str  # KVCANARY_MODE
+    graphs: bool  # decode CUDA graphs
+    max_total_tokens: int  # KV pool (tokens)
+    cap_s: int  # most seconds this phase may take
+    min_s: int  # fewer seconds left than this: skipped
+    env: tuple[tuple[str, str], ...] = ()
+    engine: tuple[tuple[str, object], ...] = ()
+    max_new: tuple[int, int] = (8, 96)  # max_new_tokens range of the workload
+
+
+COMMON_ENV = (("KVCANARY_STATS_EVERY", "20"), ("KVCANARY_SWEEP_INTERVAL", "10"), ("KVCANARY_VERIFY_TOKENS", "1"))
+PHASES: dict[str, Phase] = {
+    "1": Phase("1", "clean", "raise", False, 6144, 240, 120, COMMON_ENV,
+               (("schedule_conservativeness", 0.05),), max_new=(32, 320)),
+    "2": Phase("2", "graph", "raise", True, 12288, 150, 70, COMMON_ENV),
+    # Sweep every 3 forwards so that a cached-idle corruption (injected only before a sweeping forward) always
+    # finds one before the next fault falls due (every 4).
+    "3": Phase("3", "faults", "log", True, 12288, 150, 70, COMMON_ENV + (
+        ("KVCANARY_SWEEP_INTERVAL", "3"), ("KVCANARY_FAULT", ",".join(E2E_FAULTS)), ("KVCANARY_FAULT_EVERY", "4"),
+        ("KVCANARY_FAULT_WARMUP", "10"), ("KVCANARY_FAULT_SEED", "5"))),
+    "4": Phase("4", "overhead", "log", True, 12288, 220, 100, (("KVCANARY_STATS_EVERY", "20"),
+                                                               ("KVCANARY_REAL_KV", "partial"))),
+}
+PHASE_NAMES = {p.name: k for k, p in PHASES.items()}
+
+
+def parse_phases(text: str) -> list[str]:
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        key = PHASE_NAMES.get(part, part)
+        if key not in PHASES:
+            raise SystemExit(f"--phases: unknown phase {part!r}; expected 1-4 or {', '.join(PHASE_NAMES)}")
+        if key not in out:
+            out.append(key)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- workload
+@dataclass
+class Request:
+    input_ids: list[int]
+    max_new_tokens: int
+    family: int  # shared-prefix family, -1 for none
+    repeat_of: int = -1  # index of the earlier request this one repeats exactly
+
+
+def make_workload(n: int = 640, *, seed: int = 0, batch: int = 64, min_len: int = 8, max_len: int = 1500,
+                  max_new: tuple[int, int] = (8, 96), vocab: int = 2048) -> list[list[Request]]:
+    """``n`` requests in groups of at most ``batch`` (one Engine.generate call each).
+
+    About 65 % extend one of 12 shared prefixes (16 to 1100 tokens: radix hits, and long prompts that chunked
+    prefill splits), 10 % repeat an earlier prompt exactly (a full hit), the rest are fresh; every prompt has
+    ``min_len``..``max_len`` tokens (ids 3..vocab-1), some exactly ``min_len`` and ``max_len``.
+    """
+    rng = random.Random(seed)
+
+    def toks(k: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(k)]
+
+    families = [toks(rng.choice([16, 32, 64, 128, 256, 384, 512, 640, 768, 900, 1024, 1100])) for _ in range(12)]
+    reqs: list[Request] = []
+    for i in range(n):
+        r = rng.random()
+        new = rng.randint(*max_new)
+        if i == 0:
+            ids, fam = toks(min_len), -1
+        elif i == 1:
+            ids, fam = toks(max_len), -1
+        elif r < 0.10 and reqs:
+            j = rng.randrange(len(reqs))
+            reqs.append(Request(list(reqs[j].input_ids), new, reqs[j].family, j))
+            continue
+        elif r < 0.75:
+            fam = rng.randrange(len(families))
+            tail = rng.randint(min_len, max(min_len, min(400, max_len - len(families[fam]))))
+            ids = (families[fam] + toks(tail))[:max_len]
+        else:
+            ids, fam = toks(int(min_len * (max_len / min_len) ** rng.random())), -1
+        reqs.append(Request(ids, new, fam))
+    return [reqs[i : i + batch] for i in range(0, len(reqs), batch)]
+
+
+def workload_stats(groups: list[list[Request]], chunk: int) -> dict:
+    reqs = [r for g in groups for r in g]
+    lens = [len(r.input_ids) for r in reqs]
+    return {
+        "requests": len(reqs),
+        "groups": len(groups),
+        "max_group": max(len(g) for g in groups),
+        "prompt_len_min": min(lens),
+        "prompt_len_max": max(lens),
+        "prompt_tokens": sum(lens),
+        "shared_prefix_requests": sum(r.family >= 0 for r in reqs),
+        "exact_repeats": sum(r.repeat_of >= 0 for r in reqs),
+        "longer_than_chunk": sum(n > chunk for n in lens),
+        "max_new_tokens_sum": sum(r.max_new_tokens for r in reqs),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- reports
+def read_jsonl(paths: list[str]) -> list[dict]:
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        rows.append({"schema": "unparsable", "line": line[:200]})
+    return rows
+
+
+def parse_stats(log_text: str) -> dict | None:
+    """The last ``kvcanary stats:`` line of a log (cumulative counters), or None."""
+    last = None
+    for m in STATS_RE.finditer(log_text):
+        last = m
+    return None if last is None else {k: int(v) for k, v in last.groupdict().items()}
+
+
+@dataclass
+class FaultMatch:
+    injections: dict = field(default_factory=lambda: collections.Counter())
+    detected: dict = field(default_factory=lambda: collections.Counter())
+    reasons: dict = field(default_factory=lambda: collections.defaultdict(collections.Counter))
+    tags: dict = field(default_factory=lambda: collections.defaultdict(collections.Counter))
+    missed: list = field(default_factory=list)  # injections with no detection (first few)
+    unexplained: list = field(default_factory=list)  # violations on a slot no earlier injection touched
+    late: int = 0  # violations on touched slots, outside every window (e.g. a swapped record read again later)
+    latency: dict = field(default_factory=lambda: collections.defaultdict(list))
+
+
+def match_injections(rows: list[dict]) -> FaultMatch:
+    """Match ``kvcanary.violation/1`` rows to ``kvcanary.injection/1`` rows (same rank) by slot and step.
+
+    An injection is detected when a violation with one of its class's expected reasons names one of its slots
+    within (step, step + window]. A violation is unexplained when no injection at an earlier step touched its
+    slot: that is a false positive (or collateral damage of an injector), and must not happen.
+    """
+    res = FaultMatch()
+    inj = [r for r in rows if r.get("schema") == INJECTION_SCHEMA]
+    vio = [r for r in rows if r.get("schema") == VIOLATION_SCHEMA]
+    rank_key = lambda r: json.dumps(r.get("rank"), sort_keys=True)  # noqa: E731
+    by_slot: dict[tuple[str, int], list[dict]] = collections.defaultdict(list)
+    for i in inj:
+        res.injections[i["fault"]] += 1
+        for s in i["slots"]:
+            by_slot[(rank_key(i), int(s))].append(i)
+    for lst in by_slot.values():
+        lst.sort(key=lambda i: i["step"])
+    detected_ids = set()
+    for v in vio:
+        cands = [i for i in by_slot.get((rank_key(v), int(v["slot"])), []) if i["step"] < v["step"]]
+        if not cands:
+            res.unexplained.append(v)
+            continue
+        hit = False
+        for i in cands:
+            window = DETECT_WINDOW.get(i["fault"], DEFAULT_DETECT_WINDOW)
+            if v["step"] > i["step"] + window:
+                continue
+            hit = True
+            if set(v["reasons"]) & set(EXPECTED_REASONS.get(i["fault"], ())):
+                if id(i) not in detected_ids:
+                    detected_ids.add(id(i))
+                    res.detected[i["fault"]] += 1
+                    res.latency[i["fault"]].append(v["step"] - i["step"])
+                res.reasons[i["fault"]]["+".join(v["reasons"])] += 1
+                res.tags[i["fault"]][v.get("tag", "?")] += 1
+        if not hit:
+            res.late += 1
+    res.missed = [i for i in inj if id(i) not in detected_ids][:20]
+    return res
+
+
+def summarize_phase(phase: Phase, result: dict, log_text: str, report_rows: list[dict]) -> dict:
+    """One row of the summary: what the worker measured + what kvcanary reported."""
+    stats = parse_stats(log_text)
+    schemas = collections.Counter(r.get("schema") for r in report_rows)
+    s = {
+        "phase": f"{phase.key} {phase.name}",
+        "status": result.get("status", "MISSING"),
+        "rc": result.get("rc"),
+        "engine_start_s": result.get("engine_start_s"),
+        "requests_sent": result.get("requests_sent", 0),
+        "requests_ok": result.get("requests_ok", 0),
+        "cached_tokens": result.get("cached_tokens", 0),
+        "retractions": max(result.get("retractions", 0), len(RETRACT_RE.findall(log_text))),
+        "output_tokens": result.get("output_tokens", 0),
+        "tokens_per_s": result.get("tokens_per_s"),
+        "forwards": stats["forwards"] if stats else None,
+        "entries_verified": stats["entries_verified"] if stats else None,
+        "entries_swept": stats["entries_swept"] if stats else None,
+        "tokens_written": stats["tokens_written"] if stats else None,
+        "violations": schemas.get(VIOLATION_SCHEMA, 0),
+        "lost": sum(int(r.get("count", 0)) for r in report_rows if r.get("schema") == LOST_SCHEMA),
+        "health_errors": schemas.get(HEALTH_SCHEMA, 0),
+        "injections": schemas.get(INJECTION_SCHEMA, 0),
+        "errors": result.get("errors", []),
+        "kvcanary_errors": len(re.findall(r"CanaryViolationError|CanaryHealthError|kvcanary refused", log_text)),
+    }
+    return s
+
+
+def verdict_clean(s: dict) -> tuple[bool, list[str]]:
+    why = []
+    if s["status"] != "OK":
+        why.append(f"status {s['status']}")
+    if s["requests_ok"] != s["requests_sent"] or not s["requests_sent"]:
+        why.append(f"{s['requests_ok']}/{s['requests_sent']} requests completed")
+    for k in ("violations", "lost", "health_errors", "kvcanary_errors"):
+        if s[k]:
+            why.append(f"{k}={s[k]}")
+    if s["errors"]:
+        why.append(f"errors={len(s['errors'])}")
+    if s["entries_verified"] is None:
+        why.append("no kvcanary stats line (plugin not active?)")
+    elif s["entries_verified"] < 1_000_000:
+        why.append(f"entries_verified {s['entries_verified']} < 1e6")
+    if not s["entries_swept"]:
+        why.append("sweep never ran")
+    return not why, why
+
+
+def verdict_faults(s: dict, m: FaultMatch, min_per_class: int = 20) -> tuple[bool, list[str]]:
+    why = []
+    if s["status"] not in ("OK", "TRUNCATED"):
+        why.append(f"status {s['status']}")
+    for c in E2E_FAULTS:
+        n, d = m.injections.get(c, 0), m.detected.get(c, 0)
+        if n < min_per_class:
+            why.append(f"{c}: {n} injections < {min_per_class}")
+        if d != n:
+            why.append(f"{c}: {d}/{n} detected")
+    if m.unexplained:
+        why.append(f"{len(m.unexplained)} violation(s) on slots no injection touched")
+    return not why, why
+
+
+def _fmt(x, nd=1):
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def render(summary: dict) -> str:
+    """The one summary table (markdown) plus the fault and overhead tables."""
+    lines = ["## kvcanary in sglang 0.5.12: end-to-end summary", ""]
+    env = summary.get("env") or {}
+    if env:
+        lines.append("- " + "; ".join(f"{k}: {v}" for k, v in env.items()))
+    lines.append(f"- workload: {json.dumps(summary.get('workload', {}))}")
+    lines.append(f"- total {summary.get('total_s', 0):.0f} s of budget {summary.get('budget_s')} s")
+    lines.append("")
+    lines.append("| phase | status | start s | requests ok/sent | radix cached tok | retractions | forwards | "
+                 "entries verified | entries swept | violations | lost | health err | injections | tok/s | verdict |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for s in summary["phases"]:
+        lines.append(
+            f"| {s['phase']} | {s['status']} | {_fmt(s['engine_start_s'])} | {s['requests_ok']}/{s['requests_sent']} | "
+            f"{s['cached_tokens']} | {s['retractions']} | {_fmt(s['forwards'])} | {_fmt(s['entries_verified'])} | "
+            f"{_fmt(s['entries_swept'])} | {s['violations']} | {s['lost']} | {s['health_errors']} | "
+            f"{s['injections']} | "
+            f"{_fmt(s['tokens_per_s'])} | {s.get('verdict', '-')} |"
+        )
+    faults = summary.get("faults")
+    if faults:
+        lines += ["", "| fault class | injections | detected | rate | reasons (matched violations) | tags | "
+                      "latency (steps) |", "|---|---|---|---|---|---|---|"]
+        for c in E2E_FAULTS:
+            n, d = faults["injections"].get(c, 0), faults["detected"].get(c, 0)
+            rate = f"{100.0 * d / n:.0f} %" if n else "-"
+            reasons = ", ".join(f"{k}×{v}" for k, v in sorted(faults["reasons"].get(c, {}).items())) or "-"
+            tags = ", ".join(f"{k}×{v}" for k, v in sorted(faults["tags"].get(c, {}).items())) or "-"
+            lat = faults["latency"].get(c) or []
+            lat_s = f"{min(lat)}..{max(lat)}" if lat else "-"
+            lines.append(f"| {c} | {n} | {d} | {rate} | {reasons} | {tags} | {lat_s} |")
+        lines.append(f"| violations on untouched slots | {faults['unexplained']} | | | | | |")
+        lines.append(f"| late violations on touched slots (outside window) | {faults['late']} | | | | | |")
+        if faults.get("missed"):
+            lines.append("")
+            lines.append("missed injections: " + "; ".join(
+                f"{i['fault']}@{i['step']} slots={i['slots']} ({i['detail']})" for i in faults["missed"][:5]))
+        if faults.get("unexplained_examples"):
+            lines.append("unexplained: " + "; ".join(
+                f"step={v['step']} tag={v.get('tag')} reasons={'+'.join(v['reasons'])} slot={v['slot']}"
+                for v in faults["unexplained_examples"][:5]))
+    ov = summary.get("overhead")
+    if ov:
+        lines += ["", "| overhead | output tok/s | total tok/s | workload s | forwards | ms/forward |",
+                  "|---|---|---|---|---|---|"]
+        for k in ("off", "log"):
+            r = ov.get(k) or {}
+            lines.append(f"| {k} | {_fmt(r.get('tokens_per_s'))} | {_fmt(r.get('total_tokens_per_s'))} | "
+                         f"{_fmt(r.get('workload_s'), 2)} | {_fmt(r.get('forwards'))} | "
+                         f"{_fmt(r.get('ms_per_forward'), 3)} |")
+        if ov.get("ratio") is not None:
+            lines.append(f"| log/off | {_fmt(ov['ratio'], 4)} ({_fmt(100 * (1 - ov['ratio']), 2)} % fewer tok/s) | "
+                         f"| | | {_fmt(ov.get('ms_per_forward_delta'), 3)} ms more per forward |")
+    notes = [f"{s['phase']}: {w}" for s in summary["phases"] for w in s.get("why", [])]
+    if notes:
+        lines += ["", "notes: " + "; ".join(notes)]
+    lines += ["", f"RESULT: {'PASS' if summary.get('pass') else 'FAIL'}"]
+    return "\n".join(lines)
+
+
+def build_summary(out: str, phases: list[str], results: dict, budget: float, total_s: float,
+                  workload: dict, env: dict | None = None) -> dict:
+    summary = {"phases": [], "budget_s": budget, "total_s": total_s, "workload": workload, "env": env or {}}
+    ok_all = True
+    for key in phases:
+        phase = PHASES[key]
+        pdir = os.path.join(out, f"phase{key}-{phase.name}")
+        if key == "4":
+            summary["phases"] += _overhead_rows(phase, pdir, results, summary)
+            ok_all &= summary.get("overhead", {}).get("ratio") is not None
+            continue
+        res = results.get(key, {"status": "SKIPPED"})
+        log_text = _read(os.path.join(pdir, "worker.log"))
+        rows = read_jsonl(sorted(glob.glob(os.path.join(pdir, "kvc-*.jsonl"))))
+        s = summarize_phase(phase, res, log_text, rows)
+        if key == "3":
+            m = match_injections(rows)
+            ok, why = verdict_faults(s, m)
+            summary["faults"] = {
+                "injections": dict(m.injections), "detected": dict(m.detected),
+                "reasons": {k: dict(v) for k, v in m.reasons.items()}, "tags": {k: dict(v) for k, v in m.tags.items()},
+                "latency": {k: sorted(v) for k, v in m.latency.items()}, "unexplained": len(m.unexplained),
+                "unexplained_examples": m.unexplained[:10], "late": m.late, "missed": m.missed,
+            }
+        else:
+            ok, why = verdict_clean(s)
+            if key == "1" and not s["retractions"] and s["status"] == "OK":
+                ok, why = False, why + ["no decode retraction happened (tighten max_total_tokens)"]
+        s["verdict"], s["why"] = ("PASS" if ok else "FAIL"), why
+        ok_all &= ok
+        summary["phases"].append(s)
+    summary["pass"] = bool(ok_all and summary["phases"])
+    return summary
+
+
+def _overhead_rows(phase: Phase, pdir: str, results: dict, summary: dict) -> list[dict]:
+    rows, ov = [], {}
+    for sub in ("off", "log"):
+        res = results.get(f"4{sub}", {"status": "SKIPPED"})
+        sdir = os.path.join(pdir, sub)
+        log_text = _read(os.path.join(pdir, "worker.log")) + _read(os.path.join(sdir, "worker.log"))
+        rep = read_jsonl(sorted(glob.glob(os.path.join(sdir, "kvc-*.jsonl"))))
+        s = summarize_phase(phase, res, log_text if sub == "log" else "", rep)
+        s["phase"] = f"4 overhead-{sub}"
+        ok = s["status"] == "OK" and s["requests_ok"] == s["requests_sent"] > 0 and not s["violations"]
+        s["verdict"], s["why"] = ("PASS" if ok else "FAIL"), ([] if ok else [f"status {s['status']}"])
+        ov[sub] = {"tokens_per_s": res.get("tokens_per_s"), "total_tokens_per_s": res.get("total_tokens_per_s"),
+                   "workload_s": res.get("workload_s"), "forwards": s["forwards"]}
+        rows.append(s)
+    fw = ov["log"].get("forwards")
+    if fw:
+        ov["off"]["forwards"] = ov["off"]["forwards"] or fw  # same workload, same schedule (plugin off counts nothing)
+    for sub in ("off", "log"):
+        r = ov[sub]
+        ok = r.get("workload_s") and r.get("forwards")
+        r["ms_per_forward"] = 1000.0 * r["workload_s"] / r["forwards"] if ok else None
+    if ov["off"].get("tokens_per_s") and ov["log"].get("tokens_per_s"):
+        ov["ratio"] = ov["log"]["tokens_per_s"] / ov["off"]["tokens_per_s"]
+        if ov["off"]["ms_per_forward"] and ov["log"]["ms_per_forward"]:
+            ov["ms_per_forward_delta"] = ov["log"]["ms_per_forward"] - ov["off"]["ms_per_forward"]
+    else:
+        ov["ratio"] = None
+    summary["overhead"] = ov
+    return rows
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+# ---------------------------------------------------------------------------------------------------- parent
+def phase_env(phase: Phase, report_dir: str, base: dict | None = None, mode: str | None = None) -> dict:
+    """The environment of one phase's worker: the caller's, minus its KVCANARY_* run settings, plus the phase's."""
+    env = {k: v for k, v in (os.environ if base is None else base).items()
+           if not k.startswith("KVCANARY_") or k in KVCANARY_KEEP}
+    env.update(dict(phase.env))
+    env["KVCANARY_MODE"] = mode or phase.mode
+    env["KVCANARY_REPORT"] = os.path.join(report_dir, "kvc-{rank}.jsonl")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def engine_kwargs(phase: Phase, model: str, args) -> dict:
+    kw = dict(
+        model_path=model, load_format=args.load_format, skip_tokenizer_init=True,
+        attention_backend=args.attention_backend, sampling_backend="pytorch", mem_fraction_static=args.mem_fraction,
+        max_total_tokens=phase.max_total_tokens, chunked_prefill_size=args.chunk, dtype="bfloat16", random_seed=0,
+        log_level="info", decode_log_interval=1000, disable_piecewise_cuda_graph=True,
+    )
+    if phase.graphs:
+        kw.update(cuda_graph_max_bs=64)
+    else:
+        kw.update(disable_cuda_graph=True)
+    kw.update(max_running_requests=64)
+    kw.update(dict(phase.engine))
+    return kw
+
+
+def ensure_model(args) -> str:
+    if args.model:
+        return args.model
+    path = os.path.join(args.out, "tiny-llama")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(TINY_LLAMA, f, indent=1)
+    return path
+
+
+def run_worker(cmd: list[str], env: dict, log_path: str, timeout: float) -> int:
+    with open(log_path, "ab") as log:
+        try:
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as exc:
+            log.write(f"cannot start worker: {exc}\n".encode())
+            return 127
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            log.write(f"\n[e2e] worker killed after {timeout:.0f} s\n".encode())
+            return 124
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    import signal
+
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def load_result(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def run_phases(args, runner=run_worker) -> dict:
+    """Run the selected phases under the budget; returns {result key: worker result} (keys "1".."3", "4off",
+    "4log"). ``runner(cmd, env, log_path, timeout) -> rc`` starts one worker (tests pass a fake)."""
+    t0 = time.monotonic()
+    model = ensure_model(args)
+    results: dict[str, dict] = {}
+
+    def launch(key: str, subs: list[str], timeout: float) -> int:
+        phase = PHASES[key]
+        pdir = os.path.join(args.out, f"phase{key}-{phase.name}")
+        spec = {"phase": key, "subs": subs, "model": model, "engine": engine_kwargs(phase, model, args),
+                "requests": args.requests, "seed": args.seed, "chunk": args.chunk, "out": pdir,
+                "deadline": time.time() + timeout - 25,  # the worker stops sending requests then, and shuts down
+                "max_new": list(phase.max_new)}
+        spec_path = os.path.join(pdir, f"spec{'-' + '-'.join(s for s in subs if s)}.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f, indent=1)
+        cmd = [args.python, os.path.abspath(__file__), "--worker", spec_path]
+        label = f"{key} {phase.name}" + (f" ({'+'.join(subs)})" if any(subs) else "")
+        print(f"[e2e] phase {label}: timeout {timeout:.0f} s", flush=True)
+        t = time.monotonic()
+        rc = runner(cmd, phase_env(phase, pdir), os.path.join(pdir, "worker.log"), timeout)
+        for sub in subs:
+            res = load_result(os.path.join(pdir, f"result{sub and '-' + sub}.json")) or {"status": "NO_RESULT"}
+            res["rc"] = rc
+            if rc != 0 and res.get("status") == "OK":
+                res["status"] = f"OK_EXIT_{rc}"
+            elif rc in (124, 137) and res.get("status") in ("RUNNING", "STARTING"):
+                res["status"] = "TIMEOUT"
+            results[key + sub] = res
+        print(f"[e2e] phase {label}: rc={rc} in {time.monotonic() - t:.0f} s: "
+              + ", ".join(f"{key + s}={results[key + s].get('status')}" for s in subs), flush=True)
+        return rc
+
+    for key in args.phase_list:
+        phase = PHASES[key]
+        pdir = os.path.join(args.out, f"phase{key}-{phase.name}")
+        shutil.rmtree(pdir, ignore_errors=True)
+        os.makedirs(pdir)
+        subs = ["off", "log"] if key == "4" else [""]
+        batches = [subs] if key != "4" or not args.overhead_split else [[s] for s in subs]
+        for batch in batches:
+            left = args.budget - (time.monotonic() - t0)
+            if left < phase.min_s * len(batch) / len(subs):
+                for sub in batch:
+                    results[key + sub] = {"status": "SKIPPED", "note": f"{left:.0f} s left"}
+                print(f"[e2e] phase {key} {phase.name} {'+'.join(batch)}: SKIPPED ({left:.0f} s left)", flush=True)
+                continue
+            launch(key, batch, min(phase.cap_s, left - 3))
+        if key == "4" and results.get("4off", {}).get("status") == "OK" and \
+                results.get("4log", {}).get("status") not in ("OK", "TRUNCATED"):
+            left = args.budget - (time.monotonic() - t0)  # the second Engine failed in the shared process: retry alone
+            if left >= phase.min_s / 2:
+                launch(key, ["log"], min(phase.cap_s, left - 3))
+    return results
+
+
+def main_parent(args) -> int:
+    t0 = time.monotonic()
+    os.makedirs(args.out, exist_ok=True)
+    groups = make_workload(args.requests, seed=args.seed)
+    wl = workload_stats(groups, args.chunk)
+    print(f"[e2e] workload: {json.dumps(wl)}", flush=True)
+    if args.dry_run:
+        results = dry_run_reports(args, groups)
+    else:
+        results = run_phases(args)
+    summary = build_summary(args.out, args.phase_list, results, args.budget, time.monotonic() - t0, wl,
+                            env={"mode": "dry-run" if args.dry_run else "engine", "python": sys.version.split()[0]})
+    text = render(summary)
+    for s in summary["phases"]:  # the end of a failed phase's log, before the table (which is printed last)
+        if s.get("verdict") == "FAIL" and not args.dry_run:
+            key = s["phase"].split()[0]
+            log = _read(os.path.join(args.out, f"phase{key}-{PHASES[key].name}", "worker.log"))
+            print(f"----- {s['phase']}: last lines of worker.log -----\n" + "\n".join(log.splitlines()[-15:]))
+    with open(os.path.join(args.out, "summary.md"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump({"summary": summary, "results": results}, f, indent=1, default=str)
+    print(text, flush=True)
+    return 0 if summary["pass"] else 1
+
+
+# ---------------------------------------------------------------------------------------------------- dry run
+def dry_run_reports(args, groups: list[list[Request]]) -> dict:
+    """What the workers would leave, synthesized (no sglang): results, a log with stats lines and a JSONL report
+    whose injections are all detected, so the parsing, matching and table run end to end."""
+    rng = random.Random(args.seed)
+    results = {}
+    n_req = sum(len(g) for g in groups)
+    out_tok = sum(r.max_new_tokens for g in groups for r in g)
+    for key in args.phase_list:
+        phase = PHASES[key]
+        pdir = os.path.join(args.out, f"phase{key}-{phase.name}")
+        shutil.rmtree(pdir, ignore_errors=True)
+        os.makedirs(pdir)
+        base = {"status": "OK", "rc": 0, "engine_start_s": 0.0, "requests_sent": n_req, "requests_ok": n_req,
+                "cached_tokens": 12345, "retractions": 3 if key == "1" else 0, "output_tokens": out_tok,
+                "workload_s": 10.0, "tokens_per_s": out_tok / 10.0, "total_tokens_per_s": 2 * out_tok / 10.0,
+                "errors": []}
+        stats = "kvcanary stats: step=1200 forwards=1200 tokens_written=300000 entries_verified=2500000 " \
+                "entries_swept=90000 violations=0 lost=0\n"
+        if key == "4":
+            for sub, tps in (("off", 1000.0), ("log", 975.0)):
+                os.makedirs(os.path.join(pdir, sub))
+                results["4" + sub] = dict(base, tokens_per_s=tps, workload_s=out_tok / tps)
+                with open(os.path.join(pdir, sub, "worker.log"), "w") as f:
+                    f.write(stats if sub == "log" else "")
+            continue
+        with open(os.path.join(pdir, "worker.log"), "w") as f:
+            f.write("[dry-run]\n" + stats)
+        if key == "3":
+            with open(os.path.join(pdir, "kvc-0.jsonl"), "w") as f:
+                step = 10
+                for c in E2E_FAULTS * 24:
+                    slots = [rng.randrange(1, 6000) for _ in range(3 if c == "req_to_token_redirect" else 1)]
+                    f.write(json.dumps({"schema": INJECTION_SCHEMA, "fault": c, "step": step, "slots": slots,
+                                        "detail": "dry-run", "rank": {"tp_rank": 0}}) + "\n")
+                    f.write(json.dumps({"schema": VIOLATION_SCHEMA, "step": step + 1,
+                                        "tag": "sweep" if c == "cached_idle_corruption" else "verify",
+                                        "reasons": [EXPECTED_REASONS[c][0]], "slot": slots[0],
+                                        "rank": {"tp_rank": 0}}) + "\n")
+                    step += 3
+        results[key] = base
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------- worker
+def worker_main(spec_path: str) -> int:
+    """One phase (or the overhead pair) in this process: import sglang, start the Engine(s), run the workload."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    out = spec["out"]
+    t = time.perf_counter()
+    try:
+        from sglang.srt.entrypoints.engine import Engine
+    except BaseException as exc:
+        for sub in spec["subs"]:
+            _write_json(os.path.join(out, f"result{sub and '-' + sub}.json"),
+                        {"status": "IMPORT_ERROR", "errors": [f"{type(exc).__name__}: {str(exc)[:2000]}"]})
+        raise
+    import_s = time.perf_counter() - t
+    print(f"[e2e-worker] import sglang: {import_s:.1f} s", flush=True)
+    groups = make_workload(spec["requests"], seed=spec["seed"], max_new=tuple(spec["max_new"]))
+    rc = 0
+    for sub in spec["subs"]:
+        res_path = os.path.join(out, f"result{sub and '-' + sub}.json")
+        res = {"status": "STARTING", "import_s": round(import_s, 2), "requests_sent": 0, "requests_ok": 0,
+               "errors": []}
+        env_backup = {}
+        if sub:  # overhead pair: the plugin mode of the Engine started next (its scheduler process reads it)
+            sdir = os.path.join(out, sub)
+            os.makedirs(sdir, exist_ok=True)
+            for k, v in (("KVCANARY_MODE", "off" if sub == "off" else "log"),
+                         ("KVCANARY_REPORT", os.path.join(sdir, "kvc-{rank}.jsonl"))):
+                env_backup[k] = os.environ.get(k)
+                os.environ[k] = v
+            print(f"[e2e-worker] overhead engine: KVCANARY_MODE={os.environ['KVCANARY_MODE']}", flush=True)
+        try:
+            run_engine(Engine, spec, groups, res, res_path)
+        except BaseException as exc:  # keep what was measured; the parent reads the status
+            res["status"] = "ERROR"
+            res["errors"].append(f"{type(exc).__name__}: {str(exc)[:2000]}")
+            rc = 1
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            _write_json(res_path, res)
+            for k, v in env_backup.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    return rc
+
+
+def _write_json(path: str, obj: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def run_engine(Engine, spec: dict, groups: list[list[Request]], res: dict, res_path: str) -> None:
+    kw = dict(spec["engine"])
+    print(f"[e2e-worker] Engine kwargs: {kw}", flush=True)
+    t = time.perf_counter()
+    engine = Engine(**kw)
+    res["engine_start_s"] = round(time.perf_counter() - t, 2)
+    print(f"[e2e-worker] Engine start: {res['engine_start_s']} s", flush=True)
+    res["status"] = "RUNNING"
+    try:
+        # Warm-up outside the measurement: the first forwards of an Engine carry one-time JIT/autotune costs.
+        t = time.perf_counter()
+        engine.generate(input_ids=[[5 + i] * (8 + 40 * i) for i in range(4)],
+                        sampling_params=dict(temperature=0.0, max_new_tokens=8, ignore_eos=True))
+        res["warmup_s"] = round(time.perf_counter() - t, 2)
+        out_tok = in_tok = cached = retract = 0
+        wall = 0.0
+        for gi, group in enumerate(groups):
+            if time.time() > spec["deadline"]:
+                res["status"] = "TRUNCATED"
+                res["note"] = f"deadline reached after {gi} of {len(groups)} groups"
+                break
+            sps = [dict(temperature=0.0, max_new_tokens=r.max_new_tokens, ignore_eos=True) for r in group]
+            res["requests_sent"] += len(group)
+            t = time.perf_counter()
+            outs = engine.generate(input_ids=[r.input_ids for r in group], sampling_params=sps)
+            wall += time.perf_counter() - t
+            for r, o in zip(group, outs):
+                meta = o.get("meta_info", {}) if isinstance(o, dict) else {}
+                n = meta.get("completion_tokens") or len(o.get("output_ids") or [])
+                if n == r.max_new_tokens:
+                    res["requests_ok"] += 1
+                else:
+                    res["errors"].append(
+                        f"group {gi}: {n}/{r.max_new_tokens} tokens, finish={meta.get('finish_reason')}")
+                out_tok += n
+                in_tok += len(r.input_ids)
+                cached += int(meta.get("cached_tokens") or 0)
+                retract += int(meta.get("num_retractions") or 0)
+            res.update(output_tokens=out_tok, prompt_tokens=in_tok, cached_tokens=cached, retractions=retract,
+                       workload_s=round(wall, 3), tokens_per_s=round(out_tok / wall, 1) if wall else None,
+                       total_tokens_per_s=round((out_tok + in_tok - cached) / wall, 1) if wall else None)
+            _write_json(res_path, res)  # partial results survive a kill
+            print(f"[e2e-worker] group {gi}: {len(group)} req, {wall:.2f} s so far, cached={cached} "
+                  f"retractions={retract}", flush=True)
+        if res["status"] == "RUNNING":
+            res["status"] = "OK"
+    finally:
+        t = time.perf_counter()
+        try:
+            engine.shutdown()
+        finally:
+            res["shutdown_s"] = round(time.perf_counter() - t, 2)
+            time.sleep(1.0)  # let the scheduler process flush its last log lines
+
+
+# ---------------------------------------------------------------------------------------------------- cli
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--phases", default="1,2,3,4", help="comma-separated: 1 clean, 2 graph, 3 faults, 4 overhead")
+    ap.add_argument("--budget", type=float, default=570.0, help="seconds for the whole run (default 570)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "sglang_e2e_out", help="output folder ($OUT)")
+    ap.add_argument("--model", default=None, help="model path (default: a tiny Llama config, dummy weights)")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--attention-backend", default="triton")
+    ap.add_argument("--mem-fraction", type=float, default=0.05)
+    ap.add_argument("--chunk", type=int, default=512, help="chunked_prefill_size (< the longest prompts)")
+    ap.add_argument("--requests", type=int, default=640)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--python", default=sys.executable, help="interpreter of the workers")
+    ap.add_argument("--overhead-split", action="store_true", help="phase 4: one subprocess per Engine")
+    ap.add_argument("--dry-run", action="store_true", help="no sglang/GPU: synthesize reports, parse, print")
+    ap.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker is None:
+        args.phase_list = parse_phases(args.phases)
+        args.out = os.path.abspath(args.out)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker)
+    return main_parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

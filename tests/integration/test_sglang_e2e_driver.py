@@ -1,0 +1,158 @@
+"""integration/sglang_e2e.py's own logic without sglang or a GPU: workload, report parsing, matching, budget, table."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = ROOT / "integration" / "sglang_e2e.py"
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    name = "sglang_e2e_driver"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, DRIVER)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def test_driver_imports_neither_kvcanary_nor_sglang_at_module_level() -> None:
+    text = DRIVER.read_text()
+    assert "import kvcanary" not in text and "from kvcanary" not in text
+    top = [ln for ln in text.splitlines() if ln.startswith(("import ", "from "))]
+    assert not [ln for ln in top if "sglang" in ln], top
+
+
+def test_expected_reasons_match_kvcanary(e2e) -> None:
+    from kvcanary import faults
+
+    for c in e2e.E2E_FAULTS:
+        assert c in faults.FAULT_CLASSES
+        assert tuple(e2e.EXPECTED_REASONS[c]) == tuple(faults.EXPECTED_REASONS[c])
+
+
+def test_workload_shape(e2e) -> None:
+    groups = e2e.make_workload(640, seed=0)
+    st = e2e.workload_stats(groups, chunk=512)
+    assert st["requests"] >= 600 and st["max_group"] <= 64
+    assert st["prompt_len_min"] == 8 and st["prompt_len_max"] == 1500
+    assert st["shared_prefix_requests"] > 300 and st["exact_repeats"] > 20
+    assert st["longer_than_chunk"] > 50  # chunked prefill splits them
+    assert e2e.make_workload(640, seed=0)[3][5].input_ids == groups[3][5].input_ids  # deterministic
+    for r in (r for g in groups for r in g):
+        assert all(3 <= t < 2048 for t in r.input_ids)
+
+
+def _inj(fault, step, slots, rank=0):
+    return {"schema": "kvcanary.injection/1", "fault": fault, "step": step, "slots": slots, "detail": "d",
+            "rank": {"tp_rank": rank}}
+
+
+def _vio(step, slot, reasons, tag="verify", rank=0):
+    return {"schema": "kvcanary.violation/1", "step": step, "slot": slot, "reasons": reasons, "tag": tag,
+            "rank": {"tp_rank": rank}}
+
+
+def test_match_injections(e2e) -> None:
+    rows = [
+        _inj("req_to_token_redirect", 10, [5, 6, 7]),
+        _vio(11, 5, ["verify_chain_hash", "verify_position"]), _vio(11, 7, ["verify_chain_hash"]),
+        _inj("real_kv_flip", 20, [40]),
+        _vio(19, 40, ["verify_real_kv_hash"]),  # before the injection: unexplained
+        _inj("token_swap", 30, [50, 51]),
+        _vio(40, 51, ["verify_token"]),  # within the token-swap window
+        _inj("position_skew", 50, [60]),
+        _vio(51, 60, ["verify_chain_hash"]),  # wrong reason: not a detection
+        _vio(51, 99, ["verify_chain_hash"]),  # untouched slot
+        _vio(70, 5, ["verify_chain_hash"]),  # touched, outside the window: late
+        _inj("cached_idle_corruption", 80, [70], rank=1),
+        _vio(81, 70, ["verify_real_kv_hash"], tag="sweep", rank=0),  # other rank: unexplained
+    ]
+    m = e2e.match_injections(rows)
+    assert dict(m.injections) == {"req_to_token_redirect": 1, "real_kv_flip": 1, "token_swap": 1,
+                                  "position_skew": 1, "cached_idle_corruption": 1}
+    assert dict(m.detected) == {"req_to_token_redirect": 1, "token_swap": 1}
+    assert sorted((v["step"], v["slot"]) for v in m.unexplained) == [(19, 40), (51, 99), (81, 70)]
+    assert m.late == 1
+    assert {i["fault"] for i in m.missed} == {"real_kv_flip", "position_skew", "cached_idle_corruption"}
+    assert m.latency["token_swap"] == [10]
+    ok, why = e2e.verdict_faults({"status": "OK"}, m, min_per_class=1)
+    assert not ok and any("untouched" in w or "no injection" in w for w in why)
+
+
+def test_parse_stats_takes_the_last_line(e2e) -> None:
+    log = ("x kvcanary stats: step=20 forwards=20 tokens_written=5 entries_verified=7 entries_swept=1 violations=0 "
+           "lost=0\n[2026] kvcanary stats: step=40 forwards=40 tokens_written=9 entries_verified=1234567 "
+           "entries_swept=3 violations=2 lost=1\n")
+    assert e2e.parse_stats(log) == {"step": 40, "forwards": 40, "tokens_written": 9, "entries_verified": 1234567,
+                                    "entries_swept": 3, "violations": 2, "lost": 1}
+    assert e2e.parse_stats("nothing") is None
+
+
+def test_phase_env_and_engine_kwargs(e2e, tmp_path) -> None:
+    base = {"PATH": "/bin", "KVCANARY_MODE": "raise", "KVCANARY_FAULT": "all", "KVCANARY_CUDA_ARCH": "9.0a"}
+    env = e2e.phase_env(e2e.PHASES["3"], str(tmp_path), base)
+    assert env["KVCANARY_MODE"] == "log" and env["KVCANARY_CUDA_ARCH"] == "9.0a" and env["PATH"] == "/bin"
+    assert env["KVCANARY_FAULT"] == ",".join(e2e.E2E_FAULTS) and env["KVCANARY_VERIFY_TOKENS"] == "1"
+    assert env["KVCANARY_REPORT"].endswith("kvc-{rank}.jsonl")
+    assert "KVCANARY_FAULT" not in e2e.phase_env(e2e.PHASES["1"], str(tmp_path), base)
+    args = e2e.parse_args(["--out", str(tmp_path)])
+    for key, phase in e2e.PHASES.items():
+        kw = e2e.engine_kwargs(phase, "m", args)
+        assert kw["disable_piecewise_cuda_graph"] is True
+        assert kw["chunked_prefill_size"] < 1500 and kw["max_total_tokens"] < 368_000
+        assert ("disable_cuda_graph" in kw) == (key == "1") and (kw.get("cuda_graph_max_bs") == 64) == (key != "1")
+
+
+def test_budget_skips_and_partial_results(e2e, tmp_path) -> None:
+    """A fake worker: phase 1 finishes, phase 2 is killed mid-way (partial result), the rest is skipped."""
+    calls = []
+
+    def runner(cmd, env, log_path, timeout):
+        spec = json.load(open(cmd[-1]))
+        calls.append((spec["phase"], spec["subs"], round(timeout)))
+        out = spec["out"]
+        if spec["phase"] == "1":
+            json.dump({"status": "OK", "requests_sent": 640, "requests_ok": 640}, open(os.path.join(out, "result.json"), "w"))
+            open(log_path, "w").write("kvcanary stats: step=9 forwards=9 tokens_written=1 entries_verified=2000000 "
+                                      "entries_swept=5 violations=0 lost=0\nKV cache pool is full. Retract requests. \n")
+            return 0
+        json.dump({"status": "RUNNING", "requests_sent": 128, "requests_ok": 64}, open(os.path.join(out, "result.json"), "w"))
+        return 124
+
+    clock = iter([0, 0, 10, 10, 200, 200, 400, 400, 400, 400] + [600] * 20)
+    real = e2e.time.monotonic
+    e2e.time.monotonic = lambda: next(clock)
+    try:
+        args = e2e.parse_args(["--out", str(tmp_path), "--budget", "400", "--phases", "clean,2,3,4"])
+        results = e2e.run_phases(args, runner=runner)
+    finally:
+        e2e.time.monotonic = real
+    assert [c[0] for c in calls] == ["1", "2"]
+    assert results["1"]["status"] == "OK" and results["2"]["status"] == "TIMEOUT"
+    assert results["3"]["status"] == results["4off"]["status"] == results["4log"]["status"] == "SKIPPED"
+    summary = e2e.build_summary(str(tmp_path), args.phase_list, results, 400, 400, {})
+    rows = {s["phase"]: s for s in summary["phases"]}
+    assert rows["1 clean"]["verdict"] == "PASS" and rows["1 clean"]["retractions"] == 1
+    assert rows["2 graph"]["requests_sent"] == 128 and rows["2 graph"]["verdict"] == "FAIL"
+    text = e2e.render(summary)
+    assert "| 1 clean | OK |" in text and "RESULT: FAIL" in text
+
+
+def test_dry_run_cli(tmp_path) -> None:
+    proc = subprocess.run([sys.executable, str(DRIVER), "--dry-run", "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "RESULT: PASS" in proc.stdout and "| token_swap | 24 | 24 | 100 % |" in proc.stdout
+    assert (tmp_path / "summary.md").read_text().strip().endswith("RESULT: PASS")
+    assert json.loads((tmp_path / "summary.json").read_text())["summary"]["overhead"]["ratio"] == pytest.approx(0.975)
