@@ -83,6 +83,21 @@ def _torch_paged_allocator_class():
     return TorchPagedAllocator
 
 
+def ensure_entry_point(tmp_path, monkeypatch) -> None:
+    """kvcanary's entry point as pip would install it; synthesised (dist-info on sys.path) for a source checkout."""
+    import importlib
+    import importlib.metadata
+
+    if any(ep.name == "kvcanary" for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")):
+        return
+    dist = tmp_path / "kvcanary_src-0.0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvcanary-src\nVersion: 0.0.0\n")
+    (dist / "entry_points.txt").write_text("[sglang.srt.plugins]\nkvcanary = kvcanary.sglang:register\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now (for torch.distributed's rendezvous; tests may run side by side)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -33,17 +33,6 @@ FORWARDS = 210
 SWEEP_INTERVAL = 7
 
 
-def _ensure_entry_point(tmp_path, monkeypatch) -> None:
-    """kvcanary's entry point as pip would install it; synthesised (dist-info on sys.path) for a source checkout."""
-    if any(ep.name == "kvcanary" for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")):
-        return
-    dist = tmp_path / "kvcanary_src-0.0.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvcanary-src\nVersion: 0.0.0\n")
-    (dist / "entry_points.txt").write_text("[sglang.srt.plugins]\nkvcanary = kvcanary.sglang:register\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    importlib.invalidate_caches()
-
 
 @pytest.fixture(params=[1, 16], ids=["page1", "page16"])
 def engine(request, tmp_path, monkeypatch):
@@ -55,7 +44,7 @@ def engine(request, tmp_path, monkeypatch):
     monkeypatch.setenv("KVCANARY_VERIFY_TOKENS", "1")
     monkeypatch.setenv("KVCANARY_SWEEP_INTERVAL", str(SWEEP_INTERVAL))
     monkeypatch.setenv("SGLANG_PLUGINS", "kvcanary")
-    _ensure_entry_point(tmp_path, monkeypatch)
+    sgl_engine.ensure_entry_point(tmp_path, monkeypatch)
     state = hooks_state.snapshot(hooks_state.all_targets())
     hooks_state.restore(state)
     plugins.load_plugins()  # discovers kvcanary through the entry point, registers and applies its hooks

@@ -42,16 +42,6 @@ def _driver():
     return sys.modules["sglang_e2e_driver"]
 
 
-def _ensure_entry_point(tmp_path, monkeypatch) -> None:
-    if any(ep.name == "kvcanary" for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")):
-        return
-    dist = tmp_path / "kvcanary_src-0.0.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvcanary-src\nVersion: 0.0.0\n")
-    (dist / "entry_points.txt").write_text("[sglang.srt.plugins]\nkvcanary = kvcanary.sglang:register\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    importlib.invalidate_caches()
-
 
 def _run(tmp_path, monkeypatch, fault: str, port: int):
     import sglang.srt.plugins as plugins
@@ -62,7 +52,7 @@ def _run(tmp_path, monkeypatch, fault: str, port: int):
                  "KVCANARY_REPORT": str(report), "KVCANARY_FAULT": fault, "KVCANARY_FAULT_EVERY": "5",
                  "KVCANARY_FAULT_WARMUP": "3", "KVCANARY_FAULT_SEED": "1", "SGLANG_PLUGINS": "kvcanary"}.items():
         monkeypatch.setenv(k, v)
-    _ensure_entry_point(tmp_path, monkeypatch)
+    sgl_engine.ensure_entry_point(tmp_path, monkeypatch)
     state = hooks_state.snapshot(hooks_state.all_targets())
     hooks_state.restore(state)
     plugins.load_plugins()
