@@ -19,7 +19,8 @@ Classes (``FAULT_CLASSES``), injector, what the canary should report (``EXPECTED
 
 Environment (read by :meth:`FaultPlan.from_env`; never set it in production):
 ``KVCANARY_FAULT=<class>[,<class>...]`` (or ``all``), ``KVCANARY_FAULT_EVERY=<steps>`` (default 100),
-``KVCANARY_FAULT_WARMUP=<steps>`` (default 0), ``KVCANARY_FAULT_SEED=<int>`` (default 0).
+``KVCANARY_FAULT_WARMUP=<steps>`` (default 0), ``KVCANARY_FAULT_SEED=<int>`` (default 0),
+``KVCANARY_FAULT_RANK=<int>`` (default: every rank; else only the process whose ``{rank}`` value matches).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ ENV_FAULT = "KVCANARY_FAULT"
 ENV_FAULT_EVERY = "KVCANARY_FAULT_EVERY"
 ENV_FAULT_WARMUP = "KVCANARY_FAULT_WARMUP"
 ENV_FAULT_SEED = "KVCANARY_FAULT_SEED"
+ENV_FAULT_RANK = "KVCANARY_FAULT_RANK"
 
 
 @dataclass(frozen=True)
@@ -236,6 +238,7 @@ class FaultPlan:
     every: int = 100
     warmup: int = 0
     seed: int = 0
+    rank: int | None = None  # inject only in the process of this global rank (None: every rank)
 
     def __post_init__(self) -> None:
         if not self.classes:
@@ -243,6 +246,8 @@ class FaultPlan:
         for c in self.classes:
             if c not in FAULT_CLASSES:
                 raise ValueError(f"FaultPlan: unknown fault class {c!r}; expected one of {', '.join(FAULT_CLASSES)}")
+        if self.rank is not None and self.rank < 0:
+            raise ValueError(f"FaultPlan: rank must be >= 0 or None, got {self.rank}")
         if self.every < 1 or self.warmup < 0:
             raise ValueError(f"FaultPlan: every must be >= 1 and warmup >= 0, got {self.every}, {self.warmup}")
 
@@ -270,7 +275,12 @@ class FaultPlan:
             every=_env_int(env, ENV_FAULT_EVERY, 100, 1),
             warmup=_env_int(env, ENV_FAULT_WARMUP, 0, 0),
             seed=_env_int(env, ENV_FAULT_SEED, 0, 0),
+            rank=_env_int(env, ENV_FAULT_RANK, -1, 0) if env.get(ENV_FAULT_RANK, "").strip() else None,
         )
+
+    def applies_to(self, rank: int) -> bool:
+        """Whether the process of global rank ``rank`` injects (``KVCANARY_FAULT_RANK`` unset: every rank)."""
+        return self.rank is None or self.rank == rank
 
     def due(self, step: int) -> bool:
         """Whether to inject at ``step``."""

@@ -304,3 +304,12 @@ def test_populate_hook_zeroes_padded_rows(hooks, monkeypatch) -> None:
     assert bufs.req_pool_indices.tolist() == [1, 2, 0, 0]
     assert bufs.positions.tolist() == [20, 21, 0, 0]
     assert bufs.out_cache_loc.tolist() == [1, 2, 0, 0]
+
+
+def test_fault_injection_can_be_limited_to_one_rank(monkeypatch) -> None:
+    monkeypatch.setenv("KVCANARY_FAULT", "real_kv_flip")
+    assert v0_5_12._fault_plan_for_rank(0) is not None  # no KVCANARY_FAULT_RANK: every rank injects
+    monkeypatch.setenv("KVCANARY_FAULT_RANK", "1")
+    assert v0_5_12._fault_plan_for_rank(0) is None
+    plan = v0_5_12._fault_plan_for_rank(1)
+    assert plan is not None and plan.rank == 1

@@ -141,6 +141,8 @@ def test_fault_plan_from_env_good() -> None:
         ({"KVCANARY_FAULT": "token_swap", "KVCANARY_FAULT_EVERY": "ten"}, "KVCANARY_FAULT_EVERY", ">= 1"),
         ({"KVCANARY_FAULT": "token_swap", "KVCANARY_FAULT_WARMUP": "-1"}, "KVCANARY_FAULT_WARMUP", ">= 0"),
         ({"KVCANARY_FAULT": "token_swap", "KVCANARY_FAULT_SEED": "x"}, "KVCANARY_FAULT_SEED", ">= 0"),
+        ({"KVCANARY_FAULT": "token_swap", "KVCANARY_FAULT_RANK": "-1"}, "KVCANARY_FAULT_RANK", ">= 0"),
+        ({"KVCANARY_FAULT": "token_swap", "KVCANARY_FAULT_RANK": "one"}, "KVCANARY_FAULT_RANK", ">= 0"),
     ],
 )
 def test_fault_plan_from_env_bad(env: dict[str, str], var: str, allowed: str) -> None:
@@ -153,3 +155,10 @@ def test_fault_plan_reads_os_environ(monkeypatch) -> None:
     monkeypatch.setenv("KVCANARY_FAULT", "out_of_range_index")
     monkeypatch.setenv("KVCANARY_FAULT_EVERY", "5")
     assert FaultPlan.from_env() == FaultPlan(("out_of_range_index",), every=5)
+
+
+def test_fault_plan_rank_filter() -> None:
+    everywhere = FaultPlan.from_env({"KVCANARY_FAULT": "real_kv_flip"})
+    assert everywhere.rank is None and everywhere.applies_to(0) and everywhere.applies_to(3)
+    rank1 = FaultPlan.from_env({"KVCANARY_FAULT": "real_kv_flip", "KVCANARY_FAULT_RANK": " 1 "})
+    assert rank1.rank == 1 and rank1.applies_to(1) and not rank1.applies_to(0)

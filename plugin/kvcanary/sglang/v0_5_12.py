@@ -130,6 +130,15 @@ def register_hooks() -> None:
     logger.info("kvcanary: SGLang %s adapter registered %d hooks; %s", SGLANG_VERSION, len(table), config.describe())
 
 
+def _fault_plan_for_rank(rank: int):
+    """The fault plan this rank runs: none when KVCANARY_FAULT_RANK names another rank."""
+    plan = _fault_plan_from_env()
+    if plan is not None and not plan.applies_to(rank):
+        logger.info("kvcanary: fault injection is for rank %d; rank %d injects nothing", plan.rank, rank)
+        return None
+    return plan
+
+
 def _fault_plan_from_env():
     try:
         from kvcanary.faults import FaultPlan
@@ -408,7 +417,7 @@ def install(runner) -> Installation:
         groups=groups,
         to_views=BatchConverter(specs, max_bs, device),
         req_to_token=r2t,
-        fault_plan=_fault_plan_from_env(),
+        fault_plan=_fault_plan_for_rank(report_rank),
     )
     inst.wrap_model_forward(runner.model)
     setattr(runner, INSTALL_ATTR, inst)
