@@ -480,13 +480,16 @@ def _read(path: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- parent
-def phase_env(phase: Phase, report_dir: str, base: dict | None = None, mode: str | None = None) -> dict:
+def phase_env(phase: Phase, report_dir: str, base: dict | None = None, mode: str | None = None,
+              fault_rank: int | None = None) -> dict:
     """The environment of one phase's worker: the caller's, minus its KVCANARY_* run settings, plus the phase's."""
     env = {k: v for k, v in (os.environ if base is None else base).items()
            if not k.startswith("KVCANARY_") or k in KVCANARY_KEEP}
     env.update(dict(phase.env))
     env["KVCANARY_MODE"] = mode or phase.mode
     env["KVCANARY_REPORT"] = os.path.join(report_dir, "kvc-{rank}.jsonl")
+    if fault_rank is not None and "KVCANARY_FAULT" in env:
+        env["KVCANARY_FAULT_RANK"] = str(fault_rank)  # inject on that rank only (the others must stay clean)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
@@ -503,6 +506,8 @@ def engine_kwargs(phase: Phase, model: str, args) -> dict:
     else:
         kw.update(disable_cuda_graph=True)
     kw.update(max_running_requests=64)
+    if getattr(args, "tp_size", 1) > 1:
+        kw.update(tp_size=args.tp_size)  # one kvcanary manager per TP rank, reports kvc-<rank>.jsonl
     kw.update(dict(phase.engine))
     return kw
 
@@ -576,7 +581,7 @@ def run_phases(args, runner=run_worker) -> dict:
         label = f"{key} {phase.name}" + (f" ({'+'.join(subs)})" if any(subs) else "")
         print(f"[e2e] phase {label}: timeout {timeout:.0f} s", flush=True)
         t = time.monotonic()
-        rc = runner(cmd, phase_env(phase, pdir), os.path.join(pdir, "worker.log"), timeout)
+        rc = runner(cmd, phase_env(phase, pdir, fault_rank=getattr(args, "fault_rank", None)), os.path.join(pdir, "worker.log"), timeout)
         for sub in subs:
             res = load_result(os.path.join(pdir, f"result{sub and '-' + sub}.json")) or {"status": "NO_RESULT"}
             res["rc"] = rc
@@ -810,6 +815,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--python", default=sys.executable, help="interpreter of the workers")
     ap.add_argument("--overhead-split", action="store_true", help="phase 4: one subprocess per Engine")
+    ap.add_argument("--tp-size", type=int, default=1, help="tensor parallel ranks (one canary per rank)")
+    ap.add_argument("--fault-rank", type=int, default=None, help="phase 3: inject on this rank only")
     ap.add_argument("--dry-run", action="store_true", help="no sglang/GPU: synthesize reports, parse, print")
     ap.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

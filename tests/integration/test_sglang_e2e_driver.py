@@ -156,3 +156,15 @@ def test_dry_run_cli(tmp_path) -> None:
     assert "RESULT: PASS" in proc.stdout and "| token_swap | 24 | 24 | 100 % |" in proc.stdout
     assert (tmp_path / "summary.md").read_text().strip().endswith("RESULT: PASS")
     assert json.loads((tmp_path / "summary.json").read_text())["summary"]["overhead"]["ratio"] == pytest.approx(0.975)
+
+
+def test_tp_size_and_fault_rank_reach_the_engine_and_the_fault_phase(e2e, tmp_path) -> None:
+    import argparse
+
+    args = argparse.Namespace(load_format="dummy", attention_backend="triton", mem_fraction=0.05, chunk=512, tp_size=2)
+    faults_phase = e2e.PHASES["3"]
+    assert e2e.engine_kwargs(faults_phase, "m", args)["tp_size"] == 2
+    env = e2e.phase_env(faults_phase, str(tmp_path), base={}, fault_rank=1)
+    assert env["KVCANARY_FAULT_RANK"] == "1" and env["KVCANARY_FAULT"]
+    clean = e2e.phase_env(e2e.PHASES["1"], str(tmp_path), base={}, fault_rank=1)
+    assert "KVCANARY_FAULT_RANK" not in clean  # only phases that inject get the filter
