@@ -56,7 +56,7 @@ class CanaryStats:
     forwards: int = 0
     kernel_runs: tuple[int, ...] = (0,) * NUM_LAUNCH_TAGS
     slot_runs: tuple[int, ...] = (0,) * NUM_LAUNCH_TAGS
-    violations_seen: int = 0
+    violations_seen: int = 0  # every violation the device counted, kept or lost, over the manager's life
     verify_overflows: int = 0
     sweeps: int = 0
 
@@ -175,6 +175,7 @@ class CanaryManager:
         self._rows_requested = 0  # ring rows already asked for (all rows below this are in flight or read)
         self._lost_reported = 0
         self._epoch = 0
+        self._index_base = 0  # violations counted in ring epochs already emptied
         self._last_index = 0
         self._drained_marker_sent: int | None = None
         self._overflows_reported = 0
@@ -391,6 +392,8 @@ class CanaryManager:
         index = index - (1 << 32) if index >= 1 << 31 else index  # the int32 in the low half
         epoch = header[_STATE_RING_EPOCH]
         if epoch != self._epoch:  # the device emptied the ring after we acknowledged every row
+            # at most one reset per acknowledgement: the emptied epoch ended at the index we acknowledged
+            self._index_base += self._drained_marker_sent or 0
             self._epoch, self._rows_requested, self._lost_reported = epoch, 0, 0
             self._drained_marker_sent = None
         self._last_index = index
@@ -398,7 +401,7 @@ class CanaryManager:
         kernel_runs = tuple(header[_STATE_KERNEL_RUNS : _STATE_KERNEL_RUNS + NUM_LAUNCH_TAGS])
         slot_runs = tuple(header[_STATE_SLOT_RUNS : _STATE_SLOT_RUNS + NUM_LAUNCH_TAGS])
         self.stats.kernel_runs, self.stats.slot_runs = kernel_runs, slot_runs
-        self.stats.violations_seen = index
+        self.stats.violations_seen = self._index_base + index
         self.stats.forwards = self._forwards
         if overflows > self._overflows_reported:
             logger.warning(

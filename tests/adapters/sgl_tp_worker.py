@@ -107,7 +107,7 @@ def main(argv: list[str]) -> int:
         "modes": sorted(set(sched.forwards)),
         "steps": inst.steps,
         "violations": manager.reporter.total_reported,
-        "ring_index": st.violations_seen,
+        "violations_seen": st.violations_seen,
         "verify_runs": st.kernel_runs[LaunchTag.VERIFY],
         "write_runs": st.kernel_runs[LaunchTag.WRITE],
         "sweep_runs": st.kernel_runs[LaunchTag.SWEEP],
@@ -140,7 +140,7 @@ def main(argv: list[str]) -> int:
     fault = {
         "slot": slot,
         "injected": injected,
-        "reported": manager.reporter.total_reported,  # cumulative (stats.violations_seen is the ring index)
+        "reported": manager.reporter.total_reported,
         "violations": [
             {"slot": v.slot, "reasons": list(v.reasons), "rank": v.rank, "line": v.log_line()}
             for v in manager.violations

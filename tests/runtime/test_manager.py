@@ -190,6 +190,7 @@ def test_ring_is_reused_once_drained() -> None:
     eng.mgr.flush()
     assert [v.slot for v in eng.mgr.violations] == victims
     assert eng.mgr.reporter.total_lost == 0
+    assert eng.mgr.stats.violations_seen == len(victims)  # a lifetime count, across ring reuses
 
 
 def test_burst_larger_than_the_status_peek_arrives_complete() -> None:
