@@ -104,8 +104,10 @@ class Phase:
 
 COMMON_ENV = (("KVCANARY_STATS_EVERY", "20"), ("KVCANARY_SWEEP_INTERVAL", "10"), ("KVCANARY_VERIFY_TOKENS", "1"))
 PHASES: dict[str, Phase] = {
-    "1": Phase("1", "clean", "raise", False, 6144, 240, 120, COMMON_ENV,
-               (("schedule_conservativeness", 0.05),), max_new=(32, 320)),
+    # Eager decode is the slowest phase (~10k forwards): a pool of 8192 keeps ~10 requests decoding at once, and an
+    # optimistic scheduler (it expects 5 % of max_new_tokens) over-admits so that decode must retract.
+    "1": Phase("1", "clean", "raise", False, 8192, 280, 120, COMMON_ENV,
+               (("schedule_conservativeness", 0.05),), max_new=(16, 192)),
     "2": Phase("2", "graph", "raise", True, 12288, 150, 70, COMMON_ENV),
     # Sweep every 3 forwards so that a cached-idle corruption (injected only before a sweeping forward) always
     # finds one before the next fault falls due (every 4).

@@ -1,0 +1,32 @@
+#!/bin/bash
+# integration/sglang_e2e.py on the project's H200 machine, which has no network and no sglang: installs the
+# carried wheels (.e2ewhl: sglang 0.5.12 and the packages the image lacks, plus the kvcanary wheel) into
+# /tmp/site, keeps every JIT cache under /tmp, runs the driver and leaves its folder as a tarball in $OUT.
+# A user with sglang 0.5.12 installed runs the driver directly (integration/README.md); nothing here is needed.
+#
+#   bash integration/h200_e2e.sh TAG [driver args ...]      e.g. bash integration/h200_e2e.sh a --phases 1,2
+#
+# Called again on a still-warm machine it reuses /tmp/site and the JIT caches (only kvcanary is reinstalled).
+set -u
+TAG=${1:?usage: h200_e2e.sh TAG [driver args]}; shift
+OUT=${OUT:-/tmp/e2e-out}; mkdir -p "$OUT"
+SITE=/tmp/site
+PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE"
+if [ ! -d $SITE/sglang ]; then
+  $PIP .e2ewhl/*.whl >/tmp/pip.log 2>&1 || { tail -20 /tmp/pip.log; exit 1; }
+else
+  rm -rf $SITE/kvcanary $SITE/kvcanary-*.dist-info
+  $PIP .e2ewhl/kvcanary-*.whl >/tmp/pip.log 2>&1 || { tail -20 /tmp/pip.log; exit 1; }
+fi
+# sgl_kernel's sm90 ops need libnuma.so.1; the image may lack it (a copy travels in .e2ewhl/lib)
+ldconfig -p | grep -q 'libnuma.so.1 ' || export LD_LIBRARY_PATH=$PWD/.e2ewhl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export PYTHONPATH=$SITE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 \
+  KVCANARY_CUDA_ARCH=${KVCANARY_CUDA_ARCH:-9.0a} KVCANARY_CACHE_DIR=/tmp/kvc TVM_FFI_CACHE_DIR=/tmp/tvmffi-cache \
+  TRITON_CACHE_DIR=/tmp/triton-cache FLASHINFER_WORKSPACE_BASE=/tmp/fi-ws CUDA_CACHE_PATH=/tmp/nv-cache \
+  TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor
+nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
+python3 integration/sglang_e2e.py --model .e2e/tiny-llama --out /tmp/e2e-$TAG "$@"
+rc=$?
+cp /tmp/e2e-$TAG/summary.md "$OUT/summary-$TAG.md" 2>/dev/null
+tar czf "$OUT/e2e-$TAG.tgz" -C /tmp "e2e-$TAG"
+exit $rc
