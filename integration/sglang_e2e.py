@@ -75,6 +75,11 @@ STATS_RE = re.compile(
     r"entries_verified=(?P<entries_verified>\d+) entries_swept=(?P<entries_swept>\d+) "
     r"violations=(?P<violations>\d+) lost=(?P<lost>\d+)"
 )
+HOST_RE = re.compile(
+    r"kvcanary host time: step=\d+ forwards=(?P<forwards>\d+) eager=(?P<eager>\d+) "
+    r"canary_us_per_forward=(?P<canary_us>[\d.]+) hooks_us=(?P<hooks_us>[\d.]+) "
+    r"launch_us_per_eager_forward=(?P<launch_us>[\d.]+) forward_us=(?P<forward_us>[\d.]+)"
+)
 RETRACT_RE = re.compile(r"KV cache pool is full\. Retract requests")
 KVCANARY_KEEP = ("KVCANARY_CUDA_ARCH", "KVCANARY_CACHE_DIR", "KVCANARY_SANITIZE")  # build settings pass through
 
@@ -219,6 +224,16 @@ def parse_stats(log_text: str) -> dict | None:
     return None if last is None else {k: int(v) for k, v in last.groupdict().items()}
 
 
+def parse_host_time(log_text: str) -> dict | None:
+    """The last ``kvcanary host time:`` line of a log (host time the canary adds per forward), or None."""
+    last = None
+    for m in HOST_RE.finditer(log_text):
+        last = m
+    if last is None:
+        return None
+    return {k: (float(v) if "." in v else int(v)) for k, v in last.groupdict().items()}
+
+
 @dataclass
 class FaultMatch:
     injections: dict = field(default_factory=lambda: collections.Counter())
@@ -299,6 +314,7 @@ def summarize_phase(phase: Phase, result: dict, log_text: str, report_rows: list
         "injections": schemas.get(INJECTION_SCHEMA, 0),
         "errors": result.get("errors", []),
         "kvcanary_errors": len(re.findall(r"CanaryViolationError|CanaryHealthError|kvcanary refused", log_text)),
+        "host": parse_host_time(log_text),
     }
     return s
 
@@ -356,15 +372,16 @@ def render(summary: dict) -> str:
     lines.append(f"- total {summary.get('total_s', 0):.0f} s of budget {summary.get('budget_s')} s")
     lines.append("")
     lines.append("| phase | status | start s | requests ok/sent | radix cached tok | retractions | forwards | "
-                 "entries verified | entries swept | violations | lost | health err | injections | tok/s | verdict |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+                 "entries verified | entries swept | violations | lost | health err | injections | tok/s | "
+                 "canary host µs/fwd | verdict |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in summary["phases"]:
         lines.append(
             f"| {s['phase']} | {s['status']} | {_fmt(s['engine_start_s'])} | {s['requests_ok']}/{s['requests_sent']} | "
             f"{s['cached_tokens']} | {s['retractions']} | {_fmt(s['forwards'])} | {_fmt(s['entries_verified'])} | "
             f"{_fmt(s['entries_swept'])} | {s['violations']} | {s['lost']} | {s['health_errors']} | "
             f"{s['injections']} | "
-            f"{_fmt(s['tokens_per_s'])} | {s.get('verdict', '-')} |"
+            f"{_fmt(s['tokens_per_s'])} | {_fmt((s.get('host') or {}).get('canary_us'))} | {s.get('verdict', '-')} |"
         )
     faults = summary.get("faults")
     if faults:
@@ -397,6 +414,13 @@ def render(summary: dict) -> str:
             lines.append(f"| {k} | {_fmt(r.get('tokens_per_s'))} | {_fmt(r.get('total_tokens_per_s'))} | "
                          f"{_fmt(r.get('workload_s'), 2)} | {_fmt(r.get('forwards'))} | "
                          f"{_fmt(r.get('ms_per_forward'), 3)} |")
+        host = ov.get("host")
+        if host:
+            lines.append(
+                f"| where the canary's time goes (log) | {host['canary_us']:.1f} µs host per forward: "
+                f"{host['hooks_us']:.1f} in the forward hooks (drain, health, stats) + "
+                f"{host['launch_us']:.1f} per eager forward ({host['eager']} of {host['forwards']}) launching "
+                f"plan/verify/write; a forward's own host time {host['forward_us']:.1f} µs | | | | |")
         if ov.get("ratio") is not None:
             lines.append(f"| log/off | {_fmt(ov['ratio'], 4)} ({_fmt(100 * (1 - ov['ratio']), 2)} % fewer tok/s) | "
                          f"| | | {_fmt(ov.get('ms_per_forward_delta'), 3)} ms more per forward |")
@@ -455,6 +479,8 @@ def _overhead_rows(phase: Phase, pdir: str, results: dict, summary: dict) -> lis
         s["verdict"], s["why"] = ("PASS" if ok else "FAIL"), ([] if ok else [f"status {s['status']}"])
         ov[sub] = {"tokens_per_s": res.get("tokens_per_s"), "total_tokens_per_s": res.get("total_tokens_per_s"),
                    "workload_s": res.get("workload_s"), "forwards": s["forwards"]}
+        if sub == "log":
+            ov["host"] = s.get("host")
         rows.append(s)
     fw = ov["log"].get("forwards")
     if fw:
@@ -663,7 +689,9 @@ def dry_run_reports(args, groups: list[list[Request]]) -> dict:
                 "workload_s": 10.0, "tokens_per_s": out_tok / 10.0, "total_tokens_per_s": 2 * out_tok / 10.0,
                 "errors": []}
         stats = "kvcanary stats: step=1200 forwards=1200 tokens_written=300000 entries_verified=2500000 " \
-                "entries_swept=90000 violations=0 lost=0\n"
+                "entries_swept=90000 violations=0 lost=0\n" \
+                "kvcanary host time: step=1200 forwards=1200 eager=240 canary_us_per_forward=61.5 hooks_us=40.2 " \
+                "launch_us_per_eager_forward=106.5 forward_us=2210.0\n"
         if key == "4":
             for sub, tps in (("off", 1000.0), ("log", 975.0)):
                 os.makedirs(os.path.join(pdir, sub))

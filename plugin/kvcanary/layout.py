@@ -7,6 +7,7 @@ compares this module with ``canary_layout_constants()`` exported by the compiled
 from __future__ import annotations
 
 import enum
+import functools
 
 # canary record (one per KV slot)
 RECORD_FIELD_TOKEN = 0
@@ -95,10 +96,17 @@ REASON_VERIFY_TOKEN = int(FailReason.VERIFY_TOKEN)
 REASON_SLOT_OUT_OF_RANGE = int(FailReason.SLOT_OUT_OF_RANGE)
 
 
+_REASON_NAME_BY_BIT = {int(member): member.name.lower() for member in FailReason if member.name}
+
+
 def reason_names(bits: int) -> list[str]:
     """Decode fail_reason_bits into lower-case names, lowest bit first (unknown bits as ``bit<N>``)."""
-    known = {int(member): member.name.lower() for member in FailReason if member.name}
-    return [known.get(1 << bit, f"bit{bit}") for bit in range(64) if (bits >> bit) & 1]
+    return list(_reason_names(bits))
+
+
+@functools.lru_cache(maxsize=256)
+def _reason_names(bits: int) -> tuple[str, ...]:  # a violation burst repeats a handful of masks
+    return tuple(_REASON_NAME_BY_BIT.get(1 << bit, f"bit{bit}") for bit in range(64) if (bits >> bit) & 1)
 
 
 def encode_plan_index_error(value: int) -> int:

@@ -126,6 +126,8 @@ class CanaryManager:
         self.req_to_token = req_to_token
         self.real_kv_sources = tuple(real_kv_sources)
         self.real_kv_mode = config.real_kv_mode if self.real_kv_sources else layout.REAL_KV_HASH_MODE_NONE
+        self._real_kv_launch = ops.prepare_real_kv(self.real_kv_sources, self.device)  # once, not per launch
+        self._counter_views_by_tag: dict[int, dict[str, torch.Tensor]] = {}
         self.swa_window_size = int(swa_window_size)
         self.full_to_swa_index_mapping = full_to_swa_index_mapping
         self.rank = dict(rank) if rank else None
@@ -193,12 +195,16 @@ class CanaryManager:
 
     # ------------------------------------------------------------------------------------------ forward half
     def _counter_views(self, tag: LaunchTag) -> dict[str, torch.Tensor]:
-        return {
-            "violation_ring": self.violation_ring,
-            "violation_write_index": self.violation_write_index,
-            "slot_run_counter": self.slot_run_counters[tag : tag + 1],
-            "kernel_run_counter": self.kernel_run_counters[tag : tag + 1],
-        }
+        """The ring and counter arguments of a ``tag`` launch (views built once: slicing costs host time)."""
+        views = self._counter_views_by_tag.get(tag)
+        if views is None:
+            views = self._counter_views_by_tag[tag] = {
+                "violation_ring": self.violation_ring,
+                "violation_write_index": self.violation_write_index,
+                "slot_run_counter": self.slot_run_counters[tag : tag + 1],
+                "kernel_run_counter": self.kernel_run_counters[tag : tag + 1],
+            }
+        return views
 
     def _reuse_drained_ring(self) -> None:
         """Empty the ring if the host has read every row and nothing was appended since.
@@ -247,7 +253,7 @@ class CanaryManager:
             **self.verify_plan.kernel_args(),
             kernel_kind=LaunchTag.VERIFY,
             **self._counter_views(LaunchTag.VERIFY),
-            real_kv_sources=self.real_kv_sources,
+            real_kv_sources=self._real_kv_launch,
             real_kv_hash_mode=self.real_kv_mode,
             check_tokens=self.expected_tokens is not None,
         )
@@ -268,7 +274,7 @@ class CanaryManager:
             expected_input_positions=None,
             **self._counter_views(LaunchTag.WRITE),
             enable_chain_position_assert=self.enable_chain_position_assert,
-            real_kv_sources=self.real_kv_sources,
+            real_kv_sources=self._real_kv_launch,
             real_kv_hash_mode=self.real_kv_mode,
         )
         self._in_forward = False
@@ -333,7 +339,7 @@ class CanaryManager:
             **plan.kernel_args(),
             kernel_kind=LaunchTag.SWEEP,
             **self._counter_views(LaunchTag.SWEEP),
-            real_kv_sources=self.real_kv_sources,
+            real_kv_sources=self._real_kv_launch,
             real_kv_hash_mode=self.real_kv_mode,
             check_tokens=False,
         )

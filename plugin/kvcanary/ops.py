@@ -7,6 +7,7 @@ this module only turns ``real_kv_sources`` into the fixed four-buffer ABI and fo
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,7 +17,10 @@ from kvcanary.jit import load_module
 from kvcanary.plan import VerifyPlan, WritePlan
 from kvcanary.real_kv import RealKvSource
 
-__all__ = ["canary_plan_step", "canary_verify_step", "canary_write_step", "load_module", "real_kv_launch_args"]
+__all__ = [
+    "RealKvLaunch", "canary_plan_step", "canary_verify_step", "canary_write_step", "load_module", "prepare_real_kv",
+    "real_kv_launch_args",
+]
 
 _unused_source_cache: dict[torch.device, torch.Tensor] = {}
 
@@ -36,10 +40,24 @@ def _unused_source(device: torch.device) -> torch.Tensor:
     return t
 
 
-def real_kv_launch_args(
-    real_kv_sources: Sequence[RealKvSource], device: torch.device
-) -> tuple[list[torch.Tensor], torch.Tensor, int]:
-    """(four byte tensors, CPU int32 [4, 3] param table, num_sources) for the raw ABI."""
+@dataclass(frozen=True)
+class RealKvLaunch:
+    """``real_kv_sources`` in the kernels' fixed four-buffer ABI, built once and reused for every launch.
+
+    Building it costs a dozen small tensor writes (~50 us of host time); a manager prepares it once, so a
+    forward's launches pay nothing. Holds the sources, so their buffers stay alive as long as it does.
+    """
+
+    sources: tuple[RealKvSource, ...]
+    buffers: tuple[torch.Tensor, ...]  # MAX_REAL_KV_SOURCES byte tensors (unused slots: a tiny dummy)
+    params: torch.Tensor  # CPU int32 [MAX_REAL_KV_SOURCES, REAL_KV_PARAM_FIELDS]
+    num_sources: int
+
+
+def prepare_real_kv(real_kv_sources: Sequence[RealKvSource] | RealKvLaunch, device: torch.device) -> RealKvLaunch:
+    """Check ``real_kv_sources`` and lay them out for the kernels (a ``RealKvLaunch`` passes through)."""
+    if isinstance(real_kv_sources, RealKvLaunch):
+        return real_kv_sources
     sources = tuple(real_kv_sources)
     if len(sources) > layout.MAX_REAL_KV_SOURCES:
         raise ValueError(
@@ -48,18 +66,25 @@ def real_kv_launch_args(
     for i, src in enumerate(sources):
         if not isinstance(src, RealKvSource):
             raise TypeError(f"kvcanary: real_kv_sources[{i}]: expected RealKvSource, got {type(src).__name__}")
-    params = torch.zeros((layout.MAX_REAL_KV_SOURCES, layout.REAL_KV_PARAM_FIELDS), dtype=torch.int32)
-    bufs = []
+    rows = []
     for i in range(layout.MAX_REAL_KV_SOURCES):
+        row = [0] * layout.REAL_KV_PARAM_FIELDS
         if i < len(sources):
-            src = sources[i]
-            bufs.append(src.kv_bytes)
-            params[i, layout.REAL_KV_PARAM_PAGE_SIZE] = src.page_size
-            params[i, layout.REAL_KV_PARAM_BYTES_PER_TOKEN] = src.num_bytes_per_token
-            params[i, layout.REAL_KV_PARAM_READ_BYTES] = src.read_bytes
-        else:
-            bufs.append(_unused_source(device))
-    return bufs, params, len(sources)
+            row[layout.REAL_KV_PARAM_PAGE_SIZE] = sources[i].page_size
+            row[layout.REAL_KV_PARAM_BYTES_PER_TOKEN] = sources[i].num_bytes_per_token
+            row[layout.REAL_KV_PARAM_READ_BYTES] = sources[i].read_bytes
+        rows.append(row)
+    buffers = tuple(src.kv_bytes for src in sources) + (_unused_source(device),) * (
+        layout.MAX_REAL_KV_SOURCES - len(sources))
+    return RealKvLaunch(sources, buffers, torch.tensor(rows, dtype=torch.int32), len(sources))
+
+
+def real_kv_launch_args(
+    real_kv_sources: Sequence[RealKvSource] | RealKvLaunch, device: torch.device
+) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+    """(four byte tensors, CPU int32 [4, 3] param table, num_sources) for the raw ABI."""
+    launch = prepare_real_kv(real_kv_sources, device)
+    return list(launch.buffers), launch.params, launch.num_sources
 
 
 def canary_write_step(
@@ -80,7 +105,7 @@ def canary_write_step(
     slot_run_counter: torch.Tensor,
     kernel_run_counter: torch.Tensor,
     enable_chain_position_assert: torch.Tensor,
-    real_kv_sources: Sequence[RealKvSource] = (),
+    real_kv_sources: Sequence[RealKvSource] | RealKvLaunch = (),
     real_kv_hash_mode: int = layout.REAL_KV_HASH_MODE_NONE,
 ) -> None:
     """Store the shadow records of the slots one forward filled (SPEC §4.1; see csrc/canary_write.cuh).
@@ -128,7 +153,7 @@ def canary_verify_step(
     violation_write_index: torch.Tensor,
     slot_run_counter: torch.Tensor,
     kernel_run_counter: torch.Tensor,
-    real_kv_sources: Sequence[RealKvSource] = (),
+    real_kv_sources: Sequence[RealKvSource] | RealKvLaunch = (),
     real_kv_hash_mode: int = layout.REAL_KV_HASH_MODE_NONE,
     check_tokens: bool = False,
 ) -> None:

@@ -16,6 +16,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("sglang is not installed (pip install --no-deps -r requirements-sglang-cpu.txt)", allow_module_level=True)
@@ -112,3 +113,43 @@ def test_each_fault_class_is_recorded_detected_and_contained(tmp_path, monkeypat
     if fault in ("req_to_token_redirect", "real_kv_flip", "cached_idle_corruption", "position_skew"):
         assert m.late == 0  # undone after the detecting forward: nothing lingers
     assert inst.pending_fault is None or inst.pending_fault[1] >= FORWARDS - 5 * 4
+
+
+def _tree_paths(tree):
+    """(slots, tokens) of every root-to-node path of a RadixCache, node by node (tokens from the tree keys)."""
+    stack = [(tree.root_node, [], [])]
+    while stack:
+        node, slots, tokens = stack.pop()
+        for child in list(node.children.values()):
+            if child.value is None:
+                continue
+            key = child.key.token_ids if hasattr(child.key, "token_ids") else child.key
+            s, t = slots + [int(x) for x in child.value.tolist()], tokens + [int(x) for x in key][: len(child.value)]
+            yield s, t
+            stack.append((child, s, t))
+
+
+def test_token_swap_leaves_no_record_the_prefix_cache_disagrees_with(tmp_path, monkeypatch) -> None:
+    """H200 run regression: a token-swapped row kept records (the swapped token and every chain hash after it)
+    that disagreed with the tokens sglang stores. Once the finished request entered the RadixCache behind another
+    request's identical prefix, the tree linked the first slot after the shared part to that request's record
+    and the sweep reported a slot no injection touched. The row is now rewritten after its detecting forward:
+    every slot the RadixCache holds must carry the tree's token and the chain hash of the tree path before it."""
+    from kvcanary import layout, ref
+
+    inst, rows, _ = _run(tmp_path, monkeypatch, "token_swap", sgl_engine.free_port())
+    injections = [r for r in rows if r["schema"] == "kvcanary.injection/1"]
+    assert len(injections) >= 8
+    records = inst.manager.canary_buf.view(torch.int64).tolist()
+    checked, swapped = 0, {s for r in injections for s in r["slots"]}
+    for slots, tokens in _tree_paths(inst.prefix_cache):
+        running = ref.chain_head_hash()
+        for pos, (slot, tok) in enumerate(zip(slots, tokens)):
+            rec = records[slot]
+            assert (rec[layout.RECORD_FIELD_TOKEN], rec[layout.RECORD_FIELD_POSITION]) == (tok, pos), (slot, pos)
+            assert rec[layout.RECORD_FIELD_PREV_HASH] == ref.to_i64(running), (slot, pos)
+            running = ref.chain_step(running, tok, pos)
+            checked += 1
+    assert checked > 1000
+    # the test is only meaningful if swapped rows reached the tree
+    assert swapped & {s for slots, _ in _tree_paths(inst.prefix_cache) for s in slots}

@@ -168,3 +168,18 @@ def test_tp_size_and_fault_rank_reach_the_engine_and_the_fault_phase(e2e, tmp_pa
     assert env["KVCANARY_FAULT_RANK"] == "1" and env["KVCANARY_FAULT"]
     clean = e2e.phase_env(e2e.PHASES["1"], str(tmp_path), base={}, fault_rank=1)
     assert "KVCANARY_FAULT_RANK" not in clean  # only phases that inject get the filter
+
+
+def test_host_time_line_of_the_adapter_parses(e2e, caplog) -> None:
+    """The driver reads the adapter's own ``kvcanary host time:`` line (same text, no shared code)."""
+    from kvcanary.config import Config
+    from kvcanary.sglang.common import HostTime, Installation
+
+    inst = Installation(config=Config(stats_every=2), groups=[], to_views=lambda *a: [], req_to_token=None)
+    inst.host_time = HostTime(eager_forwards=1, in_forward_ns=90_000)
+    with caplog.at_level("INFO", logger="kvcanary.sglang"):
+        inst.account_forward(forward_ns=2_000_000, hook_ns=40_000)
+        inst.account_forward(forward_ns=3_000_000, hook_ns=60_000)
+    host = e2e.parse_host_time("\n".join(r.getMessage() for r in caplog.records))
+    assert host == {"forwards": 2, "eager": 1, "canary_us": 95.0, "hooks_us": 50.0, "launch_us": 90.0,
+                    "forward_us": 2500.0}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -99,6 +100,31 @@ class GroupSpec:
     loc: str = "full"
 
 
+@dataclass
+class HostTime:
+    """Host time the canary adds to forwards, against the host time of the forwards themselves (ns).
+
+    A serving engine whose scheduler loop is CPU-bound (small models, CUDA-graph decode) pays every host
+    microsecond of the canary per forward; this is what ``kvcanary host time:`` lines report.
+    """
+
+    forwards: int = 0
+    eager_forwards: int = 0  # forwards that ran the model.forward wrapper (not a graph replay)
+    forward_ns: int = 0  # around ModelRunner.forward, canary included (launch time: nothing waits for the GPU)
+    hook_ns: int = 0  # host_before + host_after (fault injection, drain, health, stats, sweep)
+    in_forward_ns: int = 0  # the wrapper's plan/verify/write launches (eager forwards only)
+
+    def line(self, step: int) -> str:
+        n = max(self.forwards, 1)
+        canary = (self.hook_ns + self.in_forward_ns) / n / 1e3
+        return (
+            f"kvcanary host time: step={step} forwards={self.forwards} eager={self.eager_forwards} "
+            f"canary_us_per_forward={canary:.1f} hooks_us={self.hook_ns / n / 1e3:.1f} "
+            f"launch_us_per_eager_forward={self.in_forward_ns / max(self.eager_forwards, 1) / 1e3:.1f} "
+            f"forward_us={self.forward_ns / n / 1e3:.1f}"
+        )
+
+
 @dataclass(repr=False)
 class Group:
     spec: GroupSpec
@@ -125,7 +151,10 @@ class Installation:
     _undo: list = field(default_factory=list)
     # Engine facts the version module records for the fault injector (row -> tokens the request still decodes).
     row_remaining: dict = field(default_factory=dict)
+    batch_reqs: list = field(default_factory=list)  # the engine's request objects of this forward's rows, in order
+    pending_repairs: list = field(default_factory=list)  # injections whose records are rewritten after detection
     prefix_cache: object | None = None
+    host_time: HostTime = field(default_factory=HostTime)
 
     @property
     def manager(self) -> CanaryManager:
@@ -142,12 +171,18 @@ class Installation:
 
         @functools.wraps(original)
         def forward(input_ids, positions, forward_batch, *args, **kwargs):
+            t0 = time.perf_counter_ns()
             views = install.to_views(forward_batch, input_ids, positions)
             for group, view in zip(install.groups, views):
                 group.manager.before_forward(view)
+            t1 = time.perf_counter_ns()
             out = original(input_ids, positions, forward_batch, *args, **kwargs)
+            t2 = time.perf_counter_ns()
             for group, view in zip(install.groups, views):
                 group.manager.after_forward(view)
+            host = install.host_time
+            host.in_forward_ns += t1 - t0 + time.perf_counter_ns() - t2
+            host.eager_forwards += 1  # also counted during capture; reset by mark_init_finished
             return out
 
         forward.kvcanary_wrapped = True  # type: ignore[attr-defined]
@@ -210,6 +245,18 @@ class Installation:
     def mark_init_finished(self) -> None:
         for group in self.groups:
             group.manager.mark_init_finished()
+        self.host_time = HostTime()  # warmup and graph capture are not serving
+
+    def account_forward(self, forward_ns: int, hook_ns: int) -> None:
+        """One real forward's host times (called by the version module's forward hook); logs a
+        ``kvcanary host time:`` line with the stats line."""
+        host = self.host_time
+        host.forwards += 1
+        host.forward_ns += forward_ns
+        host.hook_ns += hook_ns
+        every = self.config.stats_every
+        if every and host.forwards % every == 0:
+            logger.info("%s", host.line(self.steps))
 
     def set_sweep_source(self, source: SweepSource | None) -> None:
         self.manager.set_sweep_source(source)

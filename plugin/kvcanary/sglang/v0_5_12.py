@@ -11,6 +11,8 @@ import inspect
 import logging
 import pkgutil
 import random
+import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -462,9 +464,16 @@ def around_forward(original, self, forward_batch, *args, **kwargs):
             f"kvcanary: forward mode {mode} is not supported by the sglang {SGLANG_VERSION} adapter "
             f"(supported: {', '.join(FORWARD_MODES)})"
         )
+    t0 = time.perf_counter_ns()
     inst.host_before(lambda i, step, cls: inject_fault(i, step, forward_batch, cls))
+    t1 = time.perf_counter_ns()
     out = original(self, forward_batch, *args, **kwargs)
+    if inst.pending_repairs:
+        repair_token_swaps(inst, forward_batch)
+    t2 = time.perf_counter_ns()
     inst.host_after()
+    t3 = time.perf_counter_ns()
+    inst.account_forward(t3 - t0, t1 - t0 + t3 - t2)
     return out
 
 
@@ -505,6 +514,7 @@ def after_forward_batch_init(result, cls, batch, model_runner, *args, **kwargs):
         return result
     reqs = getattr(batch, "reqs", None) or ()
     if inst.fault_plan is not None:
+        inst.batch_reqs = list(reqs)
         # ModelWorkerBatch.reqs (0.5.12): how many tokens each row's request still decodes, so the injector
         # can pick rows whose next forward re-verifies what it corrupts. Under the overlap scheduler
         # output_ids may lag one step behind; the injector keeps a margin.
@@ -526,6 +536,65 @@ def after_forward_batch_init(result, cls, batch, model_runner, *args, **kwargs):
 # How many tokens a row's request must still decode for a token swap to be re-verified by a later forward
 # (one token of margin for the overlap scheduler's lagging output_ids, one for the forward itself).
 SWAP_MIN_REMAINING = 3
+
+
+@dataclass
+class SwapRepair:
+    """A token swap's row, to be rewritten with its true tokens once its next forward has verified it."""
+
+    row: int
+    position: int  # the swapped token's position (its slot holds the swapped record)
+    req: object  # the engine's Req in that row
+    step: int  # the injection's forward
+
+
+def repair_token_swaps(inst: Installation, fb) -> None:
+    """After a forward: rewrite the records of each swapped row that this forward verified.
+
+    A token swap leaves the canary records of its rows (the swapped token, and every later record, whose chain
+    hash descends from it) disagreeing with the tokens the engine keeps. The row's next forward reports it
+    (verify_token); after that the records must agree with the engine again, or the disagreement outlives the
+    injection: when the finished request enters the RadixCache after another request's identical prefix, the
+    tree links the first slot after the shared part to that request's record, and the sweep reports it. So,
+    once the row's next decode forward has run, its records from the swapped position through this forward's
+    token are written again with the true tokens (plan + verify + write of a one-row extend, stream-ordered
+    after the forward's own canary kernels).
+    """
+    if getattr(fb.forward_mode, "name", "") != "DECODE" or fb.seq_lens_cpu is None:
+        return
+    keep = []
+    for rep in inst.pending_repairs:
+        if rep.step >= inst.steps:  # the injecting forward itself (steps counts finished forwards)
+            keep.append(rep)
+            continue
+        if getattr(rep.req, "req_pool_idx", None) != rep.row:
+            logger.warning("kvcanary: token swap of step %d: row %d left before its repair; its records stay swapped",
+                           rep.step, rep.row)
+            continue
+        k = next((i for i, r in enumerate(inst.batch_reqs) if r is rep.req), None)
+        if k is None:
+            keep.append(rep)
+            continue
+        last = int(fb.seq_lens_cpu[k]) - 1  # the position this forward wrote for the row
+        known = (list(rep.req.origin_input_ids) + list(rep.req.output_ids))[rep.position : last]
+        if len(known) != last - rep.position:  # output_ids lag further than one token: retry next forward
+            keep.append(rep)
+            continue
+        device = inst.req_to_token.device
+        ids = torch.cat([torch.tensor(known, dtype=torch.int64, device=device), _i64(fb.input_ids[k : k + 1])])
+        n = last + 1 - rep.position
+        one_row = types.SimpleNamespace(
+            forward_mode=types.SimpleNamespace(name="EXTEND"), out_cache_loc_swa=None,
+            req_pool_indices=torch.tensor([rep.row], dtype=torch.int64, device=device),
+            extend_prefix_lens=torch.tensor([rep.position], dtype=torch.int64, device=device),
+            extend_seq_lens=torch.tensor([n], dtype=torch.int64, device=device),
+            out_cache_loc=_i64(inst.req_to_token[rep.row, rep.position : last + 1]),
+        )
+        positions = torch.arange(rep.position, last + 1, dtype=torch.int64, device=device)
+        for group, view in zip(inst.groups, inst.to_views(one_row, ids, positions)):
+            group.manager.before_forward(view)
+            group.manager.after_forward(view)
+    inst.pending_repairs = keep
 
 
 def idle_cached_slots(tree_cache) -> list[int]:
@@ -574,7 +643,8 @@ def inject_fault(inst: Installation, step: int, fb, cls: str | None = None):
     * cached_idle_corruption: only before a forward whose step runs the sweep; a RadixCache slot no request
       locks and this forward does not verify; the sweep sees it; flipped back after the sweep.
     * token_swap: decode only; the input tokens of two rows whose requests decode >= SWAP_MIN_REMAINING more
-      tokens (needs KVCANARY_VERIFY_TOKENS): their next forward's verify sees the stored tokens (verify_token).
+      tokens (needs KVCANARY_VERIFY_TOKENS): their next forward's verify sees the stored tokens (verify_token);
+      after that forward the rows' records are rewritten with the true tokens (``repair_token_swaps``).
     * position_skew: extend/mixed only (never graph-replayed); +1 on the last token of a row with a cached
       prefix (the chain-position assert is armed there): this forward's write reports it (write_position);
       after the forward the position and the canary records of the forward are rewritten as the engine
@@ -647,6 +717,10 @@ def inject_fault(inst: Installation, step: int, fb, cls: str | None = None):
             return None
         i, j = pair
         inj = faults.swap_tokens(fb.input_ids, i, j, out_cache_loc=fb.out_cache_loc, step=step)
+        for b in (i, j):
+            req = inst.batch_reqs[b] if b < len(inst.batch_reqs) else None
+            if req is not None and getattr(req, "req_pool_idx", None) == rows[b]:
+                inst.pending_repairs.append(SwapRepair(rows[b], prefixes[b], req, step))
 
         def undo_swap(i=i, j=j, a=ids[i], b=ids[j]):
             fb.input_ids[i], fb.input_ids[j] = a, b  # the canary records keep the swapped tokens

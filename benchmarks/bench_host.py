@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""Host time of the canary's per-forward path, piece by piece (what a CPU-bound scheduler loop pays).
+
+    python benchmarks/bench_host.py [--device cuda] [--iters 2000]
+
+A small model's serving loop is bound by host time: every microsecond the canary spends launching kernels or
+draining its status is a microsecond per forward. This times, on one device in one run, the manager's
+``before_forward`` / ``after_forward`` (eager forwards: graph replays skip them) and ``step`` (every forward) in
+the regime of a CPU-bound engine (the GPU idle, so each step reads and restarts the status copy), and their
+parts, next to one empty torch launch (``x.add_(1)``) as the unit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from kvcanary.batch import BatchView, ForwardKind
+from kvcanary.config import Config, Mode
+from kvcanary.manager import CanaryManager
+from kvcanary.pump import PinnedChannel, side_stream
+from kvcanary.real_kv import RealKvSource
+
+
+def timed(fn, iters: int, sync) -> float:
+    """Median over 5 rounds of the mean host µs per call (device work is not waited for inside a round)."""
+    rounds = []
+    for _ in range(5):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        rounds.append((time.perf_counter() - t0) / iters * 1e6)
+        sync()
+    return sorted(rounds)[2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--iters", type=int, default=2000)
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    slots, rows, ctx = 65536, 65, 4096
+    r2t = torch.zeros((rows, ctx), dtype=torch.int32, device=dev)
+    r2t[1, :ctx] = torch.arange(1, ctx + 1, dtype=torch.int32, device=dev)
+    kv = [torch.zeros((slots, 256), dtype=torch.uint8, device=dev) for _ in range(4)]
+    mgr = CanaryManager(Config(mode=Mode.LOG, stats_every=0), num_slots=slots, req_to_token=r2t, device=dev,
+                        max_batch_size=rows, max_tokens_per_forward=8192,
+                        real_kv_sources=[RealKvSource(k, 1, 256, 256) for k in kv])
+    mgr.mark_init_finished()
+    t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
+    decode = BatchView(ForwardKind.DECODE, t([7]), t([64]), t([65]), t([1]), t([64]), t([1]))
+    extend = BatchView(ForwardKind.EXTEND, t([7] * 256), t(list(range(64, 320))), t(list(range(65, 321))), t([1]),
+                       t([64]), t([256]))
+    mgr.before_forward(prefill := BatchView(ForwardKind.EXTEND, t([7] * 64), t(list(range(64))),
+                                            t(list(range(1, 65))), t([1]), t([0]), t([64])))
+    mgr.after_forward(prefill)  # the records every later verify reads: the benchmark must stay violation-free
+    x = torch.zeros(1, device=dev)
+    for view in (decode, extend):  # warm: the build, the allocator, the channels
+        for _ in range(20):
+            mgr.before_forward(view)
+            mgr.after_forward(view)
+            mgr.step()
+    sync()
+
+    def step_idle() -> None:  # the CPU-bound engine: the device finished before the host gets here
+        sync()
+        mgr.step()
+
+    sync_us = timed(sync, args.iters, sync)
+    channel = PinnedChannel(272, torch.int64, dev, side_stream(dev))
+    rows_out = [
+        ("one torch launch (x.add_(1))", timed(lambda: x.add_(1), args.iters, sync)),
+        ("before_forward (decode bs=1: copies, plan, verify)", timed(lambda: mgr.before_forward(decode), args.iters, sync)),
+        ("after_forward (decode bs=1: write)", timed(lambda: mgr.after_forward(decode), args.iters, sync)),
+        ("before_forward (extend 256)", timed(lambda: mgr.before_forward(extend), args.iters, sync)),
+        ("after_forward (extend 256)", timed(lambda: mgr.after_forward(extend), args.iters, sync)),
+        ("step, device idle (reads + restarts the status copy)", timed(step_idle, args.iters, sync) - sync_us),
+        ("step, device busy (back to back)", timed(mgr.step, args.iters, sync)),
+        ("status copy start (PinnedChannel.start, 2 KiB)",
+         timed(lambda: (channel.start(mgr._state[:272], step=0), setattr(channel, "busy", False)), args.iters, sync)),
+    ]
+    mgr.flush()
+    if mgr.reporter.total_reported:
+        raise SystemExit(f"bench_host: {mgr.reporter.total_reported} violations: the synthetic forwards are wrong")
+    unit = rows_out[0][1]
+    print(f"### kvcanary host time per call ({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}, "
+          f"torch {torch.__version__})\n")
+    print("| piece | host µs per call | torch launches |\n|---|---|---|")
+    for name, us in rows_out:
+        print(f"| {name} | {us:.1f} | {us / unit:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
