@@ -226,7 +226,8 @@ class CanaryManager:
             raise ValueError(f"CanaryManager: batch has {n} tokens, more than max_tokens_per_forward={self.max_tokens_per_forward}")
         if bs > self.write_plan.capacity:
             raise ValueError(f"CanaryManager: batch has {bs} rows, more than max_batch_size={self.write_plan.capacity}")
-        self._reuse_drained_ring()
+        if self._drained_marker_sent is not None or _is_capturing(self.device):
+            self._reuse_drained_ring()  # else a no-op on the device: nothing acknowledged (graphs always carry it)
         self._input_ids[:n].copy_(batch.input_ids)
         self._positions[:n].copy_(batch.positions)
         self._out_cache_loc[:n].copy_(batch.out_cache_loc)
@@ -357,6 +358,12 @@ class CanaryManager:
         self._steps += 1
         if self._sweep_source is not None and self.config.sweep_interval > 0 and self._steps % self.config.sweep_interval == 0:
             self.sweep(*self._sweep_source())
+        every = self.config.drain_every
+        if every > 1 and not self._rows_channel.busy:  # (a burst of rows in flight is read every step)
+            phase = self._steps % every
+            if phase == every - 1:  # (a stale snapshot still unread, e.g. after a flush, is read first)
+                return self._drain(restart=True)  # starts the snapshot the next step reads
+            return self._drain(restart=False) if phase == 0 else []
         return self._drain()
 
     def poll(self) -> list[Violation]:
@@ -376,14 +383,15 @@ class CanaryManager:
         numel = _STATE_HEADER + peek_end * layout.VIOLATION_FIELDS
         self._status_channel.start(self._state[:numel], step=self._steps, first=first, peek_end=peek_end)
 
-    def _drain(self) -> list[Violation]:
+    def _drain(self, restart: bool = True) -> list[Violation]:
+        """Read whatever copies are ready; ``restart``: start the next status copy at once (draining every step)."""
         reported: list[Violation] = []
         for _ in range(2):  # the second pass reads a snapshot that is ready at once (CPU, idle GPU)
             if self._rows_channel.ready():
                 reported += self._read_rows()
             if self._status_channel.ready():
                 reported += self._read_status()
-            if not self._status_channel.busy:
+            if restart and not self._status_channel.busy:
                 self._start_status()
         return reported
 

@@ -53,12 +53,16 @@ class WritePlan:
         return int(self.write_seed_slot_indices.shape[0])
 
     def kernel_args(self) -> dict[str, torch.Tensor]:
-        """The write-plan keyword arguments of ``ops.canary_write_step``."""
-        return {
-            "write_offsets": self.write_offsets,
-            "write_seed_slot_indices": self.write_seed_slot_indices,
-            "write_num_valid_reqs": self.write_num_valid_reqs,
-        }
+        """The write-plan keyword arguments of ``ops.canary_write_step`` (built once: a forward calls this)."""
+        args = self.__dict__.get("_kernel_args")
+        if args is None:
+            args = {
+                "write_offsets": self.write_offsets,
+                "write_seed_slot_indices": self.write_seed_slot_indices,
+                "write_num_valid_reqs": self.write_num_valid_reqs,
+            }
+            object.__setattr__(self, "_kernel_args", args)
+        return args
 
 
 @dataclass(frozen=True)
@@ -100,5 +104,9 @@ class VerifyPlan:
         return int(self.verify_slot_indices.shape[0])
 
     def kernel_args(self) -> dict[str, torch.Tensor]:
-        """The verify-plan keyword arguments of ``ops.canary_verify_step``."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The verify-plan keyword arguments of ``ops.canary_verify_step`` (built once: a forward calls this)."""
+        args = self.__dict__.get("_kernel_args")
+        if args is None:
+            args = {f.name: getattr(self, f.name) for f in fields(self)}
+            object.__setattr__(self, "_kernel_args", args)
+        return args

@@ -86,6 +86,13 @@ def _live_row(sched, min_prefix: int):
     raise AssertionError("no running request long enough")
 
 
+def _steps_until_raise(sched, manager) -> None:
+    """The forward that finds a violation plus ``drain_every`` more (the manager reads the device status every
+    ``drain_every`` forwards, from a snapshot taken one forward earlier): the violation must be raised by then."""
+    for _ in range(manager.config.drain_every + 1):
+        sched.step()
+
+
 def test_real_engine_clean_run_then_detections(engine, capsys) -> None:
     mr, tree, inst = engine.mr, engine.tree, engine.inst
     rng = random.Random(engine.page_size)
@@ -128,7 +135,7 @@ def test_real_engine_clean_run_then_detections(engine, capsys) -> None:
     other = int(r2t[row, 2])
     inj = faults.redirect_req_to_token(r2t, row, pos, other)
     with pytest.raises(CanaryViolationError) as exc:
-        sched.step()
+        _steps_until_raise(sched, manager)
     reasons = {name for v in exc.value.violations for name in v.reasons}
     with capsys.disabled():
         print("redirect:", inj.detail, "->", exc.value.violations[0].log_line())
@@ -148,7 +155,7 @@ def test_real_engine_clean_run_then_detections(engine, capsys) -> None:
     inj = faults.flip_real_kv(k_source, slot, byte=3)
     before = manager.stats.slot_runs
     with pytest.raises(CanaryViolationError) as exc:
-        sched.step()
+        _steps_until_raise(sched, manager)
         raise AssertionError(f"{inj} not detected: {manager.config.describe()} real_kv_mode={manager.real_kv_mode} "
                              f"slot_runs {before} -> {manager.stats.slot_runs} violations={manager.violations[-3:]} "
                              f"byte now {int(k_source.kv_bytes[slot, 3]):#x} last forward {sched.forwards[-1]} row={req.req_pool_idx} r2t={r2t[req.req_pool_idx, :6].tolist()}")

@@ -183,3 +183,17 @@ def test_host_time_line_of_the_adapter_parses(e2e, caplog) -> None:
     host = e2e.parse_host_time("\n".join(r.getMessage() for r in caplog.records))
     assert host == {"forwards": 2, "eager": 1, "canary_us": 95.0, "hooks_us": 50.0, "launch_us": 90.0,
                     "forward_us": 2500.0}
+
+
+def test_overhead_ratio_comes_from_the_last_pair(e2e, tmp_path) -> None:
+    """Phase 4 starts off, log, off, log: the first pair pays a fresh machine's compile-on-first-use (the H200 run
+    measured off 4406 vs log 7060 tok/s in it), so the ratio is the last pair's; the first is shown beside it."""
+    assert e2e.overhead_subs(2) == ["off-1", "log-1", "off", "log"] and e2e.overhead_subs(1) == ["off", "log"]
+    ok = {"status": "OK", "requests_sent": 640, "requests_ok": 640, "workload_s": 5.0}
+    results = {"4off-1": dict(ok, tokens_per_s=4406.0), "4log-1": dict(ok, tokens_per_s=7060.0),
+               "4off": dict(ok, tokens_per_s=7000.0), "4log": dict(ok, tokens_per_s=6790.0)}
+    summary = e2e.build_summary(str(tmp_path), ["4"], results, 100.0, 1.0, {})
+    ov = summary["overhead"]
+    assert ov["ratio"] == pytest.approx(0.97)
+    assert ov["warmup_rounds"] == [{"round": 1, "off": 4406.0, "log": 7060.0, "ratio": pytest.approx(7060 / 4406)}]
+    assert "warm-up pair 1" in e2e.render(summary)

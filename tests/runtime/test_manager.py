@@ -26,7 +26,8 @@ class TinyEngine:
         self.next_slot = 1
         self.lengths = {1: 0, 2: 0}
         self.tokens: dict[int, list[int]] = {1: [], 2: []}
-        cfg = Config(mode=mode, **config)  # type: ignore[arg-type]
+        # drain every step unless a test asks otherwise: these tests pin what each step reports
+        cfg = Config(mode=mode, **{"drain_every": 1, **config})  # type: ignore[arg-type]
         self.mgr = CanaryManager(
             cfg,
             num_slots=NUM_SLOTS,
@@ -217,3 +218,33 @@ def test_raise_mode_reports_each_violation_once() -> None:
     eng.forward([1], [1])  # must not raise the old rows again
     eng.mgr.flush()
     assert [v.slot for v in eng.mgr.violations] == [slot]
+
+
+def test_drain_every_reports_within_that_many_forwards_and_reads_nothing_in_between() -> None:
+    """KVCANARY_DRAIN_EVERY=4: the host touches the device status only on steps 3 and 4 of every 4 (snapshot,
+    then read), so a violation found by any forward is reported by the next 4th step, and other steps cost
+    nothing."""
+    eng = TinyEngine(mode=Mode.LOG, drain_every=4)
+    eng.mgr.mark_init_finished()
+    eng.forward([1], [4])  # step 1
+    reads = []
+    original = eng.mgr._read_status
+    eng.mgr._read_status = lambda: reads.append(eng.mgr._steps) or original()  # type: ignore[method-assign]
+    eng.kv[int(eng.req_to_token[1, 1]), 0] ^= 0xFF
+    eng.forward([1], [1])  # step 2: verify finds the flip
+    assert eng.mgr.violations == [] and reads == []
+    eng.forward([1], [1])  # step 3: snapshot (the CPU copy is immediate, so it is read at once)
+    eng.forward([1], [1])  # step 4: read
+    assert {v.reasons for v in eng.mgr.violations} == {("verify_real_kv_hash",)}
+    for _ in range(4):
+        eng.forward([1], [1])
+    assert reads and set(reads) <= {3, 4, 7, 8}, reads
+
+
+def test_drain_every_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="drain_every"):
+        Config(drain_every=0)
+    with pytest.raises(ValueError, match="KVCANARY_DRAIN_EVERY"):
+        Config.from_env({"KVCANARY_DRAIN_EVERY": "0"})
+    assert Config.from_env({"KVCANARY_DRAIN_EVERY": "1"}).drain_every == 1
+    assert Config().drain_every == 4

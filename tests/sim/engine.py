@@ -474,7 +474,8 @@ def build_sim(sim_cfg: SimConfig, *, mode: str = "raise", sweep_interval: int = 
     from kvcanary.manager import CanaryManager
 
     config = Config(mode=Mode(mode), real_kv=RealKvHashMode[real_kv.upper()], sweep_interval=sweep_interval,
-                    stats_every=0, verify_tokens=sim_cfg.verify_tokens, ring_capacity=4096)
+                    stats_every=0, verify_tokens=sim_cfg.verify_tokens, ring_capacity=4096,
+                    drain_every=1)  # the fault driver attributes each violation to the forward that drained it
     sim = Simulator(sim_cfg, mgr_factory=lambda **kw: CanaryManager(config, **kw), hook=hook)
     sim.mgr.mark_init_finished()
     return sim

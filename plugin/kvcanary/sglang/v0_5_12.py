@@ -477,12 +477,17 @@ def around_forward(original, self, forward_batch, *args, **kwargs):
     return out
 
 
-def after_populate(result, self, *args, forward_batch=None, raw_bs=None, raw_num_token=None, bs=None, **kwargs):
-    """0.5.12 leaves padded rows' req_pool_indices and positions stale: zero them (row 0 is the padding row)."""
-    if raw_bs is not None and bs is not None and bs > raw_bs:
-        self.req_pool_indices[raw_bs:].zero_()
+def after_populate(result, self, *args, forward_batch=None, raw_bs=None, raw_num_token=None, bs=None,
+                   num_tokens_per_bs=1, **kwargs):
+    """0.5.12 leaves padded rows' req_pool_indices and positions stale: zero them (row 0 is the padding row).
+
+    Only the padding the graph of ``bs`` reads, and nothing when the batch fills its graph: every replay pays
+    these launches in host time."""
+    if raw_bs is None or bs is None or bs <= raw_bs:
+        return result
+    self.req_pool_indices[raw_bs:bs].zero_()
     if raw_num_token is not None:
-        self.positions[raw_num_token:].zero_()
+        self.positions[raw_num_token : bs * int(num_tokens_per_bs or 1)].zero_()
     return result
 
 
