@@ -23,8 +23,9 @@ Phases (``--phases``, default ``1,2,3,4``):
    violations to them by slot and step window.
 4. ``overhead``: the same workload with the plugin off and with ``log`` + PARTIAL real-KV, Engines started in
    turn in one subprocess (``--overhead-split``: one each): off, log, off, log (``--overhead-rounds``, default 2).
-   The first pair absorbs what a fresh machine compiles on first use; the ratio is the last pair's (tokens/s and
-   wall time per forward), the earlier pairs' ratios are shown beside it.
+   Each Engine first runs 3 groups of a differently seeded workload, unmeasured; the first pair also absorbs what
+   a fresh machine compiles on first use. The ratio is the last pair's (tokens/s and wall time per forward); the
+   earlier pairs' ratios are shown beside it.
 
 Time: ``--budget`` (default 570 s) caps the whole run; a phase gets at most what is left (and its own cap);
 a phase that cannot start in time is reported SKIPPED, a worker near its deadline stops sending requests and
@@ -621,7 +622,7 @@ def run_phases(args, runner=run_worker) -> dict:
         spec = {"phase": key, "subs": subs, "model": model, "engine": engine_kwargs(phase, model, args),
                 "requests": args.requests, "seed": args.seed, "chunk": args.chunk, "out": pdir,
                 "deadline": time.time() + timeout - 25,  # the worker stops sending requests then, and shuts down
-                "max_new": list(phase.max_new)}
+                "max_new": list(phase.max_new), "warm_groups": 3 if key == "4" else 0}
         spec_path = os.path.join(pdir, f"spec{'-' + '-'.join(s for s in subs if s)}.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f, indent=1)
@@ -807,6 +808,11 @@ def run_engine(Engine, spec: dict, groups: list[list[Request]], res: dict, res_p
         t = time.perf_counter()
         engine.generate(input_ids=[[5 + i] * (8 + 40 * i) for i in range(4)],
                         sampling_params=dict(temperature=0.0, max_new_tokens=8, ignore_eos=True))
+        if spec.get("warm_groups"):  # overhead phase: the workload's shapes once, unmeasured (JIT, allocator)
+            warm = make_workload(spec["requests"], seed=spec["seed"] + 1, max_new=tuple(spec["max_new"]))
+            for group in warm[: spec["warm_groups"]]:
+                engine.generate(input_ids=[r.input_ids for r in group], sampling_params=[
+                    dict(temperature=0.0, max_new_tokens=r.max_new_tokens, ignore_eos=True) for r in group])
         res["warmup_s"] = round(time.perf_counter() - t, 2)
         out_tok = in_tok = cached = retract = 0
         wall = 0.0

@@ -21,11 +21,11 @@ Defaults and why:
 * ``stats_every=1000``: one INFO line per 1000 forward steps shows the canary is running at negligible log
   volume; ``0`` turns it off.
 * ``health_window=100`` steps, as in SGLang's built-in canary.
-* ``drain_every=4``: the host reads the device status (ring index, counters, new violation rows) every 4th
-  forward. Reading it costs ~150 us of host time on a slow host, which a CPU-bound scheduler loop (a small model
-  with CUDA-graph decode) pays in full; every 4th forward keeps that under 2 % of a ~2 ms forward, and a
-  violation is still reported at most 4 forwards (a few ms) after the forward that found it. ``1`` reads every
-  forward.
+* ``drain_every=8``: the host reads the device status (ring index, counters, new violation rows) every 8th
+  forward, from a snapshot started one forward earlier. A read costs ~50 us of host time on a slow host (more
+  inside a busy engine), which a CPU-bound scheduler loop (a small model with CUDA-graph decode) pays in full;
+  every 8th forward keeps it near 1 % of a ~2 ms forward, and a violation is still reported at most 8 forwards
+  (a few ms) after the forward that found it. ``1`` reads every forward.
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ class Config:
     verify_tokens: bool = False
     cache_dir: str | None = None
     health_window: int = 100
-    drain_every: int = 4
+    drain_every: int = 8
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, Mode):

@@ -347,12 +347,14 @@ class CanaryManager:
         self.stats.sweeps += 1
 
     # ------------------------------------------------------------------------------------------ host half
-    def step(self) -> list[Violation]:
+    def step(self, *, capturing: bool | None = None) -> list[Violation]:
         """Host bookkeeping after a forward (no-op during graph capture). Returns violations reported now.
 
+        ``capturing``: whether a CUDA graph capture is in progress, when the caller already knows (saves a
+        driver query per forward); ``None`` asks the device.
         Raises ``CanaryViolationError`` (raise mode) or ``CanaryHealthError`` (raise mode, stalled path).
         """
-        if _is_capturing(self.device):
+        if _is_capturing(self.device) if capturing is None else capturing:
             return []
         self._forwards += 1
         self._steps += 1

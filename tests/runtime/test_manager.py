@@ -247,4 +247,4 @@ def test_drain_every_must_be_positive() -> None:
     with pytest.raises(ValueError, match="KVCANARY_DRAIN_EVERY"):
         Config.from_env({"KVCANARY_DRAIN_EVERY": "0"})
     assert Config.from_env({"KVCANARY_DRAIN_EVERY": "1"}).drain_every == 1
-    assert Config().drain_every == 4
+    assert Config().drain_every == 8

@@ -238,7 +238,7 @@ class Installation:
         try:
             self._run_undo(False)
             for group in self.groups:
-                group.manager.step()
+                group.manager.step(capturing=False)  # host_after runs for real forwards only, never in capture
         finally:
             self._run_undo(True)
 
