@@ -83,6 +83,8 @@ HOST_RE = re.compile(
     r"canary_us_per_forward=(?P<canary_us>[\d.]+) hooks_us=(?P<hooks_us>[\d.]+) "
     r"launch_us_per_eager_forward=(?P<launch_us>[\d.]+) forward_us=(?P<forward_us>[\d.]+)"
 )
+MEASURED_MARKER = "[e2e-worker] measured workload starts"
+ENGINE_MARKER = "[e2e-worker] overhead engine: KVCANARY_MODE="
 RETRACT_RE = re.compile(r"KV cache pool is full\. Retract requests")
 KVCANARY_KEEP = ("KVCANARY_CUDA_ARCH", "KVCANARY_CACHE_DIR", "KVCANARY_SANITIZE")  # build settings pass through
 
@@ -235,6 +237,21 @@ def parse_host_time(log_text: str) -> dict | None:
     if last is None:
         return None
     return {k: (float(v) if "." in v else int(v)) for k, v in last.groupdict().items()}
+
+
+def measured_forwards(log_text: str, mode: str = "log") -> int | None:
+    """Forwards the canary counted during the measured workload of the last ``mode`` Engine of an overhead log:
+    its last stats count minus the last one before the measured-workload marker (the unmeasured warm-up's), to
+    within ``KVCANARY_STATS_EVERY``. None without stats lines or marker."""
+    sections = log_text.split(ENGINE_MARKER)
+    mine = [sec for sec in sections[1:] if sec.startswith(mode)]
+    if not mine or MEASURED_MARKER not in mine[-1]:
+        return None
+    before, after = mine[-1].split(MEASURED_MARKER, 1)
+    start, end = parse_stats(before), parse_stats(before + after)
+    if end is None:
+        return None
+    return end["forwards"] - (start["forwards"] if start else 0)
 
 
 @dataclass
@@ -423,13 +440,18 @@ def render(summary: dict) -> str:
                 f"| where the canary's time goes (log) | {host['canary_us']:.1f} µs host per forward: "
                 f"{host['hooks_us']:.1f} in the forward hooks (drain, health, stats) + "
                 f"{host['launch_us']:.1f} per eager forward ({host['eager']} of {host['forwards']}) launching "
-                f"plan/verify/write; a forward's own host time {host['forward_us']:.1f} µs | | | | |")
+                f"plan/verify/write; a forward's own host time {host['forward_us']:.1f} µs"
+                + (f"; = {host['canary_us'] / (10 * ov['log']['ms_per_forward']):.1f} % of the measured forward period"
+                   if (ov.get("log") or {}).get("ms_per_forward") else "") + " | | | | |")
         for w in ov.get("warmup_rounds") or []:
             lines.append(f"| warm-up pair {w['round']} (first Engines on this machine), log/off | "
                          f"{_fmt(w['ratio'], 4)} ({_fmt(w['off'])} vs {_fmt(w['log'])} tok/s) | | | | |")
         if ov.get("ratio") is not None:
-            lines.append(f"| log/off | {_fmt(ov['ratio'], 4)} ({_fmt(100 * (1 - ov['ratio']), 2)} % fewer tok/s) | "
-                         f"| | | {_fmt(ov.get('ms_per_forward_delta'), 3)} ms more per forward |")
+            r = ov["ratio"]
+            what = (f"{100 * (1 - r):.2f} % fewer tok/s" if r < 1 else
+                    f"no slowdown measurable: {100 * (r - 1):.2f} % more tok/s, within Engine-to-Engine noise")
+            lines.append(f"| log/off | {r:.4f} ({what}) | | | | {_fmt(ov.get('ms_per_forward_delta'), 3)} ms more per "
+                         f"forward |")
     notes = [f"{s['phase']}: {w}" for s in summary["phases"] for w in s.get("why", [])]
     if notes:
         lines += ["", "notes: " + "; ".join(notes)]
@@ -502,9 +524,10 @@ def _overhead_rows(phase: Phase, pdir: str, results: dict, summary: dict) -> lis
         if sub == "log":
             ov["host"] = s.get("host")
         rows.append(s)
-    fw = ov["log"].get("forwards")
+    fw = measured_forwards(_read(os.path.join(pdir, "worker.log"))) or ov["log"].get("forwards")
     if fw:
-        ov["off"]["forwards"] = ov["off"]["forwards"] or fw  # same workload, same schedule (plugin off counts nothing)
+        ov["log"]["forwards"] = fw
+        ov["off"]["forwards"] = fw  # same workload, same schedule (the plugin off counts nothing)
     for sub in ("off", "log"):
         r = ov[sub]
         ok = r.get("workload_s") and r.get("forwards")
@@ -816,6 +839,7 @@ def run_engine(Engine, spec: dict, groups: list[list[Request]], res: dict, res_p
         res["warmup_s"] = round(time.perf_counter() - t, 2)
         out_tok = in_tok = cached = retract = 0
         wall = 0.0
+        print(MEASURED_MARKER, flush=True)  # the parent counts the canary's forwards from here
         for gi, group in enumerate(groups):
             if time.time() > spec["deadline"]:
                 res["status"] = "TRUNCATED"
@@ -876,6 +900,8 @@ def parse_args(argv=None):
     ap.add_argument("--tp-size", type=int, default=1, help="tensor parallel ranks (one canary per rank)")
     ap.add_argument("--fault-rank", type=int, default=None, help="phase 3: inject on this rank only")
     ap.add_argument("--dry-run", action="store_true", help="no sglang/GPU: synthesize reports, parse, print")
+    ap.add_argument("--summarize", metavar="DIR", help="re-render the summary of an earlier run's --out folder "
+                    "from its logs and reports (no Engine)")
     ap.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker is None:
@@ -884,10 +910,27 @@ def parse_args(argv=None):
     return args
 
 
+def summarize_only(out: str) -> int:
+    """The summary of a finished run, rebuilt from its folder (logs, reports, the workers' results)."""
+    with open(os.path.join(out, "summary.json")) as f:
+        saved = json.load(f)
+    old = saved["summary"]
+    phases = [k for k in PHASES if os.path.isdir(os.path.join(out, f"phase{k}-{PHASES[k].name}"))]
+    summary = build_summary(out, phases, saved["results"], old.get("budget_s"), old.get("total_s", 0.0),
+                            old.get("workload", {}), env=old.get("env"))
+    text = render(summary)
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write(text + "\n")
+    print(text, flush=True)
+    return 0 if summary["pass"] else 1
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker_main(args.worker)
+    if args.summarize:
+        return summarize_only(os.path.abspath(args.summarize))
     return main_parent(args)
 
 

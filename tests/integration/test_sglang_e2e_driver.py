@@ -197,3 +197,22 @@ def test_overhead_ratio_comes_from_the_last_pair(e2e, tmp_path) -> None:
     assert ov["ratio"] == pytest.approx(0.97)
     assert ov["warmup_rounds"] == [{"round": 1, "off": 4406.0, "log": 7060.0, "ratio": pytest.approx(7060 / 4406)}]
     assert "warm-up pair 1" in e2e.render(summary)
+
+
+def test_measured_forwards_excludes_the_warm_up(e2e) -> None:
+    """Phase 4's per-forward time divides the measured workload's wall time by the forwards the canary counted
+    after the worker's marker, not by every forward the Engine ran (its warm-up groups included)."""
+    stats = "kvcanary stats: step={0} forwards={0} tokens_written=1 entries_verified=1 entries_swept=0 violations=0 lost=0\n"
+    log = (e2e.ENGINE_MARKER + "off\n" + e2e.MEASURED_MARKER + "\n"
+           + e2e.ENGINE_MARKER + "log\n" + stats.format(700) + stats.format(740) + e2e.MEASURED_MARKER + "\n"
+           + stats.format(1500) + stats.format(2900) + e2e.ENGINE_MARKER + "off\n" + e2e.MEASURED_MARKER + "\n")
+    assert e2e.measured_forwards(log) == 2900 - 740
+    assert e2e.measured_forwards(log.replace(e2e.MEASURED_MARKER, "")) is None
+    assert e2e.measured_forwards("no engines") is None
+
+
+def test_a_log_faster_than_off_is_not_called_a_slowdown(e2e, tmp_path) -> None:
+    ok = {"status": "OK", "requests_sent": 640, "requests_ok": 640, "workload_s": 4.0}
+    results = {"4off": dict(ok, tokens_per_s=8435.6), "4log": dict(ok, tokens_per_s=8936.3)}
+    text = e2e.render(e2e.build_summary(str(tmp_path), ["4"], results, 100.0, 1.0, {}))
+    assert "no slowdown measurable: 5.94 % more tok/s" in text and "fewer" not in text
