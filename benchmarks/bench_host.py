@@ -84,6 +84,17 @@ def main() -> None:
         ("status copy start (PinnedChannel.start, 2 KiB)",
          timed(lambda: (channel.start(mgr._state[:272], step=0), setattr(channel, "busy", False)), args.iters, sync)),
     ]
+    # token check (KVCANARY_VERIFY_TOKENS): a decode forward of 64 rows with ~1000-token requests
+    tok = CanaryManager(Config(mode=Mode.LOG, stats_every=0, verify_tokens=True), num_slots=slots,
+                        req_to_token=r2t, device=dev, max_batch_size=rows, max_tokens_per_forward=8192)
+    seqs = {row: list(range(1000 + row)) for row in range(1, rows)}
+    rows_out += [
+        ("token table, 64 rows re-sent in full (set_expected_tokens each)",
+         timed(lambda: [tok.set_expected_tokens(r, t) for r, t in seqs.items()], max(args.iters // 50, 5), sync)),
+        ("token table, 64 rows' new token in one update (update_expected_tokens)",
+         timed(lambda: tok.update_expected_tokens([(r, len(t) - 1, t[-1:]) for r, t in seqs.items()]),
+               args.iters, sync)),
+    ]
     mgr.flush()
     if mgr.reporter.total_reported:
         raise SystemExit(f"bench_host: {mgr.reporter.total_reported} violations: the synthetic forwards are wrong")

@@ -65,6 +65,11 @@ def _is_capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+# Token-table updates of at most this many tokens per row go into one batched scatter; longer ones (a request's
+# first upload) are copied row by row.
+_SCATTER_MAX_TOKENS = 32
+
+
 class CanaryManager:
     """Owns the canary buffer, plans, violation ring and counters of one KV pool.
 
@@ -291,16 +296,51 @@ class CanaryManager:
 
         Host → device copy through pinned memory, non-blocking; call outside graph capture.
         """
+        self.update_expected_tokens([(row, 0, tokens)])
+
+    def update_expected_tokens(self, updates: Sequence[tuple[int, int, Sequence[int]]]) -> None:
+        """For each ``(row, start, tokens)``: the row's expected tokens at positions ``start..`` become ``tokens``
+        and its valid length ``start + len(tokens)`` (earlier positions keep what they hold).
+
+        A serving loop sends each row only what it appended since its last update (one token per decode row),
+        and every row of a forward in one call: one pinned upload and two scatters, whatever the batch size.
+        Non-blocking; call outside graph capture.
+        """
         if self.expected_tokens is None or self._expected_valid_lens_by_row is None:
-            raise RuntimeError("CanaryManager: set_expected_tokens needs config.verify_tokens")
-        width = self.expected_tokens.shape[1]
-        count = min(len(tokens), width)
-        if count:
-            staged = torch.tensor(list(tokens[:count]), dtype=torch.int64)
-            if self.device.type == "cuda":
-                staged = staged.pin_memory()
-            self.expected_tokens[row, :count].copy_(staged, non_blocking=True)
-        self._expected_valid_lens_by_row[row : row + 1].fill_(count)
+            raise RuntimeError("CanaryManager: update_expected_tokens needs config.verify_tokens")
+        if not updates:
+            return
+        rows_total, width = self.expected_tokens.shape
+        tok_rows: list[int] = []
+        tok_cols: list[int] = []
+        tok_vals: list[int] = []
+        len_rows: list[int] = []
+        len_vals: list[int] = []
+        for row, start, tokens in updates:
+            if not 0 <= row < rows_total:
+                raise ValueError(f"CanaryManager.update_expected_tokens: row {row} outside [0, {rows_total})")
+            if start < 0:
+                raise ValueError(f"CanaryManager.update_expected_tokens: start {start} < 0 (row {row})")
+            count = max(0, min(len(tokens), width - start))
+            if count > _SCATTER_MAX_TOKENS:  # a whole request: one contiguous copy beats (row, col) index pairs
+                staged_row = torch.tensor(list(tokens[:count]), dtype=torch.int64)
+                if self.device.type == "cuda":
+                    staged_row = staged_row.pin_memory()
+                self.expected_tokens[row, start : start + count].copy_(staged_row, non_blocking=True)
+            elif count:
+                tok_rows += [row] * count
+                tok_cols += range(start, start + count)
+                tok_vals += tokens[:count]
+            len_rows.append(row)
+            len_vals.append(min(start + len(tokens), width))
+        n, m = len(tok_vals), len(len_rows)
+        staged = torch.tensor(tok_rows + tok_cols + tok_vals + len_rows + len_vals, dtype=torch.int64)
+        if self.device.type == "cuda":
+            staged = staged.pin_memory()  # the caching host allocator keeps it until the copy has run
+        dev = staged.to(self.device, non_blocking=True)
+        if n:
+            self.expected_tokens.index_put_((dev[:n], dev[n : 2 * n]), dev[2 * n : 3 * n])
+        self._expected_valid_lens_by_row.index_put_((dev[3 * n : 3 * n + m],), dev[3 * n + m :])
 
     # ------------------------------------------------------------------------------------------ sweep
     def set_sweep_source(self, source: SweepSource | None) -> None:

@@ -313,3 +313,23 @@ def test_fault_injection_can_be_limited_to_one_rank(monkeypatch) -> None:
     assert v0_5_12._fault_plan_for_rank(0) is None
     plan = v0_5_12._fault_plan_for_rank(1)
     assert plan is not None and plan.rank == 1
+
+
+def test_expected_token_updates_send_only_what_each_row_gained() -> None:
+    """Token check in the real engine: per forward, each row sends what its request appended since the last
+    forward (one token per decode row), and the whole row again when it holds another request or its tokens
+    were rewritten. (The H200 run measured 0.9-4.3 ms of host time per forward when every row was re-sent.)"""
+    mirror: dict = {}
+    r1 = types.SimpleNamespace(req_pool_idx=1, origin_input_ids=[5, 6, 7], output_ids=[])
+    r2 = types.SimpleNamespace(req_pool_idx=2, origin_input_ids=[9], output_ids=[4])
+    assert v0_5_12.expected_token_updates(mirror, [r1, r2]) == [(1, 0, [5, 6, 7]), (2, 0, [9, 4])]
+    assert v0_5_12.expected_token_updates(mirror, [r1, r2]) == []  # nothing new (a chunked prefill, a lagging row)
+    r1.output_ids.append(8)
+    r2.output_ids.append(3)
+    assert v0_5_12.expected_token_updates(mirror, [r1, r2]) == [(1, 3, [8]), (2, 2, [3])]
+    r3 = types.SimpleNamespace(req_pool_idx=1, origin_input_ids=[1, 2], output_ids=[])  # row 1 reused
+    assert v0_5_12.expected_token_updates(mirror, [r3]) == [(1, 0, [1, 2])]
+    r2.output_ids[-1] = 30  # rewritten tokens: the whole row again
+    assert v0_5_12.expected_token_updates(mirror, [r2]) == [(2, 0, [9, 4, 30])]
+    r2.output_ids[:] = []  # shorter than what was sent: the whole row again
+    assert v0_5_12.expected_token_updates(mirror, [r2]) == [(2, 0, [9])]

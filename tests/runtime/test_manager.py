@@ -248,3 +248,26 @@ def test_drain_every_must_be_positive() -> None:
         Config.from_env({"KVCANARY_DRAIN_EVERY": "0"})
     assert Config.from_env({"KVCANARY_DRAIN_EVERY": "1"}).drain_every == 1
     assert Config().drain_every == 8
+
+
+def test_update_expected_tokens_appends_like_a_full_upload() -> None:
+    """The incremental token-table upload (what a serving loop sends per forward) leaves the same table as
+    uploading every row in full, and bounds rows, starts and the table width."""
+    full, inc = TinyEngine(verify_tokens=True), TinyEngine(verify_tokens=True)
+    a, b = [11, 12, 13, 14], [21, 22]
+    full.mgr.set_expected_tokens(1, a + [15, 16])
+    full.mgr.set_expected_tokens(2, b + [23])
+    inc.mgr.update_expected_tokens([(1, 0, a), (2, 0, b)])
+    inc.mgr.update_expected_tokens([(1, 4, [15]), (2, 2, [23])])
+    inc.mgr.update_expected_tokens([(1, 5, [16])])
+    assert torch.equal(full.mgr.expected_tokens, inc.mgr.expected_tokens)
+    assert torch.equal(full.mgr._expected_valid_lens_by_row, inc.mgr._expected_valid_lens_by_row)
+    width = inc.mgr.expected_tokens.shape[1]
+    inc.mgr.update_expected_tokens([(3, width - 1, [7, 8, 9])])  # clipped at the width
+    assert inc.mgr.expected_tokens[3, width - 1] == 7 and int(inc.mgr._expected_valid_lens_by_row[3]) == width
+    with pytest.raises(ValueError, match="row 99"):
+        inc.mgr.update_expected_tokens([(99, 0, [1])])
+    with pytest.raises(ValueError, match="start -1"):
+        inc.mgr.update_expected_tokens([(1, -1, [1])])
+    with pytest.raises(RuntimeError, match="verify_tokens"):
+        TinyEngine().mgr.update_expected_tokens([(1, 0, [1])])

@@ -153,6 +153,9 @@ class Installation:
     row_remaining: dict = field(default_factory=dict)
     batch_reqs: list = field(default_factory=list)  # the engine's request objects of this forward's rows, in order
     pending_repairs: list = field(default_factory=list)  # injections whose records are rewritten after detection
+    # Token check: per req_to_token row, (request object, tokens uploaded, last token uploaded), so a forward
+    # uploads only what each row appended since (the version module keeps it).
+    token_mirror: dict = field(default_factory=dict)
     prefix_cache: object | None = None
     host_time: HostTime = field(default_factory=HostTime)
 
@@ -264,6 +267,10 @@ class Installation:
     def set_expected_tokens(self, row: int, tokens: Sequence[int]) -> None:
         for group in self.groups:
             group.manager.set_expected_tokens(row, tokens)
+
+    def update_expected_tokens(self, updates: Sequence[tuple[int, int, Sequence[int]]]) -> None:
+        for group in self.groups:
+            group.manager.update_expected_tokens(updates)
 
     @property
     def verify_tokens(self) -> bool:
