@@ -33,7 +33,9 @@ from kvcanary.tags import NUM_LAUNCH_TAGS, LaunchTag
 
 logger = logging.getLogger(__name__)
 
-SweepSource = Callable[[], tuple[Sequence[int], Sequence[int], Sequence[int]]]
+# () -> (slots, prev slots or -1, positions) of every slot the prefix cache holds: int sequences, or int64
+# tensors (slots and prevs may stay on the device the cache keeps them on: no device -> host copy).
+SweepSource = Callable[[], tuple[Sequence[int] | torch.Tensor, Sequence[int] | torch.Tensor, Sequence[int] | torch.Tensor]]
 DEFAULT_VERIFY_CAPACITY_PER_SLOT = 3  # prefix sharing lets Σ prefix exceed the pool
 ROW_PEEK = 32  # ring rows copied with every status snapshot: the usual few violations need no second copy
 MAX_STATUS_ROWS = 1024  # the status copy is the state prefix up to the peeked rows; past this, no peek
@@ -354,10 +356,13 @@ class CanaryManager:
             tags.append(LaunchTag.SWEEP)
         return tuple(tags)
 
-    def sweep(self, slots: Sequence[int], prevs: Sequence[int], positions: Sequence[int]) -> None:
+    def sweep(self, slots: Sequence[int] | torch.Tensor, prevs: Sequence[int] | torch.Tensor,
+              positions: Sequence[int] | torch.Tensor) -> None:
         """Verify the given entries (slot, predecessor slot or -1, position) with real-KV, tag SWEEP.
 
-        Host-called, outside graph capture; the copies are non-blocking.
+        Each argument is an int sequence or a 1-D int64 tensor on any device (a prefix cache that keeps its slots
+        on the GPU hands them over without a device -> host copy). Host-called, outside graph capture; the copies
+        are non-blocking.
         """
         n = len(slots)
         if len(prevs) != n or len(positions) != n:
@@ -365,13 +370,23 @@ class CanaryManager:
         plan = self._sweep_plan
         if plan is None or plan.capacity < n:
             plan = self._sweep_plan = VerifyPlan.allocate(max(n, 2 * (plan.capacity if plan else 0), 1024), self.device)
-        host = torch.tensor([list(slots), list(prevs), list(positions)], dtype=torch.int64).view(3, n)
+        cuda = self.device.type == "cuda"
+        for dst, src, name in ((plan.verify_slot_indices, slots, "slots"), (plan.verify_prev_slot_indices, prevs, "prevs"),
+                               (plan.verify_expected_positions, positions, "positions")):
+            if isinstance(src, torch.Tensor):
+                if src.dim() != 1 or src.dtype != torch.int64:
+                    raise ValueError(f"CanaryManager.sweep: {name}: expected a 1-D int64 tensor, got {src.dtype} "
+                                     f"{list(src.shape)}")
+                if src.device.type == "cpu" and cuda:
+                    src = src.pin_memory()
+            else:
+                src = torch.tensor(list(src), dtype=torch.int64)
+                if cuda:
+                    src = src.pin_memory()
+            dst[:n].copy_(src, non_blocking=True)
         counts = torch.tensor([n, 1], dtype=torch.int32)
-        if self.device.type == "cuda":
-            host, counts = host.pin_memory(), counts.pin_memory()
-        plan.verify_slot_indices[:n].copy_(host[0], non_blocking=True)
-        plan.verify_prev_slot_indices[:n].copy_(host[1], non_blocking=True)
-        plan.verify_expected_positions[:n].copy_(host[2], non_blocking=True)
+        if cuda:
+            counts = counts.pin_memory()
         plan.verify_expected_tokens[:n].fill_(layout.NO_EXPECTED_TOKEN)
         plan.verify_num_valid.copy_(counts[0:1], non_blocking=True)
         plan.verify_enable.copy_(counts[1:2], non_blocking=True)

@@ -16,6 +16,7 @@ import random
 import textwrap
 
 import pytest
+import torch
 
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("sglang is not installed (pip install --no-deps -r requirements-sglang-cpu.txt)", allow_module_level=True)
@@ -163,3 +164,35 @@ def test_real_engine_clean_run_then_detections(engine, capsys) -> None:
         print("flip:", inj.detail, "->", exc.value.violations[0].log_line())
     assert {v.slot for v in exc.value.violations} == {slot}
     assert all(v.reasons == ("verify_real_kv_hash",) for v in exc.value.violations)
+
+
+def test_radix_sweep_source_never_reads_slots_on_the_host(engine, monkeypatch) -> None:
+    """The sweep gathers the RadixCache's slots where sglang keeps them (the KV device): reading a node's value on
+    the host is a device sync per node on a GPU. Same entries as a host walk of the tree, no host reads."""
+    rng = random.Random(3)
+    prefix = [rng.randrange(3, 2000) for _ in range(40)]
+    sched = sgl_engine.MiniScheduler(engine.mr, engine.tree, chunk_size=48)
+    _drive(sched, rng, prefix, 60)
+    expected = []  # (slot, prev, position) by a plain host walk
+    stack = [(engine.tree.root_node, 0, -1)]
+    while stack:
+        node, depth, prev = stack.pop()
+        for child in list(node.children.values()):
+            if child.value is None:
+                continue
+            values = [int(x) for x in child.value.tolist()]
+            for i, slot in enumerate(values):
+                expected.append((slot, values[i - 1] if i else prev, depth + i))
+            stack.append((child, depth + len(values), values[-1] if values else prev))
+    source = v0_5_12.radix_sweep_source(engine.tree)
+
+    def no_host_read(*args, **kwargs):
+        raise AssertionError("the sweep source read a tensor on the host")
+
+    with monkeypatch.context() as m:
+        for name in ("tolist", "item", "__int__", "__index__"):
+            m.setattr(torch.Tensor, name, no_host_read)
+        slots, prevs, positions = source()
+    assert slots.dtype == prevs.dtype == positions.dtype == torch.int64
+    got = sorted(zip(slots.tolist(), prevs.tolist(), positions.tolist()))
+    assert len(expected) > 100 and got == sorted(expected)

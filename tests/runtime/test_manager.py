@@ -271,3 +271,20 @@ def test_update_expected_tokens_appends_like_a_full_upload() -> None:
         inc.mgr.update_expected_tokens([(1, -1, [1])])
     with pytest.raises(RuntimeError, match="verify_tokens"):
         TinyEngine().mgr.update_expected_tokens([(1, 0, [1])])
+
+
+def test_sweep_takes_tensors_and_checks_them() -> None:
+    """A sweep source may hand over int64 tensors (slots on the KV device, no host copy): same result as lists;
+    a wrong dtype is refused by name."""
+    eng = TinyEngine(mode=Mode.LOG, sweep_interval=1)
+    eng.forward([1], [4])
+    slots = eng.req_to_token[1, :4].to(torch.int64)
+    prevs = torch.cat([torch.tensor([-1]), slots[:-1]])
+    eng.mgr.set_sweep_source(lambda: (slots, prevs, torch.arange(4)))
+    eng.kv[int(slots[2]), 1] ^= 1
+    eng.forward([2], [1])
+    eng.mgr.flush()
+    swept = [v for v in eng.mgr.violations if v.tag_name == "sweep"]
+    assert {(v.slot, v.reasons) for v in swept} == {(int(slots[2]), ("verify_real_kv_hash",))}
+    with pytest.raises(ValueError, match="positions: expected a 1-D int64 tensor"):
+        eng.mgr.sweep(slots, prevs, torch.arange(4, dtype=torch.int32))

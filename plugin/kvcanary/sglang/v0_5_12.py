@@ -321,25 +321,43 @@ def radix_sweep_source(tree_cache) -> Callable | None:
     if not isinstance(tree_cache, RadixCache):
         return None
 
-    def source() -> tuple[list[int], list[int], list[int]]:
-        slots: list[int] = []
-        prevs: list[int] = []
-        positions: list[int] = []
-        stack = [(tree_cache.root_node, 0, -1)]
+    def source() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # Node values are int64 slot tensors on the KV device: gather them there (one cat), never read them on
+        # the host (a .tolist() per node would be one device sync per node). Only depths and lengths, host
+        # facts of the tree, build the positions.
+        slot_parts: list[torch.Tensor] = []
+        prev_parts: list[torch.Tensor] = []
+        depths: list[int] = []
+        lengths: list[int] = []
+        head = None  # [-1] on the values' device: the predecessor of a first-level node
+        stack = [(tree_cache.root_node, 0, None)]
         while stack:
-            node, depth, prev = stack.pop()
+            node, depth, parent_last = stack.pop()
             for child in list(node.children.values()):
-                if child.value is None:  # evicted (to host, or gone): so is its subtree
+                value = child.value
+                if value is None:  # evicted (to host, or gone): so is its subtree
                     continue
-                values = child.value.tolist()
-                p = prev
-                for i, slot in enumerate(values):
-                    slots.append(int(slot))
-                    prevs.append(p)
-                    positions.append(depth + i)
-                    p = int(slot)
-                stack.append((child, depth + len(values), p))
-        return slots, prevs, positions
+                n = int(value.shape[0])
+                if n == 0:
+                    continue
+                value = value if value.dtype == torch.int64 else value.to(torch.int64)
+                if parent_last is None:
+                    if head is None or head.device != value.device:
+                        head = torch.full((1,), -1, dtype=torch.int64, device=value.device)
+                    parent_last = head
+                slot_parts.append(value)
+                prev_parts += [parent_last, value[:-1]]
+                depths.append(depth)
+                lengths.append(n)
+                stack.append((child, depth + n, value[n - 1 :]))
+        if not slot_parts:
+            empty = torch.zeros(0, dtype=torch.int64)
+            return empty, empty, empty
+        lens = torch.tensor(lengths, dtype=torch.int64)
+        starts = torch.cumsum(lens, 0) - lens
+        positions = torch.arange(sum(lengths), dtype=torch.int64) + torch.repeat_interleave(
+            torch.tensor(depths, dtype=torch.int64) - starts, lens)
+        return torch.cat(slot_parts), torch.cat(prev_parts), positions
 
     return source
 
