@@ -16,7 +16,8 @@ Defaults and why:
 * ``real_kv=partial``: each fingerprint reads the first 16 bytes of every real-KV source per slot, which is
   cheap and still catches KV corruption that leaves the canary records intact (a slot overwritten by another
   request, a bad copy); ``all`` reads every byte and costs a full KV read per checked slot.
-* ``sweep_interval=0``: the prefix-cache sweep walks the whole tree on the host; off unless asked for.
+* ``sweep_interval=0``: the prefix-cache sweep walks every node of the tree on the host (its slots stay on the
+  device), a cost that grows with the cache; off unless asked for.
 * ``ring_capacity=1024`` rows (32 KiB), as in SGLang's built-in canary.
 * ``stats_every=1000``: one INFO line per 1000 forward steps shows the canary is running at negligible log
   volume; ``0`` turns it off.
