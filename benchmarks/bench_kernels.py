@@ -879,18 +879,21 @@ def main(argv: list[str] | None = None) -> int:
         bench.failures.append(f"exception: {type(exc).__name__}: {exc}")
         bench.results["exception"] = f"{type(exc).__name__}: {exc}"
         status = 1
-    bench.results["failures"] = bench.failures
-    table = bench.markdown()
-    bench.results["markdown"] = table
+    return finish_run(bench.results, bench.failures, bench.markdown(), args.json, status)
+
+
+def finish_run(results: dict, failures: list[str], table: str, json_path: Path | None, status: int) -> int:
+    """Print the table, keep it and the failures in ``results`` (written to ``json_path`` when given); the exit
+    status: ``status``, or 1 when anything failed."""
+    results["failures"] = failures
+    results["markdown"] = table
     print()
     print(table)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(bench.results, indent=2, default=str))
-        print(f"\nwrote {args.json}")
-    if bench.failures:
-        status = 1
-    return status
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(results, indent=2, default=str))
+        print(f"\nwrote {json_path}")
+    return 1 if failures else status
 
 
 if __name__ == "__main__":

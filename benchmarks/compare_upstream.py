@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.metadata
-import json
 import os
 import platform
 import random
@@ -828,18 +827,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         bench.failures.append(f"exception: {type(exc).__name__}: {exc}")
         bench.results["exception"] = f"{type(exc).__name__}: {exc}"
-    bench.results["failures"] = bench.failures
-    table = bench.table()
-    bench.results["markdown"] = table
-    print()
-    print(table)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(bench.results, indent=2, default=str))
-        print(f"\nwrote {args.json}")
-    if bench.failures:
-        status = 1
-    return status
+    return bk.finish_run(bench.results, bench.failures, bench.table(), args.json, status)
 
 
 if __name__ == "__main__":

@@ -264,10 +264,6 @@ class Installation:
     def set_sweep_source(self, source: SweepSource | None) -> None:
         self.manager.set_sweep_source(source)
 
-    def set_expected_tokens(self, row: int, tokens: Sequence[int]) -> None:
-        for group in self.groups:
-            group.manager.set_expected_tokens(row, tokens)
-
     def update_expected_tokens(self, updates: Sequence[tuple[int, int, Sequence[int]]]) -> None:
         for group in self.groups:
             group.manager.update_expected_tokens(updates)

@@ -311,14 +311,34 @@ def batch_view(fb, input_ids: torch.Tensor, positions: torch.Tensor, ones: torch
 
 
 # ----------------------------------------------------------------------------------------------- prefix cache
-def radix_sweep_source(tree_cache) -> Callable | None:
-    """(slots, prevs, positions) of every slot the RadixCache holds, or None for a cache kvcanary cannot walk."""
+def _radix_cache(tree_cache):
+    """The RadixCache behind sglang's prefix cache (itself, or the one a wrapper holds), or None."""
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
     inner = getattr(tree_cache, "inner", None) or getattr(tree_cache, "tree_cache", None)
     if not isinstance(tree_cache, RadixCache) and isinstance(inner, RadixCache):
         tree_cache = inner
-    if not isinstance(tree_cache, RadixCache):
+    return tree_cache if isinstance(tree_cache, RadixCache) else None
+
+
+def _cached_nodes(tree_cache):
+    """(node, depth, parent) of every RadixCache node that holds slots (``value`` not None and not empty), parents
+    before children; an evicted node's subtree is skipped. ``parent`` is None under the root."""
+    stack = [(tree_cache.root_node, 0, None)]
+    while stack:
+        node, depth, parent = stack.pop()
+        for child in list(node.children.values()):
+            value = child.value
+            if value is None or value.shape[0] == 0:  # evicted (to host, or gone): so is its subtree
+                continue
+            yield child, depth, parent
+            stack.append((child, depth + int(value.shape[0]), child))
+
+
+def radix_sweep_source(tree_cache) -> Callable | None:
+    """(slots, prevs, positions) of every slot the RadixCache holds, or None for a cache kvcanary cannot walk."""
+    tree_cache = _radix_cache(tree_cache)
+    if tree_cache is None:
         return None
 
     def source() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -329,27 +349,21 @@ def radix_sweep_source(tree_cache) -> Callable | None:
         prev_parts: list[torch.Tensor] = []
         depths: list[int] = []
         lengths: list[int] = []
+        last: dict[int, torch.Tensor] = {}  # id(node) -> its last slot, a 1-element view (the children's prev)
         head = None  # [-1] on the values' device: the predecessor of a first-level node
-        stack = [(tree_cache.root_node, 0, None)]
-        while stack:
-            node, depth, parent_last = stack.pop()
-            for child in list(node.children.values()):
-                value = child.value
-                if value is None:  # evicted (to host, or gone): so is its subtree
-                    continue
-                n = int(value.shape[0])
-                if n == 0:
-                    continue
-                value = value if value.dtype == torch.int64 else value.to(torch.int64)
-                if parent_last is None:
-                    if head is None or head.device != value.device:
-                        head = torch.full((1,), -1, dtype=torch.int64, device=value.device)
-                    parent_last = head
-                slot_parts.append(value)
-                prev_parts += [parent_last, value[:-1]]
-                depths.append(depth)
-                lengths.append(n)
-                stack.append((child, depth + n, value[n - 1 :]))
+        for node, depth, parent in _cached_nodes(tree_cache):
+            value = node.value if node.value.dtype == torch.int64 else node.value.to(torch.int64)
+            if parent is None:
+                if head is None or head.device != value.device:
+                    head = torch.full((1,), -1, dtype=torch.int64, device=value.device)
+                prev = head
+            else:
+                prev = last[id(parent)]
+            last[id(node)] = value[-1:]
+            slot_parts.append(value)
+            prev_parts += [prev, value[:-1]]
+            depths.append(depth)
+            lengths.append(int(value.shape[0]))
         if not slot_parts:
             empty = torch.zeros(0, dtype=torch.int64)
             return empty, empty, empty
@@ -647,25 +661,14 @@ def repair_token_swaps(inst: Installation, fb) -> None:
 
 
 def idle_cached_slots(tree_cache) -> list[int]:
-    """Slots the RadixCache holds in nodes no running request locks (``TreeNode.lock_ref == 0``), in walk order."""
-    from sglang.srt.mem_cache.radix_cache import RadixCache
+    """Slots the RadixCache holds in nodes no running request locks (``TreeNode.lock_ref == 0``), in walk order.
 
-    inner = getattr(tree_cache, "inner", None) or getattr(tree_cache, "tree_cache", None)
-    if not isinstance(tree_cache, RadixCache) and isinstance(inner, RadixCache):
-        tree_cache = inner
-    if not isinstance(tree_cache, RadixCache):
+    Reads slots on the host: fault injection only."""
+    tree_cache = _radix_cache(tree_cache)
+    if tree_cache is None:
         return []
-    out: list[int] = []
-    stack = [tree_cache.root_node]
-    while stack:
-        node = stack.pop()
-        for child in list(node.children.values()):
-            if child.value is None:
-                continue
-            if getattr(child, "lock_ref", 0) == 0:
-                out.extend(int(x) for x in child.value.tolist())
-            stack.append(child)
-    return out
+    return [int(x) for node, _, _ in _cached_nodes(tree_cache) if getattr(node, "lock_ref", 0) == 0
+            for x in node.value.tolist()]
 
 
 def _batch_rows(fb) -> tuple[str, list[int], list[int], list[int]]:
