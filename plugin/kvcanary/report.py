@@ -4,10 +4,10 @@ Log line (one line per violation, WARNING level; the format is frozen, tools par
 
     kvcanary violation: step=12 tag=verify reasons=verify_chain_hash+verify_position slot=17 position=3
     stored_token=101 expected_token=-1 stored_chain_hash=0x1a2b3c4d5e6f7081 expected_aux=0x0badc0ffee000001
-    request_row=5 tp_rank=0
+    request_row=5 written_step=9 writer_rid=7f3a9c0d2b1e4f60a8c4d2e1f0b3a5c7 tp_rank=0
 
-(printed here on three lines; it is one). Keys always appear in this order; rank keys (``tp_rank=0`` …) follow
-when the manager knows them. No value contains a space. Rules:
+(printed here on three lines; it is one). Keys always appear in this order (``LOG_KEYS``); rank keys
+(``tp_rank=0`` …) follow when the manager knows them. No value contains a space. Rules:
 
 * ``tag``: ``verify``, ``write``, ``sweep`` or ``tag<N>`` for an unknown launch tag;
 * ``reasons``: decoded fail_reason_bits joined by ``+`` (``layout.reason_names``; unknown bits ``bit<N>``);
@@ -15,16 +15,24 @@ when the manager knows them. No value contains a space. Rules:
 * ``expected_aux``: ``0x%016x`` when it is a hash (verify and sweep rows without ``slot_out_of_range``),
   otherwise a decimal int: the expected position on write rows, the offending index on rows with
   ``slot_out_of_range``;
-* ``request_row``: the req_to_token row, or ``-`` when unknown.
+* ``request_row``: the req_to_token row, or ``-`` when unknown;
+* ``written_step``: the forward step that last wrote the slot (writer attribution), or ``-`` when unknown;
+* ``writer_rid``: the request id (sglang's rid) of that writer, or ``-`` when unknown. The rid is
+  percent-encoded (``encode_rid``): every character other than ASCII letters, digits and ``-._~:/@+,`` (so
+  whitespace, ``=``, ``%``, control and non-ASCII characters) becomes the ``%XX`` bytes of its UTF-8 form, and
+  a rid that is exactly ``-`` is written ``%2D``; hex and uuid rids are written as they are.
+
+``written_step`` and ``writer_rid`` were added after the first release; lines without them (older logs) still
+parse, with both None (``OPTIONAL_LOG_KEYS``).
 
 ``parse_log_line`` is the inverse (``LOG_LINE_RE``) and ``Violation.from_log_fields`` rebuilds the record.
 
-JSONL report (``KVCANARY_REPORT``): one JSON object per line, three schemas:
+JSONL report (``KVCANARY_REPORT``): one JSON object per line, four schemas:
 
 * ``kvcanary.violation/1``: ``schema, step, tag, kernel_kind, reasons (list), fail_reason_bits, slot, position,
   stored_token, expected_token, stored_chain_hash (hex string), expected_aux (signed int), expected_aux_hex
-  (hex string), expected_aux_kind ("hash" | "position" | "index"), request_row (int or null), rank (object or
-  null), time (unix seconds)``;
+  (hex string), expected_aux_kind ("hash" | "position" | "index"), request_row (int or null), written_step
+  (int or null), writer_rid (string or null, not encoded), rank (object or null), time (unix seconds)``;
 * ``kvcanary.lost/1``: ``schema, count, step, rank, time``: rows the ring overflowed and could not keep;
 * ``kvcanary.health/1``: ``schema, message, step, tags (list of names), rank, time``;
 * ``kvcanary.injection/1`` (fault injection for tests only, ``KVCANARY_FAULT``): ``schema, fault, step, slots
@@ -48,6 +56,7 @@ import os
 import re
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,7 +89,12 @@ LOG_KEYS: tuple[str, ...] = (
     "stored_chain_hash",
     "expected_aux",
     "request_row",
+    "written_step",
+    "writer_rid",
 )
+# Keys added after v1's first release: lines written before them lack these keys and still parse.
+OPTIONAL_LOG_KEYS: tuple[str, ...] = ("written_step", "writer_rid")
+REQUIRED_LOG_KEYS: tuple[str, ...] = tuple(k for k in LOG_KEYS if k not in OPTIONAL_LOG_KEYS)
 _KEY = r"[a-z_][a-z0-9_]*"
 _RANK_KEY_RE = re.compile(rf"^{_KEY}$")
 # A violation log line anywhere in a string (logging prefixes before it are allowed); group "fields" holds
@@ -103,6 +117,28 @@ def from_hex64(text: str) -> int:
     """Inverse of ``hex64``: the signed int64 value (as stored in the ring)."""
     value = int(text, 16)
     return value - (1 << 64) if value >= 1 << 63 else value
+
+
+# Characters a writer_rid keeps as they are in a log line; every other character (whitespace, ``=``, ``%``,
+# control and non-ASCII characters) is percent-encoded as the %XX bytes of its UTF-8 form.
+_RID_SAFE = "-._~:/@+,"
+
+
+def encode_rid(rid: str | None) -> str:
+    """``writer_rid`` as a log-line value: ``-`` for None, else percent-encoded so it holds no space or ``=``.
+
+    A rid that is exactly ``-`` is written ``%2D`` so it cannot be read back as None.
+    """
+    if rid is None:
+        return "-"
+    if rid == "-":
+        return "%2D"
+    return urllib.parse.quote(rid, safe=_RID_SAFE)
+
+
+def decode_rid(text: str) -> str | None:
+    """Inverse of ``encode_rid``."""
+    return None if text == "-" else urllib.parse.unquote(text, errors="strict")
 
 
 def parse_log_line(line: str) -> dict[str, str]:
@@ -132,8 +168,19 @@ class Violation:
     step: int
     request_row: int | None = None
     rank: Mapping[str, int] | None = field(default=None, hash=False)
+    # Writer attribution (SPEC §7): the forward step that last wrote the slot and that writer's request id
+    # (sglang's rid), None when unknown. An empty rid carries nothing and is stored as None.
+    written_step: int | None = None
+    writer_rid: str | None = None
 
     def __post_init__(self) -> None:
+        if self.written_step is not None:
+            object.__setattr__(self, "written_step", int(self.written_step))
+        if self.writer_rid is not None:
+            if not isinstance(self.writer_rid, str):
+                raise ValueError(f"writer_rid: expected a str or None; got {self.writer_rid!r}")
+            if not self.writer_rid:
+                object.__setattr__(self, "writer_rid", None)
         if self.rank is not None:
             rank = {str(k): int(v) for k, v in self.rank.items()}
             for key in rank:
@@ -149,8 +196,10 @@ class Violation:
         step: int,
         request_row: int | None = None,
         rank: Mapping[str, int] | None = None,
+        written_step: int | None = None,
+        writer_rid: str | None = None,
     ) -> Violation:
-        """From one ring row (8 ints, e.g. ``ring[i].tolist()``)."""
+        """From one ring row (8 ints, e.g. ``ring[i].tolist()``) and what the host knows beside it."""
         if len(row) != layout.VIOLATION_FIELDS:
             raise ValueError(f"violation row: expected {layout.VIOLATION_FIELDS} columns; got {len(row)}")
         v = [int(x) for x in row]
@@ -166,11 +215,19 @@ class Violation:
             step=int(step),
             request_row=None if request_row is None else int(request_row),
             rank=rank,
+            written_step=None if written_step is None else int(written_step),
+            writer_rid=writer_rid,
         )
 
     @classmethod
     def from_log_fields(cls, fields: Mapping[str, str]) -> Violation:
-        """Rebuild a violation from ``parse_log_line`` output (fail_reason_bits from the reason names)."""
+        """Rebuild a violation from ``parse_log_line`` output (fail_reason_bits from the reason names).
+
+        Reads lines with and without the optional keys (``OPTIONAL_LOG_KEYS``, absent from older lines).
+        """
+        missing = [k for k in REQUIRED_LOG_KEYS if k not in fields]
+        if missing:
+            raise ValueError(f"violation log fields: missing {', '.join(missing)}")
         bits = 0
         if fields["reasons"] != "-":
             by_name = {name: 1 << b for b in range(64) for name in layout.reason_names(1 << b)}
@@ -192,6 +249,8 @@ class Violation:
             step=int(fields["step"]),
             request_row=None if fields["request_row"] == "-" else int(fields["request_row"]),
             rank=rank or None,
+            written_step=None if fields.get("written_step", "-") == "-" else int(fields["written_step"]),
+            writer_rid=decode_rid(fields.get("writer_rid", "-")),
         )
 
     @property
@@ -236,6 +295,8 @@ class Violation:
             f"stored_chain_hash={hex64(self.stored_chain_hash)}",
             f"expected_aux={aux}",
             f"request_row={'-' if self.request_row is None else self.request_row}",
+            f"written_step={'-' if self.written_step is None else self.written_step}",
+            f"writer_rid={encode_rid(self.writer_rid)}",
         ]
         if self.rank:
             parts.extend(f"{k}={v}" for k, v in self.rank.items())
@@ -259,6 +320,8 @@ class Violation:
             "expected_aux_hex": hex64(self.expected_aux),
             "expected_aux_kind": self.expected_aux_kind,
             "request_row": self.request_row,
+            "written_step": self.written_step,
+            "writer_rid": self.writer_rid,
             "rank": dict(self.rank) if self.rank else None,
             "time": time.time() if now is None else float(now),
         }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import multiprocessing
@@ -17,6 +18,7 @@ from kvcanary.config import Mode
 from kvcanary.report import (
     HEALTH_SCHEMA,
     INJECTION_SCHEMA,
+    LOG_KEYS,
     LOG_LINE_RE,
     LOG_PREFIX,
     LOST_SCHEMA,
@@ -94,7 +96,7 @@ def test_log_line_verify_row_exact() -> None:
     assert line == (
         "kvcanary violation: step=12 tag=verify reasons=verify_chain_hash+verify_position slot=17 position=3 "
         f"stored_token=101 expected_token=-1 stored_chain_hash={NEG_HASH_HEX} expected_aux=0x0badc0ffee000001 "
-        "request_row=5"
+        "request_row=5 written_step=- writer_rid=-"
     )
 
 
@@ -129,7 +131,7 @@ def test_log_line_out_of_range_row_has_decimal_index() -> None:
 
 def test_log_line_rank_keys_follow() -> None:
     line = make(verify_row(), rank={"tp_rank": 1, "pp_rank": 0}).log_line()
-    assert line.endswith("request_row=5 tp_rank=1 pp_rank=0")
+    assert line.endswith("request_row=5 written_step=- writer_rid=- tp_rank=1 pp_rank=0")
     fields = parse_log_line(line)
     assert fields["tp_rank"] == "1" and fields["pp_rank"] == "0"
 
@@ -149,17 +151,85 @@ UNKNOWN_TAG_ROW = [9, -1, -1, -1, -1, -1, -1, 1 << 12]
 @pytest.mark.parametrize("request_row", [None, 0, 42])
 def test_log_line_round_trip(row: list[int], rank: dict[str, int] | None, request_row: int | None) -> None:
     v = make(row, step=99, request_row=request_row, rank=rank)
+    v = dataclasses.replace(v, written_step=None if request_row is None else 97, writer_rid=None if rank else "a1b2")
     line = v.log_line()
     assert "\n" not in line
     assert line.startswith(LOG_PREFIX + " ")
     assert LOG_LINE_RE.search(line)
     fields = parse_log_line(line)
-    assert list(fields)[:10] == [
+    assert list(fields)[:12] == [
         "step", "tag", "reasons", "slot", "position", "stored_token", "expected_token",
-        "stored_chain_hash", "expected_aux", "request_row",
+        "stored_chain_hash", "expected_aux", "request_row", "written_step", "writer_rid",
     ]  # fmt: skip
+    assert tuple(fields)[: len(LOG_KEYS)] == LOG_KEYS
     assert all(" " not in value for value in fields.values())
     assert Violation.from_log_fields(fields) == v
+
+
+OLD_LINE = (  # a line as v1 printed it before writer attribution: no written_step / writer_rid keys
+    "kvcanary violation: step=12 tag=verify reasons=verify_chain_hash+verify_position slot=17 position=3 "
+    f"stored_token=101 expected_token=-1 stored_chain_hash={NEG_HASH_HEX} expected_aux=0x0badc0ffee000001 "
+    "request_row=5 tp_rank=1"
+)
+
+
+def test_old_lines_without_writer_keys_still_parse() -> None:
+    fields = parse_log_line(OLD_LINE)
+    assert "written_step" not in fields and fields["tp_rank"] == "1"
+    v = Violation.from_log_fields(fields)
+    assert v == make(verify_row(), rank={"tp_rank": 1})
+    assert (v.written_step, v.writer_rid, v.rank) == (None, None, {"tp_rank": 1})
+    # the new form of the same record carries the keys, in order, before the rank keys
+    new = dataclasses.replace(v, written_step=11, writer_rid="9f8e7d6c5b4a")
+    assert new.log_line() == OLD_LINE.replace(
+        "request_row=5 tp_rank=1", "request_row=5 written_step=11 writer_rid=9f8e7d6c5b4a tp_rank=1"
+    )
+    assert Violation.from_log_fields(parse_log_line(new.log_line())) == new
+    with pytest.raises(ValueError, match="missing request_row"):
+        Violation.from_log_fields(parse_log_line(OLD_LINE.replace(" request_row=5", "")))
+
+
+def test_writer_fields_from_row_and_json() -> None:
+    v = Violation.from_row(verify_row(), step=30, request_row=2, written_step=28, writer_rid="0123abcd-ef")
+    assert (v.written_step, v.writer_rid) == (28, "0123abcd-ef")
+    obj = v.to_json(now=1.0)
+    assert (obj["written_step"], obj["writer_rid"]) == (28, "0123abcd-ef")
+    assert list(obj).index("writer_rid") == list(obj).index("request_row") + 2
+    fields = parse_log_line(v.log_line())
+    assert (fields["written_step"], fields["writer_rid"]) == ("28", "0123abcd-ef")
+    # an empty rid carries nothing: None, printed "-"
+    assert Violation.from_row(verify_row(), step=1, writer_rid="").writer_rid is None
+    with pytest.raises(ValueError, match="writer_rid"):
+        Violation.from_row(verify_row(), step=1, writer_rid=123)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "rid",
+    [
+        "f47ac10b-58cc-4372-a567-0e02b2c3d479",
+        "deadbeef" * 4,
+        "has space",
+        "tab\there\nnewline",
+        "key=value",
+        "100%",
+        "%41",
+        "-",
+        "--",
+        "ü-rid-١٠",
+        "a+b,c:d/e@f~g",
+        " ",
+    ],
+)
+def test_writer_rid_never_breaks_the_line(rid: str) -> None:
+    v = Violation.from_row(verify_row(), step=3, written_step=1, writer_rid=rid, rank={"tp_rank": 0})
+    line = v.log_line()
+    value = line.split(" writer_rid=", 1)[1].split(" ")[0]
+    assert value and not any(c.isspace() or c == "=" for c in value) and value.isascii() and value != "-"
+    assert line.endswith(f"writer_rid={value} tp_rank=0")
+    fields = parse_log_line(f"INFO prefix: {line}")
+    assert Violation.from_log_fields(fields).writer_rid == rid
+    if all(c.isalnum() and c.isascii() or c == "-" for c in rid) and rid.strip("-"):
+        assert value == rid  # hex and uuid rids are printed as they are
 
 
 def test_parse_log_line_accepts_logging_prefix_and_rejects_other_lines() -> None:
@@ -190,6 +260,8 @@ def test_to_json_schema() -> None:
         "expected_aux_hex": "0x0badc0ffee000001",
         "expected_aux_kind": "hash",
         "request_row": 5,
+        "written_step": None,
+        "writer_rid": None,
         "rank": {"tp_rank": 2},
         "time": 1700000000.5,
     }
