@@ -196,3 +196,46 @@ def test_radix_sweep_source_never_reads_slots_on_the_host(engine, monkeypatch) -
     assert slots.dtype == prevs.dtype == positions.dtype == torch.int64
     got = sorted(zip(slots.tolist(), prevs.tolist(), positions.tolist()))
     assert len(expected) > 100 and got == sorted(expected)
+
+
+def test_sweep_gathers_on_the_scheduler_stream(engine, monkeypatch) -> None:
+    """Regression (issue 11, tp=2 false positives): the RadixCache's node values live on sglang's scheduler stream,
+    which frees and reuses them; the sweep must gather them there (``run_on_producer_stream`` with the scheduler's
+    ``schedule_stream``), not on the forward stream it is called from. The race itself is reproduced on a GPU by
+    tests/gpu/test_sweep_streams.py."""
+    rng = random.Random(5)
+    sched = sgl_engine.MiniScheduler(engine.mr, engine.tree, chunk_size=48)
+    _drive(sched, rng, [rng.randrange(3, 2000) for _ in range(40)], 20)
+    seen = []
+
+    def on_producer(producer, read):
+        seen.append(producer)
+        reads = []
+        real_cat = torch.cat
+
+        def cat(*args, **kwargs):  # every gather of node values happens inside read()
+            reads.append(len(seen))
+            return real_cat(*args, **kwargs)
+
+        with monkeypatch.context() as m:
+            m.setattr(torch, "cat", cat)
+            out = read()
+        assert reads, "the sweep source gathered nothing inside read()"
+        return out
+
+    stream = object()
+    monkeypatch.setattr(v0_5_12, "run_on_producer_stream", on_producer)
+    monkeypatch.setattr(torch.cuda, "Stream", object)  # so the scheduler's (fake) stream counts as a CUDA stream
+    class Scheduler:  # the two attributes after_init_cache reads (SimpleNamespace cannot be weakly referenced)
+        tree_cache = engine.tree
+        req_to_token_pool = engine.mr.req_to_token_pool
+
+    scheduler = Scheduler()
+    v0_5_12.after_init_cache(None, scheduler)
+    inst = v0_5_12.installation_of(engine.mr)
+    source = inst.manager._sweep_source
+    source()
+    assert seen == [None]  # the event loop has not started: no scheduler stream yet
+    scheduler.schedule_stream = stream  # created when the event loop starts (after the cache)
+    slots, prevs, positions = source()
+    assert seen == [None, stream] and len(slots) == len(prevs) == len(positions) > 0

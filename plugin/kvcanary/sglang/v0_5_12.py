@@ -13,6 +13,7 @@ import pkgutil
 import random
 import time
 import types
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from kvcanary.batch import BatchView, ForwardKind
 from kvcanary.config import Config
 from kvcanary.manager import CanaryManager
 from kvcanary.report import Reporter
+from kvcanary.streams import run_on_producer_stream
 from kvcanary.sglang.common import (
     Group,
     GroupSpec,
@@ -335,13 +337,20 @@ def _cached_nodes(tree_cache):
             stack.append((child, depth + int(value.shape[0]), child))
 
 
-def radix_sweep_source(tree_cache) -> Callable | None:
-    """(slots, prevs, positions) of every slot the RadixCache holds, or None for a cache kvcanary cannot walk."""
+def radix_sweep_source(tree_cache, producer_stream: Callable[[], torch.cuda.Stream | None] | None = None
+                       ) -> Callable | None:
+    """(slots, prevs, positions) of every slot the RadixCache holds, or None for a cache kvcanary cannot walk.
+
+    ``producer_stream()`` returns the stream the tree's node values live on (sglang's scheduler stream), or None
+    (CPU, or the event loop has not started): the gather runs there, because the scheduler frees and reuses node
+    value blocks on that stream while the sweep's caller (the forward stream) may still lag behind
+    (:mod:`kvcanary.streams`).
+    """
     tree_cache = _radix_cache(tree_cache)
     if tree_cache is None:
         return None
 
-    def source() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def gather() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # Node values are int64 slot tensors on the KV device: gather them there (one cat), never read them on
         # the host (a .tolist() per node would be one device sync per node). Only depths and lengths, host
         # facts of the tree, build the positions.
@@ -372,6 +381,10 @@ def radix_sweep_source(tree_cache) -> Callable | None:
         positions = torch.arange(sum(lengths), dtype=torch.int64) + torch.repeat_interleave(
             torch.tensor(depths, dtype=torch.int64) - starts, lens)
         return torch.cat(slot_parts), torch.cat(prev_parts), positions
+
+    def source() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        producer = producer_stream() if producer_stream is not None else None
+        return run_on_producer_stream(producer, gather)
 
     return source
 
@@ -523,13 +536,27 @@ def after_populate(result, self, *args, forward_batch=None, raw_bs=None, raw_num
     return result
 
 
+def scheduler_stream_of(scheduler) -> Callable[[], torch.cuda.Stream | None]:
+    """The stream sglang 0.5.12's scheduler event loop runs on (``Scheduler.schedule_stream``, created when the
+    loop starts, after the cache), read when asked; None before that or off CUDA. Weak: never keeps the
+    scheduler alive."""
+    ref = weakref.ref(scheduler)
+
+    def stream() -> torch.cuda.Stream | None:
+        owner = ref()
+        found = getattr(owner, "schedule_stream", None) if owner is not None else None
+        return found if isinstance(found, torch.cuda.Stream) else None
+
+    return stream
+
+
 def after_init_cache(result, self, *args, **kwargs):
     tree = getattr(self, "tree_cache", None)
     r2t_pool = getattr(self, "req_to_token_pool", None)
     for inst in installations():
         if r2t_pool is not None and inst.req_to_token is not getattr(r2t_pool, "req_to_token", None):
             continue
-        source = radix_sweep_source(tree) if tree is not None else None
+        source = radix_sweep_source(tree, scheduler_stream_of(self)) if tree is not None else None
         if source is None:
             if inst.config.sweep_interval > 0:
                 logger.warning("kvcanary: prefix cache %s cannot be swept (supported: RadixCache); sweep off",

@@ -1,0 +1,48 @@
+"""Reading tensors that another CUDA stream produces and frees (engine-agnostic).
+
+A serving engine keeps some device tensors on its *scheduler* stream: sglang's RadixCache node values, for
+example, are created there (``.to(int64, copy=True)``, ``.clone()`` on a node split) and dropped there (a split
+replaces a node's value, eviction frees it). The canary's sweep runs from the forward hook, where the current
+stream is the engine's *forward* stream. Reading the scheduler's tensors with a kernel enqueued on the forward
+stream is a use-after-free waiting to happen: PyTorch's caching allocator hands a freed block back to the next
+allocation **on the stream the block belongs to** at once, without waiting for work another stream still has
+queued on it. When the forward stream lags behind the host (a tensor-parallel rank waiting in an all-reduce
+for a slower rank), the scheduler frees a node value, reuses its block for the next request's slot copy, and
+the sweep's gather, still queued on the forward stream, reads the other request's slots. The sweep then
+reports violations on slots nobody corrupted (seen on the H200 at tp=2, issue 11).
+
+:func:`run_on_producer_stream` runs the reads on the producer stream instead, where they are ordered before any
+later free and reuse of those blocks, then makes the consumer stream wait for them and marks the results as
+used by the consumer stream (so the producer's allocator cannot recycle them early either). Host cost: a
+stream switch, one event wait and one ``record_stream`` per result, whatever the number of tensors read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T", bound=Sequence[torch.Tensor])
+
+
+def run_on_producer_stream(producer: torch.cuda.Stream | None, read: Callable[[], T]) -> T:
+    """``read()`` with ``producer`` as the current stream, its tensor results handed over to the caller's stream.
+
+    ``read`` gathers from tensors that ``producer`` created and may free; it must return a sequence of tensors
+    it allocated. With ``producer`` None (CPU, no engine stream known yet) or already current, ``read()`` runs
+    as is. Never synchronises the host.
+    """
+    if producer is None:
+        return read()
+    consumer = torch.cuda.current_stream(producer.device)
+    if consumer == producer:
+        return read()
+    with torch.cuda.stream(producer):
+        results = read()
+    consumer.wait_stream(producer)
+    for tensor in results:
+        if tensor.is_cuda:
+            tensor.record_stream(consumer)
+    return results
