@@ -1,0 +1,18 @@
+"""A paged-KV serving simulator and a fault driver, for ``kvcanary demo`` and the tests.
+
+* :mod:`kvcanary.sim.engine`: :class:`~kvcanary.sim.engine.Simulator`, a small SGLang-like serving loop (prefix
+  cache with eviction, slot reuse, chunked prefill, decode, mixed and idle forwards) that drives a real
+  :class:`~kvcanary.manager.CanaryManager` once per forward.
+* :mod:`kvcanary.sim.injector`: :class:`~kvcanary.sim.injector.FaultDriver`, which injects the fault classes of
+  :mod:`kvcanary.faults` into a running simulator one at a time, repairs each after it is reported, and scores
+  the canary's reports (detections, latency, false positives).
+
+Neither needs sglang or a GPU.
+"""
+
+from __future__ import annotations
+
+from kvcanary.sim.engine import SimConfig, Simulator, build_sim
+from kvcanary.sim.injector import ClassResult, FaultDriver
+
+__all__ = ["ClassResult", "FaultDriver", "SimConfig", "Simulator", "build_sim"]
