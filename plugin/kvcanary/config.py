@@ -5,10 +5,18 @@ rules, the same for every variable:
 
 * surrounding whitespace is stripped and an empty value means "unset" (the default applies);
 * enum values (``KVCANARY_MODE``, ``KVCANARY_REAL_KV``) are case-insensitive;
+* integers are plain ASCII decimal digits with an optional leading sign (``parse_ascii_int``): ``1_000``,
+  ``0x10``, ``1e3`` and non-ASCII digits (``'١٠'``) are rejected, although Python's ``int()`` takes some of them;
 * a bad value raises ``ValueError`` naming the variable, the allowed values and the value given, e.g.
   ``KVCANARY_MODE: expected one of off, log, raise; got 'loud'``;
-* an unknown ``KVCANARY_*`` variable (a typo such as ``KVCANARY_MOD``) is not an error: one WARNING line names
-  it. Variables that other modules own (see ``KNOWN_ENV_VARS`` / ``KNOWN_ENV_PREFIXES``) are not flagged.
+* when the canary is enabled (``log``/``raise``), the paths are checked too, so a bad one stops start-up
+  naming the variable: ``KVCANARY_REPORT`` (``check_report_path``: not a directory, not under ``/proc`` or
+  ``/sys``, writable or creatable) and ``KVCANARY_CACHE_DIR`` (``check_cache_dir``: a directory or creatable;
+  a read-only existing cache is accepted here, the JIT names the variable if it then has to build there);
+  ``KVCANARY_CUDA_ARCH`` (owned by ``kvcanary.jit``) is checked by ``parse_cuda_arch`` in every mode;
+* an unknown ``KVCANARY_*`` variable (a typo such as ``KVCANARY_MOD`` or ``KVCANARY_FAULT_EVREY``) is not an
+  error: one WARNING line names it. Variables that other modules own are listed by name in ``KNOWN_ENV_VARS``
+  (the fault-injection family too), so a typo in them is flagged like any other.
 
 Defaults and why:
 
@@ -27,6 +35,9 @@ Defaults and why:
   inside a busy engine), which a CPU-bound scheduler loop (a small model with CUDA-graph decode) pays in full;
   every 8th forward keeps it near 1 % of a ~2 ms forward, and a violation is still reported at most 8 forwards
   (a few ms) after the forward that found it. ``1`` reads every forward.
+* ``log_repeat_window=1000`` forwards: in ``log`` mode one corrupted slot found again every forward logs one
+  line per 1000 forwards with a repeat count instead of one per forward (``kvcanary.report``); the JSONL report
+  keeps every row. ``0`` logs every row.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ import difflib
 import enum
 import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -56,9 +68,22 @@ ENV_VERIFY_TOKENS = "KVCANARY_VERIFY_TOKENS"
 ENV_CACHE_DIR = "KVCANARY_CACHE_DIR"
 ENV_HEALTH_WINDOW = "KVCANARY_HEALTH_WINDOW"
 ENV_DRAIN_EVERY = "KVCANARY_DRAIN_EVERY"
+ENV_LOG_REPEAT_WINDOW = "KVCANARY_LOG_REPEAT_WINDOW"
+# Read by other modules; named here so that Config can check them at start-up and the typo check knows them.
+ENV_CUDA_ARCH = "KVCANARY_CUDA_ARCH"  # kvcanary.jit
+ENV_SANITIZE = "KVCANARY_SANITIZE"  # kvcanary.jit
+ENV_REAL_KV_LAYERS = "KVCANARY_REAL_KV_LAYERS"  # the SGLang adapter (kvcanary.sglang.common)
+# Fault injection (kvcanary.faults, tests only); listed one by one so that a typo in the family is flagged.
+FAULT_ENV_VARS: tuple[str, ...] = (
+    "KVCANARY_FAULT",
+    "KVCANARY_FAULT_EVERY",
+    "KVCANARY_FAULT_WARMUP",
+    "KVCANARY_FAULT_SEED",
+    "KVCANARY_FAULT_RANK",
+)
 
-# Every KVCANARY_* variable any kvcanary module reads. Config reads the first block; the second block belongs
-# to other modules (kvcanary.jit) and is listed so that it is not reported as unknown.
+# Every KVCANARY_* variable any kvcanary module reads. Config reads the first block; the others belong to other
+# modules and are listed so that they are not reported as unknown (tests pin each module's names against this).
 KNOWN_ENV_VARS: frozenset[str] = frozenset(
     {
         ENV_MODE,
@@ -68,18 +93,18 @@ KNOWN_ENV_VARS: frozenset[str] = frozenset(
         ENV_STATS_EVERY,
         ENV_REPORT,
         ENV_VERIFY_TOKENS,
-        ENV_CACHE_DIR,  # read by kvcanary.jit; Config keeps it for describe()
+        ENV_CACHE_DIR,  # read by kvcanary.jit; Config keeps it for describe() and checks it at start-up
         ENV_HEALTH_WINDOW,
         ENV_DRAIN_EVERY,
-        # owned by kvcanary.jit
-        "KVCANARY_CUDA_ARCH",
-        "KVCANARY_SANITIZE",
-        # owned by the SGLang adapter (kvcanary.sglang.common)
-        "KVCANARY_REAL_KV_LAYERS",
+        ENV_LOG_REPEAT_WINDOW,
+        ENV_CUDA_ARCH,
+        ENV_SANITIZE,
+        ENV_REAL_KV_LAYERS,
+        *FAULT_ENV_VARS,
     }
 )
-# Whole families owned by other modules: fault injection (kvcanary.faults) reads KVCANARY_FAULT*.
-KNOWN_ENV_PREFIXES: tuple[str, ...] = ("KVCANARY_FAULT",)
+# Whole families of variables owned by other modules (none today: every name is listed in KNOWN_ENV_VARS).
+KNOWN_ENV_PREFIXES: tuple[str, ...] = ()
 
 # violation_write_index is int32 on the device.
 MAX_RING_CAPACITY = (1 << 31) - 1
@@ -111,16 +136,140 @@ def _parse_choice(var: str, raw: str, choices: Mapping[str, object]) -> object:
     return value
 
 
-def _parse_int(var: str, raw: str, *, minimum: int, maximum: int | None = None) -> int:
-    text = raw.strip()
+_ASCII_INT_RE = re.compile(r"[+-]?[0-9]+")
+
+
+def parse_ascii_int(text: str) -> int:
+    """``text`` (surrounding whitespace ignored) as a base-10 int: ASCII digits with an optional leading sign.
+
+    ``int()`` also takes ``1_000`` and non-ASCII digits (``'١٠'``); an environment variable should not.
+    Raises ``ValueError`` (without naming a variable: callers add it).
+    """
+    stripped = text.strip()
+    if not _ASCII_INT_RE.fullmatch(stripped):
+        raise ValueError(f"expected ASCII decimal digits with an optional sign; got {text!r}")
+    return int(stripped, 10)
+
+
+def parse_int_env(var: str, raw: str, *, minimum: int, maximum: int | None = None) -> int:
+    """``raw`` as an int in ``[minimum, maximum]``; a bad value raises ``ValueError`` naming ``var``, e.g.
+    ``KVCANARY_STATS_EVERY: expected an integer >= 0; got '1_000'``."""
     bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
     try:
-        value = int(text, 10)
+        value = parse_ascii_int(raw)
     except ValueError:
         raise ValueError(f"{var}: expected an integer {bounds}; got {raw!r}") from None
     if value < minimum or (maximum is not None and value > maximum):
         raise ValueError(f"{var}: expected an integer {bounds}; got {raw!r}")
     return value
+
+
+# -- KVCANARY_CUDA_ARCH ------------------------------------------------------------------------------------
+# One arch: "9.0", "9.0a", "10.0f", "90", "90a", "100a", "sm_90a", "sm90a", "compute_90a" (any case). The last
+# digit of a dot-less number is the minor version, as in nvcc's sm_XY names. Suffix "a" (arch-specific) or "f"
+# (family, CUDA >= 12.9).
+_CUDA_ARCH_RE = re.compile(
+    r"(?:sm_?|compute_?)?"
+    r"(?:(?P<major>[0-9]{1,2})\.(?P<minor>[0-9])|(?P<packed>[0-9]{2,3}))"
+    r"(?P<suffix>[af]?)"
+)
+CUDA_ARCH_EXAMPLES = "9.0, 9.0a, 90, 90a, sm_90a, 100a, 10.0f"
+
+
+def parse_cuda_arch(raw: str, var: str = ENV_CUDA_ARCH) -> str:
+    """``KVCANARY_CUDA_ARCH`` in the ``major.minor[suffix]`` form tvm-ffi's ``TVM_FFI_CUDA_ARCH_LIST`` takes.
+
+    Accepts one arch or several separated by spaces or commas (``"8.9 9.0a"``, as tvm-ffi does); returns them
+    normalised and space-separated (``"sm_90a"`` → ``"9.0a"``, ``"100a"`` → ``"10.0a"``). A bad value raises
+    ``ValueError`` naming ``var`` and the accepted forms.
+    """
+    parts = [p for p in re.split(r"[\s,]+", raw.strip()) if p]
+    if not parts:
+        raise ValueError(f"{var}: expected a CUDA arch such as {CUDA_ARCH_EXAMPLES}; got {raw!r}")
+    out: list[str] = []
+    for part in parts:
+        match = _CUDA_ARCH_RE.fullmatch(part.lower())
+        if match is None or not part.isascii():
+            raise ValueError(f"{var}: expected a CUDA arch such as {CUDA_ARCH_EXAMPLES}; got {raw!r}")
+        if match["packed"] is not None:
+            major, minor = match["packed"][:-1], match["packed"][-1]
+        else:
+            major, minor = match["major"], match["minor"]
+        if int(major) == 0:
+            raise ValueError(f"{var}: expected a CUDA arch such as {CUDA_ARCH_EXAMPLES}; got {raw!r}")
+        out.append(f"{int(major)}.{minor}{match['suffix']}")
+    return " ".join(dict.fromkeys(out))
+
+
+# -- paths ---------------------------------------------------------------------------------------------------
+# Kernel pseudo-file systems: a "file" there is a kernel interface, never a report.
+_PSEUDO_FS_ROOTS = ("/proc", "/sys")
+
+
+def _nearest_existing(path: str) -> str:
+    """``path`` or its nearest existing ancestor."""
+    current = path
+    while not os.path.lexists(current):
+        parent = os.path.dirname(current)
+        if parent == current:
+            break
+        current = parent
+    return current
+
+
+def _check_creatable(var: str, raw: str, path: str, what: str) -> None:
+    """``path`` does not exist: its nearest existing ancestor must be a directory we may create entries in."""
+    ancestor = _nearest_existing(os.path.dirname(path))
+    if not os.path.isdir(ancestor):
+        raise ValueError(f"{var}: cannot create {what} {path!r}: {ancestor!r} is not a directory; got {raw!r}")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"{var}: cannot create {what} {path!r}: directory {ancestor!r} is not writable; got {raw!r}"
+        )
+
+
+def check_report_path(path: str, var: str = ENV_REPORT, raw: str | None = None) -> None:
+    """Start-up check of a (rank-formatted) JSONL report path; ``ValueError`` naming ``var`` when it cannot work.
+
+    Rejected: a directory; anything under ``/proc`` or ``/sys``; an existing file we may not write; a missing
+    file whose nearest existing ancestor is not a writable directory. Character devices (``/dev/stdout``,
+    ``/dev/null``) and FIFOs are accepted. ``Reporter`` opens the file right after, and names ``var`` too if that
+    still fails.
+    """
+    raw = path if raw is None else raw
+    real = os.path.realpath(path)
+    for root in _PSEUDO_FS_ROOTS:
+        if real == root or real.startswith(root + "/"):
+            raise ValueError(
+                f"{var}: {path!r} is under {root}, a kernel pseudo-file system; expected a path for a JSONL "
+                f"file, e.g. /var/log/kvcanary-{{rank}}.jsonl; got {raw!r}"
+            )
+    if os.path.isdir(real):
+        raise ValueError(
+            f"{var}: {path!r} is a directory; expected a file path, e.g. "
+            f"{os.path.join(path, 'kvcanary-{rank}.jsonl')}; got {raw!r}"
+        )
+    if os.path.exists(real):
+        if not os.access(real, os.W_OK):
+            raise ValueError(f"{var}: {path!r} is not writable; got {raw!r}")
+        return
+    _check_creatable(var, raw, real, "the report file")
+
+
+def check_cache_dir(path: str, var: str = ENV_CACHE_DIR, raw: str | None = None) -> None:
+    """Start-up check of the JIT build cache directory; ``ValueError`` naming ``var`` when it cannot work.
+
+    It must be a directory or creatable (its nearest existing ancestor a writable directory). An existing
+    directory that is not writable is accepted: a prebuilt, read-only cache is fine, and ``kvcanary.jit``
+    names ``var`` if it then has to build there.
+    """
+    raw = path if raw is None else raw
+    real = os.path.realpath(os.path.expanduser(path))
+    if os.path.exists(real):
+        if not os.path.isdir(real):
+            raise ValueError(f"{var}: {path!r} is not a directory; got {raw!r}")
+        return
+    _check_creatable(var, raw, real, "the cache directory")
 
 
 def _parse_bool(var: str, raw: str) -> bool:
@@ -133,7 +282,8 @@ def _parse_bool(var: str, raw: str) -> bool:
 
 
 def unknown_env_vars(environ: Mapping[str, str]) -> list[str]:
-    """``KVCANARY_*`` names in ``environ`` that no kvcanary module reads (likely typos), sorted."""
+    """``KVCANARY_*`` names in ``environ`` that no kvcanary module reads (likely typos, e.g.
+    ``KVCANARY_FAULT_EVREY``), sorted."""
     return sorted(
         name
         for name in environ
@@ -168,6 +318,7 @@ class Config:
     cache_dir: str | None = None
     health_window: int = 100
     drain_every: int = 8
+    log_repeat_window: int = 1000
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, Mode):
@@ -180,6 +331,7 @@ class Config:
             ("stats_every", self.stats_every, 0, None),
             ("health_window", self.health_window, 1, None),
             ("drain_every", self.drain_every, 1, None),
+            ("log_repeat_window", self.log_repeat_window, 0, None),
         )
         for name, value, minimum, maximum in checks:
             if isinstance(value, bool) or not isinstance(value, int):
@@ -207,22 +359,32 @@ class Config:
         if (raw := get(ENV_REAL_KV)) is not None:
             kwargs["real_kv"] = _parse_choice(ENV_REAL_KV, raw, _REAL_KV_NAMES)
         if (raw := get(ENV_SWEEP_INTERVAL)) is not None:
-            kwargs["sweep_interval"] = _parse_int(ENV_SWEEP_INTERVAL, raw, minimum=0)
+            kwargs["sweep_interval"] = parse_int_env(ENV_SWEEP_INTERVAL, raw, minimum=0)
         if (raw := get(ENV_RING_CAPACITY)) is not None:
-            kwargs["ring_capacity"] = _parse_int(ENV_RING_CAPACITY, raw, minimum=1, maximum=MAX_RING_CAPACITY)
+            kwargs["ring_capacity"] = parse_int_env(ENV_RING_CAPACITY, raw, minimum=1, maximum=MAX_RING_CAPACITY)
         if (raw := get(ENV_STATS_EVERY)) is not None:
-            kwargs["stats_every"] = _parse_int(ENV_STATS_EVERY, raw, minimum=0)
+            kwargs["stats_every"] = parse_int_env(ENV_STATS_EVERY, raw, minimum=0)
         if (raw := get(ENV_HEALTH_WINDOW)) is not None:
-            kwargs["health_window"] = _parse_int(ENV_HEALTH_WINDOW, raw, minimum=1)
+            kwargs["health_window"] = parse_int_env(ENV_HEALTH_WINDOW, raw, minimum=1)
         if (raw := get(ENV_DRAIN_EVERY)) is not None:
-            kwargs["drain_every"] = _parse_int(ENV_DRAIN_EVERY, raw, minimum=1)
+            kwargs["drain_every"] = parse_int_env(ENV_DRAIN_EVERY, raw, minimum=1)
+        if (raw := get(ENV_LOG_REPEAT_WINDOW)) is not None:
+            kwargs["log_repeat_window"] = parse_int_env(ENV_LOG_REPEAT_WINDOW, raw, minimum=0)
         if (raw := get(ENV_VERIFY_TOKENS)) is not None:
             kwargs["verify_tokens"] = _parse_bool(ENV_VERIFY_TOKENS, raw)
         if (raw := get(ENV_REPORT)) is not None:
             kwargs["report_path"] = os.path.expanduser(raw.strip())
         if (raw := get(ENV_CACHE_DIR)) is not None:
             kwargs["cache_dir"] = raw.strip()
-        return cls(**kwargs)  # type: ignore[arg-type]
+        if (raw := get(ENV_CUDA_ARCH)) is not None:
+            parse_cuda_arch(raw)  # read by kvcanary.jit when it builds; a typo should stop start-up, not the build
+        config = cls(**kwargs)  # type: ignore[arg-type]
+        if config.enabled:  # filesystem checks only when something will be opened or built
+            if config.report_path is not None:
+                check_report_path(config.report_path_for(0), raw=env.get(ENV_REPORT))
+            if config.cache_dir is not None:
+                check_cache_dir(config.cache_dir, raw=env.get(ENV_CACHE_DIR))
+        return config
 
     def replace(self, **changes: object) -> Config:
         """A copy with some fields changed (validated like the constructor)."""
@@ -264,6 +426,7 @@ class Config:
             f"kvcanary config: mode={self.mode.value} real_kv={self.real_kv.name.lower()} "
             f"sweep_interval={self.sweep_interval} ring_capacity={self.ring_capacity} "
             f"stats_every={self.stats_every} health_window={self.health_window} drain_every={self.drain_every} "
+            f"log_repeat_window={self.log_repeat_window} "
             f"verify_tokens={str(self.verify_tokens).lower()} report={self.report_path or '-'} "
             f"cache_dir={self.cache_dir or '-'}"
         )

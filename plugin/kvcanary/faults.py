@@ -21,6 +21,8 @@ Environment (read by :meth:`FaultPlan.from_env`; never set it in production):
 ``KVCANARY_FAULT=<class>[,<class>...]`` (or ``all``), ``KVCANARY_FAULT_EVERY=<steps>`` (default 100),
 ``KVCANARY_FAULT_WARMUP=<steps>`` (default 0), ``KVCANARY_FAULT_SEED=<int>`` (default 0),
 ``KVCANARY_FAULT_RANK=<int>`` (default: every rank; else only the process whose ``{rank}`` value matches).
+Integers are ASCII digits only, as for every ``KVCANARY_*`` variable; any other ``KVCANARY_FAULT*`` name (a
+typo such as ``KVCANARY_FAULT_EVREY``) draws the unknown-variable warning of ``kvcanary.config``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcanary.config import parse_int_env
 from kvcanary.real_kv import RealKvSource
 
 logger = logging.getLogger(__name__)
@@ -71,6 +74,7 @@ ENV_FAULT_EVERY = "KVCANARY_FAULT_EVERY"
 ENV_FAULT_WARMUP = "KVCANARY_FAULT_WARMUP"
 ENV_FAULT_SEED = "KVCANARY_FAULT_SEED"
 ENV_FAULT_RANK = "KVCANARY_FAULT_RANK"
+# kvcanary.config.FAULT_ENV_VARS lists the same names (a test pins it), so a typo in the family is flagged.
 
 
 @dataclass(frozen=True)
@@ -217,16 +221,11 @@ def out_of_range_slot(
 
 # ---------------------------------------------------------------------------------------------- plan
 def _env_int(environ: Mapping[str, str], var: str, default: int, minimum: int) -> int:
-    raw = environ.get(var, "").strip()
-    if not raw:
+    """An integer variable by the config module's rules (ASCII digits only; ``ValueError`` naming ``var``)."""
+    raw = environ.get(var, "")
+    if not raw.strip():
         return default
-    try:
-        value = int(raw, 10)
-    except ValueError:
-        value = None
-    if value is None or value < minimum:
-        raise ValueError(f"{var}: expected an integer >= {minimum}; got {raw!r}")
-    return value
+    return parse_int_env(var, raw, minimum=minimum)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,12 @@
 Cache layout: ``$KVCANARY_CACHE_DIR`` (default ``~/.cache/kvcanary``) /
 ``<kvcanary version>-<sha256 of include/ + csrc/ contents>`` / ``<backend>-<arch>-tvmffi<version>``.
 A finished build leaves a ``.complete`` marker; a warm load only dlopens the ``.so``.
+
+Environment (checked here and, at start-up, by ``kvcanary.config.Config.from_env``; a bad value is a
+``ValueError`` naming the variable): ``KVCANARY_CACHE_DIR`` must be a directory or creatable, and writable when
+a build is needed (a prebuilt read-only cache only loads); ``KVCANARY_CUDA_ARCH`` is one or more archs in any of
+the forms ``9.0``, ``9.0a``, ``90``, ``90a``, ``sm_90a``, ``100a``, ``10.0f`` (``config.parse_cuda_arch``),
+normalised to ``major.minor[a|f]`` for tvm-ffi; ``KVCANARY_SANITIZE`` is ``address`` or unset.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kvcanary.config import check_cache_dir, parse_cuda_arch
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +87,30 @@ def source_digest(root: Path | None = None) -> str:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "kvcanary").expanduser()
+    """``$KVCANARY_CACHE_DIR`` (``~`` expanded), else ``~/.cache/kvcanary``; ``ValueError`` naming the variable
+    when it is set to something that is not (and cannot become) a directory."""
+    raw = os.environ.get(CACHE_DIR_ENV)
+    if raw and raw.strip():
+        check_cache_dir(raw.strip(), CACHE_DIR_ENV, raw)
+        return Path(raw.strip()).expanduser()
+    return Path.home() / ".cache" / "kvcanary"
+
+
+def _make_build_directory(directory: Path) -> None:
+    """``mkdir -p`` of a build directory, with a failure that names the cache variable (not a bare OSError)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        writable = os.access(directory, os.W_OK | os.X_OK)
+    except OSError as exc:
+        raise ValueError(
+            f"{CACHE_DIR_ENV}: cannot create the build directory {str(directory)!r} under the kernel cache "
+            f"{str(cache_root())!r}: {exc.strerror or exc}; point {CACHE_DIR_ENV} at a writable directory"
+        ) from exc
+    if not writable:
+        raise ValueError(
+            f"{CACHE_DIR_ENV}: the build directory {str(directory)!r} is not writable and holds no finished build; "
+            f"point {CACHE_DIR_ENV} at a writable directory"
+        )
 
 
 def _package_version() -> str:
@@ -95,13 +126,14 @@ def _tvm_ffi_version() -> str:
 
 
 def cuda_arch() -> str:
-    """Arch for nvcc: ``$KVCANARY_CUDA_ARCH``, else the current GPU's (``9.0a`` on Hopper), else ``9.0a``.
+    """Arch for nvcc: ``$KVCANARY_CUDA_ARCH`` (normalised, e.g. ``sm_90a`` → ``9.0a``; a bad value raises
+    ``ValueError`` naming the variable), else the current GPU's (``9.0a`` on Hopper), else ``9.0a``.
 
     tvm-ffi's own detection picks sm_90 on an H200 (no wgmma/TMA), so the arch is always set here.
     """
     explicit = os.environ.get(CUDA_ARCH_ENV)
-    if explicit:
-        return explicit
+    if explicit and explicit.strip():
+        return parse_cuda_arch(explicit, CUDA_ARCH_ENV)
     try:
         import torch
 
@@ -115,7 +147,7 @@ def cuda_arch() -> str:
 
 def sanitizer() -> str | None:
     """The sanitizer the CPU build is instrumented with (``$KVCANARY_SANITIZE``), if any."""
-    value = os.environ.get(SANITIZE_ENV) or None
+    value = (os.environ.get(SANITIZE_ENV) or "").strip() or None
     if value is not None and value not in _SANITIZE_FLAGS:
         raise ValueError(f"{SANITIZE_ENV}: expected one of {sorted(_SANITIZE_FLAGS)} or unset, got {value!r}")
     return value
@@ -127,7 +159,8 @@ def build_directory(backend: str, arch: str | None = None) -> Path:
         san = sanitizer()
         tag = f"cpu-{san}" if san else "cpu"
     else:
-        tag = f"cuda-sm{(arch or cuda_arch()).replace('.', '')}"
+        archs = parse_cuda_arch(arch, "arch") if arch else cuda_arch()
+        tag = f"cuda-sm{archs.replace('.', '').replace(' ', '-')}"
     return cache_root() / f"{_package_version()}-{source_digest()}" / f"{tag}-tvmffi{_tvm_ffi_version()}"
 
 
@@ -167,13 +200,17 @@ def build(backend: str, *, arch: str | None = None, force: bool = False) -> Buil
     With ``backend="cuda"`` this needs nvcc but no GPU: CI uses it to compile-check the CUDA build.
     """
     _check_backend(backend)
-    arch = arch or (cuda_arch() if backend == "cuda" else "host")
+    if backend == "cuda":
+        arch = parse_cuda_arch(arch, "arch") if arch else cuda_arch()
+    else:
+        arch = arch or "host"
     directory = build_directory(backend, arch if backend == "cuda" else None)
     library = directory / f"{MODULE_NAME}.so"
     marker = directory / _COMPLETE_MARKER
     if not force and marker.is_file() and library.is_file():
         return BuildInfo(backend, arch, directory, library, 0.0, cached=True)
 
+    _make_build_directory(directory)  # before the tvm-ffi import: a bad cache fails fast, naming the variable
     import tvm_ffi.cpp
 
     root = source_root()
@@ -184,7 +221,6 @@ def build(backend: str, *, arch: str | None = None, force: bool = False) -> Buil
         "build_directory": str(directory),
     }
     start = time.perf_counter()
-    directory.mkdir(parents=True, exist_ok=True)
     with _toolchain_env(backend, arch):
         if backend == "cpu":
             san_flags = _SANITIZE_FLAGS.get(sanitizer() or "", [])
