@@ -29,7 +29,13 @@ Phases (``--phases``, default ``1,2,3,4``):
 
 Time: ``--budget`` (default 570 s) caps the whole run; a phase gets at most what is left (and its own cap);
 a phase that cannot start in time is reported SKIPPED, a worker near its deadline stops sending requests and
-reports what it finished (TRUNCATED). Piecewise CUDA graphs are always off (kvcanary refuses them).
+reports what it finished (TRUNCATED).
+
+Prefill graphs: by default the Engines run with ``disable_piecewise_cuda_graph=True`` (eager prefill, the setup
+of the first H200 runs). ``--piecewise`` leaves sglang 0.5.12's default instead: piecewise CUDA graphs serve
+the prefill forwards (kvcanary runs its launches around each replay); each phase then also needs kvcanary's
+``kvcanary host time:`` lines to show prefill forwards served by the piecewise runner, and the overhead phase
+runs 3 off/log pairs (median and range of their ratios).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import os
 import random
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -335,6 +342,9 @@ def summarize_phase(phase: Phase, result: dict, log_text: str, report_rows: list
         "errors": result.get("errors", []),
         "kvcanary_errors": len(re.findall(r"CanaryViolationError|CanaryHealthError|kvcanary refused", log_text)),
         "host": parse_host_time(log_text),
+        "piecewise": parse_piecewise(log_text),  # prefill forwards the piecewise runner served (None: no line)
+        "pcg_capture_s": piecewise_capture_seconds(log_text),  # sglang's piecewise graph capture, per Engine
+        "piecewise_requested": bool(result.get("piecewise")),
     }
     return s
 
@@ -452,6 +462,7 @@ def render(summary: dict) -> str:
                     f"no slowdown measurable: {100 * (r - 1):.2f} % more tok/s, within Engine-to-Engine noise")
             lines.append(f"| log/off | {r:.4f} ({what}) | | | | {_fmt(ov.get('ms_per_forward_delta'), 3)} ms more per "
                          f"forward |")
+    lines += render_piecewise(summary)
     notes = [f"{s['phase']}: {w}" for s in summary["phases"] for w in s.get("why", [])]
     if notes:
         lines += ["", "notes: " + "; ".join(notes)]
@@ -469,6 +480,7 @@ def build_summary(out: str, phases: list[str], results: dict, budget: float, tot
         if key == "4":
             summary["phases"] += _overhead_rows(phase, pdir, results, summary)
             ok_all &= summary.get("overhead", {}).get("ratio") is not None
+            ok_all &= overhead_pairs(summary, pdir, results)
             continue
         res = results.get(key, {"status": "SKIPPED"})
         log_text = _read(os.path.join(pdir, "worker.log"))
@@ -487,6 +499,8 @@ def build_summary(out: str, phases: list[str], results: dict, budget: float, tot
             ok, why = verdict_clean(s)
             if key == "1" and not s["retractions"] and s["status"] == "OK":
                 ok, why = False, why + ["no decode retraction happened (tighten max_total_tokens)"]
+        pw_why = verdict_piecewise(s)
+        ok, why = ok and not pw_why, why + pw_why
         s["verdict"], s["why"] = ("PASS" if ok else "FAIL"), why
         ok_all &= ok
         summary["phases"].append(s)
@@ -551,6 +565,157 @@ def _read(path: str) -> str:
         return ""
 
 
+# ---------------------------------------------------------------------------------------------------- piecewise
+# sglang 0.5.12 serves extend forwards of up to piecewise_cuda_graph_max_tokens tokens (= chunked_prefill_size,
+# capped by max_total_tokens) from piecewise CUDA graphs unless disable_piecewise_cuda_graph is passed. Building them
+# costs every Engine start: torch.compile (dynamo, the "eager" compiler: no codegen) traces the model's layer stack
+# once, then each capture size (4..512 tokens with this driver's chunk of 512: 30 sizes) runs once to compile and
+# twice to capture one graph per piece (pieces split at attention: layers + 1 of them). Estimated 15-40 s for the
+# tiny 2-layer model on an H200 host; the summary prints what sglang measured ("Capture piecewise CUDA graph end").
+PIECEWISE_START_S = 40  # budget allowance per Engine start with piecewise graphs
+PIECEWISE_OVERHEAD_ROUNDS = 3  # phase 4 with --piecewise: off/log pairs (median and range of the ratios)
+PIECEWISE_RE = re.compile(
+    r"kvcanary host time: step=\d+ forwards=(?P<forwards>\d+) .*?piecewise=(?P<piecewise>\d+) "
+    r"launch_us_per_piecewise_forward=(?P<launch_us>[\d.]+) canary_us_per_piecewise_forward=(?P<canary_us>[\d.]+)"
+)
+PCG_CAPTURE_RE = re.compile(r"Capture piecewise CUDA graph end\. Time elapsed: (?P<s>[\d.]+) s")
+
+
+def piecewise_engine_kwargs(kw: dict, piecewise: bool) -> dict:
+    """``--piecewise``: sglang's own default for prefill graphs (the argument is left out, as a user leaves it)."""
+    if piecewise:
+        kw.pop("disable_piecewise_cuda_graph", None)
+    return kw
+
+
+def piecewise_start_allowance(args) -> float:
+    return PIECEWISE_START_S if getattr(args, "piecewise", False) else 0.0
+
+
+def phase_limits(phase: Phase, args, engines: int, total_engines: int) -> tuple[float, float]:
+    """(cap, minimum) seconds of one worker that starts ``engines`` of the phase's ``total_engines`` Engines.
+
+    The phase's own cap and minimum (the minimum shared out over the Engines); phase 4 with more than the default
+    2 pairs in one worker gets its cap scaled per Engine; ``--piecewise`` adds PIECEWISE_START_S per Engine started
+    to the cap, and once to the minimum."""
+    cap = float(phase.cap_s)
+    if phase.key == "4" and engines > 4:
+        cap = phase.cap_s * engines / 4
+    least = phase.min_s * engines / max(total_engines, 1)
+    extra = piecewise_start_allowance(args)
+    return cap + extra * engines, least + extra
+
+
+def parse_piecewise(log_text: str) -> dict | None:
+    """Prefill forwards the piecewise CUDA graph runner served, from the last ``kvcanary host time:`` line that
+    counts them: ``{"forwards", "piecewise", "launch_us", "canary_us"}`` (canary host µs per such forward: its
+    launches around the replay, and hooks + launches); None without such a line."""
+    last = None
+    for m in PIECEWISE_RE.finditer(log_text):
+        last = m
+    if last is None:
+        return None
+    return {k: (float(v) if "." in v else int(v)) for k, v in last.groupdict().items()}
+
+
+def piecewise_capture_seconds(log_text: str) -> list[float]:
+    """sglang's own time for building the piecewise graphs, one entry per Engine (scheduler process) started."""
+    return [float(m.group("s")) for m in PCG_CAPTURE_RE.finditer(log_text)]
+
+
+def verdict_piecewise(s: dict) -> list[str]:
+    """With --piecewise a phase passes only if the piecewise runner was built and served prefill forwards that
+    kvcanary planned, verified and wrote (its host-time line counts them)."""
+    if not s.get("piecewise_requested") or s.get("status") in ("SKIPPED", None):
+        return []
+    why = []
+    if not s.get("pcg_capture_s"):
+        why.append("no piecewise CUDA graph was built (sglang disabled it for this setup?)")
+    pw = s.get("piecewise")
+    if not pw or not pw["piecewise"]:
+        why.append("no prefill forward served by the piecewise runner in kvcanary's host-time lines")
+    return why
+
+
+def engine_sections(log_text: str) -> list[tuple[str, str]]:
+    """Phase 4's worker log split per Engine: ``(mode, text)`` in start order."""
+    parts = log_text.split(ENGINE_MARKER)[1:]
+    return [(p.split(None, 1)[0] if p.strip() else "?", p) for p in parts]
+
+
+def overhead_pairs(summary: dict, pdir: str, results: dict) -> bool:
+    """Every off/log pair's tokens/s ratio (log/off), their median and range, into ``summary["overhead"]["pairs"]``;
+    with --piecewise also that every Engine built piecewise graphs and every log Engine served prefill forwards
+    from them (the failing rows get the reason). Returns False when --piecewise's requirements fail."""
+    ov = summary.setdefault("overhead", {})
+    ratios = [w["ratio"] for w in ov.get("warmup_rounds") or [] if w.get("ratio")]
+    if ov.get("ratio"):
+        ratios.append(ov["ratio"])
+    ov["pairs"] = {"ratios": ratios, "median": statistics.median(ratios) if ratios else None,
+                   "min": min(ratios) if ratios else None, "max": max(ratios) if ratios else None}
+    requested = any(r.get("piecewise") for k, r in results.items() if k.startswith("4"))
+    if not requested:
+        return True
+    log_text = _read(os.path.join(pdir, "worker.log"))
+    for sub in ("off", "log"):
+        log_text += _read(os.path.join(pdir, sub, "worker.log"))
+    sections = engine_sections(log_text)
+    ov["pcg_engines"] = {"built": sum(bool(PCG_CAPTURE_RE.search(t)) for _, t in sections), "engines": len(sections),
+                         "capture_s": piecewise_capture_seconds(log_text)}
+    log_counts = [parse_piecewise(t) for m, t in sections if m == "log"]
+    ov["piecewise_per_log_engine"] = [c["piecewise"] if c else 0 for c in log_counts]
+    ok = True
+    for row in summary["phases"]:
+        if not row["phase"].startswith("4 overhead"):
+            continue
+        row["piecewise_requested"] = True
+        mode = row["phase"].rsplit("-", 1)[-1]
+        row["pcg_capture_s"] = [c for m, t in sections if m == mode for c in piecewise_capture_seconds(t)]
+        why = []
+        if sections and ov["pcg_engines"]["built"] < len(sections):
+            why.append(f"piecewise graphs built by {ov['pcg_engines']['built']} of {len(sections)} Engines")
+        if row["phase"].endswith("-log") and (not log_counts or not all(ov["piecewise_per_log_engine"])):
+            why.append("a log Engine served no prefill forward from the piecewise runner")
+        if why:
+            row["verdict"], row["why"] = "FAIL", row.get("why", []) + why
+            ok = False
+    if len(ratios) < PIECEWISE_OVERHEAD_ROUNDS:
+        ok = False
+        for row in summary["phases"]:
+            if row["phase"] == "4 overhead-log":
+                row["verdict"] = "FAIL"
+                row["why"] = row.get("why", []) + [f"{len(ratios)} off/log pair(s) measured, "
+                                                   f"< {PIECEWISE_OVERHEAD_ROUNDS}"]
+    return ok
+
+
+def render_piecewise(summary: dict) -> list[str]:
+    """The piecewise table: per phase, prefill forwards the piecewise runner served and the canary's host time on
+    them; the overhead pairs' median and range."""
+    rows = [s for s in summary["phases"] if s.get("piecewise_requested") or s.get("piecewise")]
+    lines: list[str] = []
+    if rows:
+        lines += ["", "| phase (piecewise CUDA graphs on) | prefill forwards served by the piecewise runner | "
+                      "of forwards | canary host µs per piecewise forward (of it launches) | piecewise graph build s |",
+                  "|---|---|---|---|---|"]
+        for s in rows:
+            pw = s.get("piecewise") or {}
+            cap = s.get("pcg_capture_s") or []
+            lines.append(f"| {s['phase']} | {_fmt(pw.get('piecewise'))} | {_fmt(pw.get('forwards'))} | "
+                         f"{_fmt(pw.get('canary_us'))} ({_fmt(pw.get('launch_us'))}) | "
+                         f"{', '.join(f'{c:.1f}' for c in cap) or '-'} |")
+    pairs = (summary.get("overhead") or {}).get("pairs") or {}
+    if len(pairs.get("ratios") or []) > 1:
+        ov = summary["overhead"]
+        built = ov.get("pcg_engines")
+        lines += ["", f"overhead, log/off tok/s over {len(pairs['ratios'])} pairs: median {pairs['median']:.4f}, "
+                      f"min {pairs['min']:.4f}, max {pairs['max']:.4f} (pairs in start order: "
+                      + ", ".join(f"{r:.4f}" for r in pairs["ratios"]) + ")"
+                  + (f"; piecewise graphs built by {built['built']} of {built['engines']} Engines, prefill "
+                     f"forwards served per log Engine: {ov.get('piecewise_per_log_engine')}" if built else "")]
+    return lines
+
+
 # ---------------------------------------------------------------------------------------------------- parent
 def phase_env(phase: Phase, report_dir: str, base: dict | None = None, mode: str | None = None,
               fault_rank: int | None = None) -> dict:
@@ -581,7 +746,7 @@ def engine_kwargs(phase: Phase, model: str, args) -> dict:
     if getattr(args, "tp_size", 1) > 1:
         kw.update(tp_size=args.tp_size)  # one kvcanary manager per TP rank, reports kvc-<rank>.jsonl
     kw.update(dict(phase.engine))
-    return kw
+    return piecewise_engine_kwargs(kw, getattr(args, "piecewise", False))
 
 
 def ensure_model(args) -> str:
@@ -653,10 +818,12 @@ def run_phases(args, runner=run_worker) -> dict:
         label = f"{key} {phase.name}" + (f" ({'+'.join(subs)})" if any(subs) else "")
         print(f"[e2e] phase {label}: timeout {timeout:.0f} s", flush=True)
         t = time.monotonic()
-        rc = runner(cmd, phase_env(phase, pdir, fault_rank=getattr(args, "fault_rank", None)), os.path.join(pdir, "worker.log"), timeout)
+        env = phase_env(phase, pdir, fault_rank=getattr(args, "fault_rank", None))
+        rc = runner(cmd, env, os.path.join(pdir, "worker.log"), timeout)
         for sub in subs:
             res = load_result(os.path.join(pdir, f"result{sub and '-' + sub}.json")) or {"status": "NO_RESULT"}
             res["rc"] = rc
+            res["piecewise"] = bool(getattr(args, "piecewise", False))  # the Engine kept piecewise CUDA graphs
             if rc != 0 and res.get("status") == "OK":
                 res["status"] = f"OK_EXIT_{rc}"
             elif rc in (124, 137) and res.get("status") in ("RUNNING", "STARTING"):
@@ -675,17 +842,19 @@ def run_phases(args, runner=run_worker) -> dict:
         batches = [subs] if key != "4" or not args.overhead_split else [[s] for s in subs]
         for batch in batches:
             left = args.budget - (time.monotonic() - t0)
-            if left < phase.min_s * len(batch) / len(subs):
+            cap_s, min_s = phase_limits(phase, args, len(batch), len(subs))
+            if left < min_s:
                 for sub in batch:
                     results[key + sub] = {"status": "SKIPPED", "note": f"{left:.0f} s left"}
                 print(f"[e2e] phase {key} {phase.name} {'+'.join(batch)}: SKIPPED ({left:.0f} s left)", flush=True)
                 continue
-            launch(key, batch, min(phase.cap_s, left - 3))
+            launch(key, batch, min(cap_s, left - 3))
         if key == "4" and results.get("4off", {}).get("status") == "OK" and \
                 results.get("4log", {}).get("status") not in ("OK", "TRUNCATED"):
             left = args.budget - (time.monotonic() - t0)  # the second Engine failed in the shared process: retry alone
-            if left >= phase.min_s / 2:
-                launch(key, ["log"], min(phase.cap_s, left - 3))
+            cap_s, min_s = phase_limits(phase, args, 1, len(subs))
+            if left >= phase.min_s / 2 + piecewise_start_allowance(args):
+                launch(key, ["log"], min(cap_s, left - 3))
     return results
 
 
@@ -736,6 +905,12 @@ def dry_run_reports(args, groups: list[list[Request]]) -> dict:
                 "entries_swept=90000 violations=0 lost=0\n" \
                 "kvcanary host time: step=1200 forwards=1200 eager=240 canary_us_per_forward=61.5 hooks_us=40.2 " \
                 "launch_us_per_eager_forward=106.5 forward_us=2210.0\n"
+        if args.piecewise:
+            stats = dry_run_piecewise_log()
+            base["piecewise"] = True
+        if key == "4" and args.piecewise:
+            results.update(dry_run_piecewise_overhead(args, pdir, base, stats))
+            continue
         if key == "4":
             for sub, tps in (("off", 1000.0), ("log", 975.0)):
                 os.makedirs(os.path.join(pdir, sub))
@@ -758,6 +933,32 @@ def dry_run_reports(args, groups: list[list[Request]]) -> dict:
                                         "rank": {"tp_rank": 0}}) + "\n")
                     step += 3
         results[key] = base
+    return results
+
+
+def dry_run_piecewise_log() -> str:
+    """A worker log of one Engine with piecewise graphs: sglang's capture line and kvcanary's lines."""
+    return ("Capture piecewise CUDA graph end. Time elapsed: 21.4 s. mem usage=0.12 GB. avail mem=120.00 GB.\n"
+            "kvcanary stats: step=1200 forwards=1200 tokens_written=300000 entries_verified=2500000 "
+            "entries_swept=90000 violations=0 lost=0\n"
+            "kvcanary host time: step=1200 forwards=1200 eager=0 canary_us_per_forward=61.5 hooks_us=40.2 "
+            "launch_us_per_eager_forward=0.0 forward_us=2210.0 piecewise=240 launch_us_per_piecewise_forward=106.5 "
+            "canary_us_per_piecewise_forward=146.7\n")
+
+
+def dry_run_piecewise_overhead(args, pdir: str, base: dict, log_engine: str) -> dict:
+    """Phase 4 with --piecewise: every Engine of every pair in one worker log, as the shared worker writes it."""
+    results, text = {}, ""
+    for i, sub in enumerate(overhead_subs(args.overhead_rounds)):
+        mode = "off" if sub.startswith("off") else "log"
+        tps = 1000.0 if mode == "off" else 975.0 + 10.0 * i
+        os.makedirs(os.path.join(pdir, sub), exist_ok=True)
+        results["4" + sub] = dict(base, tokens_per_s=tps, workload_s=base["output_tokens"] / tps)
+        capture, *canary = log_engine.splitlines(True)
+        text += ENGINE_MARKER + mode + "\n" + capture + MEASURED_MARKER + "\n"
+        text += "".join(canary) if mode == "log" else ""
+    with open(os.path.join(pdir, "worker.log"), "w") as f:
+        f.write(text)
     return results
 
 
@@ -850,7 +1051,7 @@ def run_engine(Engine, spec: dict, groups: list[list[Request]], res: dict, res_p
             t = time.perf_counter()
             outs = engine.generate(input_ids=[r.input_ids for r in group], sampling_params=sps)
             wall += time.perf_counter() - t
-            for r, o in zip(group, outs):
+            for r, o in zip(group, outs, strict=False):
                 meta = o.get("meta_info", {}) if isinstance(o, dict) else {}
                 n = meta.get("completion_tokens") or len(o.get("output_ids") or [])
                 if n == r.max_new_tokens:
@@ -895,8 +1096,11 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--python", default=sys.executable, help="interpreter of the workers")
     ap.add_argument("--overhead-split", action="store_true", help="phase 4: one subprocess per Engine")
-    ap.add_argument("--overhead-rounds", type=int, default=2,
-                    help="phase 4: off/log Engine pairs, in turn; the last pair is measured (default 2)")
+    ap.add_argument("--overhead-rounds", type=int, default=None,
+                    help="phase 4: off/log Engine pairs, in turn; the last pair is measured (default 2; 3 with "
+                    "--piecewise, which reports the median and range of every pair's ratio)")
+    ap.add_argument("--piecewise", action="store_true",
+                    help="keep sglang's default piecewise CUDA graphs for prefill (no disable_piecewise_cuda_graph)")
     ap.add_argument("--tp-size", type=int, default=1, help="tensor parallel ranks (one canary per rank)")
     ap.add_argument("--fault-rank", type=int, default=None, help="phase 3: inject on this rank only")
     ap.add_argument("--dry-run", action="store_true", help="no sglang/GPU: synthesize reports, parse, print")
@@ -907,6 +1111,8 @@ def parse_args(argv=None):
     if args.worker is None:
         args.phase_list = parse_phases(args.phases)
         args.out = os.path.abspath(args.out)
+    if args.overhead_rounds is None:
+        args.overhead_rounds = PIECEWISE_OVERHEAD_ROUNDS if args.piecewise else 2
     return args
 
 
