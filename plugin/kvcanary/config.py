@@ -272,6 +272,20 @@ def check_cache_dir(path: str, var: str = ENV_CACHE_DIR, raw: str | None = None)
     _check_creatable(var, raw, real, "the cache directory")
 
 
+DEFAULT_LOG_REPEAT_WINDOW = 1000
+
+
+def log_repeat_window_from_env(environ: Mapping[str, str] | None = None) -> int:
+    """``KVCANARY_LOG_REPEAT_WINDOW`` alone (default 1000), by the same rules as ``Config.from_env``: what a
+    ``Reporter`` built without an explicit window uses, so engines that build one from the mode and path only
+    still honour the variable."""
+    env = os.environ if environ is None else environ
+    raw = env.get(ENV_LOG_REPEAT_WINDOW)
+    if raw is None or not raw.strip():
+        return DEFAULT_LOG_REPEAT_WINDOW
+    return parse_int_env(ENV_LOG_REPEAT_WINDOW, raw, minimum=0)
+
+
 def _parse_bool(var: str, raw: str) -> bool:
     text = raw.strip().lower()
     if text in _TRUE:
@@ -318,7 +332,7 @@ class Config:
     cache_dir: str | None = None
     health_window: int = 100
     drain_every: int = 8
-    log_repeat_window: int = 1000
+    log_repeat_window: int = DEFAULT_LOG_REPEAT_WINDOW
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, Mode):
@@ -368,8 +382,7 @@ class Config:
             kwargs["health_window"] = parse_int_env(ENV_HEALTH_WINDOW, raw, minimum=1)
         if (raw := get(ENV_DRAIN_EVERY)) is not None:
             kwargs["drain_every"] = parse_int_env(ENV_DRAIN_EVERY, raw, minimum=1)
-        if (raw := get(ENV_LOG_REPEAT_WINDOW)) is not None:
-            kwargs["log_repeat_window"] = parse_int_env(ENV_LOG_REPEAT_WINDOW, raw, minimum=0)
+        kwargs["log_repeat_window"] = log_repeat_window_from_env(env)
         if (raw := get(ENV_VERIFY_TOKENS)) is not None:
             kwargs["verify_tokens"] = _parse_bool(ENV_VERIFY_TOKENS, raw)
         if (raw := get(ENV_REPORT)) is not None:

@@ -25,7 +25,29 @@ Log line (one line per violation, WARNING level; the format is frozen, tools par
 ``written_step`` and ``writer_rid`` were added after the first release; lines without them (older logs) still
 parse, with both None (``OPTIONAL_LOG_KEYS``).
 
-``parse_log_line`` is the inverse (``LOG_LINE_RE``) and ``Violation.from_log_fields`` rebuilds the record.
+Repeat suppression (log mode only; ``KVCANARY_LOG_REPEAT_WINDOW`` forward steps, default 1000, ``0`` = off;
+``kvcanary.repeats.RepeatFilter``): a row whose key (every recorded field except ``step``: tag, slot, position,
+stored and expected values, reason bits, request_row, written_step, writer_rid) was logged less than ``window``
+steps earlier gets no line; it is counted. The next row of that key at ``step >= last logged step + window`` is
+logged with one more key after the rank keys, ``repeats=<N>``: the rows suppressed since the previous line of
+that key. A key whose rows stop before that gets one summary line (WARNING) instead, when a later report sees
+a step past its window, when it is evicted from the table (at most 4096 keys, least recently seen first), or
+at ``Reporter.flush_repeats()`` / ``close()``; the key is then forgotten::
+
+    kvcanary violation repeated: tag=verify reasons=verify_chain_hash slot=17 position=3 count=17 first_step=13
+    last_step=29 tp_rank=0
+
+(one line; ``count`` rows from ``first_step`` to ``last_step`` were not logged). ``parse_log_line`` does not
+match summary lines (the prefix differs); ``parse_repeat_line`` reads them. Every row still goes to the JSONL
+report, and raise mode logs and raises every row as before.
+
+Report sink failures (``Reporter``): in log mode a write error (disk full, removed file or directory, bad
+descriptor) is logged as ERROR (the first, then at most one line per ``SINK_ERROR_INTERVAL_S`` with counts),
+counted (``total_sink_errors``, ``total_lines_dropped``), and the lines are dropped; the next report tries the
+file again. In raise mode the error is logged, counted and the original ``OSError`` raised.
+
+``parse_log_line`` is the inverse (``LOG_LINE_RE``) and ``Violation.from_log_fields`` rebuilds the record
+(``repeats`` is not part of the record: it is ignored there).
 
 JSONL report (``KVCANARY_REPORT``): one JSON object per line, four schemas:
 
@@ -52,17 +74,18 @@ import dataclasses
 import errno
 import json
 import logging
-import os
 import re
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvcanary import layout
-from kvcanary.config import Mode
+from kvcanary.config import Mode, log_repeat_window_from_env
+from kvcanary.repeats import RepeatFilter, RepeatSummary
+from kvcanary.sink import ReportFile
 from kvcanary.tags import LaunchTag, is_write, tag_name
 
 logger = logging.getLogger(__name__)
@@ -76,6 +99,11 @@ INJECTION_SCHEMA = "kvcanary.injection/1"
 LOG_PREFIX = "kvcanary violation:"
 LOST_LOG_PREFIX = "kvcanary lost:"
 HEALTH_LOG_PREFIX = "kvcanary health:"
+REPEAT_LOG_PREFIX = "kvcanary violation repeated:"
+SINK_LOG_PREFIX = "kvcanary report:"
+
+# Log mode: at most one ERROR line per this many seconds about a failing report sink.
+SINK_ERROR_INTERVAL_S = 60.0
 
 # Keys of a violation log line, in order; rank keys follow.
 LOG_KEYS: tuple[str, ...] = (
@@ -95,11 +123,16 @@ LOG_KEYS: tuple[str, ...] = (
 # Keys added after v1's first release: lines written before them lack these keys and still parse.
 OPTIONAL_LOG_KEYS: tuple[str, ...] = ("written_step", "writer_rid")
 REQUIRED_LOG_KEYS: tuple[str, ...] = tuple(k for k in LOG_KEYS if k not in OPTIONAL_LOG_KEYS)
+# Keys after the rank keys, only on some lines: ``repeats`` (log-mode repeat suppression).
+TRAILING_LOG_KEYS: tuple[str, ...] = ("repeats",)
+# Keys of a repeat summary line, in order; rank keys follow.
+REPEAT_LOG_KEYS: tuple[str, ...] = ("tag", "reasons", "slot", "position", "count", "first_step", "last_step")
 _KEY = r"[a-z_][a-z0-9_]*"
 _RANK_KEY_RE = re.compile(rf"^{_KEY}$")
 # A violation log line anywhere in a string (logging prefixes before it are allowed); group "fields" holds
 # the space-separated key=value pairs.
 LOG_LINE_RE = re.compile(rf"kvcanary violation:(?P<fields>(?: {_KEY}=\S+)+)[ \t]*$")
+REPEAT_LINE_RE = re.compile(rf"kvcanary violation repeated:(?P<fields>(?: {_KEY}=\S+)+)[ \t]*$")
 _FIELD_RE = re.compile(rf"({_KEY})=(\S+)")
 
 # How many log lines CanaryViolationError's message includes.
@@ -153,6 +186,32 @@ def parse_log_line(line: str) -> dict[str, str]:
     return dict(_FIELD_RE.findall(match.group("fields")))
 
 
+def parse_repeat_line(line: str) -> dict[str, str]:
+    """The key=value fields of a repeat summary line (``repeat_line``); ``ValueError`` if ``line`` holds none."""
+    match = REPEAT_LINE_RE.search(line.rstrip("\r\n"))
+    if match is None:
+        raise ValueError(f"not a kvcanary repeat summary line: {line!r}")
+    return dict(_FIELD_RE.findall(match.group("fields")))
+
+
+def repeat_line(summary: RepeatSummary, *, rank: Mapping[str, int] | None = None) -> str:
+    """The summary line for rows of one key that were suppressed and not yet counted on a ``repeats=`` key."""
+    v = summary.violation
+    parts = [
+        f"tag={v.tag_name}",
+        f"reasons={'+'.join(v.reasons) or '-'}",
+        f"slot={v.slot}",
+        f"position={v.position}",
+        f"count={summary.count}",
+        f"first_step={summary.first_step}",
+        f"last_step={summary.last_step}",
+    ]
+    rank = v.rank or rank
+    if rank:
+        parts.extend(f"{k}={val}" for k, val in rank.items())
+    return f"{REPEAT_LOG_PREFIX} {' '.join(parts)}"
+
+
 @dataclass(frozen=True)
 class Violation:
     """One violation ring row (SPEC §3 columns) plus what the host knows about it."""
@@ -184,8 +243,10 @@ class Violation:
         if self.rank is not None:
             rank = {str(k): int(v) for k, v in self.rank.items()}
             for key in rank:
-                if not _RANK_KEY_RE.match(key) or key in LOG_KEYS:
-                    raise ValueError(f"rank key {key!r}: expected a lower-case identifier not in {LOG_KEYS}")
+                if not _RANK_KEY_RE.match(key) or key in LOG_KEYS or key in TRAILING_LOG_KEYS:
+                    raise ValueError(
+                        f"rank key {key!r}: expected a lower-case identifier not in {LOG_KEYS + TRAILING_LOG_KEYS}"
+                    )
             object.__setattr__(self, "rank", rank)
 
     @classmethod
@@ -236,7 +297,7 @@ class Violation:
         tag = fields["tag"]
         kind = int(tag[3:]) if tag.startswith("tag") else int(LaunchTag[tag.upper()])
         aux = fields["expected_aux"]
-        rank = {k: int(v) for k, v in fields.items() if k not in LOG_KEYS}
+        rank = {k: int(v) for k, v in fields.items() if k not in LOG_KEYS and k not in TRAILING_LOG_KEYS}
         return cls(
             kernel_kind=kind,
             slot=int(fields["slot"]),
@@ -281,8 +342,11 @@ class Violation:
             return "position"
         return "hash"
 
-    def log_line(self) -> str:
-        """The one-line key=value form (module docstring); stable, parsed by ``parse_log_line``."""
+    def log_line(self, *, repeats: int = 0) -> str:
+        """The one-line key=value form (module docstring); stable, parsed by ``parse_log_line``.
+
+        ``repeats`` > 0 appends ``repeats=<N>`` after the rank keys (log-mode repeat suppression).
+        """
         aux = hex64(self.expected_aux) if self.expected_aux_kind == "hash" else str(self.expected_aux)
         parts = [
             f"step={self.step}",
@@ -300,6 +364,8 @@ class Violation:
         ]
         if self.rank:
             parts.extend(f"{k}={v}" for k, v in self.rank.items())
+        if repeats > 0:
+            parts.append(f"repeats={int(repeats)}")
         return f"{LOG_PREFIX} {' '.join(parts)}"
 
     def to_json(self, *, now: float | None = None) -> dict[str, Any]:
@@ -355,10 +421,22 @@ def _as_mode(mode: Mode | str) -> Mode:
 class Reporter:
     """Turns drained violations into WARNING log lines, JSONL rows and (raise mode) exceptions.
 
-    ``report_path`` (already rank-formatted, see ``Config.report_path_for``) is opened at construction with
-    ``O_APPEND | O_CREAT`` (parent directories created), so a bad path fails at install time. In ``off``
-    mode nothing is opened and every method is a no-op. ``rank`` (e.g. ``{"tp_rank": 0}``) is attached to
-    violations that carry none and to the lost/health JSON lines. Thread-safe.
+    ``report_path`` (already rank-formatted, see ``Config.report_path_for``) is checked and opened at
+    construction with ``O_APPEND | O_CREAT`` (parent directories created), so a bad path fails at install time
+    with a ``ValueError`` naming ``KVCANARY_REPORT`` (``kvcanary.sink``). In ``off`` mode nothing is opened and
+    every method is a no-op. ``rank`` (e.g. ``{"tp_rank": 0}``) is attached to violations that carry none and to
+    the lost/health/injection JSON lines. Thread-safe.
+
+    ``repeat_window``: log-mode repeat suppression in forward steps (module docstring; ``0`` logs every row);
+    ``None`` reads ``KVCANARY_LOG_REPEAT_WINDOW`` (default 1000).
+
+    A failing report sink (disk full, file or directory removed, a bad descriptor) never stops serving in
+    ``log`` mode: the lines that could not be written are dropped and counted (``total_sink_errors``,
+    ``total_lines_dropped``), the first failure is one ERROR line, later ones at most one ERROR line per
+    ``sink_error_interval_s`` seconds with the counts since, and every report tries the file again (reopening
+    it when it was closed, removed or replaced). The WARNING lines are logged before the file is written, so
+    they go out regardless. In ``raise`` mode the failure is logged and counted, then the original
+    ``OSError`` is raised (for violations, health errors and injections alike).
     """
 
     def __init__(
@@ -368,6 +446,9 @@ class Reporter:
         *,
         logger: logging.Logger | None = None,
         rank: Mapping[str, int] | None = None,
+        repeat_window: int | None = None,
+        sink_error_interval_s: float = SINK_ERROR_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.mode = _as_mode(mode)
         self.report_path = report_path
@@ -376,57 +457,106 @@ class Reporter:
         self.total_lost = 0
         self.total_health_errors = 0
         self.total_injections = 0
+        self.total_sink_errors = 0
+        self.total_lines_dropped = 0
         self._log = logger if logger is not None else _MODULE_LOGGER
         self._lock = threading.Lock()
-        self._fd: int | None = None
+        self._repeats = RepeatFilter(log_repeat_window_from_env() if repeat_window is None else repeat_window)
+        self._sink_error_interval_s = float(sink_error_interval_s)
+        self._clock = clock
+        self._sink = _SinkErrorState()
+        self._file: ReportFile | None = None
         self._atexit_registered = False
         if self.mode is not Mode.OFF and report_path:
-            self._open()
+            self._file = ReportFile(report_path)
+            self._file.open()
+            self._register_atexit()
 
     # -- file --------------------------------------------------------------------------------------------
-    def _open(self) -> None:
-        assert self.report_path
-        parent = os.path.dirname(os.path.abspath(self.report_path))
-        os.makedirs(parent, exist_ok=True)
-        self._fd = os.open(self.report_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    def _register_atexit(self) -> None:
         if not self._atexit_registered:
             atexit.register(self.close)
             self._atexit_registered = True
 
-    def _write_lines(self, objects: Iterable[dict[str, Any]]) -> None:
-        """Append objects as JSON lines, one ``os.write`` each (caller holds the lock)."""
-        if not self.report_path:
+    def _write_lines(self, objects: Iterable[dict[str, Any]]) -> OSError | None:
+        """Append objects as JSON lines (caller holds the lock). Returns the sink's error, already logged and
+        counted (the lines it could not write are dropped), or None."""
+        if self._file is None:
+            return None
+        lines = [(json.dumps(obj, separators=(",", ":"), allow_nan=False) + "\n").encode() for obj in objects]
+        if not lines:
+            return None
+        if not self._file.is_open:  # closed earlier (e.g. atexit ran before a last drain): reopen, lose nothing
+            self._register_atexit()
+        written, error = self._file.write_lines(lines)
+        if error is None:
+            self._sink_recovered()
+            return None
+        self._sink_failed(error, dropped=len(lines) - written)
+        return error
+
+    def _sink_failed(self, error: OSError, *, dropped: int) -> None:
+        """Count a sink failure and log it: always the first of a streak and in raise mode, else at most one
+        ERROR line per interval with what was dropped since the previous one (caller holds the lock)."""
+        self.total_sink_errors += 1
+        self.total_lines_dropped += dropped
+        state = self._sink
+        state.errors_since += 1
+        state.dropped_since += dropped
+        now = self._clock()
+        due = state.last_logged is None or now - state.last_logged >= self._sink_error_interval_s
+        if self.mode is not Mode.RAISE and not due:
             return
-        if self._fd is None:  # closed earlier (e.g. atexit ran before a last drain): reopen, lose nothing
-            self._open()
-        assert self._fd is not None
-        for obj in objects:
-            data = (json.dumps(obj, separators=(",", ":"), allow_nan=False) + "\n").encode()
-            while data:
-                try:
-                    written = os.write(self._fd, data)
-                except InterruptedError:
-                    continue
-                except OSError as exc:
-                    if exc.errno == errno.EINTR:
-                        continue
-                    raise
-                data = data[written:]
+        if not state.failing:
+            self._log.error(
+                "%s cannot write the report %s: %s; %d line(s) dropped%s",
+                SINK_LOG_PREFIX, self.report_path, _describe(error), dropped,
+                " (raise mode: raising)" if self.mode is Mode.RAISE else
+                f"; the engine keeps serving, every report retries the file, further errors are logged at most "
+                f"once per {self._sink_error_interval_s:g} s",
+            )  # fmt: skip
+        else:
+            self._log.error(
+                "%s the report %s still fails: %s; %d error(s) and %d line(s) dropped since the last message "
+                "(%d line(s) in all)",
+                SINK_LOG_PREFIX, self.report_path, _describe(error), state.errors_since, state.dropped_since,
+                self.total_lines_dropped,
+            )  # fmt: skip
+        state.failing = True
+        state.last_logged = now
+        state.errors_since = state.dropped_since = 0
+        state.logged_since_recovery = True
+
+    def _sink_recovered(self) -> None:
+        state = self._sink
+        if not state.failing:
+            return
+        state.failing = False
+        if state.logged_since_recovery:  # a flapping sink: one recovery line per logged error, no more
+            self._log.warning(
+                "%s the report %s is written again; %d line(s) dropped in all (%d since the last message)",
+                SINK_LOG_PREFIX, self.report_path, self.total_lines_dropped, state.dropped_since,
+            )  # fmt: skip
+            state.logged_since_recovery = False
+            state.errors_since = state.dropped_since = 0
 
     @property
     def closed(self) -> bool:
-        return self._fd is None
+        return self._file is None or not self._file.is_open
 
     def close(self) -> None:
-        """Close the report file (idempotent). Writes reach the OS as they happen, so there is nothing to flush."""
+        """Log pending repeat summaries and close the report file (idempotent). Writes reach the OS as they
+        happen, so there is nothing to flush."""
+        self.flush_repeats(all_pending=True)
         with self._lock:
-            if self._fd is not None:
-                fd, self._fd = self._fd, None
-                try:
-                    os.fsync(fd)
-                except OSError:
-                    pass
-                os.close(fd)
+            if self._sink.dropped_since and self._file is not None:
+                self._log.error(
+                    "%s closing the report %s: %d line(s) dropped since the last message (%d in all)",
+                    SINK_LOG_PREFIX, self.report_path, self._sink.dropped_since, self.total_lines_dropped,
+                )  # fmt: skip
+                self._sink.dropped_since = self._sink.errors_since = 0
+            if self._file is not None:
+                self._file.close()
             if self._atexit_registered:
                 atexit.unregister(self.close)
                 self._atexit_registered = False
@@ -437,13 +567,35 @@ class Reporter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- repeat suppression --------------------------------------------------------------------------------
+    @property
+    def repeat_window(self) -> int:
+        return self._repeats.window
+
+    @property
+    def total_log_lines_suppressed(self) -> int:
+        """Violation rows not logged because of repeat suppression (every one is in the JSONL report)."""
+        return self._repeats.total_suppressed
+
+    def flush_repeats(self, *, all_pending: bool = False) -> None:
+        """Log the summary lines that are due (``all_pending``: every key with suppressed rows, as at close)."""
+        if self.mode is not Mode.LOG:
+            return
+        with self._lock:
+            self._log_summaries(self._repeats.drain() if all_pending else self._repeats.expired())
+
+    def _log_summaries(self, summaries: Iterable[RepeatSummary]) -> None:
+        for summary in summaries:
+            self._log.warning("%s", repeat_line(summary, rank=self.rank))
+
     # -- reporting ---------------------------------------------------------------------------------------
     def report(self, violations: Sequence[Violation], *, lost: int = 0, step: int | None = None) -> None:
         """Log, record and (raise mode) raise one drained batch.
 
         ``lost``: rows the ring overflowed in this batch (index beyond capacity), reported as one WARNING line
         and one ``kvcanary.lost/1`` JSON line. ``step`` labels the lost line; it defaults to the last
-        violation's step. Everything is logged and written before ``CanaryViolationError`` is raised.
+        violation's step. Everything is logged and written before ``CanaryViolationError`` is raised. Log mode
+        suppresses repeated lines (class docstring); every row is written to the JSONL report.
         """
         if self.mode is Mode.OFF or (not violations and lost <= 0):
             return
@@ -455,7 +607,14 @@ class Reporter:
         now = time.time()
         with self._lock:
             for v in violations:
-                self._log.warning("%s", v.log_line())
+                if self.mode is Mode.LOG:
+                    repeats = self._repeats.admit(v)
+                    if repeats is not None:
+                        self._log.warning("%s", v.log_line(repeats=repeats))
+                else:
+                    self._log.warning("%s", v.log_line())
+            if self.mode is Mode.LOG:
+                self._log_summaries(self._repeats.expired())
             if lost:
                 self._log.warning(
                     "%s step=%s count=%d (violation ring overflowed; raise KVCANARY_RING_CAPACITY to keep more)",
@@ -468,14 +627,17 @@ class Reporter:
                 records.append({"schema": LOST_SCHEMA, "count": lost, "step": step, "rank": self.rank, "time": now})
             self.total_reported += len(violations)
             self.total_lost += lost
-            self._write_lines(records)
+            error = self._write_lines(records)
         if self.mode is Mode.RAISE:
+            if error is not None:
+                raise error
             raise CanaryViolationError(violations, lost=lost)
 
     def health_error(self, message: str, *, step: int | None = None, tags: Iterable[int] = ()) -> None:
         """A canary path is not executing: ERROR log line (log mode) or ``CanaryHealthError`` (raise mode).
 
-        Also writes a ``kvcanary.health/1`` JSON line first, in both modes.
+        Also writes a ``kvcanary.health/1`` JSON line first, in both modes. When that write fails in raise
+        mode, the ERROR line is logged too and the sink's ``OSError`` is raised.
         """
         if self.mode is Mode.OFF:
             return
@@ -490,18 +652,21 @@ class Reporter:
         }
         with self._lock:
             self.total_health_errors += 1
-            self._write_lines([record])
-            if self.mode is Mode.LOG:
+            error = self._write_lines([record])
+            if self.mode is Mode.LOG or error is not None:
                 self._log.error("%s", line)
         if self.mode is Mode.RAISE:
+            if error is not None:
+                raise error
             raise CanaryHealthError(line)
 
     def record_injection(self, injection: Any) -> dict[str, Any] | None:
         """Write one ``kvcanary.injection/1`` JSON line for an injected fault (``kvcanary.faults.Injection`` or any
         object with ``fault``, ``step``, ``slots`` and ``detail``), so a test can match detections to injections.
 
-        Returns the record written (None in ``off`` mode). Never raises for the mode: an injection is not a
-        violation. The injector itself logs the WARNING line.
+        Returns the record (None in ``off`` mode). Never raises for the mode: an injection is not a violation.
+        A failing sink is handled as for violations (log mode: logged, counted, dropped; raise mode: the
+        ``OSError`` is raised). The injector itself logs the WARNING line.
         """
         if self.mode is Mode.OFF:
             return None
@@ -517,5 +682,24 @@ class Reporter:
         }
         with self._lock:
             self.total_injections += 1
-            self._write_lines([record])
+            error = self._write_lines([record])
+        if error is not None and self.mode is Mode.RAISE:
+            raise error
         return record
+
+
+@dataclass
+class _SinkErrorState:
+    """The rate limiter of sink error lines."""
+
+    failing: bool = False  # the last write failed
+    last_logged: float | None = None  # clock() of the last ERROR line
+    errors_since: int = 0  # failures since the last ERROR line
+    dropped_since: int = 0  # lines dropped since the last ERROR line
+    logged_since_recovery: bool = False
+
+
+def _describe(error: OSError) -> str:
+    name = errno.errorcode.get(error.errno or 0, "")
+    text = error.strerror or str(error)
+    return f"[{name}] {text}" if name else text

@@ -392,7 +392,7 @@ def test_close_is_idempotent_and_a_late_report_reopens(tmp_path: Path) -> None:
 def test_bad_report_path_fails_at_construction(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(OSError):
+    with pytest.raises(ValueError, match=r"^KVCANARY_REPORT: .* is not a directory"):
         Reporter(Mode.LOG, str(blocker / "r.jsonl"))
 
 
