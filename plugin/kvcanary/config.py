@@ -48,6 +48,7 @@ import enum
 import logging
 import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -237,6 +238,15 @@ def check_report_path(path: str, var: str = ENV_REPORT, raw: str | None = None) 
     still fails.
     """
     raw = path if raw is None else raw
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = 0
+    if stat.S_ISCHR(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        # a stream (/dev/stdout, /dev/null, a pipe): even when its link resolves under /proc
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"{var}: {path!r} is not writable; got {raw!r}")
+        return
     real = os.path.realpath(path)
     for root in _PSEUDO_FS_ROOTS:
         if real == root or real.startswith(root + "/"):

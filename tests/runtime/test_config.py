@@ -481,6 +481,19 @@ def test_good_report_paths_pass(tmp_path) -> None:
     assert not (tmp_path / "new").exists()  # checked, not created: the Reporter creates it when it opens
 
 
+def test_streams_are_accepted_even_through_proc(tmp_path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    read_end, write_end = os.pipe()
+    try:
+        # /dev/stdout of a process whose stdout is a pipe resolves to /proc/<pid>/fd/pipe:[...]
+        for path in (str(fifo), f"/proc/self/fd/{write_end}", "/dev/null"):
+            Config.from_env({"KVCANARY_MODE": "log", "KVCANARY_REPORT": path})
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
 def test_paths_are_not_checked_when_off(tmp_path) -> None:
     cfg = Config.from_env({"KVCANARY_REPORT": str(tmp_path), "KVCANARY_CACHE_DIR": "/proc/self/status"})
     assert cfg.report_path == str(tmp_path) and not cfg.enabled
