@@ -2,19 +2,62 @@
 
 Subcommands:
     doctor   build every kernel backend available here, self-test each, print one row per backend.
+    demo     the real manager and kernels protect a simulated serving loop; inject every fault class; print a table.
+    report   summarise JSONL report files (one per rank): violations, lost/health records, injections matched.
+
+``-v`` (log details) goes before or after the subcommand.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Sequence
 from typing import TextIO
 
+from kvcanary.table import format_table as _format_table
+
 logger = logging.getLogger(__name__)
 
 _COLUMNS = ("backend", "arch", "build", "self-test", "detail")
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
+_MAX_BAD_LINES_ON_STDERR = 100
+
+
+def format_table(rows: Sequence[Sequence[str]], header: Sequence[str] = _COLUMNS) -> str:
+    """Rows as ``a | b | c`` lines with padded columns (the last column is not padded)."""
+    return _format_table(rows, header)
+
+
+def _fault_list(text: str) -> tuple[str, ...]:
+    from kvcanary.demo import parse_faults
+
+    try:
+        return parse_faults(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--faults: ")) from None
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -22,12 +65,17 @@ def _build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="kvcanary", description="KV-cache integrity canary tools.")
     parser.add_argument("--version", action="version", version=f"kvcanary {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log build and self-test details")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log build, self-test and run details")
+    # The same flag after the subcommand (`kvcanary doctor -v`); SUPPRESS keeps a -v given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="log build, self-test and run details")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
     doctor = sub.add_parser(
         "doctor",
+        parents=[common],
         help="build the kernels for every available backend and self-test them",
         description=(
             "Build the CPU kernels (and the CUDA kernels when a CUDA device is present), then write, verify and "
@@ -41,20 +89,49 @@ def _build_parser() -> argparse.ArgumentParser:
         help="without a CUDA device: compile the CUDA kernels anyway (needs nvcc) and report the build only",
     )
     doctor.set_defaults(func=_cmd_doctor)
+
+    demo = sub.add_parser(
+        "demo",
+        parents=[common],
+        help="watch the canary catch every fault class in a simulated serving loop (no sglang, no GPU needed)",
+        description=(
+            "The real CanaryManager and kernels protect a simulated paged-KV serving loop (prefix sharing, eviction, "
+            "slot reuse, chunked prefill, decode) for a few seconds of clean traffic, then each fault class is "
+            "injected and repaired in turn. Prints what was verified, what was detected, how fast, and the false "
+            "positives. Exit status 0 only if every injection was detected and nothing else was reported."
+        ),
+    )
+    demo.add_argument("--seconds", type=_positive_float, default=3.0, help="clean serving before the faults (3)")
+    demo.add_argument("--faults", type=_fault_list, default=None, metavar="CLASS[,CLASS...]",
+                      help="fault classes to inject (default: all): " + ", ".join(_fault_classes()))
+    demo.add_argument("--injections", type=_positive_int, default=3, metavar="N", help="injections per class (3)")
+    demo.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                      help="where the canary runs (default: cuda when available, else cpu)")
+    demo.add_argument("--seed", type=int, default=0, help="seeds the workload and the injections (0)")
+    demo.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    demo.set_defaults(func=_cmd_demo)
+
+    report = sub.add_parser(
+        "report",
+        parents=[common],
+        help="summarise KVCANARY_REPORT JSONL files (one per rank)",
+        description=(
+            "Read kvcanary JSONL reports (paths or quoted globs, e.g. 'kv-*.jsonl') and summarise them: violations "
+            "per reason, rank and tag, top slots and requests, the step range, lost and health records, and "
+            "injected faults (kvcanary.injection/1) matched to the violations they caused. A line that is not a "
+            "kvcanary record (or is cut off) is reported as FILE:LINE and skipped; the exit status is then 1."
+        ),
+    )
+    report.add_argument("files", nargs="+", metavar="FILE", help="JSONL report files or glob patterns")
+    report.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    report.set_defaults(func=_cmd_report)
     return parser
 
 
-def format_table(rows: Sequence[Sequence[str]], header: Sequence[str] = _COLUMNS) -> str:
-    """Rows as ``a | b | c`` lines with padded columns (the last column is not padded)."""
-    table = [list(header), *[list(r) for r in rows]]
-    widths = [max(len(r[i]) for r in table) for i in range(len(header) - 1)]
-    lines = []
-    for i, row in enumerate(table):
-        cells = [cell.ljust(widths[j]) for j, cell in enumerate(row[:-1])] + [row[-1]]
-        lines.append(" | ".join(cells).rstrip())
-        if i == 0:
-            lines.append("-+-".join("-" * w for w in widths) + "-+-" + "-" * len(header[-1]))
-    return "\n".join(lines)
+def _fault_classes() -> tuple[str, ...]:
+    from kvcanary.faults import FAULT_CLASSES
+
+    return FAULT_CLASSES
 
 
 def _cmd_doctor(args: argparse.Namespace, out: TextIO) -> int:
@@ -80,14 +157,61 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO) -> int:
     return 0 if report.passed else 1
 
 
+def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
+    import torch
+
+    from kvcanary import demo
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.stderr.write("kvcanary demo: --device cuda, but torch sees no CUDA device\n")
+        return 2
+
+    def progress(text: str) -> None:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+    result = demo.run_demo(
+        seconds=args.seconds,
+        fault_classes=args.faults or _fault_classes(),
+        device=args.device,
+        per_class=args.injections,
+        seed=args.seed,
+        quiet_log=not args.verbose,
+        progress=progress,
+    )
+    if args.json:
+        out.write(json.dumps(result.to_json(), indent=2) + "\n")
+    else:
+        out.write(demo.render(result) + "\n")
+    return 0 if result.passed else 1
+
+
+def _cmd_report(args: argparse.Namespace, out: TextIO) -> int:
+    from kvcanary import summarize
+
+    summary, unmatched = summarize.read_reports(args.files)
+    for pattern in unmatched:
+        sys.stderr.write(f"kvcanary report: {pattern}: no such file\n")
+    if not summary.files:
+        sys.stderr.write("kvcanary report: no report file to read\n")
+        return 2
+    for bad in summary.bad_lines[:_MAX_BAD_LINES_ON_STDERR]:
+        sys.stderr.write(f"kvcanary report: {bad}\n")
+    more = len(summary.bad_lines) - _MAX_BAD_LINES_ON_STDERR
+    if more > 0:
+        sys.stderr.write(f"kvcanary report: ... and {more} more bad lines\n")
+    if args.json:
+        out.write(json.dumps(summary.to_json(), indent=2) + "\n")
+    else:
+        out.write(summarize.render(summary) + "\n")
+    return 1 if summary.bad_lines or unmatched else 0
+
+
 def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int:
     """Entry point of the ``kvcanary`` console script; returns the exit status."""
     parser = _build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format=LOG_FORMAT)
     return int(args.func(args, out or sys.stdout))
 
 

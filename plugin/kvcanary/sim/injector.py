@@ -13,8 +13,9 @@ A :class:`FaultDriver` is the simulator's hook. Protocol:
   (stale reuse, token swap, position skew, an out-of-range ``out_cache_loc``) are aborted (their slots are freed,
   not cached; a freed slot is rewritten before anything verifies it again). Victims get extra decode budget
   (``extend_life``) so they cannot finish, and carry their bad records into the prefix cache, before detection.
-* Precision: every violation must name a slot of the open injection, or of one closed fewer than ``grace``
-  forwards ago (the same fault still draining); anything else is a false positive.
+* Precision: every violation must name a slot of the open injection (one it touched, or one of a victim request
+  whose chain it corrupted: that request's next writes build on the bad record), or of one closed fewer than
+  ``grace`` forwards ago (the same fault still draining); anything else is a false positive.
 
 Each injector uses only :mod:`kvcanary.faults` and the simulator's own state; which row or slot is hit is drawn
 from a seeded ``random.Random``, so a run is reproducible.
@@ -40,6 +41,8 @@ class OpenInjection:
     injection: Injection
     step: int  # the simulator forward it was injected in (before or during that forward)
     repair: Callable[[], object]
+    # Requests whose own chain the fault corrupted: their later writes build on a bad record and are reported too.
+    victims: tuple[Request, ...] = ()
     detected_step: int | None = None
     first_detection: Violation | None = None
     tags: Counter[str] = field(default_factory=Counter)
@@ -79,16 +82,20 @@ class FaultDriver:
         gap: forwards to wait after a close before the next injection.
         deadline: forwards after which an undetected injection counts as missed.
         grace: forwards after a close during which the same injection's slots still explain violations.
+        sweep_every: the manager's ``sweep_interval``. Cached-but-idle corruption is injected only right before a
+            forward whose ``step()`` sweeps (the manager sweeps on every ``sweep_every``-th ``step()``, and the
+            simulator calls it once per forward), so that eviction cannot recycle the slot before the sweep.
     """
 
     def __init__(self, classes: Sequence[str], *, seed: int = 0, per_class: int = 1, warmup: int = 40, gap: int = 3,
-                 deadline: int = 30, grace: int = 2) -> None:
+                 deadline: int = 30, grace: int = 2, sweep_every: int = 1) -> None:
         unknown = [c for c in classes if c not in faults.FAULT_CLASSES]
         if unknown or not classes:
             raise ValueError(f"FaultDriver: classes: expected some of {', '.join(faults.FAULT_CLASSES)}; got {classes}")
         self.classes = tuple(dict.fromkeys(classes))
         self.rng = random.Random(seed)
         self.per_class, self.gap, self.deadline, self.grace = per_class, gap, deadline, grace
+        self.sweep_every = max(1, sweep_every)
         self.open: OpenInjection | None = None
         self.closed: list[OpenInjection] = []
         self.recent: list[tuple[int, OpenInjection]] = []  # (closed at step, injection) within the grace window
@@ -153,8 +160,13 @@ class FaultDriver:
         if point == at:
             inject(sim)
 
-    def start(self, sim: Simulator, inj: Injection, repair: Callable[[], object]) -> None:
-        self.open = OpenInjection(inj, sim.step_no, repair)
+    def start(self, sim: Simulator, inj: Injection, repair: Callable[[], object],
+              victims: tuple[Request, ...] = ()) -> None:
+        self.open = OpenInjection(inj, sim.step_no, repair, victims)
+
+    @staticmethod
+    def _explains(o: OpenInjection, slot: int) -> bool:
+        return slot in o.injection.slots or any(slot in r.slots for r in o.victims)
 
     def score(self, sim: Simulator) -> None:
         """After each forward: attribute the newly reported violations, close the open injection when due."""
@@ -164,7 +176,7 @@ class FaultDriver:
         self.recent = [(t, o) for t, o in self.recent if sim.step_no - t < self.grace]
         for v in new:
             owners = ([self.open] if self.open else []) + [o for _, o in self.recent]
-            owner = next((o for o in owners if v.slot in o.injection.slots), None)
+            owner = next((o for o in owners if self._explains(o, v.slot)), None)
             if owner is None:
                 self.false_positives.append((sim.step_no, v))
                 if self.open is not None:
@@ -205,6 +217,17 @@ class FaultDriver:
     def token_index(sim: Simulator, row: int) -> int:
         return int(sim.batch.extend_lens[:row].sum())
 
+    @staticmethod
+    def _restore_entry(sim: Simulator, req: Request, pos: int) -> Callable[[], None]:
+        """The repair of a bad ``req_to_token[req.row, pos]``: the request's own slot again, if it still holds the
+        row (a finished request's row is zeroed and may belong to another request by now)."""
+        row, slot = req.row, req.slots[pos]
+
+        def repair() -> None:
+            if req.row == row and req in sim.running:
+                sim.req_to_token[row, pos] = slot
+        return repair
+
     # ------------------------------------------------------------------ one injector per class
     def redirect(self, sim: Simulator) -> None:
         rows = self.batch_rows(sim, min_prefix=3)
@@ -218,12 +241,9 @@ class FaultDriver:
         if not cands:
             return
         b, q = self.rng.choice(cands)
-        row, old = a.row, a.slots[pos]
-        inj = faults.redirect_req_to_token(sim.req_to_token, row, pos, b.slots[q], step=sim.step_no)
-
-        def repair() -> None:
-            sim.req_to_token[row, pos] = old
-        self.start(sim, inj, repair)
+        sim.extend_life(a, self.deadline + 5)
+        inj = faults.redirect_req_to_token(sim.req_to_token, a.row, pos, b.slots[q], step=sim.step_no)
+        self.start(sim, inj, self._restore_entry(sim, a, pos))
 
     def real_kv_flip(self, sim: Simulator) -> None:
         rows = self.batch_rows(sim, min_prefix=1)
@@ -233,8 +253,13 @@ class FaultDriver:
         slot = a.slots[self.rng.randrange(a.kv_len)]
         src = sim.sources[self.rng.randrange(len(sim.sources))]
         byte, mask = self.rng.randrange(16), self.rng.randrange(1, 256)  # inside the PARTIAL window
+        writer = sim.slot_writers.get(slot)
         inj = faults.flip_real_kv(src, slot, byte, mask, step=sim.step_no)
-        self.start(sim, inj, lambda: faults.flip_real_kv(src, slot, byte, mask))
+
+        def repair() -> None:
+            if sim.slot_writers.get(slot) == writer:  # not rewritten by another request since (flipping would corrupt)
+                faults.flip_real_kv(src, slot, byte, mask)
+        self.start(sim, inj, repair)
 
     def stale_reuse(self, sim: Simulator) -> None:
         cands = [(a, p) for a in sim.running if a.kv_len >= len(a.prompt) and a.kv_len >= 3
@@ -246,9 +271,11 @@ class FaultDriver:
         slot = sim.free_slot_early(a, pos)  # the bug: freed while still mapped; the next allocation reuses it
         inj = faults.keep_stale_mapping(sim.req_to_token, a.row, pos, slot, step=sim.step_no)
         inj = Injection(inj.fault, inj.step, inj.slots + (a.slots[pos + 1],), inj.detail)  # + the successor
-        self.start(sim, inj, lambda: sim.abort(a))
+        self.start(sim, inj, lambda: sim.abort(a), (a,))
 
     def cached_idle(self, sim: Simulator) -> None:
+        if sim.step_no % self.sweep_every:
+            return
         running = {s for r in sim.running for s in r.slots}
         nodes, stack = [], list(sim.root.children.values())
         while stack:
@@ -282,7 +309,7 @@ class FaultDriver:
         batch = sim.batch
         inj = faults.swap_tokens(batch.input_ids, self.token_index(sim, i), self.token_index(sim, j),
                                  out_cache_loc=batch.out_cache_loc, step=sim.step_no)
-        self.start(sim, inj, lambda: (sim.abort(a), sim.abort(b)))
+        self.start(sim, inj, lambda: (sim.abort(a), sim.abort(b)), (a, b))
 
     def position_skew(self, sim: Simulator) -> None:
         rows = self.batch_rows(sim, decode_only=True, min_prefix=2)
@@ -293,7 +320,7 @@ class FaultDriver:
         delta = self.rng.choice([-1, 1, 2, 7])
         inj = faults.skew_position(sim.batch.positions, self.token_index(sim, i), delta,
                                    out_cache_loc=sim.batch.out_cache_loc, step=sim.step_no)
-        self.start(sim, inj, lambda: sim.abort(a))
+        self.start(sim, inj, lambda: sim.abort(a), (a,))
 
     def out_of_range(self, sim: Simulator) -> None:
         offset = self.rng.randrange(0, 1000)
@@ -305,17 +332,15 @@ class FaultDriver:
             sim.extend_life(a, self.deadline + 5)
             inj = faults.out_of_range_slot(sim.batch.out_cache_loc, self.token_index(sim, i), sim.num_slots,
                                            offset=offset, step=sim.step_no)
-            self.start(sim, inj, lambda: sim.abort(a))  # its real slot never got a record: retire it
+            self.start(sim, inj, lambda: sim.abort(a), (a,))  # its real slot never got a record: retire it
         else:  # a req_to_token entry of a prefix (not the write seed): the plan/verify report it
             rows = self.batch_rows(sim, min_prefix=3)
             if not rows:
                 return
             _, a = self.rng.choice(rows)
             pos = self.rng.randrange(0, a.kv_len - 1)
-            row, old = a.row, a.slots[pos]
-            inj = faults.out_of_range_slot(sim.req_to_token, (row, pos), sim.num_slots, offset=offset, step=sim.step_no)
+            sim.extend_life(a, self.deadline + 5)
+            inj = faults.out_of_range_slot(sim.req_to_token, (a.row, pos), sim.num_slots, offset=offset,
+                                           step=sim.step_no)
             inj = Injection(inj.fault, inj.step, inj.slots + (a.slots[pos + 1],), inj.detail)  # + the successor
-
-            def repair() -> None:
-                sim.req_to_token[row, pos] = old
-            self.start(sim, inj, repair)
+            self.start(sim, inj, self._restore_entry(sim, a, pos))

@@ -1,0 +1,303 @@
+"""``kvcanary demo``: watch the canary catch every fault class, on any machine, without sglang or a model.
+
+The real :class:`~kvcanary.manager.CanaryManager` and kernels (CPU, or CUDA when present) protect the serving
+simulator of :mod:`kvcanary.sim.engine` (prefix sharing, eviction, slot reuse, chunked prefill, decode, mixed and
+idle forwards) exactly as the SGLang adapter drives them in an engine: ``before_forward`` / ``after_forward`` around
+every forward, ``step()`` after it, the token check fed by ``update_expected_tokens``, the prefix cache swept
+through ``set_sweep_source``. First it serves clean traffic for a few seconds (any violation there is a false
+positive); then :class:`~kvcanary.sim.injector.FaultDriver` injects each fault class of :mod:`kvcanary.faults` in
+turn, repairs it once reported, and scores the reports.
+
+:func:`run_demo` returns a :class:`DemoResult`; :func:`render` is its text form (the command's output).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvcanary import faults
+from kvcanary.config import Config, Mode
+from kvcanary.sim.engine import SimConfig, Simulator
+from kvcanary.sim.injector import ClassResult, FaultDriver
+from kvcanary.table import format_table
+from kvcanary.tags import LaunchTag
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SECONDS = 3.0
+DEFAULT_PER_CLASS = 3
+# The manager as the adapter runs it (log mode, PARTIAL real-KV, drain every 8 forwards), plus the token check and
+# a sweep every 8 forwards, which token swaps and cached-but-idle corruption need.
+SWEEP_EVERY = 8
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"  # what `kvcanary -v ...` and the demo's violation line show
+_MAX_FAULT_FORWARDS_PER_INJECTION = 200  # a class that finds no fitting batch for this long is reported as such
+
+
+def default_device() -> str:
+    """``cuda`` when torch sees a CUDA device, else ``cpu``."""
+    try:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except Exception:  # noqa: BLE001 - a broken driver means "no device" here
+        return "cpu"
+
+
+def parse_faults(text: str | None) -> tuple[str, ...]:
+    """``--faults``: ``all`` (or None) or a comma-separated list of ``kvcanary.faults.FAULT_CLASSES``."""
+    if text is None or text.strip().lower() in ("", "all"):
+        return faults.FAULT_CLASSES
+    names = [n.strip().lower() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in faults.FAULT_CLASSES]
+    if bad or not names:
+        raise ValueError(f"--faults: expected all or a comma-separated list of {', '.join(faults.FAULT_CLASSES)}; "
+                         f"got {text!r}")
+    return tuple(dict.fromkeys(names))
+
+
+@dataclass
+class DemoResult:
+    """Everything ``kvcanary demo`` measured."""
+
+    device: str
+    config: str
+    build: str  # how the kernels were obtained ("built in 12.0 s", "cached")
+    clean_seconds: float
+    clean_forwards: int
+    forward_kinds: dict[str, int]  # clean phase: extend / decode / mixed / idle forwards
+    workload: dict[str, int]  # clean phase: cache hits, evictions, chunked prefills, slot rewrites, sweeps
+    clean_violations: int
+    forwards: int
+    entries_verified: int
+    entries_swept: int
+    tokens_written: int
+    faults: dict[str, ClassResult]
+    false_positives: int  # violations no injection explains, clean phase included
+    violation_line: str | None  # one violation line as the log shows it
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.faults) and all(r.all_detected for r in self.faults.values()) and self.false_positives == 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": "kvcanary.demo/1",
+            "passed": self.passed,
+            "device": self.device,
+            "config": self.config,
+            "build": self.build,
+            "clean": {"seconds": round(self.clean_seconds, 3), "forwards": self.clean_forwards,
+                      "forward_kinds": self.forward_kinds, "workload": self.workload,
+                      "violations": self.clean_violations},
+            "forwards": self.forwards,
+            "entries_verified": self.entries_verified,
+            "entries_swept": self.entries_swept,
+            "tokens_written": self.tokens_written,
+            "faults": {
+                name: {"injected": r.injected, "detected": r.detected, "reasons": dict(r.reasons),
+                       "tags": dict(r.tags), "latency_forwards": r.latencies, "false_positives": r.false_positives}
+                for name, r in self.faults.items()
+            },
+            "false_positives": self.false_positives,
+            "violation_line": self.violation_line,
+            "seconds": round(self.seconds, 3),
+            "notes": self.notes,
+        }
+
+
+class _Capture(logging.Handler):
+    """Keeps kvcanary's WARNING+ records (violation lines, injections) of the run, formatted as the log shows them."""
+
+    def __init__(self, formatter: logging.Formatter) -> None:
+        super().__init__(logging.WARNING)
+        self.setFormatter(formatter)
+        self.lines: list[tuple[str, str]] = []  # (message, formatted line)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((record.getMessage(), self.format(record)))
+
+
+def _note(progress: Callable[[str], None] | None, text: str) -> None:
+    if progress is not None:
+        progress(text)
+
+
+def run_demo(
+    *,
+    seconds: float = DEFAULT_SECONDS,
+    fault_classes: Sequence[str] = faults.FAULT_CLASSES,
+    device: str | None = None,
+    per_class: int = DEFAULT_PER_CLASS,
+    seed: int = 0,
+    quiet_log: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> DemoResult:
+    """Serve clean traffic for ``seconds`` under the canary, then inject ``per_class`` faults of each class.
+
+    ``quiet_log``: keep kvcanary's WARNING lines (one per violation and per injection) off the console while the
+    demo runs; they are captured either way (one is shown in the result).
+    """
+    from kvcanary import jit
+    from kvcanary.manager import CanaryManager
+
+    started = time.perf_counter()
+    dev = torch.device(device or default_device())
+    backend = "cuda" if dev.type == "cuda" else "cpu"
+    _note(progress, f"kvcanary demo: {backend} kernels (the first run builds them: ~12 s on CPU, ~40 s for CUDA) ...")
+    info = jit.build(backend)
+    build = "cached" if info.cached else f"built in {info.seconds:.1f} s"
+
+    config = Config(mode=Mode.LOG, sweep_interval=SWEEP_EVERY, verify_tokens=True, stats_every=0)
+    drain = config.drain_every
+    driver = FaultDriver(fault_classes, seed=seed, per_class=per_class, warmup=1 << 62, gap=3,
+                         deadline=30 + drain, grace=drain + 2, sweep_every=SWEEP_EVERY)
+    capture = _Capture(logging.Formatter(LOG_FORMAT))
+    root = logging.getLogger("kvcanary")
+    saved_propagate = root.propagate
+    root.addHandler(capture)
+    root.propagate = not quiet_log
+    try:
+        sim = Simulator(SimConfig(seed=seed, page_size=1, num_pages=1024),
+                        mgr_factory=lambda **kw: CanaryManager(config, **kw), hook=driver, device=dev)
+        mgr = sim.mgr
+        mgr.mark_init_finished()
+
+        _note(progress, f"kvcanary demo: serving clean traffic for {seconds:g} s on {dev} ...")
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds or sim.step_no < 50:  # at least a warm prefix cache
+            sim.step()
+        mgr.flush()
+        driver.score(sim)
+        clean_seconds = time.perf_counter() - t0
+        clean_forwards = sim.step_no
+        clean_violations = len(mgr.violations)
+        kinds = {k: sim.stats[f"forward_{k}"] for k in ("extend", "decode", "mixed", "idle")}
+        workload = {
+            "prefix_cache_hits": sim.stats["cache_hits"],
+            "prefix_cache_hit_tokens": sim.stats["cache_hit_tokens"],
+            "evicted_pages": sim.stats["evicted_pages"],
+            "chunked_prefill_continuations": sim.stats["chunk_continuations"],
+            "slot_writes_over_another_request": sim.stats["slot_rewrites_by_other_request"],
+            "requests_finished": sim.stats["finished"],
+            "sweeps": sim.stats["sweeps"],
+        }
+
+        _note(progress, f"kvcanary demo: injecting {', '.join(driver.classes)} ({per_class} each) ...")
+        driver.arm(sim.step_no + 1)
+        limit = sim.step_no + _MAX_FAULT_FORWARDS_PER_INJECTION * per_class * len(driver.classes)
+        while not driver.done and sim.step_no < limit:
+            sim.step()
+        mgr.flush()
+        driver.score(sim)
+        stats = mgr.stats
+    finally:
+        root.removeHandler(capture)
+        root.propagate = saved_propagate
+
+    results = driver.results()
+    notes = [f"{name}: only {r.injected} of {per_class} injections found a fitting batch"
+             for name, r in results.items() if r.injected < per_class]
+    return DemoResult(
+        device=str(dev),
+        config=(f"mode=log real_kv={config.real_kv.name.lower()} verify_tokens=true sweep_interval={SWEEP_EVERY} "
+                f"drain_every={drain}"),
+        build=build,
+        clean_seconds=clean_seconds,
+        clean_forwards=clean_forwards,
+        forward_kinds=kinds,
+        workload=workload,
+        clean_violations=clean_violations,
+        forwards=sim.step_no,
+        entries_verified=int(stats.slot_runs[LaunchTag.VERIFY]),
+        entries_swept=int(stats.slot_runs[LaunchTag.SWEEP]),
+        tokens_written=int(stats.slot_runs[LaunchTag.WRITE]),
+        faults=results,
+        false_positives=len(driver.false_positives),
+        violation_line=_example_line(driver, capture),
+        seconds=time.perf_counter() - started,
+        notes=notes,
+    )
+
+
+def _example_line(driver: FaultDriver, capture: _Capture) -> str | None:
+    """The log line of the first detection (the first class's), else of any violation."""
+    first = next((o.first_detection for o in driver.closed if o.first_detection is not None), None)
+    lines = [(msg, line) for msg, line in capture.lines if msg.startswith("kvcanary violation:")]
+    if first is not None:
+        want = first.log_line()
+        for msg, line in lines:
+            if msg == want:
+                return line
+    return lines[0][1] if lines else None
+
+
+# ------------------------------------------------------------------------------------------------ text form
+def _reasons(r: ClassResult) -> str:
+    """The expected reasons the class's detections carried, with the launch tags that found them."""
+    expected = faults.EXPECTED_REASONS[r.fault]
+    seen: Counter[str] = Counter()
+    for combo, n in r.reasons.items():
+        for name in combo.split("+"):
+            if name in expected:
+                seen[name] += n
+    names = " / ".join(n for n in expected if seen[n]) or "-"
+    tags = ",".join(sorted(r.tags))
+    return f"{names} ({tags})" if tags else names
+
+
+def _latency(r: ClassResult) -> str:
+    if not r.latencies:
+        return "-"
+    lo, hi = min(r.latencies), max(r.latencies)
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def render(result: DemoResult) -> str:
+    """The command's text output: the setup, the clean phase, the fault table, one violation line, the verdict."""
+    kinds = ", ".join(f"{k} {v}" for k, v in result.forward_kinds.items())
+    w = result.workload
+    lines = [
+        f"kvcanary demo: the real CanaryManager and {result.device} kernels protect a simulated paged-KV server",
+        f"  kernels {result.build}; manager {result.config}",
+        "",
+        f"clean serving, {result.clean_seconds:.1f} s: {result.clean_forwards} forwards ({kinds}),",
+        f"  {w['requests_finished']} requests finished, prefix-cache hits {w['prefix_cache_hits']} "
+        f"({w['prefix_cache_hit_tokens']} tokens), evicted pages {w['evicted_pages']}, chunked-prefill continuations "
+        f"{w['chunked_prefill_continuations']},",
+        f"  slots rewritten by another request {w['slot_writes_over_another_request']}, sweeps {w['sweeps']}: "
+        f"{result.clean_violations} violations",
+        "",
+    ]
+    rows = [(name, str(r.injected), str(r.detected), _reasons(r), _latency(r), str(r.false_positives))
+            for name, r in result.faults.items()]
+    lines.append(format_table(rows, ("fault class", "injected", "detected", "reason reported (by)",
+                                     "latency (forwards)", "false positives"), right=(1, 2, 5)))
+    lines += [
+        "",
+        f"forwards {result.forwards} | entries verified {result.entries_verified} | entries swept "
+        f"{result.entries_swept} | tokens written {result.tokens_written} | false positives {result.false_positives} "
+        f"| {result.seconds:.1f} s",
+        "latency: forwards from the injection until the host reported it (the drain runs every 8 forwards)",
+    ]
+    if result.violation_line:
+        lines += ["", "one violation, as the log shows it:", f"  {result.violation_line}"]
+    lines += [f"note: {n}" for n in result.notes]
+    lines.append("")
+    if result.passed:
+        lines.append("PASS: every fault class detected, 0 false positives")
+    else:
+        missed = [n for n, r in result.faults.items() if not r.all_detected]
+        why = []
+        if missed:
+            why.append(f"not every injection detected: {', '.join(missed)}")
+        if result.false_positives:
+            why.append(f"{result.false_positives} false positive(s)")
+        lines.append("FAIL: " + "; ".join(why))
+    return "\n".join(lines)

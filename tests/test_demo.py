@@ -1,0 +1,110 @@
+"""``kvcanary demo``: the real manager and CPU kernels catch every fault class in the simulated serving loop, with
+no false positive; a demo whose canary misses a fault fails; ``-v`` works before and after the subcommand."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+import pytest
+
+from kvcanary import cli, demo, faults
+from kvcanary.sim import injector
+
+FAST = ["demo", "--seconds", "0.3", "--injections", "1", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def result() -> demo.DemoResult:
+    return demo.run_demo(seconds=0.5, per_class=2, device="cpu")
+
+
+def test_every_fault_class_detected_without_false_positives(result: demo.DemoResult) -> None:
+    assert result.passed, demo.render(result)
+    assert list(result.faults) == list(faults.FAULT_CLASSES)
+    for name, r in result.faults.items():
+        assert (r.injected, r.detected) == (2, 2), (name, r)
+        assert len(r.latencies) == 2 and all(0 <= x <= 30 + 8 for x in r.latencies), (name, r.latencies)
+        assert set(r.reasons) and all(set(c.split("+")) for c in r.reasons)
+    assert result.false_positives == 0 and result.clean_violations == 0
+    # cached-but-idle corruption is invisible to the per-forward verify: only the sweep can report it
+    assert set(result.faults[faults.CACHED_IDLE_CORRUPTION].tags) == {"sweep"}
+
+
+def test_the_clean_phase_exercises_the_serving_loop(result: demo.DemoResult) -> None:
+    assert result.clean_forwards >= 50 and result.forwards > result.clean_forwards
+    assert all(result.forward_kinds[k] > 0 for k in ("extend", "decode", "mixed")), result.forward_kinds
+    w = result.workload
+    assert w["evicted_pages"] > 0 and w["chunked_prefill_continuations"] > 0 and w["sweeps"] > 0
+    assert w["slot_writes_over_another_request"] > 0
+    assert result.entries_verified > 0 and result.entries_swept > 0 and result.tokens_written > 0
+
+
+def test_text_and_json_forms(result: demo.DemoResult) -> None:
+    text = demo.render(result)
+    for name in faults.FAULT_CLASSES:
+        assert f"\n{name} " in text
+    assert "PASS: every fault class detected, 0 false positives" in text
+    # the violation line is the log's own: logging prefix, then the frozen key=value line
+    assert result.violation_line and result.violation_line.startswith("WARNING kvcanary.report: kvcanary violation: ")
+    obj = json.loads(json.dumps(result.to_json()))
+    assert obj["passed"] is True and obj["false_positives"] == 0
+    assert set(obj["faults"]) == set(faults.FAULT_CLASSES)
+    assert all(v["injected"] == v["detected"] == 2 for v in obj["faults"].values())
+
+
+def test_a_missed_fault_fails_the_demo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An injector that changes nothing (a fault the canary cannot see) must turn the demo into a FAIL, exit 1."""
+
+    def no_flip(source, slot, byte=0, mask=0xFF, *, step=None):  # noqa: ANN001, ANN202
+        return faults.Injection(faults.REAL_KV_FLIP, step, (int(slot),), "nothing flipped")
+
+    monkeypatch.setattr(injector.faults, "flip_real_kv", no_flip)
+    out = io.StringIO()
+    code = cli.main(["demo", "--seconds", "0.2", "--injections", "1", "--faults", "real_kv_flip,token_swap",
+                     "--device", "cpu"], out=out)
+    assert code == 1, out.getvalue()
+    assert "FAIL: not every injection detected: real_kv_flip" in out.getvalue()
+
+
+def test_cli_demo_json_exit_zero() -> None:
+    out = io.StringIO()
+    assert cli.main([*FAST, "--json"], out=out) == 0, out.getvalue()
+    obj = json.loads(out.getvalue())
+    assert obj["schema"] == "kvcanary.demo/1" and obj["passed"] is True
+
+
+def test_demo_leaves_logging_as_it_found_it() -> None:
+    root = logging.getLogger("kvcanary")
+    handlers, propagate = list(root.handlers), root.propagate
+    demo.run_demo(seconds=0.1, per_class=1, fault_classes=[faults.TOKEN_SWAP], device="cpu")
+    assert root.handlers == handlers and root.propagate == propagate
+
+
+def test_bad_faults_argument_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", "--faults", "token_swap,nonsense"])
+    assert exc.value.code == 2
+    assert "nonsense" in capsys.readouterr().err
+
+
+def test_parse_faults() -> None:
+    assert demo.parse_faults(None) == faults.FAULT_CLASSES
+    assert demo.parse_faults("all") == faults.FAULT_CLASSES
+    assert demo.parse_faults(" token_swap , real_kv_flip,token_swap") == ("token_swap", "real_kv_flip")
+    with pytest.raises(ValueError, match="--faults"):
+        demo.parse_faults("swap")
+
+
+@pytest.mark.parametrize(
+    ("argv", "verbose"),
+    [(["doctor"], False), (["-v", "doctor"], True), (["doctor", "-v"], True), (["doctor", "--verbose"], True),
+     (["demo", "-v"], True), (["report", "-v", "x.jsonl"], True), (["-v", "report", "x.jsonl"], True)],
+)
+def test_verbose_before_or_after_the_subcommand(argv: list[str], verbose: bool) -> None:
+    assert cli._build_parser().parse_args(argv).verbose is verbose
+
+
+def test_log_format_is_the_commands() -> None:
+    assert demo.LOG_FORMAT == cli.LOG_FORMAT

@@ -1,0 +1,192 @@
+"""``kvcanary report``: JSONL files written by the real Reporter (one per rank) are summarised per reason, rank, tag,
+slot and request; injections are matched to violations within their own rank; bad lines (not JSON, cut off, not
+a kvcanary record, a field missing, an unknown schema) are reported as FILE:LINE, skipped, and make the exit
+status 1. On the real tensor-parallel fault run in shared/ the matcher agrees with the e2e driver's own."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from kvcanary import cli, layout, matcher, summarize
+from kvcanary.config import Mode
+from kvcanary.faults import Injection
+from kvcanary.report import Reporter, Violation
+from kvcanary.tags import LaunchTag
+
+R = layout.FailReason
+REPO = Path(__file__).resolve().parent.parent
+TP2_FAULTS = REPO.parent / "shared" / "e2e" / "results" / "tp2-faults-2026-11-30.tgz"
+
+
+def _violation(slot: int, step: int, bits: int, *, tag: LaunchTag = LaunchTag.VERIFY, request_row: int | None = None,
+               writer_rid: str | None = None) -> Violation:
+    row = [int(tag), slot, 3, 101, -1, 0x1234, 0x5678, int(bits)]
+    return Violation.from_row(row, step=step, request_row=request_row, written_step=None if writer_rid is None else 1,
+                              writer_rid=writer_rid)
+
+
+def _write_rank0(path: Path) -> None:
+    with Reporter(Mode.LOG, str(path), rank={"tp_rank": 0}) as rep:
+        rep.record_injection(Injection("real_kv_flip", 10, (5,), "flip"))
+        rep.report([_violation(5, 12, R.VERIFY_REAL_KV_HASH, request_row=2)])  # detected, latency 2
+        rep.record_injection(Injection("token_swap", 20, (7, 8), "swap"))
+        rep.report([_violation(8, 100, R.VERIFY_TOKEN, request_row=2)])  # detected within token_swap's 256
+        rep.record_injection(Injection("position_skew", 30, (9,), "skew"))  # never reported: missed
+        rep.report([_violation(50, 40, R.VERIFY_CHAIN_HASH, request_row=4)], lost=3)  # no injection: unexplained
+        rep.report([_violation(5, 50, R.VERIFY_REAL_KV_HASH, tag=LaunchTag.SWEEP)])  # 40 forwards late
+        rep.health_error("verify stalled", step=60, tags=[int(LaunchTag.VERIFY)])
+
+
+def _write_rank1(path: Path) -> None:
+    with Reporter(Mode.LOG, str(path), rank={"tp_rank": 1}) as rep:
+        # the same slot and step as rank 0's injection: another rank's injection must not explain it
+        rep.report([_violation(5, 12, R.VERIFY_REAL_KV_HASH | R.VERIFY_CHAIN_HASH, writer_rid="req-a"),
+                    _violation(6, 14, R.WRITE_POSITION, tag=LaunchTag.WRITE, writer_rid="req-a")])
+
+
+BAD_LINES = [
+    (b"this is not json\n", "not JSON"),
+    (b'{"foo": 1}\n', "not a kvcanary record (schema None)"),
+    (b"[1, 2]\n", "not a kvcanary record (a JSON list"),
+    (b'{"schema": "kvcanary.violation/1", "step": 1}\n', "kvcanary.violation/1: missing field 'tag'"),
+    (b'{"schema": "kvcanary.lost/1", "count": "3", "step": 1, "rank": null}\n',
+     "kvcanary.lost/1: field 'count' has a bad value '3'"),
+    (b'{"schema": "kvcanary.violation/9"}\n', "unsupported kvcanary schema 'kvcanary.violation/9'"),
+    (b'{"schema":"kvcanary.violation/1","step":77,"ta', "truncated line (no newline at the end of the file)"),
+]
+
+
+@pytest.fixture
+def reports(tmp_path: Path) -> Path:
+    _write_rank0(tmp_path / "kvc-0.jsonl")
+    _write_rank1(tmp_path / "kvc-1.jsonl")
+    return tmp_path
+
+
+def _run(argv: list[str]) -> tuple[int, str]:
+    out = io.StringIO()
+    return cli.main(argv, out=out), out.getvalue()
+
+
+def test_multi_rank_summary(reports: Path) -> None:
+    code, text = _run(["report", "--json", str(reports / "kvc-*.jsonl")])
+    assert code == 0, text
+    s = json.loads(text)
+    assert list(s["files"]) == [str(reports / "kvc-0.jsonl"), str(reports / "kvc-1.jsonl")]
+    assert s["records"] == {"kvcanary.injection/1": 3, "kvcanary.violation/1": 6, "kvcanary.lost/1": 1,
+                            "kvcanary.health/1": 1}
+    assert s["violations"] == 6 and (s["first_step"], s["last_step"]) == (12, 100)
+    assert s["by_reason"] == {"verify_real_kv_hash": 3, "verify_chain_hash": 2, "verify_token": 1, "write_position": 1}
+    assert s["by_tag"] == {"verify": 4, "sweep": 1, "write": 1}
+    assert s["by_rank"]["tp_rank=0"] == {"violations": 4, "first_step": 12, "last_step": 100, "lost": 3, "health": 1,
+                                         "injections": 3}
+    assert s["by_rank"]["tp_rank=1"] == {"violations": 2, "first_step": 12, "last_step": 14, "lost": 0, "health": 0,
+                                         "injections": 0}
+    assert s["top_slots"][0] == {"rank": "tp_rank=0", "slot": 5, "violations": 2}
+    assert {"rank": "tp_rank=0", "request_row": 2, "violations": 2} in s["top_request_rows"]
+    assert s["top_writer_rids"] == [{"rank": "tp_rank=1", "writer_rid": "req-a", "violations": 2}]
+    assert s["lost"] == {"records": 1, "rows": 3}
+    assert [h["message"] for h in s["health"]] == ["verify stalled"]
+    inj = s["injections"]
+    assert inj["classes"]["real_kv_flip"]["detected"] == 1 and inj["classes"]["real_kv_flip"]["latency_forwards"] == [2]
+    assert inj["classes"]["token_swap"]["latency_forwards"] == [80]
+    assert inj["classes"]["position_skew"] == {"injected": 1, "detected": 0, "latency_forwards": [], "reasons": {},
+                                               "tags": {}}
+    assert [m["fault"] for m in inj["missed"]] == ["position_skew"]
+    # slot 50 (no injection) and rank 1's slots 5 and 6 (rank 0's injection is not theirs)
+    assert inj["unexplained"] == 3 and inj["late"] == 1
+
+
+def test_text_form(reports: Path) -> None:
+    code, text = _run(["report", str(reports / "kvc-0.jsonl"), str(reports / "kvc-1.jsonl")])
+    assert code == 0, text
+    assert text.startswith("kvcanary report: 2 file(s), 11 records (6 violation, 1 lost, 1 health, 3 injection), "
+                           "0 bad line(s)")
+    assert "violations: 6, steps 12..100" in text
+    assert "tp_rank=0 |          4 | 12..100 |         3 |      1 |          3" in text
+    assert "lost: 3 violation rows the ring could not keep (1 lost records)" in text
+    assert "step=60 tp_rank=0: verify stalled" in text
+    assert "top 2 of 2 writers (writer_rid):" not in text and "top 1 of 1 writers (writer_rid):" in text
+    assert "real_kv_flip  |        1 |        1 | 100 % | 2 " in text
+    assert "injections without a detection: 1" in text and "missed: step=30 position_skew slots=[9]" in text
+
+
+def test_bad_lines_are_reported_with_file_and_line_and_skipped(reports: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    path = reports / "kvc-1.jsonl"
+    good = path.read_bytes()
+    with open(path, "ab") as f:
+        for raw, _ in BAD_LINES:
+            f.write(raw)
+    first = good.count(b"\n") + 1
+    code, text = _run(["report", "--json", str(reports / "kvc-*.jsonl")])
+    assert code == 1
+    err = capsys.readouterr().err
+    for n, (_, what) in enumerate(BAD_LINES):
+        assert f"kvcanary report: {path}:{first + n}: {what}" in err, err
+    s = json.loads(text)
+    assert s["violations"] == 6  # every good record still counted
+    assert [(b["line"], b["path"]) for b in s["bad_lines"]] == [(first + n, str(path)) for n in range(len(BAD_LINES))]
+    code, text = _run(["report", str(path)])
+    assert code == 1 and f"bad lines: {len(BAD_LINES)}" in text and "... and 2 more" in text
+
+
+def test_a_file_of_other_json_is_not_a_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "other.jsonl"
+    path.write_text('{"level": "info", "msg": "hello"}\n')
+    code, text = _run(["report", str(path)])
+    assert code == 1 and "0 records" in text
+    assert f"{path}:1: not a kvcanary record" in capsys.readouterr().err
+
+
+def test_missing_files(tmp_path: Path, reports: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run(["report", str(tmp_path / "nothing-*.jsonl")])[0] == 2
+    assert "no report file to read" in capsys.readouterr().err
+    code, _ = _run(["report", str(reports / "kvc-0.jsonl"), str(tmp_path / "gone.jsonl")])
+    assert code == 1 and "gone.jsonl: no such file" in capsys.readouterr().err
+
+
+def test_records_without_rank_are_matched_within_their_file(tmp_path: Path) -> None:
+    for n in (0, 1):
+        with Reporter(Mode.LOG, str(tmp_path / f"r{n}.jsonl")) as rep:  # no rank: older single-process writers
+            if n == 0:
+                rep.record_injection(Injection("real_kv_flip", 1, (3,), "flip"))
+            rep.report([_violation(3, 2, R.VERIFY_REAL_KV_HASH)])
+    summary, unmatched = summarize.read_reports([str(tmp_path / "r*.jsonl")])
+    assert not unmatched and summary.matches is not None
+    assert summary.matches.classes["real_kv_flip"].detected == 1
+    assert len(summary.matches.unexplained) == 1  # r1's violation: r0's injection is not its own
+    assert set(summary.ranks) == {"(r0.jsonl)", "(r1.jsonl)"}
+
+
+def test_matcher_rule_windows() -> None:
+    inj = {"fault": "real_kv_flip", "step": 10, "slots": [4]}
+    at = [{"step": s, "slot": 4, "reasons": ["verify_real_kv_hash"], "tag": "verify"} for s in (10, 18, 19)]
+    res = matcher.match_injections([("r", inj)], [("r", v) for v in at])
+    # step 10 is not after the injection (unexplained), 18 is the window's last forward, 19 is late
+    assert (len(res.unexplained), res.classes["real_kv_flip"].latencies, res.late) == (1, [8], 1)
+    wrong_reason = {"step": 11, "slot": 4, "reasons": ["verify_chain_hash"], "tag": "verify"}
+    res = matcher.match_injections([("r", inj)], [("r", wrong_reason)])
+    assert res.detected == 0 and res.unexplained == [] and res.late == 0 and len(res.missed) == 1
+
+
+@pytest.mark.skipif(not TP2_FAULTS.is_file(), reason="needs shared/e2e/results next to the repository")
+def test_real_tp2_fault_run_matches_the_e2e_drivers_matcher(tmp_path: Path) -> None:
+    with tarfile.open(TP2_FAULTS) as tar:
+        tar.extractall(tmp_path, filter="data")
+    driver = json.loads((tmp_path / "e2e-tp" / "summary.json").read_text())["summary"]["faults"]
+    summary, _ = summarize.read_reports([str(tmp_path / "e2e-tp" / "phase3-faults" / "kvc-*.jsonl")])
+    assert not summary.bad_lines and summary.matches is not None
+    m = summary.matches
+    assert {k: c.injected for k, c in m.classes.items()} == driver["injections"]
+    assert {k: c.detected for k, c in m.classes.items()} == driver["detected"]
+    assert {k: dict(c.reasons) for k, c in m.classes.items()} == driver["reasons"]
+    assert {k: dict(c.tags) for k, c in m.classes.items()} == driver["tags"]
+    assert {k: sorted(c.latencies) for k, c in m.classes.items()} == {k: sorted(v) for k, v in
+                                                                       driver["latency"].items()}
+    assert (len(m.unexplained), m.late, len(m.missed)) == (driver["unexplained"], driver["late"], len(driver["missed"]))
