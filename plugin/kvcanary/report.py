@@ -140,6 +140,16 @@ ERROR_MESSAGE_LINES = 5
 
 _U64 = (1 << 64) - 1
 
+_RANK_WORD_RE = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def _rank_value(value: object) -> int | str:
+    """A rank key's value: an int (``tp_rank=1``), or a lower-case word naming a pool (``pool=draft``, speculative
+    decoding's two KV pools). Log lines give both as text: digits are read back as the int."""
+    if isinstance(value, str) and _RANK_WORD_RE.match(value):
+        return value
+    return int(value)  # type: ignore[call-overload]
+
 
 def hex64(value: int) -> str:
     """``0x%016x`` of the two's-complement unsigned 64-bit value (negative int64 hashes included)."""
@@ -241,7 +251,7 @@ class Violation:
             if not self.writer_rid:
                 object.__setattr__(self, "writer_rid", None)
         if self.rank is not None:
-            rank = {str(k): int(v) for k, v in self.rank.items()}
+            rank = {str(k): _rank_value(v) for k, v in self.rank.items()}
             for key in rank:
                 if not _RANK_KEY_RE.match(key) or key in LOG_KEYS or key in TRAILING_LOG_KEYS:
                     raise ValueError(
@@ -297,7 +307,7 @@ class Violation:
         tag = fields["tag"]
         kind = int(tag[3:]) if tag.startswith("tag") else int(LaunchTag[tag.upper()])
         aux = fields["expected_aux"]
-        rank = {k: int(v) for k, v in fields.items() if k not in LOG_KEYS and k not in TRAILING_LOG_KEYS}
+        rank = {k: _rank_value(v) for k, v in fields.items() if k not in LOG_KEYS and k not in TRAILING_LOG_KEYS}
         return cls(
             kernel_kind=kind,
             slot=int(fields["slot"]),
@@ -461,7 +471,9 @@ class Reporter:
         self.total_lines_dropped = 0
         self._log = logger if logger is not None else _MODULE_LOGGER
         self._lock = threading.Lock()
-        self._repeats = RepeatFilter(log_repeat_window_from_env() if repeat_window is None else repeat_window)
+        if repeat_window is None:  # only log mode suppresses: raise and off ignore the variable
+            repeat_window = log_repeat_window_from_env() if self.mode is Mode.LOG else 0
+        self._repeats = RepeatFilter(repeat_window)
         self._sink_error_interval_s = float(sink_error_interval_s)
         self._clock = clock
         self._sink = _SinkErrorState()
@@ -682,6 +694,22 @@ class Reporter:
         }
         with self._lock:
             self.total_injections += 1
+            error = self._write_lines([record])
+        if error is not None and self.mode is Mode.RAISE:
+            raise error
+        return record
+
+
+    def record(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """Write one JSON line of another module's schema (e.g. ``kvcanary.spec/1``, speculative-decoding counters);
+        the reporter's ``rank`` is set when ``obj`` has none (or None). Nothing in ``off`` mode; a failing sink is
+        handled as for injections."""
+        if self.mode is Mode.OFF:
+            return None
+        record = dict(obj)
+        if record.get("rank") is None:
+            record["rank"] = self.rank
+        with self._lock:
             error = self._write_lines([record])
         if error is not None and self.mode is Mode.RAISE:
             raise error
