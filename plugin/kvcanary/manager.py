@@ -290,6 +290,7 @@ class CanaryManager:
     def mark_init_finished(self) -> None:
         """Warmup and capture are over: switch the write chain-position assert on."""
         self.enable_chain_position_assert.fill_(1)
+        self._chain_position_assert_armed = True  # host copy, for chain_position_assert_on()
         logger.info("kvcanary: init finished; chain-position assert on")
 
     # ------------------------------------------------------------------------------------------ token check
@@ -577,3 +578,39 @@ class CanaryManager:
     @property
     def mode(self) -> Mode:
         return self.config.mode
+
+    # ------------------------------------------------------------------------------------------ adapter queries
+    # What an engine adapter's fault injector (kvcanary.sglang.fault_injection) asks of a manager, as public API:
+    # host-side answers (no device read) and one stream-ordered rewrite. Nothing here runs in a normal forward.
+    _chain_position_assert_armed: bool = False  # set by mark_init_finished (the device flag's host copy)
+
+    def has_sweep_source(self) -> bool:
+        """Whether a prefix-cache sweep source is set (``set_sweep_source``)."""
+        return self._sweep_source is not None
+
+    def sweeps_on_next_step(self) -> bool:
+        """Whether the next ``step()`` (outside capture) runs the sweep: a source is set, ``sweep_interval`` > 0
+        and the step count reaches a multiple of it."""
+        interval = self.config.sweep_interval
+        return self._sweep_source is not None and interval > 0 and (self._steps + 1) % interval == 0
+
+    def chain_position_assert_on(self) -> bool:
+        """Whether writes check chain positions (after ``mark_init_finished``). A host-side flag: no device read."""
+        return self._chain_position_assert_armed
+
+    def rewrite_last_forward(self, batch: BatchView, positions_fix: dict[int, int]) -> None:
+        """Write the last forward's records again with corrected positions.
+
+        Re-runs the write of the last forward (its write plan and its snapshot of tokens, positions and slots,
+        taken by ``before_forward``) after setting ``positions_fix`` (token index in the forward -> position)
+        in the snapshot: stream-ordered after everything already enqueued, no host sync. ``batch`` is that
+        forward's batch (only its token count is read). Valid until the next ``before_forward`` replaces plan and
+        snapshot; host-called, outside graph capture. Fault injection uses it to undo a position skew, so the
+        successor written next is not reported too.
+        """
+        n = batch.num_tokens
+        for index, position in positions_fix.items():
+            if not 0 <= index < n:
+                raise ValueError(f"CanaryManager.rewrite_last_forward: token index {index} outside [0, {n})")
+            self._positions[index] = position
+        self.after_forward(batch)

@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
     from sglang.srt.server_args import set_global_server_args_for_scheduler
 
     from kvcanary import faults
-    from kvcanary.sglang import v0_5_12
+    from kvcanary.sglang import hooks, ranks
     from kvcanary.tags import LaunchTag
 
     lines = _Lines()
@@ -80,7 +80,7 @@ def main(argv: list[str]) -> int:
     )
     tree = sgl_engine.build_tree_cache(mr, sa)
     build_s = time.time() - t0
-    inst = v0_5_12.installation_of(mr)
+    inst = hooks.installation_of(mr)
     assert inst is not None, "kvcanary did not install through its entry point"
     manager = inst.manager
     pool = mr.token_to_kv_pool
@@ -151,7 +151,7 @@ def main(argv: list[str]) -> int:
     result = {
         "rank": rank,
         "manager_rank": manager.rank,
-        "runner_ranks": list(v0_5_12.runner_ranks(mr)),
+        "runner_ranks": list(ranks.runner_ranks(mr)),
         "runner_attrs": {k: getattr(mr, k) for k in ("tp_rank", "tp_size", "pp_rank", "pp_size", "dp_rank")},
         "report_path": manager.reporter.report_path,
         "build_s": build_s,

@@ -27,7 +27,7 @@ import sgl_engine  # noqa: E402
 
 from kvcanary import faults  # noqa: E402
 from kvcanary.report import CanaryViolationError  # noqa: E402
-from kvcanary.sglang import v0_5_12  # noqa: E402
+from kvcanary.sglang import hooks, radix, v0_5_12  # noqa: E402
 from kvcanary.tags import LaunchTag  # noqa: E402
 
 FORWARDS = 210
@@ -56,7 +56,7 @@ def engine(request, tmp_path, monkeypatch):
                                     chunked_prefill_size=48)
         mr = sgl_engine.build_runner(sa)
         tree = sgl_engine.build_tree_cache(mr, sa)
-        inst = v0_5_12.installation_of(mr)
+        inst = hooks.installation_of(mr)
         assert inst is not None and inst.manager._sweep_source is not None
         yield types_ns(mr=mr, tree=tree, inst=inst, page_size=page_size)
     finally:
@@ -184,7 +184,7 @@ def test_radix_sweep_source_never_reads_slots_on_the_host(engine, monkeypatch) -
             for i, slot in enumerate(values):
                 expected.append((slot, values[i - 1] if i else prev, depth + i))
             stack.append((child, depth + len(values), values[-1] if values else prev))
-    source = v0_5_12.radix_sweep_source(engine.tree)
+    source = radix.radix_sweep_source(engine.tree)
 
     def no_host_read(*args, **kwargs):
         raise AssertionError("the sweep source read a tensor on the host")
@@ -224,15 +224,15 @@ def test_sweep_gathers_on_the_scheduler_stream(engine, monkeypatch) -> None:
         return out
 
     stream = object()
-    monkeypatch.setattr(v0_5_12, "run_on_producer_stream", on_producer)
+    monkeypatch.setattr(radix, "run_on_producer_stream", on_producer)
     monkeypatch.setattr(torch.cuda, "Stream", object)  # so the scheduler's (fake) stream counts as a CUDA stream
     class Scheduler:  # the two attributes after_init_cache reads (SimpleNamespace cannot be weakly referenced)
         tree_cache = engine.tree
         req_to_token_pool = engine.mr.req_to_token_pool
 
     scheduler = Scheduler()
-    v0_5_12.after_init_cache(None, scheduler)
-    inst = v0_5_12.installation_of(engine.mr)
+    hooks.hooks_for(v0_5_12).after_init_cache(None, scheduler)
+    inst = hooks.installation_of(engine.mr)
     source = inst.manager._sweep_source
     source()
     assert seen == [None]  # the event loop has not started: no scheduler stream yet

@@ -26,7 +26,7 @@ import hooks_state  # noqa: E402
 import sgl_engine  # noqa: E402
 
 from kvcanary import faults  # noqa: E402
-from kvcanary.sglang import v0_5_12  # noqa: E402
+from kvcanary.sglang import hooks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 FORWARDS = 220
@@ -61,10 +61,10 @@ def _run(tmp_path, monkeypatch, fault: str, port: int):
         sa = sgl_engine.server_args(sgl_engine.write_model_dir(tmp_path / "tiny-llama"), chunked_prefill_size=48)
         mr = sgl_engine.build_runner(sa, nccl_port=port)
         tree = sgl_engine.build_tree_cache(mr, sa)
-        inst = v0_5_12.installation_of(mr)
+        inst = hooks.installation_of(mr)
         assert inst is not None and inst.fault_plan is not None and inst.prefix_cache is tree
         rows, ctx = mr.req_to_token_pool.req_to_token.shape
-        assert inst.manager.verify_plan.capacity >= min(rows * ctx, v0_5_12.VERIFY_CAPACITY_CAP)
+        assert inst.manager.verify_plan.capacity >= min(rows * ctx, hooks.VERIFY_CAPACITY_CAP)
         rng = random.Random(7)
         prefix = [rng.randrange(3, 2000) for _ in range(40)]
         sched = sgl_engine.MiniScheduler(mr, tree, chunk_size=48)

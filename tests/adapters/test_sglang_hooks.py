@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import dataclasses
+import importlib.util
 import logging
 import types
 
@@ -13,12 +12,13 @@ import torch
 
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("sglang is not installed (pip install --no-deps -r requirements-sglang-cpu.txt)", allow_module_level=True)
-import sglang  # noqa: E402,F401  (installed but broken must fail, not skip)
-
 import hooks_state  # noqa: E402
 import sgl_engine  # noqa: E402
+import sglang  # noqa: E402,F401  (installed but broken must fail, not skip)
 
-from kvcanary.sglang import common, register, v0_5_12  # noqa: E402
+import kvcanary.sglang as kvcanary_sglang  # noqa: E402
+from kvcanary.sglang import contract, fault_injection, guards, register, targets, tokens, v0_5_12  # noqa: E402
+from kvcanary.sglang import hooks as adapter_hooks  # noqa: E402
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def server_args(tmp_path_factory):
 def test_hook_target_resolves_with_expected_parameters(target) -> None:
     import inspect
 
-    fn = v0_5_12.resolve_target(target)
+    fn = targets.resolve_target(target)
     assert callable(fn)
     params = list(inspect.signature(fn).parameters)
     assert params[0] == target.params[0]
@@ -49,12 +49,75 @@ def test_hook_target_resolves_with_expected_parameters(target) -> None:
 
 
 def test_missing_target_fails_naming_it() -> None:
-    bogus = v0_5_12.Target(v0_5_12._MR + ".no_such_method", "AFTER", ("self",))
-    with pytest.raises(common.HookTargetError, match="ModelRunner.no_such_method"):
-        v0_5_12.resolve_target(bogus)
-    renamed = v0_5_12.Target(v0_5_12.T_FORWARD, "AROUND", ("self", "forward_batch", "not_a_param"))
-    with pytest.raises(common.HookTargetError, match="ModelRunner.forward.*not_a_param"):
-        v0_5_12.resolve_target(renamed)
+    bogus = targets.Target(v0_5_12._MR + ".no_such_method", "AFTER", ("self",))
+    with pytest.raises(targets.HookTargetError, match="ModelRunner.no_such_method"):
+        targets.resolve_target(bogus)
+    renamed = targets.Target(v0_5_12.T_FORWARD, "AROUND", ("self", "forward_batch", "not_a_param"))
+    with pytest.raises(targets.HookTargetError, match="ModelRunner.forward.*not_a_param"):
+        targets.resolve_target(renamed)
+
+
+# --------------------------------------------------------------------------------------------- versions
+@pytest.mark.parametrize("row", kvcanary_sglang.SUPPORTED, ids=lambda r: r.module.rsplit(".", 1)[-1])
+def test_every_supported_version_module_satisfies_the_contract(row) -> None:
+    import importlib
+
+    module = importlib.import_module(row.module)
+    assert contract.contract_problems(module) == []
+    contract.check_version_module(module)
+    assert module.VERSION_RANGE == row.versions
+    table = adapter_hooks.hooks_for(module).table
+    assert [t for t, _ in table] == list(module.TARGETS)
+    assert all(callable(h) for _, h in table) and table is adapter_hooks.hooks_for(module).table  # built once
+
+
+def test_contract_check_names_what_a_module_misses() -> None:
+    broken = types.ModuleType("kvcanary_broken_version")
+    for name in contract._FUNCTIONS:
+        setattr(broken, name, getattr(v0_5_12, name))
+    broken.SGLANG_VERSION, broken.VERSION_RANGE, broken.STARTUP_FAILURE_TARGET = "0.5.11", ">=0.5.12", "x.y"
+    broken.HOOK_TARGETS = {k: t for k, t in v0_5_12.HOOK_TARGETS.items() if k != "around_forward"}
+    broken.TARGETS = v0_5_12.TARGETS
+    broken.FORWARD_MODES = {"EXTEND": "extend"}
+    broken.batch_view = lambda fb, input_ids: None
+    del broken.radix_cache
+    problems = "\n".join(contract.contract_problems(broken))
+    for expected in ("SGLANG_VERSION 0.5.11 is outside VERSION_RANGE >=0.5.12",
+                     "missing required hook(s) ['around_forward']",
+                     "TARGETS: expected HOOK_TARGETS' values", "FORWARD_MODES", "batch_view: expected parameters",
+                     "radix_cache: missing"):
+        assert expected in problems, (expected, problems)
+    with pytest.raises(TypeError, match="does not satisfy the contract"):
+        contract.check_version_module(broken)
+
+
+@pytest.mark.parametrize("version", ["0.5.12", "0.5.12.post1", "0.5.12+cpu"])
+def test_supported_versions_select_their_module(version) -> None:
+    assert kvcanary_sglang.module_name_for(version) == "kvcanary.sglang.v0_5_12"
+
+
+@pytest.mark.parametrize("version", ["0.5.23", "0.5.13rc1", "0.5.11", "0.5.12rc1", "unknown"])
+def test_unsupported_version_is_refused_by_name_with_the_supported_range(version) -> None:
+    with pytest.raises(kvcanary_sglang.UnsupportedVersionError,
+                       match=rf"sglang {version} is not supported .*supported: sglang>=0\.5\.12,<0\.5\.13"):
+        kvcanary_sglang.module_name_for(version)
+
+
+def test_register_refuses_an_unsupported_sglang_and_stops_startup(hooks, monkeypatch) -> None:
+    """No fallback to the nearest version module: its hook targets may have moved. The refusal is also raised
+    from ModelRunner.__init__ (sglang's plugin loader swallows plugin errors), registered once however often
+    register() runs."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    monkeypatch.setenv("KVCANARY_MODE", "log")
+    monkeypatch.setattr(kvcanary_sglang, "_sglang_version", lambda: "0.5.23")
+    for _ in range(2):
+        with pytest.raises(kvcanary_sglang.UnsupportedVersionError, match="sglang 0.5.23 is not supported"):
+            register()
+    assert not any(HookRegistry._hooks.get(t.dotted) for t in v0_5_12.TARGETS)
+    assert len(HookRegistry._hooks[v0_5_12.STARTUP_FAILURE_TARGET]) == 1
+    HookRegistry.apply_hooks()
+    assert hooks_state.is_patched(v0_5_12.STARTUP_FAILURE_TARGET)
 
 
 # --------------------------------------------------------------------------------------------- register
@@ -139,13 +202,13 @@ def test_guard_refuses_at_install_naming_the_setting(server_args, monkeypatch, c
         setattr(sa, k, v)
     v0_5_12.check_supported(server_args)  # the test setup itself is accepted
     runner = types.SimpleNamespace(server_args=sa, token_to_kv_pool=None)
-    with pytest.raises(common.UnsupportedSetupError, match=setting.replace("-", r"\-")):
-        v0_5_12.install(runner)  # refused before anything is built
-    assert not hasattr(runner, v0_5_12.INSTALL_ATTR)
+    with pytest.raises(guards.UnsupportedSetupError, match=setting.replace("-", r"\-")):
+        adapter_hooks.hooks_for(v0_5_12).install(runner)  # refused before anything is built
+    assert not hasattr(runner, adapter_hooks.INSTALL_ATTR)
 
 
 def test_piecewise_runner_found_after_initialize_is_refused() -> None:
-    with pytest.raises(common.UnsupportedSetupError, match="--disable-piecewise-cuda-graph"):
+    with pytest.raises(guards.UnsupportedSetupError, match="--disable-piecewise-cuda-graph"):
         v0_5_12.check_after_initialize(types.SimpleNamespace(piecewise_cuda_graph_runner=object()))
 
 
@@ -270,7 +333,7 @@ def test_unsupported_forward_modes_are_refused(mode) -> None:
         v0_5_12.batch_view(fb, None, None, None, None)
     runner = types.SimpleNamespace(_kvcanary=types.SimpleNamespace(req_to_token=torch.zeros(1, 1, dtype=torch.int32)))
     with pytest.raises(NotImplementedError, match=mode):
-        v0_5_12.around_forward(lambda *a, **k: None, runner, fb)
+        adapter_hooks.hooks_for(v0_5_12).around_forward(lambda *a, **k: None, runner, fb)
 
 
 def test_populate_hook_zeroes_padded_rows(hooks, monkeypatch) -> None:
@@ -308,10 +371,10 @@ def test_populate_hook_zeroes_padded_rows(hooks, monkeypatch) -> None:
 
 def test_fault_injection_can_be_limited_to_one_rank(monkeypatch) -> None:
     monkeypatch.setenv("KVCANARY_FAULT", "real_kv_flip")
-    assert v0_5_12._fault_plan_for_rank(0) is not None  # no KVCANARY_FAULT_RANK: every rank injects
+    assert fault_injection.fault_plan_for_rank(0) is not None  # no KVCANARY_FAULT_RANK: every rank injects
     monkeypatch.setenv("KVCANARY_FAULT_RANK", "1")
-    assert v0_5_12._fault_plan_for_rank(0) is None
-    plan = v0_5_12._fault_plan_for_rank(1)
+    assert fault_injection.fault_plan_for_rank(0) is None
+    plan = fault_injection.fault_plan_for_rank(1)
     assert plan is not None and plan.rank == 1
 
 
@@ -322,14 +385,14 @@ def test_expected_token_updates_send_only_what_each_row_gained() -> None:
     mirror: dict = {}
     r1 = types.SimpleNamespace(req_pool_idx=1, origin_input_ids=[5, 6, 7], output_ids=[])
     r2 = types.SimpleNamespace(req_pool_idx=2, origin_input_ids=[9], output_ids=[4])
-    assert v0_5_12.expected_token_updates(mirror, [r1, r2]) == [(1, 0, [5, 6, 7]), (2, 0, [9, 4])]
-    assert v0_5_12.expected_token_updates(mirror, [r1, r2]) == []  # nothing new (a chunked prefill, a lagging row)
+    assert tokens.expected_token_updates(mirror, [r1, r2]) == [(1, 0, [5, 6, 7]), (2, 0, [9, 4])]
+    assert tokens.expected_token_updates(mirror, [r1, r2]) == []  # nothing new (a chunked prefill, a lagging row)
     r1.output_ids.append(8)
     r2.output_ids.append(3)
-    assert v0_5_12.expected_token_updates(mirror, [r1, r2]) == [(1, 3, [8]), (2, 2, [3])]
+    assert tokens.expected_token_updates(mirror, [r1, r2]) == [(1, 3, [8]), (2, 2, [3])]
     r3 = types.SimpleNamespace(req_pool_idx=1, origin_input_ids=[1, 2], output_ids=[])  # row 1 reused
-    assert v0_5_12.expected_token_updates(mirror, [r3]) == [(1, 0, [1, 2])]
+    assert tokens.expected_token_updates(mirror, [r3]) == [(1, 0, [1, 2])]
     r2.output_ids[-1] = 30  # rewritten tokens: the whole row again
-    assert v0_5_12.expected_token_updates(mirror, [r2]) == [(2, 0, [9, 4, 30])]
+    assert tokens.expected_token_updates(mirror, [r2]) == [(2, 0, [9, 4, 30])]
     r2.output_ids[:] = []  # shorter than what was sent: the whole row again
-    assert v0_5_12.expected_token_updates(mirror, [r2]) == [(2, 0, [9])]
+    assert tokens.expected_token_updates(mirror, [r2]) == [(2, 0, [9])]

@@ -181,7 +181,7 @@ def test_install_on_a_real_runner_uses_its_ranks_for_rows_and_report_file(tmp_pa
     install() tags its manager and names its report file with the combined index (1 * 2 + 1 = 3)."""
     import hooks_state
 
-    from kvcanary.sglang import v0_5_12
+    from kvcanary.sglang import hooks, ranks, v0_5_12
 
     hooks_state.clear_kvcanary_env(monkeypatch)
     monkeypatch.setenv("KVCANARY_MODE", "log")
@@ -191,10 +191,10 @@ def test_install_on_a_real_runner_uses_its_ranks_for_rows_and_report_file(tmp_pa
     sa = sgl_engine.server_args(sgl_engine.write_model_dir(tmp_path / "tiny-llama"))
     mr = sgl_engine.build_runner(sa, nccl_port=sgl_engine.free_port())
     try:
-        assert v0_5_12.installation_of(mr) is None
-        assert v0_5_12.runner_ranks(mr) == ({"tp_rank": 0}, 0)  # the real attributes of a tp=1 runner
+        assert hooks.installation_of(mr) is None
+        assert ranks.runner_ranks(mr) == ({"tp_rank": 0}, 0)  # the real attributes of a tp=1 runner
         mr.tp_rank, mr.tp_size, mr.pp_rank, mr.pp_size = 1, 2, 1, 2
-        inst = v0_5_12.install(mr)
+        inst = hooks.hooks_for(v0_5_12).install(mr)
         assert [g.manager.rank for g in inst.groups] == [{"tp_rank": 1, "pp_rank": 1}]
         assert inst.manager.reporter.report_path == str(tmp_path / "kv-3.jsonl")
         assert inst.manager.reporter.rank == {"tp_rank": 1, "pp_rank": 1}

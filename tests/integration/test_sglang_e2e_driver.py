@@ -173,11 +173,11 @@ def test_tp_size_and_fault_rank_reach_the_engine_and_the_fault_phase(e2e, tmp_pa
 def test_host_time_line_of_the_adapter_parses(e2e, caplog) -> None:
     """The driver reads the adapter's own ``kvcanary host time:`` line (same text, no shared code)."""
     from kvcanary.config import Config
-    from kvcanary.sglang.common import HostTime, Installation
+    from kvcanary.installation import HostTime, Installation
 
     inst = Installation(config=Config(stats_every=2), groups=[], to_views=lambda *a: [], req_to_token=None)
     inst.host_time = HostTime(eager_forwards=1, in_forward_ns=90_000)
-    with caplog.at_level("INFO", logger="kvcanary.sglang"):
+    with caplog.at_level("INFO", logger="kvcanary.installation"):
         inst.account_forward(forward_ns=2_000_000, hook_ns=40_000)
         inst.account_forward(forward_ns=3_000_000, hook_ns=60_000)
     host = e2e.parse_host_time("\n".join(r.getMessage() for r in caplog.records))

@@ -1,18 +1,19 @@
-"""Version-agnostic parts of the SGLang adapter: the adapter's own environment variables, the per-runner
-installation (one CanaryManager per KV group), the ``model.forward`` wrapper and fault injection.
+"""One engine runner's canary installation, independent of any engine: the managers of its KV groups
+(:class:`Group`, one :class:`~kvcanary.manager.CanaryManager` per :class:`GroupSpec`), the ``model.forward``
+wrapper that puts plan/verify/write inside the model's forward (and so inside captured CUDA graphs), the host
+half run around each real forward (fault injection, drain, sweep) and its host-time accounting.
 
-Nothing here names an sglang attribute: the version module (e.g. ``kvcanary.sglang.v0_5_12``) turns sglang
-objects into :class:`GroupSpec`, :class:`~kvcanary.batch.BatchView` and plain callables.
+Nothing here names an engine attribute: an engine adapter (``kvcanary.sglang``) turns engine objects into
+:class:`GroupSpec`, :class:`~kvcanary.batch.BatchView` and plain callables, and calls these methods from its hooks.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -22,69 +23,7 @@ from kvcanary.config import Config
 from kvcanary.manager import CanaryManager, SweepSource
 from kvcanary.real_kv import RealKvSource
 
-logger = logging.getLogger("kvcanary.sglang")
-
-ENV_REAL_KV_LAYERS = "KVCANARY_REAL_KV_LAYERS"
-DEFAULT_REAL_KV_LAYERS: tuple[int, ...] = (0, -1)
-MAX_REAL_KV_SOURCES = 4
-
-
-class UnsupportedSetupError(RuntimeError):
-    """An sglang setup kvcanary cannot protect; the message says what to change."""
-
-
-class HookTargetError(RuntimeError):
-    """A hook target is missing from the installed sglang or has unexpected parameters."""
-
-
-def parse_real_kv_layers(environ: Mapping[str, str] | None = None) -> tuple[int, ...]:
-    """``KVCANARY_REAL_KV_LAYERS``: comma-separated layer indices (negative counts from the last layer).
-
-    Default ``0,-1`` (the first and the last layer). A bad value raises ValueError naming the variable.
-    """
-    env = os.environ if environ is None else environ
-    raw = env.get(ENV_REAL_KV_LAYERS)
-    if raw is None or not raw.strip():
-        return DEFAULT_REAL_KV_LAYERS
-    layers = []
-    for part in raw.split(","):
-        try:
-            layers.append(int(part.strip(), 10))
-        except ValueError:
-            raise ValueError(
-                f"{ENV_REAL_KV_LAYERS}: expected a comma-separated list of layer indices (negative counts from the "
-                f"last layer), e.g. 0,-1; got {raw!r}"
-            ) from None
-    return tuple(layers)
-
-
-def resolve_layers(layers: Sequence[int], num_layers: int, per_layer: int, what: str) -> list[int]:
-    """Layer indices → distinct local indices in [0, num_layers), in order; at most MAX_REAL_KV_SOURCES sources."""
-    out: list[int] = []
-    for layer in layers:
-        idx = layer + num_layers if layer < 0 else layer
-        if not 0 <= idx < num_layers:
-            raise ValueError(
-                f"{ENV_REAL_KV_LAYERS}: layer {layer} is out of range for {what} with {num_layers} layer(s) "
-                f"(valid: 0..{num_layers - 1} or -{num_layers}..-1)"
-            )
-        if idx not in out:
-            out.append(idx)
-    if len(out) * per_layer > MAX_REAL_KV_SOURCES:
-        raise ValueError(
-            f"{ENV_REAL_KV_LAYERS}: {len(out)} layer(s) x {per_layer} buffer(s) per layer of {what} is more than "
-            f"{MAX_REAL_KV_SOURCES} real-KV sources; name at most {MAX_REAL_KV_SOURCES // per_layer} layer(s)"
-        )
-    return out
-
-
-def token_major_source(buffer: torch.Tensor, num_slots: int, page_size: int) -> RealKvSource:
-    """A RealKvSource over one per-layer KV buffer: token-major ``[slots, ...]`` or page-major ``[pages, page, ...]``."""
-    if buffer.dim() >= 3 and buffer.shape[0] < num_slots and buffer.shape[1] == page_size:
-        per_token = buffer[0, 0].numel() * buffer.element_size()
-        return RealKvSource(buffer, page_size, per_token, per_token)
-    per_token = buffer[0].numel() * buffer.element_size()
-    return RealKvSource(buffer, 1, per_token, per_token)
+logger = logging.getLogger(__name__)
 
 
 @dataclass(repr=False)
@@ -133,7 +72,7 @@ class Group:
 
 @dataclass(repr=False)
 class Installation:
-    """kvcanary on one sglang ModelRunner: the managers of its KV groups and the per-forward glue."""
+    """kvcanary on one engine runner (e.g. an sglang ModelRunner): its KV groups' managers and the per-forward glue."""
 
     config: Config
     groups: list[Group]
@@ -149,12 +88,12 @@ class Installation:
     pending_fault: tuple[str, int] | None = None
     fault_skips: int = 0
     _undo: list = field(default_factory=list)
-    # Engine facts the version module records for the fault injector (row -> tokens the request still decodes).
+    # Engine facts the adapter records for the fault injector (row -> tokens the request still decodes).
     row_remaining: dict = field(default_factory=dict)
     batch_reqs: list = field(default_factory=list)  # the engine's request objects of this forward's rows, in order
     pending_repairs: list = field(default_factory=list)  # injections whose records are rewritten after detection
     # Token check: per req_to_token row, (request object, tokens uploaded, last token uploaded), so a forward
-    # uploads only what each row appended since (the version module keeps it).
+    # uploads only what each row appended since (the adapter keeps it).
     token_mirror: dict = field(default_factory=dict)
     prefix_cache: object | None = None
     host_time: HostTime = field(default_factory=HostTime)
@@ -176,12 +115,12 @@ class Installation:
         def forward(input_ids, positions, forward_batch, *args, **kwargs):
             t0 = time.perf_counter_ns()
             views = install.to_views(forward_batch, input_ids, positions)
-            for group, view in zip(install.groups, views):
+            for group, view in zip(install.groups, views, strict=False):
                 group.manager.before_forward(view)
             t1 = time.perf_counter_ns()
             out = original(input_ids, positions, forward_batch, *args, **kwargs)
             t2 = time.perf_counter_ns()
-            for group, view in zip(install.groups, views):
+            for group, view in zip(install.groups, views, strict=False):
                 group.manager.after_forward(view)
             host = install.host_time
             host.in_forward_ns += t1 - t0 + time.perf_counter_ns() - t2
@@ -251,7 +190,7 @@ class Installation:
         self.host_time = HostTime()  # warmup and graph capture are not serving
 
     def account_forward(self, forward_ns: int, hook_ns: int) -> None:
-        """One real forward's host times (called by the version module's forward hook); logs a
+        """One real forward's host times (called by the adapter's forward hook); logs a
         ``kvcanary host time:`` line with the stats line."""
         host = self.host_time
         host.forwards += 1
@@ -287,5 +226,5 @@ def remember(inst: Installation) -> None:
 def installations() -> list[Installation]:
     """Live installations in this process (one per hooked ModelRunner)."""
     alive = [r() for r in _INSTALLATIONS]
-    _INSTALLATIONS[:] = [r for r, i in zip(_INSTALLATIONS, alive) if i is not None]
+    _INSTALLATIONS[:] = [r for r, i in zip(_INSTALLATIONS, alive, strict=False) if i is not None]
     return [i for i in alive if i is not None]

@@ -1,0 +1,82 @@
+"""ForwardBatch → :class:`~kvcanary.batch.BatchView` (SPEC §4.3 mode table): the forward-mode mapping comes from the
+version module (``FORWARD_MODES``), the ForwardBatch fields read here are ``forward_mode``, ``req_pool_indices``,
+``out_cache_loc`` (``out_cache_loc_swa`` when present), ``extend_prefix_lens`` and ``extend_seq_lens``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from kvcanary.batch import BatchView, ForwardKind
+from kvcanary.installation import GroupSpec
+
+# (forward_batch, input_ids, positions, ones, empty) -> BatchView: a version module's batch_view.
+BatchViewFn = Callable[[object, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], BatchView]
+
+
+def i64(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int64 else t.to(torch.int64)
+
+
+def mode_name(fb) -> str:
+    """The name of a ForwardBatch's forward mode (``ForwardMode.DECODE`` -> ``"DECODE"``)."""
+    mode = fb.forward_mode
+    return getattr(mode, "name", str(mode))
+
+
+def unsupported_mode(name: str, forward_modes: Mapping[str, ForwardKind], sglang_version: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"kvcanary: forward mode {name} is not supported by the sglang {sglang_version} adapter "
+        f"(supported: {', '.join(forward_modes)})"
+    )
+
+
+def batch_view(fb, input_ids: torch.Tensor, positions: torch.Tensor, ones: torch.Tensor, empty: torch.Tensor,
+               forward_modes: Mapping[str, ForwardKind], sglang_version: str) -> BatchView:
+    """One ForwardBatch as a BatchView; a mode missing from ``forward_modes`` raises NotImplementedError naming it."""
+    mode = fb.forward_mode
+    kind = forward_modes.get(getattr(mode, "name", str(mode)))
+    if kind is None:
+        raise unsupported_mode(getattr(mode, "name", mode), forward_modes, sglang_version)
+    if kind is ForwardKind.IDLE:
+        rows = fb.req_pool_indices if fb.req_pool_indices is not None else empty
+        rows = i64(rows)
+        zeros = torch.zeros_like(rows)
+        return BatchView(kind, empty, empty, empty, rows, zeros, zeros)
+    if input_ids is None:
+        raise NotImplementedError("kvcanary: forwards without input_ids (input_embeds only) are not supported")
+    rows = i64(fb.req_pool_indices)
+    if kind is ForwardKind.DECODE:
+        bs = rows.shape[0]
+        prefix = i64(positions)[:bs]
+        extend = ones[:bs]
+    else:
+        prefix = i64(fb.extend_prefix_lens)
+        extend = i64(fb.extend_seq_lens)
+    return BatchView(kind, i64(input_ids), i64(positions), i64(fb.out_cache_loc), rows, prefix, extend)
+
+
+class BatchConverter:
+    """ForwardBatch → one BatchView per group. Graph-capturable: device ops on static views only."""
+
+    def __init__(self, groups: Sequence[GroupSpec], max_batch_size: int, device: torch.device,
+                 view: BatchViewFn) -> None:
+        self.groups = list(groups)
+        self.view = view
+        self.ones = torch.ones(max_batch_size, dtype=torch.int64, device=device)
+        self.empty = torch.zeros(0, dtype=torch.int64, device=device)
+
+    def __call__(self, fb, input_ids: torch.Tensor, positions: torch.Tensor) -> list[BatchView]:
+        base = self.view(fb, input_ids, positions, self.ones, self.empty)
+        views = []
+        for g in self.groups:
+            if g.loc == "swa":
+                loc = getattr(fb, "out_cache_loc_swa", None)
+                if loc is None or loc.shape[0] != base.num_tokens:
+                    loc = g.full_to_swa_index_mapping[base.out_cache_loc]
+                views.append(BatchView(base.kind, base.input_ids, base.positions, i64(loc),
+                                       base.req_pool_indices, base.prefix_lens, base.extend_lens))
+            else:
+                views.append(base)
+        return views

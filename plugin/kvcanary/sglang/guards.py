@@ -1,0 +1,55 @@
+"""Install guards: sglang setups kvcanary cannot protect are refused, each naming the setting to change.
+
+Shared by the version modules, which call them with their own version string (the messages name it); a
+version whose arguments differ gets its own guard beside these."""
+
+from __future__ import annotations
+
+
+class UnsupportedSetupError(RuntimeError):
+    """An sglang setup kvcanary cannot protect; the message says what to change."""
+
+
+def check_supported(server_args, sglang_version: str) -> None:
+    """Refuse, before anything is built, server arguments kvcanary cannot protect on ``sglang_version``."""
+    own = getattr(server_args, "kv_canary", None)  # later sglang versions: --kv-canary none|log|raise
+    if own not in (None, False, "none", "off", ""):
+        raise UnsupportedSetupError(
+            f"sglang's own KV canary is enabled (--kv-canary {own}); kvcanary does not install twice: "
+            "drop --kv-canary or unset KVCANARY_MODE"
+        )
+    if not getattr(server_args, "disable_piecewise_cuda_graph", True):
+        raise UnsupportedSetupError(
+            f"piecewise CUDA graph is on (the default for prefill in sglang {sglang_version}); kvcanary cannot run "
+            "inside it: pass --disable-piecewise-cuda-graph"
+        )
+    if getattr(server_args, "enable_torch_compile", False):
+        raise UnsupportedSetupError(
+            "--enable-torch-compile compiles model.forward, which kvcanary wraps; remove --enable-torch-compile"
+        )
+    if getattr(server_args, "enable_pdmux", False):
+        raise UnsupportedSetupError(
+            "split prefill (--enable-pdmux) calls model.forward_split_prefill, which bypasses kvcanary; "
+            "remove --enable-pdmux"
+        )
+    algo = getattr(server_args, "speculative_algorithm", None)
+    if algo:
+        topk = getattr(server_args, "speculative_eagle_topk", None) or 1
+        if topk > 1:
+            raise UnsupportedSetupError(
+                f"EAGLE with --speculative-eagle-topk {topk} builds a draft tree, which breaks the canary's "
+                "linear chain: set --speculative-eagle-topk 1"
+            )
+        raise UnsupportedSetupError(
+            f"speculative decoding (--speculative-algorithm {algo}) is not supported by the kvcanary sglang "
+            f"{sglang_version} adapter yet: remove --speculative-algorithm or unset KVCANARY_MODE"
+        )
+
+
+def check_after_initialize(runner) -> None:
+    """Refuse a runner that built a piecewise CUDA graph runner anyway (kvcanary cannot run inside it)."""
+    if getattr(runner, "piecewise_cuda_graph_runner", None) is not None:
+        raise UnsupportedSetupError(
+            "a piecewise CUDA graph runner was built; kvcanary cannot run inside it: "
+            "pass --disable-piecewise-cuda-graph"
+        )

@@ -1,0 +1,203 @@
+"""The hook bodies, shared by every sglang version: written against a version module's facts and accessors
+(:class:`~kvcanary.sglang.contract.VersionModule`), never against sglang attributes directly.
+
+:func:`hooks_for` gives the one :class:`AdapterHooks` of a version module; its ``table`` pairs each of the
+version's targets with the bound hook (built once, so ``HookRegistry`` sees the same callables on every
+``register()``). The hooks:
+
+* ``after_init_memory_pool``: :meth:`AdapterHooks.install`: one manager per KV group, ``model.forward`` wrapped;
+* ``around_forward``: the host half of each real forward (fault injection, drain, health, stats, sweep);
+* ``after_initialize``: init finished (warm-up and graph capture are over): the chain-position assert goes on;
+* ``after_populate``: zero the padded rows of a decode graph's input buffers (0.5.12 leaves them stale);
+* ``after_init_cache``: the RadixCache becomes the sweep source;
+* ``after_forward_batch_init``: token-table uploads (``KVCANARY_VERIFY_TOKENS``), request facts for the injector.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+
+from kvcanary.config import Config
+from kvcanary.installation import Group, Installation, installations, remember
+from kvcanary.manager import CanaryManager
+from kvcanary.report import Reporter
+from kvcanary.sglang.batches import BatchConverter, mode_name, unsupported_mode
+from kvcanary.sglang.contract import VersionModule
+from kvcanary.sglang.fault_injection import fault_plan_for_rank, inject_fault, repair_token_swaps, rows_remaining
+from kvcanary.sglang.radix import radix_sweep_source
+from kvcanary.sglang.targets import Target
+from kvcanary.sglang.tokens import expected_token_updates
+
+logger = logging.getLogger(__name__)
+
+# Most verify-plan entries per forward the adapter allocates beyond 3 x the pool's slots (64 MiB of plan).
+VERIFY_CAPACITY_CAP = 1 << 21
+
+# The attribute of a ModelRunner that holds its Installation.
+INSTALL_ATTR = "_kvcanary"
+
+
+def installation_of(runner) -> Installation | None:
+    """The Installation on ``runner`` (None when kvcanary is not installed there)."""
+    return getattr(runner, INSTALL_ATTR, None)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class AdapterHooks:
+    """The hooks of one sglang version module (``version``); see the module docstring."""
+
+    def __init__(self, version: VersionModule) -> None:
+        self.version = version
+        # Bound once: HookRegistry's duplicate check (targets.register_hooks) compares hooks by identity.
+        self.table: tuple[tuple[Target, Callable], ...] = tuple(
+            (target, getattr(self, name)) for name, target in version.HOOK_TARGETS.items()
+        )
+
+    # ------------------------------------------------------------------------------------------- install
+    def install(self, runner) -> Installation:
+        """Build the managers for the runner's pools and wrap its ``model.forward`` (after init_memory_pool)."""
+        existing = installation_of(runner)
+        if existing is not None:
+            return existing
+        v = self.version
+        config = Config.from_env()
+        v.check_supported(v.server_args_of(runner))
+        parts = v.runner_parts(runner)
+        pool = parts.kv_pool
+        specs = v.pool_groups(pool, config, sliding_window_size=parts.sliding_window_size)
+        r2t = parts.req_to_token
+        device = r2t.device
+        max_bs = max(parts.max_running_requests + 1, parts.cuda_graph_max_bs)
+        rank, report_rank = v.runner_ranks(runner)
+        groups = []
+        for spec in specs:
+            # Σ prefix over a batch can exceed the pool many times over when rows share a cached prefix (radix
+            # hits): size the verify plan for every row's full context, up to VERIFY_CAPACITY_CAP entries (32 B
+            # each; the verify grid is sized from the SM count, so capacity costs memory only).
+            rows, ctx = int(r2t.shape[0]), int(r2t.shape[1])
+            vcap = max(3 * spec.num_slots, min(rows * ctx, VERIFY_CAPACITY_CAP))
+            manager = CanaryManager(
+                config,
+                num_slots=spec.num_slots,
+                req_to_token=r2t,
+                device=device,
+                max_batch_size=max_bs,
+                max_tokens_per_forward=max(spec.num_slots, max_bs),
+                verify_capacity=vcap,
+                real_kv_sources=spec.sources,
+                swa_window_size=spec.swa_window_size,
+                full_to_swa_index_mapping=spec.full_to_swa_index_mapping,
+                reporter=Reporter(config.mode, config.report_path_for(report_rank), rank=rank),
+                rank=rank,
+            )
+            groups.append(Group(spec, manager))
+        inst = Installation(
+            config=config,
+            groups=groups,
+            to_views=BatchConverter(specs, max_bs, device, v.batch_view),
+            req_to_token=r2t,
+            fault_plan=fault_plan_for_rank(report_rank),
+        )
+        inst.wrap_model_forward(parts.model)
+        setattr(runner, INSTALL_ATTR, inst)
+        remember(inst)
+        logger.info(
+            "kvcanary: installed on %s (%s, %s, report %s) with %d group(s): %s", type(pool).__name__, device,
+            " ".join(f"{k}={v}" for k, v in rank.items()), groups[0].manager.reporter.report_path or "-", len(groups),
+            ", ".join(f"{g.spec.name}: {g.spec.num_slots} slots, {len(g.spec.sources)} real-KV source(s)"
+                      for g in groups),
+        )
+        return inst
+
+    # ------------------------------------------------------------------------------------------- hooks
+    def after_init_memory_pool(self, result, runner, *args, **kwargs):
+        self.install(runner)
+        return result
+
+    def after_initialize(self, result, runner, *args, **kwargs):
+        inst = installation_of(runner)
+        if inst is not None:
+            self.version.check_after_initialize(runner)
+            inst.mark_init_finished()
+        return result
+
+    def around_forward(self, original, runner, forward_batch, *args, **kwargs):
+        inst = installation_of(runner)
+        if inst is None or _capturing(inst.req_to_token.device):
+            return original(runner, forward_batch, *args, **kwargs)
+        modes = self.version.FORWARD_MODES
+        mode = mode_name(forward_batch)
+        if mode not in modes:
+            raise unsupported_mode(mode, modes, self.version.SGLANG_VERSION)
+        t0 = time.perf_counter_ns()
+        inst.host_before(lambda i, step, cls: inject_fault(i, step, forward_batch, cls, self.version))
+        t1 = time.perf_counter_ns()
+        out = original(runner, forward_batch, *args, **kwargs)
+        if inst.pending_repairs:
+            repair_token_swaps(inst, forward_batch)
+        t2 = time.perf_counter_ns()
+        inst.host_after()
+        t3 = time.perf_counter_ns()
+        inst.account_forward(t3 - t0, t1 - t0 + t3 - t2)
+        return out
+
+    def after_populate(self, result, buffers, *args, forward_batch=None, raw_bs=None, raw_num_token=None, bs=None,
+                       num_tokens_per_bs=1, **kwargs):
+        """Zero the padded rows' req_pool_indices and positions a version leaves stale (row 0 is the padding row).
+
+        Only the padding the graph of ``bs`` reads, and nothing when the batch fills its graph: every replay pays
+        these launches in host time."""
+        if raw_bs is None or bs is None or bs <= raw_bs:
+            return result
+        buffers.req_pool_indices[raw_bs:bs].zero_()
+        if raw_num_token is not None:
+            buffers.positions[raw_num_token : bs * int(num_tokens_per_bs or 1)].zero_()
+        return result
+
+    def after_init_cache(self, result, scheduler, *args, **kwargs):
+        v = self.version
+        tree, r2t = v.scheduler_cache(scheduler)
+        for inst in installations():
+            if r2t is not None and inst.req_to_token is not r2t:
+                continue
+            radix = v.radix_cache(tree) if tree is not None else None
+            if radix is None:
+                if inst.config.sweep_interval > 0:
+                    logger.warning("kvcanary: prefix cache %s cannot be swept (supported: RadixCache); sweep off",
+                                   type(tree).__name__)
+            else:
+                inst.set_sweep_source(radix_sweep_source(radix, v.scheduler_stream_of(scheduler)))
+                inst.prefix_cache = tree
+                logger.info("kvcanary: sweep source: %s", type(tree).__name__)
+        return result
+
+    def after_forward_batch_init(self, result, cls, batch, model_runner, *args, **kwargs):
+        inst = installation_of(model_runner)
+        if inst is None or (not inst.verify_tokens and inst.fault_plan is None):
+            return result
+        reqs = self.version.batch_requests(batch)
+        if inst.fault_plan is not None:
+            inst.batch_reqs = list(reqs)
+            inst.row_remaining = rows_remaining(reqs)
+        if inst.verify_tokens:
+            inst.update_expected_tokens(expected_token_updates(inst.token_mirror, reqs))
+        return result
+
+
+_HOOKS: dict[str, AdapterHooks] = {}
+
+
+def hooks_for(version: ModuleType) -> AdapterHooks:
+    """The one AdapterHooks of ``version`` in this process."""
+    found = _HOOKS.get(version.__name__)
+    if found is None or found.version is not version:
+        found = _HOOKS[version.__name__] = AdapterHooks(version)  # type: ignore[arg-type]
+    return found
