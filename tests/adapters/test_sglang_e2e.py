@@ -57,7 +57,7 @@ def engine(request, tmp_path, monkeypatch):
         mr = sgl_engine.build_runner(sa)
         tree = sgl_engine.build_tree_cache(mr, sa)
         inst = hooks.installation_of(mr)
-        assert inst is not None and inst.manager._sweep_source is not None
+        assert inst is not None and inst.manager.has_sweep_source()
         yield types_ns(mr=mr, tree=tree, inst=inst, page_size=page_size)
     finally:
         hooks_state.restore(state)

@@ -17,7 +17,16 @@ import sgl_engine  # noqa: E402
 import sglang  # noqa: E402,F401  (installed but broken must fail, not skip)
 
 import kvcanary.sglang as kvcanary_sglang  # noqa: E402
-from kvcanary.sglang import contract, fault_injection, guards, register, targets, tokens, v0_5_12  # noqa: E402
+from kvcanary.sglang import (  # noqa: E402
+    contract,
+    fault_injection,
+    guards,
+    pools,
+    register,
+    targets,
+    tokens,
+    v0_5_12,
+)
 from kvcanary.sglang import hooks as adapter_hooks  # noqa: E402
 
 
@@ -185,7 +194,6 @@ def test_bad_value_stops_startup_naming_the_variable(hooks, monkeypatch, server_
 
 # --------------------------------------------------------------------------------------------- guards
 GUARDS = [
-    ("piecewise", {"disable_piecewise_cuda_graph": False}, "--disable-piecewise-cuda-graph"),
     ("torch_compile", {"enable_torch_compile": True}, "remove --enable-torch-compile"),
     ("split_prefill", {"enable_pdmux": True}, "remove --enable-pdmux"),
     ("eagle_topk", {"speculative_algorithm": "EAGLE", "speculative_eagle_topk": 4}, "--speculative-eagle-topk 1"),
@@ -207,9 +215,20 @@ def test_guard_refuses_at_install_naming_the_setting(server_args, monkeypatch, c
     assert not hasattr(runner, adapter_hooks.INSTALL_ATTR)
 
 
-def test_piecewise_runner_found_after_initialize_is_refused() -> None:
-    with pytest.raises(guards.UnsupportedSetupError, match="--disable-piecewise-cuda-graph"):
-        v0_5_12.check_after_initialize(types.SimpleNamespace(piecewise_cuda_graph_runner=object()))
+def test_piecewise_cuda_graph_is_not_refused(server_args) -> None:
+    """sglang 0.5.12's default (piecewise CUDA graphs serve prefill) installs; the canary runs around each replay
+    (tests/adapters/test_sglang_piecewise.py)."""
+    sa = dataclasses.replace(server_args)
+    sa.disable_piecewise_cuda_graph = False
+    v0_5_12.check_supported(sa)
+    for name in guards.KNOWN_PIECEWISE_RUNNERS:
+        v0_5_12.check_after_initialize(types.SimpleNamespace(piecewise_cuda_graph_runner=type(name, (), {})()))
+
+
+def test_unknown_piecewise_runner_found_after_initialize_is_refused_by_name() -> None:
+    runner = types.SimpleNamespace(piecewise_cuda_graph_runner=type("FutureGraphRunner", (), {})())
+    with pytest.raises(guards.UnsupportedSetupError, match="FutureGraphRunner.*--disable-piecewise-cuda-graph"):
+        v0_5_12.check_after_initialize(runner)
 
 
 # --------------------------------------------------------------------------------------------- pools
@@ -252,6 +271,13 @@ def test_real_kv_layers_variable(monkeypatch) -> None:
     monkeypatch.delenv("KVCANARY_REAL_KV_LAYERS")
     (group,) = v0_5_12.pool_groups(pool, _cfg("none"))
     assert group.sources == ()
+
+
+@pytest.mark.parametrize("raw", ["0,1_0", "\u0661", "0,-\u0661", "0x1", "0,last"])
+def test_real_kv_layers_are_ascii_integers(raw) -> None:
+    with pytest.raises(ValueError, match="^KVCANARY_REAL_KV_LAYERS: expected a comma-separated list"):
+        pools.parse_real_kv_layers({"KVCANARY_REAL_KV_LAYERS": raw})
+    assert pools.parse_real_kv_layers({"KVCANARY_REAL_KV_LAYERS": " 0, -1 ,+2"}) == (0, -1, 2)
 
 
 def test_known_variable_is_not_warned_about(caplog) -> None:

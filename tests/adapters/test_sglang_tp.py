@@ -55,6 +55,7 @@ def _child_env(tmp_path: Path, report: str) -> dict[str, str]:
         "KVCANARY_VERIFY_TOKENS": "1",
         "KVCANARY_SWEEP_INTERVAL": "5",
         "KVCANARY_STATS_EVERY": "0",
+        "KVCANARY_LOG_REPEAT_WINDOW": "0",  # every row logged: the fault test counts each rank's lines
         "SGLANG_PLUGINS": "kvcanary",
         "SGLANG_USE_CPU_ENGINE": "1",
         "HF_HUB_OFFLINE": "1",

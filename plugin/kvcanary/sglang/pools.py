@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcanary.config import Config
+from kvcanary.config import Config, parse_ascii_int
 from kvcanary.installation import GroupSpec
 from kvcanary.real_kv import RealKvSource
 
@@ -33,7 +33,9 @@ class PoolClasses:
 def parse_real_kv_layers(environ: Mapping[str, str] | None = None) -> tuple[int, ...]:
     """``KVCANARY_REAL_KV_LAYERS``: comma-separated layer indices (negative counts from the last layer).
 
-    Default ``0,-1`` (the first and the last layer). A bad value raises ValueError naming the variable.
+    Default ``0,-1`` (the first and the last layer). Each index is ASCII digits with an optional sign, as every
+    ``KVCANARY_*`` integer (``kvcanary.config.parse_ascii_int``: no ``1_0``, no non-ASCII digits). A bad value
+    raises ValueError naming the variable.
     """
     env = os.environ if environ is None else environ
     raw = env.get(ENV_REAL_KV_LAYERS)
@@ -42,7 +44,7 @@ def parse_real_kv_layers(environ: Mapping[str, str] | None = None) -> tuple[int,
     layers = []
     for part in raw.split(","):
         try:
-            layers.append(int(part.strip(), 10))
+            layers.append(parse_ascii_int(part))
         except ValueError:
             raise ValueError(
                 f"{ENV_REAL_KV_LAYERS}: expected a comma-separated list of layer indices (negative counts from the "
