@@ -341,8 +341,9 @@ class Simulator:
         return slot
 
     def extend_life(self, req: Request, extra: int) -> None:
-        """Keep ``req`` decoding for ``extra`` more tokens (bounded by max_ctx), e.g. until a fault is detected."""
-        req.max_new = min(req.max_new + extra, self.cfg.max_ctx - len(req.prompt) - 1)
+        """Keep ``req`` decoding for at least ``extra`` more tokens from now (bounded by max_ctx), e.g. until a fault
+        is detected. A request extended again does not grow past that (admission reserved only so much)."""
+        req.max_new = min(max(req.max_new, req.generated + extra), self.cfg.max_ctx - len(req.prompt) - 1)
 
     def grow(self, req: Request, n: int) -> list[int]:
         """Allocate the slots of the next ``n`` positions of ``req`` (page-aligned allocation)."""

@@ -1,0 +1,247 @@
+"""Prometheus counters for the canary, exposed the way SGLang exposes its own metrics.
+
+SGLang (``--enable-metrics``) sets ``PROMETHEUS_MULTIPROC_DIR`` before it starts the scheduler processes and serves
+``/metrics`` from the HTTP server through ``prometheus_client.multiprocess.MultiProcessCollector``: every process
+writes its samples to files in that directory and the server adds them up. kvcanary's counters go the same way.
+``prometheus_client`` is imported only when the first :class:`CanaryMetrics` is built (inside a scheduler process,
+after sglang set the variable), so in multiprocess mode its values land in those files and appear on sglang's own
+``/metrics``; without the variable they go to the process's default registry.
+
+Counters (``<what>_total``; labels ``model_name``, ``tp_rank``, ``pp_rank``, ``dp_rank`` where known):
+
+* ``sglang:kv_canary_forwards_total``: forward steps the canary ran in;
+* ``sglang:kv_canary_entries_verified_total`` / ``..._entries_swept_total``: canary records checked by the
+  per-forward verify / the prefix-cache sweep;
+* ``sglang:kv_canary_tokens_written_total``: records written (one per KV slot a forward filled);
+* ``sglang:kv_canary_violations_total`` with a ``reason`` label: violations reported, once per reason each carries
+  (a violation with two reasons counts under both; their sum can exceed the number of violations);
+* ``sglang:kv_canary_lost_rows_total``: violation rows the ring overflowed and could not keep;
+* ``sglang:kv_canary_health_errors_total``: health errors (a launch that should run showed no progress);
+* ``sglang:kv_canary_drafts_rolled_back_total``: draft records a speculative-decoding engine left past a
+  committed length (only when the adapter feeds it; absent otherwise).
+
+The counters are fed by deltas from what each manager already keeps (``CanaryManager.stats``, its reporter's totals
+and the violations it reported), so a counter only goes up and nothing is counted twice when several managers (KV
+groups, a draft pool, several runners of a process) feed the same labels. Without ``prometheus_client`` (install
+``kvcanary[metrics]``) :func:`metrics_for` logs one INFO line and returns a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvcanary.tags import LaunchTag
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "sglang:kv_canary_"
+LABEL_KEYS: tuple[str, ...] = ("model_name", "tp_rank", "pp_rank", "dp_rank")
+REASON_LABEL = "reason"
+
+# name (without the prefix) -> help text
+COUNTERS: Mapping[str, str] = {
+    "forwards_total": "Forward steps the kvcanary KV-cache canary ran in.",
+    "entries_verified_total": "Canary records checked by the per-forward verify (every running request's prefix).",
+    "entries_swept_total": "Canary records checked by the periodic prefix-cache sweep.",
+    "tokens_written_total": "Canary records written (one per KV slot a forward filled).",
+    "violations_total": "KV-cache integrity violations reported, by reason (a violation counts once per reason).",
+    "lost_rows_total": "Violation rows the canary's ring overflowed and could not keep.",
+    "health_errors_total": "Canary health errors (a launch that should run showed no progress).",
+    "drafts_rolled_back_total": "Speculative-decoding draft records left past a committed length.",
+}
+
+
+@dataclass
+class _Seen:
+    """What one manager had reported at the last update (the deltas are measured from here)."""
+
+    forwards: int = 0
+    verified: int = 0
+    swept: int = 0
+    written: int = 0
+    violations: int = 0  # len(manager.violations) already counted
+    lost: int = 0
+    health: int = 0
+
+
+class _Families:
+    """The counter families of one registry, created once per process (a name may be registered only once)."""
+
+    def __init__(self, registry: Any, labelnames: tuple[str, ...]) -> None:
+        from prometheus_client import Counter  # after PROMETHEUS_MULTIPROC_DIR is set: see the module docstring
+
+        kwargs = {} if registry is None else {"registry": registry}
+        self.labelnames = labelnames
+        self.counters = {
+            name: Counter(PREFIX + name, doc, [*labelnames, REASON_LABEL] if name == "violations_total" else labelnames,
+                          **kwargs)
+            for name, doc in COUNTERS.items()
+        }
+
+
+_families_by_registry: dict[int, _Families] = {}
+_families_lock = threading.Lock()
+
+
+def _families(registry: Any, labelnames: tuple[str, ...]) -> _Families:
+    with _families_lock:
+        fam = _families_by_registry.get(id(registry))
+        if fam is None:
+            fam = _families_by_registry[id(registry)] = _Families(registry, labelnames)
+        return fam
+
+
+def labels_from(rank: Mapping[str, Any] | None, model_name: str | None = None) -> dict[str, str]:
+    """SGLang's metric labels from a rank dict (``tp_rank``, ``pp_rank``, ``dp_rank``) and the served model name;
+    keys that are not known are left out."""
+    out = {}
+    if model_name:
+        out["model_name"] = str(model_name)
+    for key in LABEL_KEYS[1:]:
+        if rank and rank.get(key) is not None:
+            out[key] = str(rank[key])
+    return out
+
+
+class CanaryMetrics:
+    """The canary's counters for one label set, fed from managers by deltas (module docstring).
+
+    Args:
+        labels: label values (keys from ``LABEL_KEYS``). The first label set of a registry fixes its label names
+            (all of a process's runners have the same keys); a later set's missing keys are exported as ``""``.
+        registry: a ``prometheus_client.CollectorRegistry``; None: the default registry (in multiprocess mode,
+            the directory files).
+
+    Raises ``ImportError`` without ``prometheus_client`` (use :func:`metrics_for`, which does not).
+    """
+
+    def __init__(self, labels: Mapping[str, str], registry: Any = None) -> None:
+        unknown = set(labels) - set(LABEL_KEYS)
+        if unknown:
+            raise ValueError(f"CanaryMetrics: labels: unknown keys {sorted(unknown)}; expected some of {LABEL_KEYS}")
+        fam = _families(registry, tuple(k for k in LABEL_KEYS if k in labels))
+        if set(labels) - set(fam.labelnames):
+            logger.debug("kvcanary: metrics: labels %s not exported (the registry's label names are %s)",
+                         sorted(set(labels) - set(fam.labelnames)), fam.labelnames)
+        self.labels = {k: str(labels.get(k, "")) for k in fam.labelnames}
+        c = fam.counters
+        self._counters = c
+        self._forwards = c["forwards_total"].labels(**self.labels)
+        self._verified = c["entries_verified_total"].labels(**self.labels)
+        self._swept = c["entries_swept_total"].labels(**self.labels)
+        self._written = c["tokens_written_total"].labels(**self.labels)
+        self._lost = c["lost_rows_total"].labels(**self.labels)
+        self._health = c["health_errors_total"].labels(**self.labels)
+        self._by_reason: dict[str, Any] = {}
+        self._drafts: Any = None  # created on the first draft count: absent on engines without speculation
+        self._drafts_seen: dict[int, int] = {}
+        self._seen: weakref.WeakKeyDictionary[Any, _Seen] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+        self._broken = False
+
+    def _violation(self, reason: str) -> Any:
+        child = self._by_reason.get(reason)
+        if child is None:
+            child = self._by_reason[reason] = self._counters["violations_total"].labels(**self.labels, reason=reason)
+        return child
+
+    def update(self, manager: Any) -> None:
+        """Add what ``manager`` counted since the last update (its ``stats``, its reporter's ``total_lost`` and
+        ``total_health_errors``, the violations it reported). Cheap when nothing changed."""
+        stats, reporter, violations = manager.stats, manager.reporter, manager.violations
+        with self._lock:
+            seen = self._seen.get(manager)
+            if seen is None:
+                seen = self._seen[manager] = _Seen()
+            if (stats.forwards == seen.forwards and len(violations) == seen.violations
+                    and reporter.total_lost == seen.lost and reporter.total_health_errors == seen.health):
+                return
+            runs = stats.slot_runs
+            for child, attr, value in (
+                (self._forwards, "forwards", stats.forwards),
+                (self._verified, "verified", runs[LaunchTag.VERIFY]),
+                (self._swept, "swept", runs[LaunchTag.SWEEP]),
+                (self._written, "written", runs[LaunchTag.WRITE]),
+                (self._lost, "lost", reporter.total_lost),
+                (self._health, "health", reporter.total_health_errors),
+            ):
+                value = int(value)
+                if value > getattr(seen, attr):
+                    child.inc(value - getattr(seen, attr))
+                setattr(seen, attr, value)  # (a lower value: the source restarted; count from there)
+            if len(violations) < seen.violations:
+                seen.violations = 0
+            for v in violations[seen.violations:]:
+                for reason in v.reasons:
+                    self._violation(reason).inc()
+            seen.violations = len(violations)
+
+    def update_drafts(self, source: Any, rolled_back: int) -> None:
+        """Add the growth of ``rolled_back`` (a running total kept by ``source``, e.g. speculative-decoding
+        counters) to ``drafts_rolled_back_total``."""
+        with self._lock:
+            last = self._drafts_seen.get(id(source), 0)
+            if rolled_back > last:
+                if self._drafts is None:
+                    self._drafts = self._counters["drafts_rolled_back_total"].labels(**self.labels)
+                self._drafts.inc(rolled_back - last)
+            self._drafts_seen[id(source)] = int(rolled_back)
+
+    def observe(self, managers: Iterable[Any]) -> None:
+        """:meth:`update` for each manager; never raises (a metrics failure must not stop serving: it is logged
+        once and the metrics stop)."""
+        if self._broken:
+            return
+        try:
+            for manager in managers:
+                self.update(manager)
+        except Exception:  # noqa: BLE001 - see the docstring
+            self._broken = True
+            logger.exception("kvcanary: metrics update failed; kvcanary metrics are off from here on")
+
+
+class NoMetrics:
+    """What :func:`metrics_for` returns without ``prometheus_client``: every call does nothing."""
+
+    labels: dict[str, str] = {}
+
+    def update(self, manager: Any) -> None:
+        return None
+
+    def update_drafts(self, source: Any, rolled_back: int) -> None:
+        return None
+
+    def observe(self, managers: Iterable[Any]) -> None:
+        return None
+
+
+_by_labels: dict[tuple[tuple[str, str], ...], CanaryMetrics | NoMetrics] = {}
+_off_logged = False
+
+
+def metrics_for(rank: Mapping[str, Any] | None, model_name: str | None = None) -> CanaryMetrics | NoMetrics:
+    """The process's :class:`CanaryMetrics` for these labels (one per label set, built on first use in the default
+    registry), or a :class:`NoMetrics` after one INFO line when ``prometheus_client`` is not installed."""
+    global _off_logged
+    labels = labels_from(rank, model_name)
+    key = tuple(sorted(labels.items()))
+    found = _by_labels.get(key)
+    if found is not None:
+        return found
+    try:
+        import prometheus_client  # noqa: F401 - only to know whether it is there
+    except ImportError:
+        if not _off_logged:
+            _off_logged = True
+            logger.info("kvcanary: metrics are off (prometheus_client is not installed; "
+                        "pip install 'kvcanary[metrics]')")
+        found = NoMetrics()
+    else:
+        found = CanaryMetrics(labels)
+    _by_labels[key] = found
+    return found

@@ -1,0 +1,245 @@
+"""kvcanary.metrics: the canary's counters appear in a Prometheus scrape under sglang's names and labels, fed by
+deltas from the managers (counters only go up, several managers never double count), in-process
+(``generate_latest``) and in multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` + ``MultiProcessCollector``, what
+sglang's ``/metrics`` serves); without prometheus_client one INFO line says metrics are off."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from kvcanary import layout, metrics
+from kvcanary.manager import CanaryStats
+from kvcanary.report import Violation
+from kvcanary.tags import LaunchTag
+
+prometheus_client = pytest.importorskip("prometheus_client", reason="the test extra installs prometheus_client")
+from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+R = layout.FailReason
+LABELS = {"model_name": "tiny-llama", "tp_rank": "1", "pp_rank": "0", "dp_rank": ""}
+NAMES = ("forwards_total", "entries_verified_total", "entries_swept_total", "tokens_written_total",
+         "violations_total", "lost_rows_total", "health_errors_total")
+
+
+@dataclass
+class FakeReporter:
+    total_lost: int = 0
+    total_health_errors: int = 0
+
+
+@dataclass(eq=False)
+class FakeManager:
+    """What the metrics read of a CanaryManager: stats, reporter totals, the violations it reported."""
+
+    stats: CanaryStats = field(default_factory=CanaryStats)
+    reporter: FakeReporter = field(default_factory=FakeReporter)
+    violations: list[Violation] = field(default_factory=list)
+
+    def advance(self, forwards: int, verified: int, swept: int, written: int, lost: int = 0, health: int = 0,
+                violations: tuple[int, ...] = ()) -> None:
+        s = self.stats
+        runs = list(s.slot_runs)
+        runs[LaunchTag.VERIFY] += verified
+        runs[LaunchTag.SWEEP] += swept
+        runs[LaunchTag.WRITE] += written
+        s.slot_runs, s.forwards = tuple(runs), s.forwards + forwards
+        self.reporter.total_lost += lost
+        self.reporter.total_health_errors += health
+        for bits in violations:
+            self.violations.append(Violation.from_row([int(LaunchTag.VERIFY), 3, 1, 5, -1, 0, 0, int(bits)], step=1))
+
+
+def scrape(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the exposition, keyed by (sample name, sorted labels)."""
+    text = generate_latest(registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def sample(samples: dict, name: str, **extra: str) -> float:
+    return samples[(metrics.PREFIX + name, tuple(sorted({**LABELS, **extra}.items())))]
+
+
+def test_every_counter_with_sglangs_names_and_labels() -> None:
+    registry = CollectorRegistry()
+    m = metrics.CanaryMetrics(LABELS, registry)
+    mgr = FakeManager()
+    mgr.advance(8, 100, 40, 16, lost=2, health=1,
+                violations=(R.VERIFY_CHAIN_HASH | R.VERIFY_POSITION, R.VERIFY_REAL_KV_HASH))
+    m.update(mgr)
+    s = scrape(registry)
+    assert sample(s, "forwards_total") == 8
+    assert sample(s, "entries_verified_total") == 100
+    assert sample(s, "entries_swept_total") == 40
+    assert sample(s, "tokens_written_total") == 16
+    assert sample(s, "lost_rows_total") == 2
+    assert sample(s, "health_errors_total") == 1
+    assert sample(s, "violations_total", reason="verify_chain_hash") == 1
+    assert sample(s, "violations_total", reason="verify_position") == 1
+    assert sample(s, "violations_total", reason="verify_real_kv_hash") == 1
+    # speculative decoding did not feed it: no sample at all
+    assert not [k for k in s if k[0].startswith(metrics.PREFIX + "drafts_rolled_back")]
+    text = generate_latest(registry).decode()
+    assert re.search(r"^# TYPE sglang:kv_canary_entries_verified(_total)? counter$", text, re.MULTILINE), text
+    assert ('sglang:kv_canary_entries_verified_total{dp_rank="",model_name="tiny-llama",pp_rank="0",tp_rank="1"} 100.0'
+            in text)
+
+
+def test_deltas_only_go_up_and_managers_do_not_double_count() -> None:
+    registry = CollectorRegistry()
+    m = metrics.CanaryMetrics(LABELS, registry)
+    a, b = FakeManager(), FakeManager()
+    a.advance(8, 100, 0, 10, violations=(R.VERIFY_TOKEN,))
+    b.advance(8, 50, 0, 10)
+    for _ in range(3):  # repeated updates without progress add nothing
+        m.observe([a, b])
+    a.advance(8, 20, 5, 2, lost=4, violations=(R.VERIFY_TOKEN, R.WRITE_POSITION))
+    m.observe([a, b])
+    s = scrape(registry)
+    assert sample(s, "forwards_total") == 24
+    assert sample(s, "entries_verified_total") == 170
+    assert sample(s, "entries_swept_total") == 5
+    assert sample(s, "tokens_written_total") == 22
+    assert sample(s, "lost_rows_total") == 4
+    assert sample(s, "violations_total", reason="verify_token") == 2
+    assert sample(s, "violations_total", reason="write_position") == 1
+    # a second metrics object over the same labels (another runner of the process) shares the children
+    other = metrics.CanaryMetrics(LABELS, registry)
+    c = FakeManager()
+    c.advance(1, 1, 0, 1)
+    other.update(c)
+    assert sample(scrape(registry), "forwards_total") == 25
+
+
+def test_drafts_rolled_back_only_when_fed() -> None:
+    registry = CollectorRegistry()
+    m = metrics.CanaryMetrics(LABELS, registry)
+    spec = object()
+    m.update_drafts(spec, 0)
+    assert not [k for k in scrape(registry) if "drafts_rolled_back" in k[0]]
+    m.update_drafts(spec, 7)
+    m.update_drafts(spec, 7)
+    m.update_drafts(spec, 9)
+    assert sample(scrape(registry), "drafts_rolled_back_total") == 9
+
+
+def test_labels_from_rank() -> None:
+    assert metrics.labels_from({"tp_rank": 1, "pp_rank": 0}, "m") == {"model_name": "m", "tp_rank": "1",
+                                                                        "pp_rank": "0"}
+    assert metrics.labels_from({"tp_rank": 0, "dp_rank": 2, "attn_dp_rank": 5}) == {"tp_rank": "0", "dp_rank": "2"}
+    assert metrics.labels_from(None) == {}
+    with pytest.raises(ValueError, match="unknown keys"):
+        metrics.CanaryMetrics({"pool": "draft"}, CollectorRegistry())
+
+
+def test_a_failing_update_is_logged_once_and_never_raises(caplog: pytest.LogCaptureFixture) -> None:
+    m = metrics.CanaryMetrics(LABELS, CollectorRegistry())
+    with caplog.at_level(logging.ERROR, logger="kvcanary.metrics"):
+        m.observe([object()])  # not a manager
+        m.observe([object()])
+    assert len([r for r in caplog.records if "metrics update failed" in r.getMessage()]) == 1
+
+
+def test_real_manager_feeds_the_counters() -> None:
+    """A real CPU CanaryManager in the serving simulator, with a real KV flip: the scrape matches its own numbers."""
+    from kvcanary import faults
+    from kvcanary.sim import SimConfig, build_sim
+
+    registry = CollectorRegistry()
+    m = metrics.CanaryMetrics({"tp_rank": "0"}, registry)
+    sim = build_sim(SimConfig(seed=5, num_pages=256), mode="log", sweep_interval=4)
+    for _ in range(40):
+        sim.step()
+        m.observe([sim.mgr])
+    req = next(r for r in sim.running if r.kv_len > 2)
+    faults.flip_real_kv(sim.sources[0], req.slots[0], 0, 0xFF)
+    for _ in range(3):
+        sim.step()
+    sim.mgr.flush()
+    m.observe([sim.mgr])
+    s = scrape(registry)
+    labels = (("tp_rank", "0"),)  # only the labels given
+    stats = sim.mgr.stats
+    assert s[(metrics.PREFIX + "entries_verified_total", labels)] == stats.slot_runs[LaunchTag.VERIFY] > 0
+    assert s[(metrics.PREFIX + "entries_swept_total", labels)] == stats.slot_runs[LaunchTag.SWEEP] > 0
+    assert s[(metrics.PREFIX + "tokens_written_total", labels)] == stats.slot_runs[LaunchTag.WRITE] > 0
+    assert s[(metrics.PREFIX + "forwards_total", labels)] == stats.forwards == 43
+    flips = sum("verify_real_kv_hash" in v.reasons for v in sim.mgr.violations)
+    assert flips >= 1
+    key = (metrics.PREFIX + "violations_total", tuple(sorted((*labels, ("reason", "verify_real_kv_hash")))))
+    assert s[key] == flips
+
+
+MULTIPROC_WRITER = textwrap.dedent("""
+    import sys
+    from kvcanary import metrics
+    from kvcanary.manager import CanaryStats
+    from kvcanary.report import Violation
+
+    class Reporter:
+        total_lost, total_health_errors = 5, 2
+
+    class Manager:
+        stats = CanaryStats(forwards=16, slot_runs=(300, 32, 64, 0))
+        reporter = Reporter()
+        violations = [Violation.from_row([0, 3, 1, 5, -1, 0, 0, 1], step=9)]
+
+    m = metrics.metrics_for({"tp_rank": int(sys.argv[1]), "pp_rank": 0}, "tiny-llama")
+    m.observe([Manager()])
+    import prometheus_client.values
+    assert "MultiProcess" in prometheus_client.values.ValueClass.__qualname__, prometheus_client.values.ValueClass
+""")
+
+
+def test_multiprocess_mode_is_what_sglangs_metrics_endpoint_serves(tmp_path: Path) -> None:
+    """Two scheduler-like processes write under PROMETHEUS_MULTIPROC_DIR; the collector sglang mounts on /metrics
+    reads both, each with its tp_rank."""
+    import kvcanary
+
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
+    package_parent = str(Path(kvcanary.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
+    for rank in (0, 1):
+        proc = subprocess.run([sys.executable, "-c", MULTIPROC_WRITER, str(rank)], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert list(tmp_path.glob("counter_*.db")), list(tmp_path.iterdir())
+    from prometheus_client import multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(tmp_path))
+    s = scrape(registry)
+    for rank in ("0", "1"):
+        base = (("model_name", "tiny-llama"), ("pp_rank", "0"), ("tp_rank", rank))
+        assert s[(metrics.PREFIX + "forwards_total", base)] == 16
+        assert s[(metrics.PREFIX + "entries_verified_total", base)] == 300
+        assert s[(metrics.PREFIX + "tokens_written_total", base)] == 32
+        assert s[(metrics.PREFIX + "entries_swept_total", base)] == 64
+        assert s[(metrics.PREFIX + "lost_rows_total", base)] == 5
+        assert s[(metrics.PREFIX + "health_errors_total", base)] == 2
+        with_reason = tuple(sorted((*base, ("reason", "verify_chain_hash"))))
+        assert s[(metrics.PREFIX + "violations_total", with_reason)] == 1
+
+
+def test_without_prometheus_client_one_info_line(monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import fails
+    monkeypatch.setattr(metrics, "_by_labels", {})
+    monkeypatch.setattr(metrics, "_off_logged", False)
+    with caplog.at_level(logging.INFO, logger="kvcanary.metrics"):
+        first = metrics.metrics_for({"tp_rank": 0})
+        second = metrics.metrics_for({"tp_rank": 1})
+    assert isinstance(first, metrics.NoMetrics) and isinstance(second, metrics.NoMetrics)
+    first.observe([FakeManager()])  # a no-op
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvcanary.metrics"]
+    assert lines == ["kvcanary: metrics are off (prometheus_client is not installed; pip install 'kvcanary[metrics]')"]
