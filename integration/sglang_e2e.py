@@ -117,6 +117,7 @@ class Phase:
     env: tuple[tuple[str, str], ...] = ()
     engine: tuple[tuple[str, object], ...] = ()
     max_new: tuple[int, int] = (8, 96)  # max_new_tokens range of the workload
+    workload: str = "mixed"  # make_workload's mixed serving workload, or an EAGLE phase's (make_eagle_workload)
 
 
 COMMON_ENV = (("KVCANARY_STATS_EVERY", "20"), ("KVCANARY_SWEEP_INTERVAL", "10"), ("KVCANARY_VERIFY_TOKENS", "1"))
@@ -145,7 +146,7 @@ def parse_phases(text: str) -> list[str]:
             continue
         key = PHASE_NAMES.get(part, part)
         if key not in PHASES:
-            raise SystemExit(f"--phases: unknown phase {part!r}; expected 1-4 or {', '.join(PHASE_NAMES)}")
+            raise SystemExit(f"--phases: unknown phase {part!r}; expected 1-{len(PHASES)} or {', '.join(PHASE_NAMES)}")
         if key not in out:
             out.append(key)
     return out
@@ -462,6 +463,7 @@ def render(summary: dict) -> str:
                     f"no slowdown measurable: {100 * (r - 1):.2f} % more tok/s, within Engine-to-Engine noise")
             lines.append(f"| log/off | {r:.4f} ({what}) | | | | {_fmt(ov.get('ms_per_forward_delta'), 3)} ms more per "
                          f"forward |")
+    lines += render_eagle(summary.get("eagle") or [])
     lines += render_piecewise(summary)
     notes = [f"{s['phase']}: {w}" for s in summary["phases"] for w in s.get("why", [])]
     if notes:
@@ -483,6 +485,12 @@ def build_summary(out: str, phases: list[str], results: dict, budget: float, tot
             ok_all &= overhead_pairs(summary, pdir, results)
             continue
         res = results.get(key, {"status": "SKIPPED"})
+        if key in EAGLE_PHASES:
+            s, detail = summarize_eagle(phase, pdir, res, seed=res.get("seed", 0))
+            summary.setdefault("eagle", []).append(detail)
+            ok_all &= s["verdict"] == "PASS"
+            summary["phases"].append(s)
+            continue
         log_text = _read(os.path.join(pdir, "worker.log"))
         rows = read_jsonl(sorted(glob.glob(os.path.join(pdir, "kvc-*.jsonl"))))
         s = summarize_phase(phase, res, log_text, rows)
@@ -716,6 +724,482 @@ def render_piecewise(summary: dict) -> list[str]:
     return lines
 
 
+# ---------------------------------------------------------------------------------------------------- EAGLE
+# Speculative decoding (phases 5-8): EAGLE with one draft per step (topk 1, sglang 0.5.12's spec-v2 path), a
+# one-layer dummy draft beside the tiny Llama. kvcanary shadows the target and the draft KV pool, each with its
+# own manager; its lines and records carry ``pool=target`` / ``pool=draft``.
+#
+# sglang issue 26329 (fixed upstream by PR 26800): 0.5.12's ``EagleDraftWorker._draft_extend_for_prefill`` ends
+# every prefill segment's draft input with the sampled token, also for a chunk that is not the request's last,
+# where the next prompt token belongs; the draft KV at each chunk boundary is built from the wrong token. The
+# driver carries a small test-only sglang plugin (written into the phase folder, put on the worker's PYTHONPATH)
+# that replaces that method with the corrected one (``E2E_EAGLE_TAIL=fix``), or with one that behaves exactly
+# as 0.5.12's and prints every non-final chunk tail it feeds (``observe``): the ground truth the violations are
+# matched against. Nothing in kvcanary patches sglang.
+
+TINY_EAGLE = {
+    "architectures": ["LlamaForCausalLMEagle"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+    "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "vocab_size": 2048, "max_position_embeddings": 4096, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+    "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+}
+# Fault classes the EAGLE fault phase injects into the target pool. token_swap is left out: it needs a plain
+# DECODE forward, and under EAGLE the target only runs extends and target-verify forwards, whose CUDA-graph inputs
+# sglang copies before ModelRunner.forward (replay_prepare in prepare_for_v2_verify), out of the injector's reach.
+EAGLE_FAULTS: tuple[str, ...] = ("req_to_token_redirect", "real_kv_flip", "cached_idle_corruption", "position_skew")
+EAGLE_TAIL_ENV = "E2E_EAGLE_TAIL"  # observe | fix: what the test plugin does to _draft_extend_for_prefill
+EAGLE_DRIVER_ENV = "E2E_EAGLE_DRIVER"  # this file, which the test plugin loads in the scheduler process
+EAGLE_PLUGIN = "kvcanary_e2e_eagle"
+EAGLE_CHUNK = 64
+EAGLE_TAIL_RE = re.compile(r"\[e2e-eagle\] draft tail: mode=(?P<mode>\w+) position=(?P<position>\d+) "
+                           r"fed=(?P<fed>-?\d+) next=(?P<next>-?\d+) sampled=(?P<sampled>-?\d+)")
+EAGLE_PATCHED_RE = re.compile(r"\[e2e-eagle\] EagleDraftWorker\._draft_extend_for_prefill replaced: mode=(\w+)")
+SPEC_STATS_RE = re.compile(r"kvcanary spec stats:((?: [a-z_][a-z0-9_]*=\S+)+)")
+# Engine arguments of every EAGLE phase (sglang 0.5.12 clamps num_draft_tokens to num_steps + 1 for topk 1).
+EAGLE_ENGINE: tuple[tuple[str, object], ...] = (
+    ("speculative_algorithm", "EAGLE"), ("speculative_num_steps", 2), ("speculative_eagle_topk", 1),
+    ("speculative_num_draft_tokens", 3), ("chunked_prefill_size", EAGLE_CHUNK), ("max_running_requests", 32),
+)
+EAGLE_PHASES: dict[str, Phase] = {
+    # sglang 0.5.12 as shipped (the observer changes nothing): violations in the draft pool at every wrong chunk
+    # tail, none in the target pool.
+    "5": Phase("5", "eagle-bug", "log", True, 12288, 150, 110,
+               COMMON_ENV + ((EAGLE_TAIL_ENV, "observe"),), EAGLE_ENGINE + (("cuda_graph_max_bs", 16),),
+               max_new=(16, 32), workload="eagle-chunked"),
+    # The same workload with the upstream fix patched in: nothing to report.
+    "6": Phase("6", "eagle-fixed", "log", True, 12288, 150, 110,
+               COMMON_ENV + ((EAGLE_TAIL_ENV, "fix"),), EAGLE_ENGINE + (("cuda_graph_max_bs", 16),),
+               max_new=(16, 32), workload="eagle-chunked"),
+    # Clean soak in raise mode: 320 requests, shared prefixes and exact repeats (radix hits), chunked prefill.
+    "7": Phase("7", "eagle-soak", "raise", True, 12288, 150, 110,
+               COMMON_ENV + ((EAGLE_TAIL_ENV, "fix"),), EAGLE_ENGINE + (("cuda_graph_max_bs", 32),),
+               max_new=(8, 32), workload="eagle-soak"),
+    # Faults into the target pool (the draft pool must stay clean), matched like phase 3.
+    "8": Phase("8", "eagle-faults", "log", True, 12288, 150, 110, COMMON_ENV + (
+        ("KVCANARY_SWEEP_INTERVAL", "3"), ("KVCANARY_FAULT", ",".join(EAGLE_FAULTS)), ("KVCANARY_FAULT_EVERY", "4"),
+        ("KVCANARY_FAULT_WARMUP", "10"), ("KVCANARY_FAULT_SEED", "5"), (EAGLE_TAIL_ENV, "fix")),
+        EAGLE_ENGINE + (("cuda_graph_max_bs", 32),), max_new=(8, 24), workload="eagle-faults"),
+}
+
+
+def is_eagle(phase: Phase) -> bool:
+    return phase.workload.startswith("eagle")
+
+
+def make_eagle_workload(kind: str, *, seed: int = 0, max_new: tuple[int, int] = (16, 32),
+                        vocab: int = 2048) -> list[list[Request]]:
+    """The workload of an EAGLE phase.
+
+    ``eagle-chunked``: 16 distinct random prompts of 140-300 tokens (3-5 prefill chunks of 64 each, no shared
+    prefix), in groups of 4; ``eagle-soak``: 320 requests of ``make_workload`` (shared prefixes, exact repeats) with
+    prompts of at most 400 tokens; ``eagle-faults``: the same with 640 requests.
+    """
+    if kind == "eagle-chunked":
+        rng = random.Random(seed + 26329)
+        reqs = [Request([rng.randrange(3, vocab) for _ in range(rng.randint(2 * EAGLE_CHUNK + 12, 300))],
+                        rng.randint(*max_new), -1) for _ in range(16)]
+        return [reqs[i : i + 4] for i in range(0, len(reqs), 4)]
+    n = {"eagle-soak": 320, "eagle-faults": 640}.get(kind)
+    if n is None:
+        raise ValueError(f"unknown EAGLE workload {kind!r}")
+    return make_workload(n, seed=seed, batch=64, max_len=400, max_new=max_new, vocab=vocab)
+
+
+def phase_workload(spec: dict) -> list[list[Request]]:
+    """The workload a worker runs: the phase's own for EAGLE phases, else ``make_workload``."""
+    kind = spec.get("workload", "mixed")
+    if kind.startswith("eagle"):
+        return make_eagle_workload(kind, seed=spec["seed"], max_new=tuple(spec["max_new"]))
+    return make_workload(spec["requests"], seed=spec["seed"], max_new=tuple(spec["max_new"]))
+
+
+def ensure_draft_model(args) -> str:
+    """The EAGLE draft model folder (``--draft-model``, or the one-layer dummy draft written into --out)."""
+    if getattr(args, "draft_model", None):
+        return args.draft_model
+    path = os.path.join(args.out, "tiny-eagle")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(TINY_EAGLE, f, indent=1)
+    return path
+
+
+def eagle_engine_kwargs(kw: dict, phase: Phase, args) -> dict:
+    """An EAGLE phase's Engine: the draft model, and piecewise CUDA graphs off (also with --piecewise: the EAGLE
+    phases measure the setup sglang issue 26329 was found in)."""
+    if is_eagle(phase):
+        kw["speculative_draft_model_path"] = ensure_draft_model(args)
+        kw["disable_piecewise_cuda_graph"] = True
+    return kw
+
+
+def write_eagle_plugin(root: str) -> str:
+    """The test-only sglang plugin (a module and a dist-info folder, found by importlib.metadata on PYTHONPATH)
+    that applies ``install_eagle_tail_patch`` of this file in every sglang process. Returns ``root``."""
+    dist = os.path.join(root, f"{EAGLE_PLUGIN}-0.0.0.dist-info")
+    os.makedirs(dist, exist_ok=True)
+    with open(os.path.join(dist, "METADATA"), "w") as f:
+        f.write(f"Metadata-Version: 2.1\nName: {EAGLE_PLUGIN}\nVersion: 0.0.0\n")
+    with open(os.path.join(dist, "entry_points.txt"), "w") as f:
+        f.write(f"[sglang.srt.plugins]\n{EAGLE_PLUGIN} = {EAGLE_PLUGIN}:register\n")
+    with open(os.path.join(root, f"{EAGLE_PLUGIN}.py"), "w") as f:
+        f.write(f'''"""Test-only sglang plugin of integration/sglang_e2e.py (EAGLE phases); never part of kvcanary."""
+import importlib.util
+import os
+import sys
+
+
+def register():
+    mode = os.environ.get("{EAGLE_TAIL_ENV}", "")
+    if not mode:
+        return
+    name = "_kvcanary_e2e_driver"
+    mod = sys.modules.get(name)
+    if mod is None:
+        spec = importlib.util.spec_from_file_location(name, os.environ["{EAGLE_DRIVER_ENV}"])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    mod.install_eagle_tail_patch(mode)
+''')
+    return root
+
+
+def eagle_env(env: dict, phase: Phase, pdir: str) -> dict:
+    """An EAGLE phase's worker environment: the test plugin on PYTHONPATH (and in SGLANG_PLUGINS if the caller
+    restricts plugins), and where it finds this file."""
+    if not is_eagle(phase):
+        return env
+    root = write_eagle_plugin(os.path.join(pdir, "eagle-plugin"))
+    env = dict(env)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env[EAGLE_DRIVER_ENV] = os.path.abspath(__file__)
+    if env.get("SGLANG_PLUGINS"):
+        env["SGLANG_PLUGINS"] += f",{EAGLE_PLUGIN}"
+    return env
+
+
+def prefill_tails(extend_prefix_lens, extend_seq_lens, seqs) -> list[tuple[int, int, int]]:
+    """``(row, position, next token)`` of every batch row whose prefill segment ends before its sequence does (a
+    chunk that is not the request's last): the draft's input at ``position`` must be that next token (PR 26800;
+    the sequence is ``origin_input_ids + output_ids``, as PR 28254 corrects for resumed requests)."""
+    out = []
+    for i, (prefix, extend, seq) in enumerate(zip(extend_prefix_lens, extend_seq_lens, seqs, strict=True)):
+        end = int(prefix) + int(extend)
+        if int(extend) > 0 and end < len(seq):
+            out.append((i, end - 1, int(seq[end])))
+    return out
+
+
+def make_draft_extend_for_prefill(mode: str):
+    """sglang 0.5.12's ``EagleDraftWorker._draft_extend_for_prefill``, line for line, with the tail token of each
+    non-final chunk printed (``observe``: still the sampled token, as 0.5.12 feeds it) or corrected to the next
+    prompt token (``fix``: what upstream's PR 26800 feeds). Only the draft's input rotation changes; the draft
+    input's bonus tokens stay the sampled ones, as upstream."""
+    if mode not in ("observe", "fix"):
+        raise ValueError(f"{EAGLE_TAIL_ENV}: expected observe or fix, got {mode!r}")
+
+    def _draft_extend_for_prefill(self, batch, target_hidden_states, next_token_ids, mm_input_embeds=None):
+        import torch
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+        from sglang.srt.speculative.eagle_info import EagleDraftInput
+        from sglang.srt.speculative.spec_utils import maybe_detect_nan
+        from sglang.srt.utils.common import fast_topk
+
+        if not batch.forward_mode.is_idle():
+            tails = next_token_ids
+            seqs = [list(r.origin_input_ids) + list(r.output_ids) for r in batch.reqs]
+            found = prefill_tails(batch.extend_prefix_lens, batch.extend_seq_lens, seqs)
+            if found:
+                sampled = next_token_ids.tolist()  # a host sync per chunked prefill: this is a test driver
+                if mode == "fix":
+                    tails = next_token_ids.clone()
+                    for i, _, nxt in found:
+                        tails[i] = nxt
+                for i, pos, nxt in found:
+                    fed = nxt if mode == "fix" else sampled[i]
+                    print(f"[e2e-eagle] draft tail: mode={mode} position={pos} fed={fed} next={nxt} "
+                          f"sampled={sampled[i]} rid={batch.reqs[i].rid}", flush=True)
+            pt = 0
+            for i, extend_len in enumerate(batch.extend_seq_lens):
+                input_ids = batch.input_ids[pt : pt + extend_len]
+                batch.input_ids[pt : pt + extend_len] = torch.cat((input_ids[1:], tails[i].reshape(1)))
+                pt += extend_len
+
+        next_draft_input = EagleDraftInput(
+            hidden_states=target_hidden_states,
+            bonus_tokens=next_token_ids,
+            new_seq_lens=batch.seq_lens,
+            num_tokens_per_req=1,
+            num_tokens_for_logprob_per_req=1,
+        )
+        batch.spec_info = next_draft_input
+        forward_batch = ForwardBatch.init_new(batch, self.draft_runner)
+        forward_batch.return_logprob = False
+        if mm_input_embeds is not None:
+            forward_batch.mm_input_embeds = mm_input_embeds
+        logits_output = self.draft_runner.forward(forward_batch).logits_output
+        maybe_detect_nan(logits_output.next_token_logits, "draft_extend_for_prefill")
+        probs = torch.softmax(logits_output.next_token_logits, dim=-1)
+        next_draft_input.topk_p, next_draft_input.topk_index = fast_topk(probs, self.topk, dim=-1)
+        next_draft_input.hidden_states = logits_output.hidden_states
+        return next_draft_input
+
+    _draft_extend_for_prefill.e2e_eagle_tail = mode  # type: ignore[attr-defined]
+    return _draft_extend_for_prefill
+
+
+def install_eagle_tail_patch(mode: str) -> None:
+    """Replace ``EagleDraftWorker._draft_extend_for_prefill`` in this process (test plugin, once per mode)."""
+    from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker
+
+    if getattr(EagleDraftWorker._draft_extend_for_prefill, "e2e_eagle_tail", None) == mode:
+        return
+    EagleDraftWorker._draft_extend_for_prefill = make_draft_extend_for_prefill(mode)
+    print(f"[e2e-eagle] EagleDraftWorker._draft_extend_for_prefill replaced: mode={mode} pid={os.getpid()}",
+          flush=True)
+
+
+def parse_spec_stats(log_text: str) -> dict[str, dict]:
+    """The last ``kvcanary spec stats:`` line of each pool (``target``, ``draft``): its fields, numbers as ints."""
+    pools: dict[str, dict] = {}
+    for m in SPEC_STATS_RE.finditer(log_text):
+        fields = dict(pair.split("=", 1) for pair in m.group(1).split())
+        pools[fields.get("pool", "?")] = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in fields.items()}
+    return pools
+
+
+def parse_tails(log_text: str) -> list[dict]:
+    return [{k: (v if k == "mode" else int(v)) for k, v in m.groupdict().items()}
+            for m in EAGLE_TAIL_RE.finditer(log_text)]
+
+
+def _pool(row: dict) -> str:
+    return (row.get("rank") or {}).get("pool", "target")
+
+
+@dataclass
+class EagleMatch:
+    """Draft-pool violations against the chunk tails the test plugin printed (phase eagle-bug / eagle-fixed)."""
+
+    tails: list = field(default_factory=list)  # wrong tails: fed != next
+    detected: int = 0  # wrong tails with a matching draft-pool verify_token violation
+    missed: list = field(default_factory=list)
+    unexplained: list = field(default_factory=list)  # draft-pool violations no wrong tail explains
+    target: list = field(default_factory=list)  # violations in the target pool
+    # distinct violations: (pool, reasons, slot, position, stored, expected, rows, explained by a wrong tail)
+    groups: list = field(default_factory=list)
+    chunked_requests: int = 0  # measured requests longer than a chunk
+    requests_with_tail: int = 0  # of those, with at least one tail the plugin printed (observed or fixed)
+    requests_detected: int = 0  # of those, with at least one wrong tail that a violation matched
+
+
+def match_eagle(rows: list[dict], tails: list[dict], groups: list[list[Request]],
+                chunk: int = EAGLE_CHUNK) -> EagleMatch:
+    """Match ``kvcanary.violation/1`` rows to the chunk tails: a wrong tail (position p, fed f, next t) is detected by
+    a draft-pool violation with ``verify_token`` at position p, stored token f and expected token t (the draft
+    record at p holds the token it was fed; the token check expects token p + 1 of the request)."""
+    res = EagleMatch()
+    vio = [r for r in rows if r.get("schema") == VIOLATION_SCHEMA]
+    res.target = [v for v in vio if _pool(v) != "draft"]
+    wrong = {(t["position"], t["fed"], t["next"]): t for t in tails if t["fed"] != t["next"]}
+    res.tails = list(wrong.values())
+    hit_keys = set()
+    distinct: dict[tuple, list] = {}
+    for v in vio:
+        key = (int(v["position"]), int(v.get("stored_token", -1)), int(v.get("expected_token", -1)))
+        gkey = (_pool(v), "+".join(v["reasons"]), int(v["slot"])) + key
+        distinct.setdefault(gkey, []).append(v)
+        if _pool(v) != "draft":
+            continue
+        if key in wrong and "verify_token" in v["reasons"]:
+            hit_keys.add(key)
+        else:
+            res.unexplained.append(v)
+    res.detected = len(hit_keys)
+    res.missed = [t for k, t in wrong.items() if k not in hit_keys]
+    res.groups = [(p, r, s, pos, st, ex, len(vs), (pos, st, ex) in wrong)
+                  for (p, r, s, pos, st, ex), vs in sorted(distinct.items(), key=lambda kv: (kv[0][0], kv[0][3]))]
+    for req in (r for g in groups for r in g):
+        ids = req.input_ids
+        if len(ids) <= chunk:
+            continue
+        res.chunked_requests += 1
+        mine = [t for t in tails if t["position"] + 1 < len(ids) and ids[t["position"] + 1] == t["next"]]
+        res.requests_with_tail += bool(mine)
+        res.requests_detected += any((t["position"], t["fed"], t["next"]) in hit_keys for t in mine)
+    return res
+
+
+def summarize_eagle(phase: Phase, pdir: str, res: dict, seed: int = 0) -> tuple[dict, dict]:
+    """One EAGLE phase: the summary row (with its verdict) and the details for the EAGLE tables."""
+    log_text = _read(os.path.join(pdir, "worker.log"))
+    rows = read_jsonl(sorted(glob.glob(os.path.join(pdir, "kvc-*.jsonl"))))
+    s = summarize_phase(phase, res, log_text, rows)
+    pools = parse_spec_stats(log_text)
+    tgt = pools.get("target", {})
+    for key in ("forwards", "entries_verified", "tokens_written"):  # the target pool's (the stats line has no pool)
+        s[key] = tgt.get(key, s[key])
+    tails = parse_tails(log_text)
+    groups = make_eagle_workload(phase.workload, seed=seed, max_new=phase.max_new)
+    detail = {"phase": s["phase"], "pools": pools, "patched": EAGLE_PATCHED_RE.findall(log_text)}
+    why = []
+    if s["status"] != "OK":
+        why.append(f"status {s['status']}")
+    if s["requests_ok"] != s["requests_sent"] or not s["requests_sent"]:
+        why.append(f"{s['requests_ok']}/{s['requests_sent']} requests completed")
+    for k in ("lost", "health_errors"):
+        if s[k]:
+            why.append(f"{k}={s[k]}")
+    for pool in ("target", "draft"):
+        p = pools.get(pool)
+        if not p:
+            why.append(f"no kvcanary spec stats line for the {pool} pool (EAGLE not covered?)")
+        elif not p.get("entries_verified"):
+            why.append(f"{pool} pool verified nothing")
+    if pools.get("target") and not pools["target"].get("verify_forwards"):
+        why.append("no target verify forward counted")
+    if pools.get("draft") and not pools["draft"].get("drafts_written"):
+        why.append("no draft written in the draft pool")
+    mode = dict(phase.env).get(EAGLE_TAIL_ENV)
+    if mode and mode not in detail["patched"]:
+        why.append(f"the test plugin did not replace _draft_extend_for_prefill ({mode})")
+    if phase.workload == "eagle-chunked":
+        m = match_eagle(rows, tails, groups)
+        detail["match"] = m
+        if m.target:
+            why.append(f"{len(m.target)} violation(s) in the target pool")
+        if m.unexplained:
+            why.append(f"{len(m.unexplained)} draft-pool violation(s) no wrong chunk tail explains")
+        if m.chunked_requests == 0 or m.requests_with_tail != m.chunked_requests:
+            why.append(f"{m.requests_with_tail}/{m.chunked_requests} chunked requests had a chunk tail printed")
+        if mode == "observe":
+            if not m.tails:
+                why.append("no wrong chunk tail observed (sglang fixed already?)")
+            if m.missed:
+                why.append(f"{len(m.missed)}/{len(m.tails)} wrong chunk tails not detected")
+            if m.requests_detected != m.chunked_requests:
+                why.append(f"{m.requests_detected}/{m.chunked_requests} chunked requests with a detected wrong tail")
+        elif s["violations"] or m.tails:
+            why.append(f"violations={s['violations']}, wrong tails fed={len(m.tails)} (expected 0 with the fix)")
+    elif phase.workload == "eagle-faults":
+        m = match_injections(rows)
+        detail["faults"] = m
+        for c in EAGLE_FAULTS:
+            n, d = m.injections.get(c, 0), m.detected.get(c, 0)
+            if n < 20:
+                why.append(f"{c}: {n} injections < 20")
+            if d != n:
+                why.append(f"{c}: {d}/{n} detected")
+        if m.unexplained:
+            why.append(f"{len(m.unexplained)} violation(s) on slots no injection touched (pool "
+                       f"{sorted({_pool(v) for v in m.unexplained})})")
+    else:  # clean soak
+        for k in ("violations", "kvcanary_errors"):
+            if s[k]:
+                why.append(f"{k}={s[k]}")
+        if s["requests_sent"] < 300:
+            why.append(f"{s['requests_sent']} requests < 300")
+        if not s["cached_tokens"]:
+            why.append("no radix-cache hit (prefix sharing not exercised)")
+    if s["status"] == "TRUNCATED" and phase.workload == "eagle-faults":
+        why = [w for w in why if not w.startswith("status") and "requests completed" not in w]
+    s["verdict"], s["why"] = ("PASS" if not why else "FAIL"), why
+    return s, detail
+
+
+def render_eagle(details: list[dict]) -> list[str]:
+    """The EAGLE tables: per pool speculative counters, the draft-tail matching, the fault classes."""
+    if not details:
+        return []
+    lines = ["", "| EAGLE phase | pool | forwards | verify fwd | draft decode fwd | draft extend fwd | "
+                 "drafts written | accepted | rejected | rolled back | entries verified | violations |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for d in details:
+        for pool in ("target", "draft"):
+            p = d["pools"].get(pool) or {}
+            lines.append(f"| {d['phase']} | {pool} | " + " | ".join(_fmt(p.get(k)) for k in (
+                "forwards", "verify_forwards", "draft_decode_forwards", "draft_extend_forwards", "drafts_written",
+                "drafts_accepted", "drafts_rejected", "rolled_back", "entries_verified", "violations")) + " |")
+    for d in details:
+        m = d.get("match")
+        if m is not None:
+            lines += ["", f"{d['phase']}: {m.chunked_requests} chunked requests, {m.requests_with_tail} with a "
+                          f"chunk tail printed, {m.requests_detected} with a detected wrong tail; wrong tails fed to "
+                          f"the draft {len(m.tails)}, detected {m.detected}; draft-pool violations no wrong tail "
+                          f"explains {len(m.unexplained)}; target-pool violations {len(m.target)}"]
+            if m.groups:
+                lines += ["", "| pool | reasons | slot | position | stored token | expected token | rows | "
+                              "a wrong chunk tail (fed, next prompt token) |", "|---|---|---|---|---|---|---|---|"]
+                for p, r, s, pos, st, ex, n, hit in m.groups[:40]:
+                    lines.append(f"| {p} | {r} | {s} | {pos} | {st} | {ex} | {n} | {'yes' if hit else 'no'} |")
+                if len(m.groups) > 40:
+                    lines.append(f"| … {len(m.groups) - 40} more | | | | | | | |")
+        f = d.get("faults")
+        if f is not None:
+            lines += ["", f"| {d['phase']}: fault class (target pool) | injections | detected | rate | reasons | "
+                          "tags |",
+                      "|---|---|---|---|---|---|"]
+            for c in EAGLE_FAULTS:
+                n, k = f.injections.get(c, 0), f.detected.get(c, 0)
+                reasons = ", ".join(f"{a}×{b}" for a, b in sorted(f.reasons.get(c, {}).items())) or "-"
+                tags = ", ".join(f"{a}×{b}" for a, b in sorted(f.tags.get(c, {}).items())) or "-"
+                lines.append(f"| {c} | {n} | {k} | {f'{100.0 * k / n:.0f} %' if n else '-'} | {reasons} | {tags} |")
+            lines.append(f"| violations on untouched slots (any pool) | {len(f.unexplained)} | | | | |")
+    return lines
+
+
+def dry_run_eagle(phase: Phase, pdir: str, base: dict, seed: int = 0) -> dict:
+    """What an EAGLE phase's worker would leave (no sglang): tails, spec stats lines, a report that passes."""
+    groups = make_eagle_workload(phase.workload, seed=seed, max_new=phase.max_new)
+    reqs = [r for g in groups for r in g]
+    mode = dict(phase.env).get(EAGLE_TAIL_ENV, "")
+    log = [f"[e2e-eagle] EagleDraftWorker._draft_extend_for_prefill replaced: mode={mode} pid=1"]
+    report = []
+    rank_t, rank_d = {"tp_rank": 0, "pool": "target"}, {"tp_rank": 0, "pool": "draft"}
+    slot, step = 100, 20
+    if phase.workload == "eagle-chunked":
+        for r in reqs:
+            for end in range(EAGLE_CHUNK, len(r.input_ids), EAGLE_CHUNK):
+                nxt = r.input_ids[end]
+                fed = nxt if mode == "fix" else (nxt + 1) % 2048
+                log.append(f"[e2e-eagle] draft tail: mode={mode} position={end - 1} fed={fed} next={nxt} "
+                           f"sampled={(nxt + 1) % 2048} rid=x")
+                if mode == "observe":
+                    for rep in range(2):
+                        report.append({"schema": VIOLATION_SCHEMA, "step": step + rep, "tag": "verify",
+                                       "reasons": ["verify_token"], "slot": slot + end - 1, "position": end - 1,
+                                       "stored_token": fed, "expected_token": nxt, "rank": rank_d})
+            slot += 400
+    if phase.workload == "eagle-faults":
+        rng = random.Random(seed)
+        for c in EAGLE_FAULTS * 22:
+            slots = [rng.randrange(1, 6000) for _ in range(3 if c == "req_to_token_redirect" else 1)]
+            report.append({"schema": INJECTION_SCHEMA, "fault": c, "step": step, "slots": slots, "detail": "dry-run",
+                           "rank": rank_t})
+            report.append({"schema": VIOLATION_SCHEMA, "step": step + 1, "reasons": [EXPECTED_REASONS[c][0]],
+                           "tag": "sweep" if c == "cached_idle_corruption" else "verify", "slot": slots[0],
+                           "rank": rank_t})
+            step += 4
+    nvio = sum(r["schema"] == VIOLATION_SCHEMA and _pool(r) == "draft" for r in report)
+    for pool in ("target", "draft"):
+        log.append(f"kvcanary spec stats: step=400 pool={pool} verify_forwards={300 if pool == 'target' else 0} "
+                   f"draft_decode_forwards={0 if pool == 'target' else 300} draft_extend_forwards="
+                   f"{0 if pool == 'target' else 340} drafts_written=600 drafts_accepted=12 drafts_rejected=588 "
+                   f"rolled_back=588 forwards=400 tokens_written=30000 entries_verified=900000 "
+                   f"violations={nvio if pool == 'draft' else 0} tp_rank=0")
+    with open(os.path.join(pdir, "worker.log"), "w") as f:
+        f.write("[dry-run]\n" + "\n".join(log) + "\n")
+    with open(os.path.join(pdir, "kvc-0.jsonl"), "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in report))
+    return dict(base, requests_sent=len(reqs), requests_ok=len(reqs), cached_tokens=4321)
+
+
+PHASES.update(EAGLE_PHASES)
+PHASE_NAMES.update({p.name: k for k, p in EAGLE_PHASES.items()})
+
+
 # ---------------------------------------------------------------------------------------------------- parent
 def phase_env(phase: Phase, report_dir: str, base: dict | None = None, mode: str | None = None,
               fault_rank: int | None = None) -> dict:
@@ -746,7 +1230,7 @@ def engine_kwargs(phase: Phase, model: str, args) -> dict:
     if getattr(args, "tp_size", 1) > 1:
         kw.update(tp_size=args.tp_size)  # one kvcanary manager per TP rank, reports kvc-<rank>.jsonl
     kw.update(dict(phase.engine))
-    return piecewise_engine_kwargs(kw, getattr(args, "piecewise", False))
+    return eagle_engine_kwargs(piecewise_engine_kwargs(kw, getattr(args, "piecewise", False)), phase, args)
 
 
 def ensure_model(args) -> str:
@@ -810,7 +1294,7 @@ def run_phases(args, runner=run_worker) -> dict:
         spec = {"phase": key, "subs": subs, "model": model, "engine": engine_kwargs(phase, model, args),
                 "requests": args.requests, "seed": args.seed, "chunk": args.chunk, "out": pdir,
                 "deadline": time.time() + timeout - 25,  # the worker stops sending requests then, and shuts down
-                "max_new": list(phase.max_new), "warm_groups": 3 if key == "4" else 0}
+                "max_new": list(phase.max_new), "warm_groups": 3 if key == "4" else 0, "workload": phase.workload}
         spec_path = os.path.join(pdir, f"spec{'-' + '-'.join(s for s in subs if s)}.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f, indent=1)
@@ -818,12 +1302,13 @@ def run_phases(args, runner=run_worker) -> dict:
         label = f"{key} {phase.name}" + (f" ({'+'.join(subs)})" if any(subs) else "")
         print(f"[e2e] phase {label}: timeout {timeout:.0f} s", flush=True)
         t = time.monotonic()
-        env = phase_env(phase, pdir, fault_rank=getattr(args, "fault_rank", None))
+        env = eagle_env(phase_env(phase, pdir, fault_rank=getattr(args, "fault_rank", None)), phase, pdir)
         rc = runner(cmd, env, os.path.join(pdir, "worker.log"), timeout)
         for sub in subs:
             res = load_result(os.path.join(pdir, f"result{sub and '-' + sub}.json")) or {"status": "NO_RESULT"}
             res["rc"] = rc
             res["piecewise"] = bool(getattr(args, "piecewise", False))  # the Engine kept piecewise CUDA graphs
+            res["seed"] = args.seed  # the workload's (the EAGLE summary rebuilds it)
             if rc != 0 and res.get("status") == "OK":
                 res["status"] = f"OK_EXIT_{rc}"
             elif rc in (124, 137) and res.get("status") in ("RUNNING", "STARTING"):
@@ -905,6 +1390,9 @@ def dry_run_reports(args, groups: list[list[Request]]) -> dict:
                 "entries_swept=90000 violations=0 lost=0\n" \
                 "kvcanary host time: step=1200 forwards=1200 eager=240 canary_us_per_forward=61.5 hooks_us=40.2 " \
                 "launch_us_per_eager_forward=106.5 forward_us=2210.0\n"
+        if key in EAGLE_PHASES:
+            results[key] = dry_run_eagle(phase, pdir, dict(base, seed=args.seed), args.seed)
+            continue
         if args.piecewise:
             stats = dry_run_piecewise_log()
             base["piecewise"] = True
@@ -978,7 +1466,7 @@ def worker_main(spec_path: str) -> int:
         raise
     import_s = time.perf_counter() - t
     print(f"[e2e-worker] import sglang: {import_s:.1f} s", flush=True)
-    groups = make_workload(spec["requests"], seed=spec["seed"], max_new=tuple(spec["max_new"]))
+    groups = phase_workload(spec)
     rc = 0
     for sub in spec["subs"]:
         res_path = os.path.join(out, f"result{sub and '-' + sub}.json")
@@ -1084,7 +1572,10 @@ def run_engine(Engine, spec: dict, groups: list[list[Request]], res: dict, res_p
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--phases", default="1,2,3,4", help="comma-separated: 1 clean, 2 graph, 3 faults, 4 overhead")
+    ap.add_argument("--phases", default="1,2,3,4", help="comma-separated: 1 clean, 2 graph, 3 faults, 4 overhead, "
+                    "5 eagle-bug, 6 eagle-fixed, 7 eagle-soak, 8 eagle-faults")
+    ap.add_argument("--draft-model", default=None, help="EAGLE draft model path (default: a one-layer "
+                    "LlamaForCausalLMEagle config, dummy weights)")
     ap.add_argument("--budget", type=float, default=570.0, help="seconds for the whole run (default 570)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "sglang_e2e_out", help="output folder ($OUT)")
     ap.add_argument("--model", default=None, help="model path (default: a tiny Llama config, dummy weights)")
