@@ -33,7 +33,8 @@ class ReportFile:
     """One append-only report file. Not thread-safe: the ``Reporter`` serialises calls under its lock."""
 
     def __init__(self, path: str, *, var: str = ENV_REPORT) -> None:
-        self.path = path
+        self.given_path = path
+        self.path = os.path.abspath(path)  # reopen where it was opened, whatever the process's cwd becomes
         self.var = var
         self._fd: int | None = None
         self._torn = False  # the last write stopped inside a line
@@ -42,13 +43,13 @@ class ReportFile:
     # -- open / close --------------------------------------------------------------------------------------
     def open(self) -> None:
         """Start-up open: check the path, create parent directories, open. ``ValueError`` naming the variable."""
-        check_report_path(self.path, self.var)
+        check_report_path(self.given_path, self.var)
         try:
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
             self._fd = os.open(self.path, _OPEN_FLAGS, 0o644)
         except OSError as exc:
             raise ValueError(
-                f"{self.var}: cannot open {self.path!r} for appending: {exc.strerror or exc}"
+                f"{self.var}: cannot open {self.given_path!r} for appending: {exc.strerror or exc}"
             ) from exc
 
     @property

@@ -283,3 +283,21 @@ def test_open_failure_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(ValueError, match=r"^KVCANARY_REPORT: cannot open .* Read-only file system") as info:
         Reporter(Mode.LOG, str(tmp_path / "r.jsonl"))
     assert isinstance(info.value.__cause__, OSError)
+
+
+def test_relative_path_stays_where_it_was_opened(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    with Reporter(Mode.LOG, "kv.jsonl", repeat_window=0) as rep:
+        monkeypatch.chdir(tmp_path / "b")  # a relative path must not now name b/kv.jsonl
+        rep.report([violation(1)])
+    assert [r["step"] for r in read_jsonl(tmp_path / "a" / "kv.jsonl")] == [1]
+    assert not (tmp_path / "b" / "kv.jsonl").exists()
+
+
+def test_off_and_raise_ignore_the_repeat_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCANARY_LOG_REPEAT_WINDOW", "not a number")
+    assert Reporter(Mode.OFF).repeat_window == 0 and Reporter(Mode.RAISE).repeat_window == 0
+    with pytest.raises(ValueError, match="^KVCANARY_LOG_REPEAT_WINDOW: "):
+        Reporter(Mode.LOG)
