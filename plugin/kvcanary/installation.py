@@ -9,6 +9,7 @@ Nothing here names an engine attribute: an engine adapter (``kvcanary.sglang``) 
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 import time
@@ -39,6 +40,14 @@ class GroupSpec:
     loc: str = "full"
 
 
+class WrapperCall(enum.Enum):
+    """What one call of the ``model.forward`` wrapper is, as the engine adapter's gate sees it."""
+
+    EAGER = "eager"  # run the canary: an eager forward, or a decode-graph capture (the launches are captured)
+    PIECEWISE = "piecewise"  # run the canary: a real forward a piecewise (prefill) graph runner serves around it
+    SKIP = "skip"  # run nothing: a capture-time forward of a piecewise graph runner (dummy batch, not serving)
+
+
 @dataclass
 class HostTime:
     """Host time the canary adds to forwards, against the host time of the forwards themselves (ns).
@@ -48,19 +57,26 @@ class HostTime:
     """
 
     forwards: int = 0
-    eager_forwards: int = 0  # forwards that ran the model.forward wrapper (not a graph replay)
+    eager_forwards: int = 0  # forwards whose wrapper launched eagerly, not served by a piecewise graph runner
     forward_ns: int = 0  # around ModelRunner.forward, canary included (launch time: nothing waits for the GPU)
     hook_ns: int = 0  # host_before + host_after (fault injection, drain, health, stats, sweep)
-    in_forward_ns: int = 0  # the wrapper's plan/verify/write launches (eager forwards only)
+    in_forward_ns: int = 0  # the wrapper's plan/verify/write launches (eager and piecewise-served forwards)
+    piecewise_forwards: int = 0  # real forwards a piecewise (prefill) graph runner served, the wrapper around it
+    piecewise_launch_ns: int = 0  # the wrapper's launches in those forwards (part of in_forward_ns)
+    piecewise_hook_ns: int = 0  # the hooks' time in those forwards (part of hook_ns)
 
     def line(self, step: int) -> str:
         n = max(self.forwards, 1)
         canary = (self.hook_ns + self.in_forward_ns) / n / 1e3
+        eager_launch = self.in_forward_ns - self.piecewise_launch_ns
+        pw = max(self.piecewise_forwards, 1)
         return (
             f"kvcanary host time: step={step} forwards={self.forwards} eager={self.eager_forwards} "
             f"canary_us_per_forward={canary:.1f} hooks_us={self.hook_ns / n / 1e3:.1f} "
-            f"launch_us_per_eager_forward={self.in_forward_ns / max(self.eager_forwards, 1) / 1e3:.1f} "
-            f"forward_us={self.forward_ns / n / 1e3:.1f}"
+            f"launch_us_per_eager_forward={eager_launch / max(self.eager_forwards, 1) / 1e3:.1f} "
+            f"forward_us={self.forward_ns / n / 1e3:.1f} piecewise={self.piecewise_forwards} "
+            f"launch_us_per_piecewise_forward={self.piecewise_launch_ns / pw / 1e3:.1f} "
+            f"canary_us_per_piecewise_forward={(self.piecewise_launch_ns + self.piecewise_hook_ns) / pw / 1e3:.1f}"
         )
 
 
@@ -97,6 +113,12 @@ class Installation:
     token_mirror: dict = field(default_factory=dict)
     prefix_cache: object | None = None
     host_time: HostTime = field(default_factory=HostTime)
+    # The adapter's gate, asked on every call of the model.forward wrapper (None: always EAGER), and how many real
+    # forwards are in progress (the adapter's forward hook counts them, so the gate can tell a replay of a real
+    # forward from a capture-time one).
+    wrapper_call: Callable[[], WrapperCall] | None = None
+    serving: int = 0
+    _piecewise_now: bool = False  # this real forward was served by a piecewise graph runner (for account_forward)
 
     @property
     def manager(self) -> CanaryManager:
@@ -105,7 +127,13 @@ class Installation:
 
     # ------------------------------------------------------------------------------------------- in-graph half
     def wrap_model_forward(self, model: torch.nn.Module) -> None:
-        """Replace the instance's ``model.forward`` so plan/verify/write sit inside captured decode graphs."""
+        """Replace the instance's ``model.forward`` so plan/verify/write sit inside captured decode graphs.
+
+        A piecewise (prefill) graph runner replays only the layer stack inside this forward: there the launches
+        run eagerly on the forward's stream before and after the replayed pieces. ``wrapper_call`` tells such
+        a forward (counted apart) from a capture-time forward of that runner (nothing runs); while torch.compile
+        traces a caller, the wrapper only calls through.
+        """
         original = model.forward
         if getattr(original, "kvcanary_wrapped", False):
             return
@@ -113,6 +141,12 @@ class Installation:
 
         @functools.wraps(original)
         def forward(input_ids, positions, forward_batch, *args, **kwargs):
+            # torch.compile tracing this frame (a compiled caller): trace the model only, never a kvcanary op.
+            if torch.compiler.is_compiling():
+                return original(input_ids, positions, forward_batch, *args, **kwargs)
+            call = install.wrapper_call() if install.wrapper_call is not None else WrapperCall.EAGER
+            if call is WrapperCall.SKIP:
+                return original(input_ids, positions, forward_batch, *args, **kwargs)
             t0 = time.perf_counter_ns()
             views = install.to_views(forward_batch, input_ids, positions)
             for group, view in zip(install.groups, views, strict=False):
@@ -123,8 +157,13 @@ class Installation:
             for group, view in zip(install.groups, views, strict=False):
                 group.manager.after_forward(view)
             host = install.host_time
-            host.in_forward_ns += t1 - t0 + time.perf_counter_ns() - t2
-            host.eager_forwards += 1  # also counted during capture; reset by mark_init_finished
+            launch = t1 - t0 + time.perf_counter_ns() - t2
+            host.in_forward_ns += launch
+            if call is WrapperCall.PIECEWISE:
+                host.piecewise_launch_ns += launch
+                install._piecewise_now = True
+            else:
+                host.eager_forwards += 1  # also counted during capture; reset by mark_init_finished
             return out
 
         forward.kvcanary_wrapped = True  # type: ignore[attr-defined]
@@ -196,6 +235,10 @@ class Installation:
         host.forwards += 1
         host.forward_ns += forward_ns
         host.hook_ns += hook_ns
+        if self._piecewise_now:
+            host.piecewise_forwards += 1
+            host.piecewise_hook_ns += hook_ns
+            self._piecewise_now = False
         every = self.config.stats_every
         if every and host.forwards % every == 0:
             logger.info("%s", host.line(self.steps))

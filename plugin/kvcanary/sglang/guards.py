@@ -18,11 +18,7 @@ def check_supported(server_args, sglang_version: str) -> None:
             f"sglang's own KV canary is enabled (--kv-canary {own}); kvcanary does not install twice: "
             "drop --kv-canary or unset KVCANARY_MODE"
         )
-    if not getattr(server_args, "disable_piecewise_cuda_graph", True):
-        raise UnsupportedSetupError(
-            f"piecewise CUDA graph is on (the default for prefill in sglang {sglang_version}); kvcanary cannot run "
-            "inside it: pass --disable-piecewise-cuda-graph"
-        )
+    # Piecewise CUDA graphs (prefill) are supported: the canary runs around each replay (kvcanary.sglang.piecewise).
     if getattr(server_args, "enable_torch_compile", False):
         raise UnsupportedSetupError(
             "--enable-torch-compile compiles model.forward, which kvcanary wraps; remove --enable-torch-compile"
@@ -46,10 +42,16 @@ def check_supported(server_args, sglang_version: str) -> None:
         )
 
 
+# The prefill graph runners kvcanary runs around (sglang 0.5.12's model_runner.init_piecewise_cuda_graphs): both
+# replay the layer stack inside the top-level model.forward, which kvcanary wraps.
+KNOWN_PIECEWISE_RUNNERS = ("PiecewiseCudaGraphRunner", "BreakableCudaGraphRunner")
+
+
 def check_after_initialize(runner) -> None:
-    """Refuse a runner that built a piecewise CUDA graph runner anyway (kvcanary cannot run inside it)."""
-    if getattr(runner, "piecewise_cuda_graph_runner", None) is not None:
+    """Refuse a prefill graph runner kvcanary does not know (it could replay model.forward itself)."""
+    pcg = getattr(runner, "piecewise_cuda_graph_runner", None)
+    if pcg is not None and type(pcg).__name__ not in KNOWN_PIECEWISE_RUNNERS:
         raise UnsupportedSetupError(
-            "a piecewise CUDA graph runner was built; kvcanary cannot run inside it: "
-            "pass --disable-piecewise-cuda-graph"
+            f"prefill graphs are served by {type(pcg).__name__}, which kvcanary does not know (it runs around "
+            f"{' and '.join(KNOWN_PIECEWISE_RUNNERS)}): pass --disable-piecewise-cuda-graph"
         )

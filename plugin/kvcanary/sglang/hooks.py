@@ -26,6 +26,7 @@ from kvcanary.config import Config
 from kvcanary.installation import Group, Installation, installations, remember
 from kvcanary.manager import CanaryManager
 from kvcanary.report import Reporter
+from kvcanary.sglang import piecewise
 from kvcanary.sglang.batches import BatchConverter, mode_name, unsupported_mode
 from kvcanary.sglang.contract import VersionModule
 from kvcanary.sglang.fault_injection import fault_plan_for_rank, inject_fault, repair_token_swaps, rows_remaining
@@ -76,6 +77,8 @@ class AdapterHooks:
         r2t = parts.req_to_token
         device = r2t.device
         max_bs = max(parts.max_running_requests + 1, parts.cuda_graph_max_bs)
+        # a piecewise prefill replay hands model.forward its batch padded up to the next capture size
+        max_tokens = max(max_bs, piecewise.max_static_tokens(v.server_args_of(runner)))
         rank, report_rank = v.runner_ranks(runner)
         groups = []
         for spec in specs:
@@ -90,7 +93,7 @@ class AdapterHooks:
                 req_to_token=r2t,
                 device=device,
                 max_batch_size=max_bs,
-                max_tokens_per_forward=max(spec.num_slots, max_bs),
+                max_tokens_per_forward=max(spec.num_slots, max_tokens),
                 verify_capacity=vcap,
                 real_kv_sources=spec.sources,
                 swa_window_size=spec.swa_window_size,
@@ -106,6 +109,7 @@ class AdapterHooks:
             req_to_token=r2t,
             fault_plan=fault_plan_for_rank(report_rank),
         )
+        inst.wrapper_call = piecewise.wrapper_gate(inst)  # set before piecewise graphs capture (they call the wrapper)
         inst.wrap_model_forward(parts.model)
         setattr(runner, INSTALL_ATTR, inst)
         remember(inst)
@@ -126,6 +130,7 @@ class AdapterHooks:
         inst = installation_of(runner)
         if inst is not None:
             self.version.check_after_initialize(runner)
+            piecewise.after_initialize(runner, inst)
             inst.mark_init_finished()
         return result
 
@@ -140,7 +145,11 @@ class AdapterHooks:
         t0 = time.perf_counter_ns()
         inst.host_before(lambda i, step, cls: inject_fault(i, step, forward_batch, cls, self.version))
         t1 = time.perf_counter_ns()
-        out = original(runner, forward_batch, *args, **kwargs)
+        inst.serving += 1  # a piecewise replay inside is a real forward's (capture-time ones run outside)
+        try:
+            out = original(runner, forward_batch, *args, **kwargs)
+        finally:
+            inst.serving -= 1
         if inst.pending_repairs:
             repair_token_swaps(inst, forward_batch)
         t2 = time.perf_counter_ns()
