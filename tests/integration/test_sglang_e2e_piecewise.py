@@ -180,3 +180,20 @@ def test_dry_run_cli_with_piecewise(tmp_path) -> None:
     assert "RESULT: PASS" in proc.stdout
     assert "| 2 graph | 240 | 1200 | 146.7 (106.5) | 21.4 |" in proc.stdout
     assert "over 3 pairs: median" in proc.stdout
+
+
+def test_the_adapters_host_time_line_parses_with_its_piecewise_count(e2e, caplog) -> None:
+    """The driver reads kvcanary's own ``kvcanary host time:`` line (same text, no shared code)."""
+    from kvcanary.config import Config
+    from kvcanary.installation import HostTime, Installation
+
+    inst = Installation(config=Config(stats_every=2), groups=[], to_views=lambda *a: [], req_to_token=None)
+    inst.host_time = HostTime(eager_forwards=1, in_forward_ns=250_000, piecewise_launch_ns=160_000)
+    with caplog.at_level("INFO", logger="kvcanary.installation"):
+        inst._piecewise_now = True  # what the model.forward wrapper sets when a piecewise replay served the forward
+        inst.account_forward(forward_ns=2_000_000, hook_ns=40_000)
+        inst.account_forward(forward_ns=3_000_000, hook_ns=60_000)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert e2e.parse_piecewise(text) == {"forwards": 2, "piecewise": 1, "launch_us": 160.0, "canary_us": 200.0}
+    assert e2e.parse_host_time(text) == {"forwards": 2, "eager": 1, "canary_us": 175.0, "hooks_us": 50.0,
+                                         "launch_us": 90.0, "forward_us": 2500.0}
