@@ -243,3 +243,72 @@ def test_without_prometheus_client_one_info_line(monkeypatch: pytest.MonkeyPatch
     first.observe([FakeManager()])  # a no-op
     lines = [r.getMessage() for r in caplog.records if r.name == "kvcanary.metrics"]
     assert lines == ["kvcanary: metrics are off (prometheus_client is not installed; pip install 'kvcanary[metrics]')"]
+
+
+def _installation(mode: str):
+    """A real CPU manager inside an Installation (the adapter's per-runner glue), with one 6-token request."""
+    import torch
+
+    from kvcanary.batch import BatchView, ForwardKind
+    from kvcanary.config import Config, Mode
+    from kvcanary.installation import Group, GroupSpec, Installation
+    from kvcanary.manager import CanaryManager
+
+    config = Config(mode=Mode(mode), stats_every=0, drain_every=1)
+    r2t = torch.zeros((2, 16), dtype=torch.int32)
+    mgr = CanaryManager(config, num_slots=32, req_to_token=r2t, device="cpu", max_batch_size=1,
+                        max_tokens_per_forward=8, rank={"tp_rank": 3})
+    inst = Installation(config=config, groups=[Group(GroupSpec("full", 32, ()), mgr)], to_views=lambda *a: [],
+                        req_to_token=r2t)
+    i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+
+    def forward(pos: int, n: int) -> None:
+        r2t[1, pos:pos + n] = torch.arange(pos + 1, pos + n + 1, dtype=torch.int32)
+        batch = BatchView(ForwardKind.EXTEND if n > 1 else ForwardKind.DECODE, i64(list(range(100, 100 + n))),
+                          i64(list(range(pos, pos + n))), i64(list(range(pos + 1, pos + n + 1))), i64([1]),
+                          i64([pos]), i64([n]))
+        mgr.before_forward(batch)
+        mgr.after_forward(batch)
+        inst.host_after()
+
+    return inst, mgr, r2t, forward
+
+
+def test_installation_host_after_feeds_the_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The adapter's wiring: the first host_after builds the process metrics from the manager's rank and the
+    installation's model_name; every host_after adds the managers' deltas."""
+    from kvcanary import installation
+
+    registry = CollectorRegistry()
+    asked = []
+
+    def fake_metrics_for(rank, model_name=None):  # noqa: ANN001, ANN202
+        asked.append((dict(rank), model_name))
+        return metrics.CanaryMetrics(metrics.labels_from(rank, model_name), registry)
+
+    monkeypatch.setattr(installation, "metrics_for", fake_metrics_for)
+    inst, mgr, _, forward = _installation("log")
+    inst.model_name = "tiny-llama"
+    forward(0, 4)
+    for pos in range(4, 8):
+        forward(pos, 1)
+    assert asked == [({"tp_rank": 3}, "tiny-llama")]  # built once
+    s = scrape(registry)
+    labels = (("model_name", "tiny-llama"), ("tp_rank", "3"))
+    assert s[(metrics.PREFIX + "forwards_total", labels)] == mgr.stats.forwards == 5
+    assert s[(metrics.PREFIX + "tokens_written_total", labels)] == mgr.stats.slot_runs[LaunchTag.WRITE] == 8
+    assert s[(metrics.PREFIX + "entries_verified_total", labels)] == mgr.stats.slot_runs[LaunchTag.VERIFY] > 0
+
+
+def test_raise_mode_counts_the_violation_before_the_error_propagates() -> None:
+    from kvcanary.report import CanaryViolationError
+
+    registry = CollectorRegistry()
+    inst, mgr, r2t, forward = _installation("raise")
+    inst.metrics = metrics.CanaryMetrics({"tp_rank": "3"}, registry)
+    forward(0, 4)
+    r2t[1, 2] = 9  # redirect position 2 to a slot nobody wrote
+    with pytest.raises(CanaryViolationError):
+        forward(4, 1)
+    s = scrape(registry)
+    assert s[(metrics.PREFIX + "violations_total", (("reason", "verify_chain_hash"), ("tp_rank", "3")))] >= 1

@@ -22,6 +22,7 @@ import torch
 from kvcanary.batch import BatchView
 from kvcanary.config import Config
 from kvcanary.manager import CanaryManager, SweepSource
+from kvcanary.metrics import CanaryMetrics, NoMetrics, metrics_for
 from kvcanary.real_kv import RealKvSource
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,9 @@ class Installation:
     wrapper_call: Callable[[], WrapperCall] | None = None
     serving: int = 0
     _piecewise_now: bool = False  # this real forward was served by a piecewise graph runner (for account_forward)
+    # Prometheus counters (kvcanary.metrics), built on the first host_after; model_name is their label when known.
+    metrics: CanaryMetrics | NoMetrics | None = None
+    model_name: str | None = None
 
     @property
     def manager(self) -> CanaryManager:
@@ -222,6 +226,9 @@ class Installation:
                 group.manager.step(capturing=False)  # host_after runs for real forwards only, never in capture
         finally:
             self._run_undo(True)
+            if self.metrics is None:
+                self.metrics = metrics_for(self.manager.rank, self.model_name)
+            self.metrics.observe(g.manager for g in self.groups)  # deltas of the managers' counts; never raises
 
     def mark_init_finished(self) -> None:
         for group in self.groups:

@@ -154,13 +154,15 @@ class CanaryMetrics:
         """Add what ``manager`` counted since the last update (its ``stats``, its reporter's ``total_lost`` and
         ``total_health_errors``, the violations it reported). Cheap when nothing changed."""
         stats, reporter, violations = manager.stats, manager.reporter, manager.violations
+        seen = self._seen.get(manager)
+        # The counters move only when the manager drains (every KVCANARY_DRAIN_EVERY forwards): most calls end here.
+        if (seen is not None and stats.forwards == seen.forwards and len(violations) == seen.violations
+                and reporter.total_lost == seen.lost and reporter.total_health_errors == seen.health):
+            return
         with self._lock:
             seen = self._seen.get(manager)
             if seen is None:
                 seen = self._seen[manager] = _Seen()
-            if (stats.forwards == seen.forwards and len(violations) == seen.violations
-                    and reporter.total_lost == seen.lost and reporter.total_health_errors == seen.health):
-                return
             runs = stats.slot_runs
             for child, attr, value in (
                 (self._forwards, "forwards", stats.forwards),
@@ -226,7 +228,8 @@ _off_logged = False
 
 def metrics_for(rank: Mapping[str, Any] | None, model_name: str | None = None) -> CanaryMetrics | NoMetrics:
     """The process's :class:`CanaryMetrics` for these labels (one per label set, built on first use in the default
-    registry), or a :class:`NoMetrics` after one INFO line when ``prometheus_client`` is not installed."""
+    registry), or a :class:`NoMetrics` after one INFO line when ``prometheus_client`` is not installed. Never
+    raises."""
     global _off_logged
     labels = labels_from(rank, model_name)
     key = tuple(sorted(labels.items()))
@@ -242,6 +245,10 @@ def metrics_for(rank: Mapping[str, Any] | None, model_name: str | None = None) -
                         "pip install 'kvcanary[metrics]')")
         found = NoMetrics()
     else:
-        found = CanaryMetrics(labels)
+        try:
+            found = CanaryMetrics(labels)
+        except Exception:  # noqa: BLE001 - metrics must never stop serving (e.g. a name registered by someone else)
+            logger.exception("kvcanary: metrics could not be registered; kvcanary metrics are off")
+            found = NoMetrics()
     _by_labels[key] = found
     return found
