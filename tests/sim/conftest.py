@@ -1,5 +1,5 @@
-"""Simulator tests: make ``kvcanary`` (plugin/) and the simulator (tests/sim/engine.py) importable, and build
-a simulator wired to a real ``CanaryManager`` on the CPU (``engine.build_sim``)."""
+"""Simulator tests: make ``kvcanary`` (plugin/) and ``engine`` (tests/sim/engine.py, which re-exports the package's
+``kvcanary.sim.engine``) importable; ``engine.build_sim`` wires a simulator to a real ``CanaryManager``."""
 
 from __future__ import annotations
 
