@@ -10,7 +10,7 @@
 set -u
 TAG=${1:?usage: h200_e2e.sh TAG [driver args]}; shift
 OUT=${OUT:-/tmp/e2e-out}; mkdir -p "$OUT"
-SITE=/tmp/site
+SITE=${SITE_DIR:-/tmp/site}  # SITE_DIR: a second run beside the first gets its own copy
 PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE"
 if [ ! -d $SITE/sglang ]; then
   $PIP .e2ewhl/*.whl >/tmp/pip.log 2>&1 || { tail -20 /tmp/pip.log; exit 1; }
@@ -20,10 +20,13 @@ else
 fi
 # sgl_kernel's sm90 ops need libnuma.so.1; the image may lack it (a copy travels in .e2ewhl/lib)
 ldconfig -p | grep -q 'libnuma.so.1 ' || export LD_LIBRARY_PATH=$PWD/.e2ewhl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# JIT caches under /tmp; CACHE_TAG gives a run its own set, so two runs on two GPUs of one machine never build
+# into the same folder at once (e.g. CUDA_VISIBLE_DEVICES=1 CACHE_TAG=b bash integration/h200_e2e.sh ...).
+C=/tmp/${CACHE_TAG:+$CACHE_TAG-}
 export PYTHONPATH=$SITE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 \
-  KVCANARY_CUDA_ARCH=${KVCANARY_CUDA_ARCH:-9.0a} KVCANARY_CACHE_DIR=/tmp/kvc TVM_FFI_CACHE_DIR=/tmp/tvmffi-cache \
-  TRITON_CACHE_DIR=/tmp/triton-cache FLASHINFER_WORKSPACE_BASE=/tmp/fi-ws CUDA_CACHE_PATH=/tmp/nv-cache \
-  TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor
+  KVCANARY_CUDA_ARCH=${KVCANARY_CUDA_ARCH:-9.0a} KVCANARY_CACHE_DIR=${C}kvc TVM_FFI_CACHE_DIR=${C}tvmffi-cache \
+  TRITON_CACHE_DIR=${C}triton-cache FLASHINFER_WORKSPACE_BASE=${C}fi-ws CUDA_CACHE_PATH=${C}nv-cache \
+  TORCHINDUCTOR_CACHE_DIR=${C}torchinductor
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 python3 integration/sglang_e2e.py --model .e2e/tiny-llama --out /tmp/e2e-$TAG "$@"
 rc=$?
