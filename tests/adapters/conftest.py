@@ -14,6 +14,11 @@ if importlib.util.find_spec("sglang") is not None:
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, os.path.dirname(__file__))
-    import _sglang_cpu_shims  # noqa: E402
+    from importlib.metadata import version as _installed
 
-    _sglang_cpu_shims.apply()
+    if _installed("sglang").startswith("0.5.23"):  # its CPU engine imports sgl_kernel CPU kernels: another shim
+        import _sglang_cpu_shims_0_5_23 as _shims  # noqa: E402
+    else:
+        import _sglang_cpu_shims as _shims  # noqa: E402
+
+    _shims.apply()

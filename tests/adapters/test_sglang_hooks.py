@@ -105,10 +105,11 @@ def test_supported_versions_select_their_module(version) -> None:
     assert kvcanary_sglang.module_name_for(version) == "kvcanary.sglang.v0_5_12"
 
 
-@pytest.mark.parametrize("version", ["0.5.23", "0.5.13rc1", "0.5.11", "0.5.12rc1", "unknown"])
+@pytest.mark.parametrize("version", ["0.5.20", "0.5.13rc1", "0.5.11", "0.5.12rc1", "0.5.24", "unknown"])
 def test_unsupported_version_is_refused_by_name_with_the_supported_range(version) -> None:
     with pytest.raises(kvcanary_sglang.UnsupportedVersionError,
-                       match=rf"sglang {version} is not supported .*supported: sglang>=0\.5\.12,<0\.5\.13"):
+                       match=rf"sglang {version} is not supported .*supported: sglang>=0\.5\.12,<0\.5\.13, "
+                             r"sglang>=0\.5\.23,<0\.5\.24"):
         kvcanary_sglang.module_name_for(version)
 
 
@@ -119,9 +120,9 @@ def test_register_refuses_an_unsupported_sglang_and_stops_startup(hooks, monkeyp
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     monkeypatch.setenv("KVCANARY_MODE", "log")
-    monkeypatch.setattr(kvcanary_sglang, "_sglang_version", lambda: "0.5.23")
+    monkeypatch.setattr(kvcanary_sglang, "_sglang_version", lambda: "0.5.20")
     for _ in range(2):
-        with pytest.raises(kvcanary_sglang.UnsupportedVersionError, match="sglang 0.5.23 is not supported"):
+        with pytest.raises(kvcanary_sglang.UnsupportedVersionError, match="sglang 0.5.20 is not supported"):
             register()
     assert not any(HookRegistry._hooks.get(t.dotted) for t in v0_5_12.TARGETS)
     assert len(HookRegistry._hooks[v0_5_12.STARTUP_FAILURE_TARGET]) == 1
@@ -197,7 +198,7 @@ GUARDS = [
     ("torch_compile", {"enable_torch_compile": True}, "remove --enable-torch-compile"),
     ("split_prefill", {"enable_pdmux": True}, "remove --enable-pdmux"),
     ("eagle_topk", {"speculative_algorithm": "EAGLE", "speculative_eagle_topk": 4}, "--speculative-eagle-topk 1"),
-    ("speculative", {"speculative_algorithm": "EAGLE", "speculative_eagle_topk": 1}, "remove --speculative-algorithm"),
+    ("speculative", {"speculative_algorithm": "STANDALONE"}, "remove --speculative-algorithm"),  # EAGLE topk 1 is covered
     ("own_canary", {"kv_canary": "log"}, "drop --kv-canary"),
 ]
 

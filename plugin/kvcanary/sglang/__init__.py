@@ -17,7 +17,7 @@ server on its own: on any error ``register()`` also registers a hook on ``ModelR
 the same error, so the scheduler process (and the launch) stops with a message naming the variable or target.
 
 Layout: this module (entry point, version table); ``contract`` (what a version module provides); one thin
-module of facts per version (``v0_5_12``); the shared pieces ``targets`` (hook targets, registration),
+module of facts per version (``v0_5_12``, ``v0_5_23``); the shared pieces ``targets`` (hook targets, registration),
 ``hooks`` (hook bodies, install), ``guards``, ``pools``, ``batches``, ``radix``, ``tokens``, ``ranks`` and
 ``fault_injection``; the engine-agnostic per-runner glue is :mod:`kvcanary.installation`.
 """
@@ -47,6 +47,7 @@ class SupportedVersion:
 # refused at start-up (never served by the nearest module): hook targets move between releases.
 SUPPORTED: tuple[SupportedVersion, ...] = (
     SupportedVersion(">=0.5.12,<0.5.13", "kvcanary.sglang.v0_5_12"),
+    SupportedVersion(">=0.5.23,<0.5.24", "kvcanary.sglang.v0_5_23"),
 )
 
 

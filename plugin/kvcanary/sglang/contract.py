@@ -77,6 +77,11 @@ class VersionModule(Protocol):
 
     def scheduler_stream_of(self, scheduler) -> Callable[[], torch.cuda.Stream | None]: ...
 
+    # Optional accessors (kvcanary.sglang.hooks falls back to the 0.5.12 behaviour when a module lacks one):
+    #   sweep_source(tree_cache, producer_stream) -> SweepSource | None: a prefix cache other than RadixCache;
+    #   wrapper_gate(inst) -> () -> WrapperCall: how the model.forward wrapper classifies its calls;
+    #   max_static_tokens(server_args) -> int: most tokens a prefill graph replay hands model.forward.
+
 
 # name -> the parameter names a version module's function must accept (in order).
 _FUNCTIONS: dict[str, tuple[str, ...]] = {
@@ -91,6 +96,12 @@ _FUNCTIONS: dict[str, tuple[str, ...]] = {
     "scheduler_cache": ("scheduler",),
     "radix_cache": ("tree_cache",),
     "scheduler_stream_of": ("scheduler",),
+}
+# Optional accessors: checked like _FUNCTIONS when a module defines them.
+_OPTIONAL_FUNCTIONS: dict[str, tuple[str, ...]] = {
+    "sweep_source": ("tree_cache", "producer_stream"),
+    "wrapper_gate": ("inst",),
+    "max_static_tokens": ("server_args",),
 }
 
 
@@ -125,8 +136,10 @@ def contract_problems(module: ModuleType) -> list[str]:
     modes = getattr(module, "FORWARD_MODES", None)
     if not isinstance(modes, Mapping) or not all(isinstance(k, ForwardKind) for k in modes.values()):
         problems.append(f"{name}.FORWARD_MODES: expected a mapping of ForwardMode name -> ForwardKind")
-    for fn_name, params in _FUNCTIONS.items():
+    for fn_name, params in {**_FUNCTIONS, **_OPTIONAL_FUNCTIONS}.items():
         fn = getattr(module, fn_name, None)
+        if fn is None and fn_name in _OPTIONAL_FUNCTIONS:
+            continue
         if not callable(fn):
             problems.append(f"{name}.{fn_name}: missing (expected a function of {', '.join(params)})")
             continue

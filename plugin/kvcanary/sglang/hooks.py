@@ -78,7 +78,7 @@ class AdapterHooks:
         device = r2t.device
         max_bs = max(parts.max_running_requests + 1, parts.cuda_graph_max_bs)
         # a piecewise prefill replay hands model.forward its batch padded up to the next capture size
-        max_tokens = max(max_bs, piecewise.max_static_tokens(v.server_args_of(runner)))
+        max_tokens = max(max_bs, getattr(v, "max_static_tokens", piecewise.max_static_tokens)(v.server_args_of(runner)))
         rank, report_rank = v.runner_ranks(runner)
         groups = []
         for spec in specs:
@@ -109,7 +109,8 @@ class AdapterHooks:
             req_to_token=r2t,
             fault_plan=fault_plan_for_rank(report_rank),
         )
-        inst.wrapper_call = piecewise.wrapper_gate(inst)  # set before piecewise graphs capture (they call the wrapper)
+        # set before piecewise graphs capture (they call the wrapper); a version may classify calls its own way
+        inst.wrapper_call = getattr(v, "wrapper_gate", piecewise.wrapper_gate)(inst)
         inst.wrap_model_forward(parts.model)
         setattr(runner, INSTALL_ATTR, inst)
         remember(inst)
@@ -177,16 +178,28 @@ class AdapterHooks:
         for inst in installations():
             if r2t is not None and inst.req_to_token is not r2t:
                 continue
-            radix = v.radix_cache(tree) if tree is not None else None
-            if radix is None:
+            source = self._sweep_source(tree, scheduler) if tree is not None else None
+            if source is None:
                 if inst.config.sweep_interval > 0:
                     logger.warning("kvcanary: prefix cache %s cannot be swept (supported: RadixCache); sweep off",
                                    type(tree).__name__)
             else:
-                inst.set_sweep_source(radix_sweep_source(radix, v.scheduler_stream_of(scheduler)))
+                inst.set_sweep_source(source)
                 inst.prefix_cache = tree
                 logger.info("kvcanary: sweep source: %s", type(tree).__name__)
         return result
+
+    def _sweep_source(self, tree, scheduler):
+        """The sweep source over ``tree``: the version's own ``sweep_source`` accessor when it has one (a prefix
+        cache other than RadixCache), else the shared RadixCache walker over ``radix_cache(tree)``; None when the
+        cache cannot be walked."""
+        v = self.version
+        stream = v.scheduler_stream_of(scheduler)
+        own = getattr(v, "sweep_source", None)
+        if own is not None:
+            return own(tree, stream)
+        radix = v.radix_cache(tree)
+        return radix_sweep_source(radix, stream) if radix is not None else None
 
     def after_forward_batch_init(self, result, cls, batch, model_runner, *args, **kwargs):
         inst = installation_of(model_runner)
