@@ -1507,8 +1507,32 @@ def _write_json(path: str, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+# ---------------------------------------------------------------------------------------------------- sglang version
+# The Engine arguments above use sglang 0.5.12's names. sglang 0.5.23's ServerArgs refuses two of them: it has no
+# --disable-piecewise-cuda-graph (prefill graphs are --cuda-graph-backend-prefill full|breakable|disabled, breakable
+# by default on CUDA) and --cuda-graph-max-bs became --cuda-graph-max-bs-decode. The worker translates them for the
+# sglang it imports (kvcanary picks its own version module; this driver does not import kvcanary).
+def installed_sglang_version() -> str:
+    from importlib.metadata import version
+
+    return version("sglang")
+
+
+def version_engine_kwargs(kw: dict, sglang_version: str) -> dict:
+    """``kw`` (0.5.12 names) as the installed sglang's Engine takes them (unchanged before 0.5.23)."""
+    parts = re.match(r"(\d+)\.(\d+)\.(\d+)", sglang_version)
+    if parts is None or tuple(int(x) for x in parts.groups()) < (0, 5, 23):
+        return kw
+    kw = dict(kw)
+    if kw.pop("disable_piecewise_cuda_graph", False):
+        kw["cuda_graph_backend_prefill"] = "disabled"
+    if "cuda_graph_max_bs" in kw:
+        kw["cuda_graph_max_bs_decode"] = kw.pop("cuda_graph_max_bs")
+    return kw
+
+
 def run_engine(Engine, spec: dict, groups: list[list[Request]], res: dict, res_path: str) -> None:
-    kw = dict(spec["engine"])
+    kw = version_engine_kwargs(dict(spec["engine"]), installed_sglang_version())
     print(f"[e2e-worker] Engine kwargs: {kw}", flush=True)
     t = time.perf_counter()
     engine = Engine(**kw)

@@ -319,6 +319,11 @@ def test_real_0_5_23_engine_clean_run_then_detections(real_engine, capsys) -> No
 def test_unified_radix_sweep_matches_its_tree_and_runs_on_the_scheduler_stream(real_engine, monkeypatch) -> None:
     """The sweep source walks UnifiedRadixCache through its tree core (every FULL slot, its predecessor, its
     position) inside run_on_producer_stream with the scheduler's schedule_stream."""
+    walk = real_engine.tree.tree_core.walk_for_kv_canary(unlocked_only=False, swa_resident_only=False)
+    if len(walk.slot_indices) == 0:  # run alone: fill the tree first
+        rng = random.Random(5)
+        sched = engine.MiniScheduler(real_engine.mr, real_engine.tree, chunk_size=48)
+        _drive(sched, rng, [rng.randrange(3, 2000) for _ in range(40)], 20)
     seen = []
 
     def on_producer(producer, read):
@@ -334,3 +339,29 @@ def test_unified_radix_sweep_matches_its_tree_and_runs_on_the_scheduler_stream(r
     assert torch.equal(slots, walk.slot_indices) and torch.equal(prevs, walk.prev_slot_indices)
     assert torch.equal(positions, walk.positions) and len(slots) > 0
     assert int(positions.min()) == 0 and bool((prevs[positions == 0] == -1).all())
+
+
+def test_e2e_driver_engine_kwargs_are_valid_0_5_23_server_args(model_dir) -> None:
+    """integration/sglang_e2e.py builds its Engine arguments with 0.5.12's names; translated for 0.5.23 they are
+    accepted by the real 0.5.23 ServerArgs (which refuses unknown names) and mean the same."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    from sglang.srt.server_args import ServerArgs
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "integration" / "sglang_e2e.py"
+    spec = importlib.util.spec_from_file_location("kvcanary_sglang_e2e_driver", path)
+    driver = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = driver  # its dataclasses look their module up there
+    spec.loader.exec_module(driver)
+    kw = dict(model_path=str(model_dir), load_format="dummy", skip_tokenizer_init=True,
+              attention_backend="torch_native", sampling_backend="pytorch", mem_fraction_static=0.5,
+              max_total_tokens=1024, chunked_prefill_size=48, dtype="bfloat16", random_seed=0, log_level="info",
+              decode_log_interval=1000, disable_piecewise_cuda_graph=True, cuda_graph_max_bs=64,
+              max_running_requests=64)
+    with pytest.raises(TypeError):
+        ServerArgs(**kw)  # 0.5.12's names as they are
+    assert driver.version_engine_kwargs(kw, "0.5.12") is kw
+    sa = ServerArgs(**driver.version_engine_kwargs(kw, _installed("sglang")))
+    assert sa.cuda_graph_backend_prefill == "disabled" and sa.cuda_graph_max_bs_decode == 64
