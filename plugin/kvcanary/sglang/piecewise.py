@@ -7,8 +7,8 @@ copies the batch into static buffers padded to the next capture size (padded tok
 and attention narrows every KV write to the real tokens), then calls ``runner.model.forward`` — the *top-level*
 model, whose instance ``forward`` is kvcanary's wrapper — with the static batch. Only the layer stack
 (``model.model``) is compiled (``install_torch_compiled``: torch.compile with a backend that splits the graph at
-attention and replays one CUDA graph per piece); the wrapper, the embedding-free glue and the logits processor
-around it run eagerly. So the wrapper's plan/verify (before) and write (after) run eagerly on the forward's
+attention and replays one CUDA graph per piece); the wrapper and the logits processor around the layer stack run
+eagerly. So the wrapper's plan/verify (before) and write (after) run eagerly on the forward's
 stream around the replayed pieces, exactly as in an eager forward, and see exactly the ids, positions and slots
 the pieces consume. The write plan covers the real tokens only (its ranges come from ``extend_seq_lens``), so
 padded tokens are never written as records.
@@ -19,8 +19,10 @@ What this module adds:
   (``WrapperCall.PIECEWISE``, counted apart in the host time), a capture-time forward of the piecewise runner
   (``SKIP``: ``PiecewiseCudaGraphRunner.__init__`` compiles and captures by calling ``model.forward`` with
   dummy batches, outside any ``ModelRunner.forward``; nothing of those is recorded), or anything else
-  (``EAGER``: eager forwards and decode-graph capture, as before). The wrapper itself returns at once while
-  torch.compile traces it, so nothing of kvcanary can end up in a compiled graph or a captured piece.
+  (``EAGER``: eager forwards and decode-graph capture, as before). ``BreakableCudaGraphRunner``
+  (``--enable-breakable-cuda-graph``) replays the same way under its own flag; its capture calls the layer stack
+  directly, never the wrapper. The wrapper itself only calls through while torch.compile traces it, so nothing of
+  kvcanary can end up in a compiled graph or a captured piece.
 * ``max_static_tokens(server_args)``: the largest padded token count a replay hands the wrapper.
 * ``after_initialize(runner, inst)``: checks that the runner sglang built pads within the canary's buffers
   (an unknown runner class is refused by ``guards.check_after_initialize``), wraps ``model.forward`` again if
@@ -39,6 +41,7 @@ from kvcanary.installation import Installation, WrapperCall
 from kvcanary.sglang.guards import UnsupportedSetupError
 
 logger = logging.getLogger(__name__)
+
 
 def _sglang_replay_flags() -> tuple[Callable[[], bool], Callable[[], bool]]:
     """sglang's own module-level flags: set while a piecewise runner builds its graphs or replays them."""
