@@ -27,6 +27,11 @@ Phases (``--phases``, default ``1,2,3,4``):
    a fresh machine compiles on first use. The ratio is the last pair's (tokens/s and wall time per forward); the
    earlier pairs' ratios are shown beside it.
 
+5-8. EAGLE speculative decoding (topk 1, chunked prefill of 64): ``eagle-bug`` (sglang 0.5.12 as shipped: kvcanary's
+   draft pool reports every wrong chunk tail of sglang issue 26329, matched to the tails a test-only plugin prints),
+   ``eagle-fixed`` (upstream's fix patched in by that plugin: nothing reported), ``eagle-soak`` (raise, 320
+   requests) and ``eagle-faults`` (faults into the target pool); see the EAGLE section below.
+
 Time: ``--budget`` (default 570 s) caps the whole run; a phase gets at most what is left (and its own cap);
 a phase that cannot start in time is reported SKIPPED, a worker near its deadline stops sending requests and
 reports what it finished (TRUNCATED).

@@ -85,6 +85,8 @@ class CanaryManager:
         real_kv_sources: real KV bytes to fingerprint (at most 4).
         verify_capacity: most prefix entries verified per forward (default 3 × num_slots).
         swa_window_size / full_to_swa_index_mapping: sliding-window pool (verify only the window).
+        kv_token_id_vs_position_offset: the token check expects token ``p + offset`` of the request at position
+            ``p`` (SPEC §4.3; 1 for an EAGLE draft pool, whose slot at p holds the KV of token p + 1).
         reporter: where violations go (default: one built from ``config``).
         rank: e.g. ``{"tp_rank": 1}``, attached to every violation.
     """
@@ -101,6 +103,7 @@ class CanaryManager:
         real_kv_sources: Sequence[RealKvSource] = (),
         verify_capacity: int | None = None,
         swa_window_size: int = 0,
+        kv_token_id_vs_position_offset: int = 0,
         full_to_swa_index_mapping: torch.Tensor | None = None,
         reporter: Reporter | None = None,
         rank: dict[str, int] | None = None,
@@ -136,6 +139,7 @@ class CanaryManager:
         self._real_kv_launch = ops.prepare_real_kv(self.real_kv_sources, self.device)  # once, not per launch
         self._counter_views_by_tag: dict[int, dict[str, torch.Tensor]] = {}
         self.swa_window_size = int(swa_window_size)
+        self.kv_token_id_vs_position_offset = int(kv_token_id_vs_position_offset)
         self.full_to_swa_index_mapping = full_to_swa_index_mapping
         self.rank = dict(rank) if rank else None
         self.reporter = reporter if reporter is not None else Reporter(
@@ -253,6 +257,7 @@ class CanaryManager:
             req_to_token=self.req_to_token,
             swa_window_size=self.swa_window_size,
             full_to_swa_index_mapping=self.full_to_swa_index_mapping,
+            kv_token_id_vs_position_offset=self.kv_token_id_vs_position_offset,
             **expected,
         )
         self.verify_overflow_count += self.verify_plan.verify_enable == 0

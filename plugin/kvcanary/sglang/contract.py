@@ -27,8 +27,12 @@ from kvcanary.sglang.targets import Target
 HOOK_NAMES: tuple[str, ...] = (
     "after_init_memory_pool", "around_forward", "after_initialize", "after_populate", "after_init_cache",
     "after_forward_batch_init",
+    # EAGLE speculative decoding (kvcanary.sglang.speculative): the draft CUDA-graph replays, the verify verdicts.
+    "around_draft_replay", "around_draft_extend_replay", "after_verify_complete",
 )
-REQUIRED_HOOKS: frozenset[str] = frozenset(HOOK_NAMES) - {"after_populate"}
+SPECULATIVE_HOOKS: frozenset[str] = frozenset({"around_draft_replay", "around_draft_extend_replay",
+                                               "after_verify_complete"})
+REQUIRED_HOOKS: frozenset[str] = frozenset(HOOK_NAMES) - {"after_populate"} - SPECULATIVE_HOOKS
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 # How many tokens a row's request must still decode for a token swap to be re-verified by a later forward
 # (one token of margin for the overlap scheduler's lagging output_ids, one for the forward itself).
 SWAP_MIN_REMAINING = 3
+# Forwards a fault can be injected before (EAGLE's TARGET_VERIFY: the target pool's faults under speculation).
+INJECTABLE_MODES = ("EXTEND", "DECODE", "MIXED", "TARGET_VERIFY")
 # A request still being prefilled in chunks (Req.is_chunked > 0) has this many forwards ahead, for the injector.
 CHUNKED_REMAINING = 1 << 30
 
@@ -127,6 +129,9 @@ def batch_rows(fb) -> tuple[str, list[int], list[int], list[int]]:
     rows = fb.req_pool_indices.tolist()
     if mode == "DECODE":
         return mode, rows, fb.positions.tolist()[: len(rows)], [1] * len(rows)
+    if mode == "TARGET_VERIFY":  # EAGLE: each row writes draft_token_num tokens after its seq_lens
+        n = int(fb.input_ids.shape[0]) // max(len(rows), 1)
+        return mode, rows, fb.seq_lens.tolist(), [n] * len(rows)
     return mode, rows, fb.extend_prefix_lens.tolist(), fb.extend_seq_lens.tolist()
 
 
@@ -158,7 +163,7 @@ def inject_fault(inst: Installation, step: int, fb, cls: str | None, version: Ve
     if cls is None:
         cls = inst.fault_plan.pick(step)
     mode = mode_name(fb)
-    if mode not in ("EXTEND", "DECODE", "MIXED") or fb.req_pool_indices is None or fb.input_ids is None:
+    if mode not in INJECTABLE_MODES or fb.req_pool_indices is None or fb.input_ids is None:
         return None
     mode, rows, prefixes, extends = batch_rows(fb)
     r2t = inst.req_to_token
@@ -229,7 +234,7 @@ def inject_fault(inst: Installation, step: int, fb, cls: str | None, version: Ve
         return inj
 
     if cls == faults.POSITION_SKEW:
-        if mode == "DECODE":
+        if mode in ("DECODE", "TARGET_VERIFY"):  # (a verify graph's positions were copied before this hook)
             return None
         starts = [0]
         for e in extends:

@@ -28,18 +28,9 @@ def check_supported(server_args, sglang_version: str) -> None:
             "split prefill (--enable-pdmux) calls model.forward_split_prefill, which bypasses kvcanary; "
             "remove --enable-pdmux"
         )
-    algo = getattr(server_args, "speculative_algorithm", None)
-    if algo:
-        topk = getattr(server_args, "speculative_eagle_topk", None) or 1
-        if topk > 1:
-            raise UnsupportedSetupError(
-                f"EAGLE with --speculative-eagle-topk {topk} builds a draft tree, which breaks the canary's "
-                "linear chain: set --speculative-eagle-topk 1"
-            )
-        raise UnsupportedSetupError(
-            f"speculative decoding (--speculative-algorithm {algo}) is not supported by the kvcanary sglang "
-            f"{sglang_version} adapter yet: remove --speculative-algorithm or unset KVCANARY_MODE"
-        )
+    from kvcanary.sglang.speculative import check_speculative  # (it raises this module's UnsupportedSetupError)
+
+    check_speculative(server_args, sglang_version)  # EAGLE topk 1 on the spec-v2 worker; anything else refused
 
 
 # The prefill graph runners kvcanary runs around (sglang 0.5.12's model_runner.init_piecewise_cuda_graphs): both

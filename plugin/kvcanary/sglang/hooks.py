@@ -26,7 +26,7 @@ from kvcanary.config import Config
 from kvcanary.installation import Group, Installation, installations, remember
 from kvcanary.manager import CanaryManager
 from kvcanary.report import Reporter
-from kvcanary.sglang import piecewise
+from kvcanary.sglang import piecewise, speculative
 from kvcanary.sglang.batches import BatchConverter, mode_name, unsupported_mode
 from kvcanary.sglang.contract import VersionModule
 from kvcanary.sglang.fault_injection import fault_plan_for_rank, inject_fault, repair_token_swaps, rows_remaining
@@ -80,6 +80,9 @@ class AdapterHooks:
         # a piecewise prefill replay hands model.forward its batch padded up to the next capture size
         max_tokens = max(max_bs, getattr(v, "max_static_tokens", piecewise.max_static_tokens)(v.server_args_of(runner)))
         rank, report_rank = v.runner_ranks(runner)
+        role = speculative.pool_role(runner, v.server_args_of(runner))  # EAGLE: target or draft pool (pool=...)
+        if role is not None:
+            rank = role.rank(rank)
         groups = []
         for spec in specs:
             # Σ prefix over a batch can exceed the pool many times over when rows share a cached prefix (radix
@@ -100,19 +103,22 @@ class AdapterHooks:
                 full_to_swa_index_mapping=spec.full_to_swa_index_mapping,
                 reporter=Reporter(config.mode, config.report_path_for(report_rank), rank=rank),
                 rank=rank,
+                **speculative.manager_kwargs(role),
             )
             groups.append(Group(spec, manager))
         inst = Installation(
             config=config,
             groups=groups,
-            to_views=BatchConverter(specs, max_bs, device, v.batch_view),
+            to_views=BatchConverter(specs, max_bs, device,
+                                    speculative.batch_view_for(role, v.batch_view, max_bs, device)),
             req_to_token=r2t,
-            fault_plan=fault_plan_for_rank(report_rank),
+            fault_plan=fault_plan_for_rank(report_rank) if role is None or role.inject_faults else None,
         )
         # set before piecewise graphs capture (they call the wrapper); a version may classify calls its own way
         inst.wrapper_call = getattr(v, "wrapper_gate", piecewise.wrapper_gate)(inst)
         inst.wrap_model_forward(parts.model)
         setattr(runner, INSTALL_ATTR, inst)
+        speculative.attach(runner, inst, role, v.server_args_of(runner))
         remember(inst)
         logger.info(
             "kvcanary: installed on %s (%s, %s, report %s) with %d group(s): %s", type(pool).__name__, device,
@@ -139,7 +145,7 @@ class AdapterHooks:
         inst = installation_of(runner)
         if inst is None or _capturing(inst.req_to_token.device):
             return original(runner, forward_batch, *args, **kwargs)
-        modes = self.version.FORWARD_MODES
+        modes = speculative.forward_modes(runner, self.version.FORWARD_MODES)
         mode = mode_name(forward_batch)
         if mode not in modes:
             raise unsupported_mode(mode, modes, self.version.SGLANG_VERSION)
@@ -157,6 +163,7 @@ class AdapterHooks:
         inst.host_after()
         t3 = time.perf_counter_ns()
         inst.account_forward(t3 - t0, t1 - t0 + t3 - t2)
+        speculative.after_forward(runner, forward_batch)  # EAGLE: spec counters and their stats line
         return out
 
     def after_populate(self, result, buffers, *args, forward_batch=None, raw_bs=None, raw_num_token=None, bs=None,
@@ -171,6 +178,16 @@ class AdapterHooks:
         if raw_num_token is not None:
             buffers.positions[raw_num_token : bs * int(num_tokens_per_bs or 1)].zero_()
         return result
+
+    # EAGLE (kvcanary.sglang.speculative): the draft CUDA-graph replays' host half, the verify verdicts.
+    def around_draft_replay(self, original, graph_runner, forward_batch, *args, **kwargs):
+        return speculative.around_draft_replay(original, graph_runner, forward_batch, *args, **kwargs)
+
+    def around_draft_extend_replay(self, original, graph_runner, forward_batch, *args, **kwargs):
+        return speculative.around_draft_extend_replay(original, graph_runner, forward_batch, *args, **kwargs)
+
+    def after_verify_complete(self, result, worker, *args, **kwargs):
+        return speculative.after_verify_complete(result, worker, *args, **kwargs)
 
     def after_init_cache(self, result, scheduler, *args, **kwargs):
         v = self.version

@@ -30,6 +30,10 @@ T_INITIALIZE = f"{_MR}.initialize"
 T_POPULATE = "sglang.srt.model_executor.cuda_graph_runner.DecodeInputBuffers.populate_from_forward_batch"
 T_INIT_CACHE = "sglang.srt.managers.scheduler.Scheduler.init_cache_with_memory_pool"
 T_FB_INIT_NEW = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+_SPEC = "sglang.srt.speculative"
+T_DRAFT_REPLAY = f"{_SPEC}.eagle_draft_cuda_graph_runner.EAGLEDraftCudaGraphRunner.replay"
+T_DRAFT_EXTEND_REPLAY = f"{_SPEC}.eagle_draft_extend_cuda_graph_runner.EAGLEDraftExtendCudaGraphRunner.replay"
+T_VERIFY_DONE = f"{_SPEC}.eagle_worker_v2.EAGLEWorkerV2.on_verify_complete_cpu"
 STARTUP_FAILURE_TARGET = f"{_MR}.__init__"
 
 # Hook name (kvcanary.sglang.hooks.AdapterHooks) -> target, in registration order.
@@ -41,11 +45,16 @@ HOOK_TARGETS: dict[str, Target] = {
     "after_populate": Target(T_POPULATE, "AFTER", ("self", "forward_batch", "raw_bs", "raw_num_token", "bs")),
     "after_init_cache": Target(T_INIT_CACHE, "AFTER", ("self",)),
     "after_forward_batch_init": Target(T_FB_INIT_NEW, "AFTER", ("cls", "batch", "model_runner"), classmethod=True),
+    # EAGLE (topk 1, spec v2; kvcanary.sglang.speculative): the draft model's CUDA-graph replays bypass
+    # ModelRunner.forward (their host half runs here), and the scheduler's host copy of the accept lengths.
+    "around_draft_replay": Target(T_DRAFT_REPLAY, "AROUND", ("self", "forward_batch")),
+    "around_draft_extend_replay": Target(T_DRAFT_EXTEND_REPLAY, "AROUND", ("self", "forward_batch")),
+    "after_verify_complete": Target(T_VERIFY_DONE, "AFTER", ("self", "num_correct_drafts_per_req")),
 }
 TARGETS: tuple[Target, ...] = tuple(HOOK_TARGETS.values())
 
-# sglang ForwardMode name -> kvcanary ForwardKind. Anything else is refused (EAGLE target-verify / draft-extend,
-# split prefill, prebuilt, dLLM) until the adapter supports it.
+# sglang ForwardMode name -> kvcanary ForwardKind. Anything else is refused (spec-v1 DRAFT_EXTEND, split prefill,
+# prebuilt, dLLM); an EAGLE runner adds its pool's TARGET_VERIFY or DRAFT_EXTEND_V2 (kvcanary.sglang.speculative).
 FORWARD_MODES: dict[str, ForwardKind] = {
     "EXTEND": ForwardKind.EXTEND,
     "DECODE": ForwardKind.DECODE,
