@@ -312,3 +312,16 @@ def test_raise_mode_counts_the_violation_before_the_error_propagates() -> None:
         forward(4, 1)
     s = scrape(registry)
     assert s[(metrics.PREFIX + "violations_total", (("reason", "verify_chain_hash"), ("tp_rank", "3")))] >= 1
+
+
+def test_each_registry_keeps_its_own_counters() -> None:
+    """Registries come and go (tests, embedders): a new one must never get a freed one's counters (same id())."""
+    for n in range(20):
+        registry = CollectorRegistry()
+        labels = {"tp_rank": str(n)} if n % 2 else {"model_name": "m", "tp_rank": str(n)}
+        m = metrics.CanaryMetrics(labels, registry)
+        mgr = FakeManager()
+        mgr.advance(n + 1, 0, 0, 0)
+        m.update(mgr)
+        assert scrape(registry)[(metrics.PREFIX + "forwards_total", tuple(sorted(labels.items())))] == n + 1
+        del registry, m

@@ -84,15 +84,22 @@ class _Families:
         }
 
 
-_families_by_registry: dict[int, _Families] = {}
+# Keyed by the registry object itself (an id() could be reused by a later registry once one is freed).
+_families_by_registry: weakref.WeakKeyDictionary[Any, _Families] = weakref.WeakKeyDictionary()
+_default_families: _Families | None = None  # registry None: prometheus_client's default registry
 _families_lock = threading.Lock()
 
 
 def _families(registry: Any, labelnames: tuple[str, ...]) -> _Families:
+    global _default_families
     with _families_lock:
-        fam = _families_by_registry.get(id(registry))
+        if registry is None:
+            if _default_families is None:
+                _default_families = _Families(None, labelnames)
+            return _default_families
+        fam = _families_by_registry.get(registry)
         if fam is None:
-            fam = _families_by_registry[id(registry)] = _Families(registry, labelnames)
+            fam = _families_by_registry[registry] = _Families(registry, labelnames)
         return fam
 
 
