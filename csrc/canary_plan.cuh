@@ -25,11 +25,21 @@
  * Reads:  batch rows, req_to_token, the LUT, the expected-token table and valid lengths.
  * Writes: write plan (offsets, seeds, num_valid, verify_row_offsets), verify plan (entries, num_valid,
  *         enable). Entries past num_valid are left untouched.
+ * Expected tokens: the table may be int32 (sglang's req_to_verify_expected_tokens, like req_to_token)
+ *   or int64; an int32 table gives the same plan as its int64 copy.
+ * kvcanary+ (canary_plan_step_attributed: the arguments above, then four more; tensors optional):
+ *   write_request_rows [write_capacity]: rp of each write-plan row (0 for rows past bs);
+ *   verify_request_rows [verify_capacity]: rp of the batch row each verify entry came from (written with
+ *   the entries); forward_counter [1] with forward_step_value: the plan starts a forward, so it sets the
+ *   counter (by one thread) that the verify and write launches of the same forward read: to
+ *   forward_step_value when that is >= 0 (a launch whose forward number the host knows), else to the
+ *   counter + 1 (a launch captured in a CUDA graph: each replay counts one forward).
  */
 #pragma once
 
 #include <cstdint>
 
+#include "kvcanary/atomics.h"
 #include "kvcanary/launch.h"
 #include "kvcanary/layout.h"
 #include "kvcanary/macros.h"
@@ -56,8 +66,9 @@ struct PlanParams {
   int64_t swa_window;
   const int64_t* lut;  // nullptr: no translation
   int64_t lut_len;
-  // expected tokens [exp_rows, exp_cols] indexed by rp; valid lengths per batch row
-  const int64_t* expected_tokens;  // nullptr: no token expectations
+  // expected tokens [exp_rows, exp_cols] (int32 or int64) indexed by rp; valid lengths per batch row
+  const void* expected_tokens;  // nullptr: no token expectations
+  bool expected_tokens_i32;
   int64_t exp_rows;
   int64_t exp_cols;
   int64_t exp_row_stride;
@@ -77,6 +88,11 @@ struct PlanParams {
   int32_t* verify_num_valid;
   int32_t* verify_enable;
   int64_t verify_capacity;
+  // kvcanary+ (nullptr: off)
+  int64_t* write_request_rows;   // [write_capacity]
+  int64_t* verify_request_rows;  // [verify_capacity]
+  int64_t* forward_counter;      // [1]
+  int64_t forward_step_value;    // >= 0: the value to set; < 0: add 1
 };
 
 /*! \brief What one batch row contributes to the plans. */
@@ -138,7 +154,9 @@ KVCANARY_HD int64_t plan_expected_token(const PlanParams& p, int64_t r, int64_t 
   if (index < 0 || index >= p.expected_valid_lens[r] || index >= p.exp_cols) {
     return kNoExpectedToken;
   }
-  return p.expected_tokens[rp * p.exp_row_stride + index];
+  const int64_t at = rp * p.exp_row_stride + index;
+  return p.expected_tokens_i32 ? static_cast<int64_t>(static_cast<const int32_t*>(p.expected_tokens)[at])
+                               : static_cast<const int64_t*>(p.expected_tokens)[at];
 }
 
 /*! \brief Write verify entry `e`, the k-th entry of batch row r. */
@@ -161,6 +179,7 @@ KVCANARY_HD void plan_verify_entry(const PlanParams& p, int64_t r, const RowPlan
     slot = plan_index_error(p.extend_lens[r]);
   }
   p.slots[e] = slot;
+  if (p.verify_request_rows != nullptr) p.verify_request_rows[e] = row.rp;
   p.prevs[e] = prev;
   p.expected_tok[e] = token;
   p.expected_pos[e] = position;
@@ -172,11 +191,20 @@ KVCANARY_HD void plan_finish(const PlanParams& p, int64_t verify_total) {
   *p.verify_num_valid = static_cast<int32_t>(overflow ? p.verify_capacity : verify_total);
   *p.verify_enable = overflow ? 0 : 1;
   *p.write_num_valid = static_cast<int32_t>(p.batch_rows);
+  if (p.forward_counter != nullptr) {
+    if (p.forward_step_value >= 0) {
+      *p.forward_counter = p.forward_step_value;
+    } else {
+      atomic_add_i64(p.forward_counter, 1);
+    }
+  }
 }
 
-/*! \brief Row r of the write plan (r < write_capacity; rows past bs are empty). */
-KVCANARY_HD void plan_store_row(const PlanParams& p, int64_t r, int64_t seed, int64_t write_end, int64_t verify_end) {
+/*! \brief Row r of the write plan (r < write_capacity; rows past bs are empty, with rp 0). */
+KVCANARY_HD void plan_store_row(const PlanParams& p, int64_t r, int64_t rp, int64_t seed, int64_t write_end,
+                                int64_t verify_end) {
   p.write_seeds[r] = seed;
+  if (p.write_request_rows != nullptr) p.write_request_rows[r] = rp;
   p.write_offsets[r + 1] = write_end;
   p.verify_row_offsets[r + 1] = verify_end;
 }
@@ -247,7 +275,7 @@ __global__ void __launch_bounds__(kPlanRowThreads) canary_plan_rows_kernel(const
     int64_t total_verify = 0;
     block_inclusive_scan2(write_end, verify_end, total_write, total_verify);
     if (r < p.write_capacity) {
-      plan_store_row(p, r, row.seed, carry_write + write_end, carry_verify + verify_end);
+      plan_store_row(p, r, row.rp, row.seed, carry_write + write_end, carry_verify + verify_end);
     }
     carry_write += total_write;
     carry_verify += total_verify;
@@ -297,7 +325,7 @@ inline void canary_plan_cpu(const PlanParams& p) {
     }
     write_end += row.write_count;
     verify_end += row.verify_count;
-    plan_store_row(p, r, row.seed, write_end, verify_end);
+    plan_store_row(p, r, row.rp, row.seed, write_end, verify_end);
   }
   plan_finish(p, verify_end);
   if (*p.verify_enable == 0) {
@@ -316,16 +344,17 @@ inline void canary_plan_cpu(const PlanParams& p) {
 
 namespace host {
 
-inline void canary_plan_step(TensorView write_offsets, TensorView write_seed_slot_indices,
-                             TensorView write_num_valid_reqs, TensorView verify_row_offsets,
-                             TensorView verify_slot_indices, TensorView verify_expected_tokens,
-                             TensorView verify_expected_positions, TensorView verify_prev_slot_indices,
-                             TensorView verify_num_valid, TensorView verify_enable, TensorView req_pool_indices,
-                             TensorView prefix_lens, TensorView extend_lens, TensorView req_to_token,
-                             int64_t swa_window_size, tvm::ffi::Optional<TensorView> full_to_swa_index_mapping,
-                             tvm::ffi::Optional<TensorView> expected_tokens,
-                             tvm::ffi::Optional<TensorView> expected_tokens_valid_lens,
-                             int64_t kv_token_id_vs_position_offset) {
+/*! \brief The arguments of canary_plan_step, then the kvcanary+ ones (see the file comment). */
+inline void canary_plan_step_attributed(
+    TensorView write_offsets, TensorView write_seed_slot_indices, TensorView write_num_valid_reqs,
+    TensorView verify_row_offsets, TensorView verify_slot_indices, TensorView verify_expected_tokens,
+    TensorView verify_expected_positions, TensorView verify_prev_slot_indices, TensorView verify_num_valid,
+    TensorView verify_enable, TensorView req_pool_indices, TensorView prefix_lens, TensorView extend_lens,
+    TensorView req_to_token, int64_t swa_window_size, tvm::ffi::Optional<TensorView> full_to_swa_index_mapping,
+    tvm::ffi::Optional<TensorView> expected_tokens, tvm::ffi::Optional<TensorView> expected_tokens_valid_lens,
+    int64_t kv_token_id_vs_position_offset, tvm::ffi::Optional<TensorView> write_request_rows,
+    tvm::ffi::Optional<TensorView> verify_request_rows, tvm::ffi::Optional<TensorView> forward_counter,
+    int64_t forward_step_value) {
   constexpr const char* kFn = "canary_plan_step";
   // 1. validate
   SymbolicSize offsets_len("write_offsets_len");
@@ -390,9 +419,13 @@ inline void canary_plan_step(TensorView write_offsets, TensorView write_seed_slo
       << "expected_tokens and expected_tokens_valid_lens must be given together";
   SymbolicSize exp_rows("expected_rows");
   SymbolicSize exp_cols("expected_cols");
+  bool expected_i32 = false;
   if (expected_tokens.has_value()) {
+    const DLDataType exp_dtype = expected_tokens.value().dtype();
+    expected_i32 = same_dtype(exp_dtype, dtype_of<int32_t>());
+    KVCANARY_CHECK_ARG(expected_i32 || same_dtype(exp_dtype, dtype_of<int64_t>()), TypeError, kFn, "expected_tokens")
+        << "expected dtype int32 or int64, got " << exp_dtype;
     TensorMatcher(kFn, {exp_rows, exp_cols})
-        .dtype<int64_t>()
         .device(device)
         .inner_contiguous()
         .verify(expected_tokens.value(), "expected_tokens");
@@ -400,6 +433,21 @@ inline void canary_plan_step(TensorView write_offsets, TensorView write_seed_slo
         .dtype<int64_t>()
         .device(device)
         .verify(expected_tokens_valid_lens.value(), "expected_tokens_valid_lens");
+  }
+  if (write_request_rows.has_value()) {
+    TensorMatcher(kFn, {write_capacity})
+        .dtype<int64_t>()
+        .device(device)
+        .verify(write_request_rows.value(), "write_request_rows");
+  }
+  if (verify_request_rows.has_value()) {
+    TensorMatcher(kFn, {verify_capacity})
+        .dtype<int64_t>()
+        .device(device)
+        .verify(verify_request_rows.value(), "verify_request_rows");
+  }
+  if (forward_counter.has_value()) {
+    TensorMatcher(kFn, {1}).dtype<int64_t>().device(device).verify(forward_counter.value(), "forward_counter");
   }
 
   // 2. extract parameters
@@ -415,7 +463,8 @@ inline void canary_plan_step(TensorView write_offsets, TensorView write_seed_slo
   p.swa_window = swa_window_size;
   p.lut = full_to_swa_index_mapping.has_value() ? data_of<const int64_t>(full_to_swa_index_mapping.value()) : nullptr;
   p.lut_len = full_to_swa_index_mapping.has_value() ? lut_len.value() : 0;
-  p.expected_tokens = expected_tokens.has_value() ? data_of<const int64_t>(expected_tokens.value()) : nullptr;
+  p.expected_tokens = expected_tokens.has_value() ? data_of<const void>(expected_tokens.value()) : nullptr;
+  p.expected_tokens_i32 = expected_i32;
   p.exp_rows = expected_tokens.has_value() ? exp_rows.value() : 0;
   p.exp_cols = expected_tokens.has_value() ? exp_cols.value() : 0;
   p.exp_row_stride =
@@ -435,6 +484,10 @@ inline void canary_plan_step(TensorView write_offsets, TensorView write_seed_slo
   p.verify_num_valid = data_of<int32_t>(verify_num_valid);
   p.verify_enable = data_of<int32_t>(verify_enable);
   p.verify_capacity = verify_capacity.value();
+  p.write_request_rows = write_request_rows.has_value() ? data_of<int64_t>(write_request_rows.value()) : nullptr;
+  p.verify_request_rows = verify_request_rows.has_value() ? data_of<int64_t>(verify_request_rows.value()) : nullptr;
+  p.forward_counter = forward_counter.has_value() ? data_of<int64_t>(forward_counter.value()) : nullptr;
+  p.forward_step_value = forward_step_value;
 
 #if KVCANARY_DEVICE_BUILD
   // 3. device guard + stream
@@ -452,6 +505,25 @@ inline void canary_plan_step(TensorView write_offsets, TensorView write_seed_slo
   // 3-4. CPU: the same per-row and per-entry semantics in a loop.
   canary_plan_cpu(p);
 #endif
+}
+
+/*! \brief SPEC §4.3: no request rows, no forward counter. */
+inline void canary_plan_step(TensorView write_offsets, TensorView write_seed_slot_indices,
+                             TensorView write_num_valid_reqs, TensorView verify_row_offsets,
+                             TensorView verify_slot_indices, TensorView verify_expected_tokens,
+                             TensorView verify_expected_positions, TensorView verify_prev_slot_indices,
+                             TensorView verify_num_valid, TensorView verify_enable, TensorView req_pool_indices,
+                             TensorView prefix_lens, TensorView extend_lens, TensorView req_to_token,
+                             int64_t swa_window_size, tvm::ffi::Optional<TensorView> full_to_swa_index_mapping,
+                             tvm::ffi::Optional<TensorView> expected_tokens,
+                             tvm::ffi::Optional<TensorView> expected_tokens_valid_lens,
+                             int64_t kv_token_id_vs_position_offset) {
+  canary_plan_step_attributed(write_offsets, write_seed_slot_indices, write_num_valid_reqs, verify_row_offsets,
+                              verify_slot_indices, verify_expected_tokens, verify_expected_positions,
+                              verify_prev_slot_indices, verify_num_valid, verify_enable, req_pool_indices,
+                              prefix_lens, extend_lens, req_to_token, swa_window_size, full_to_swa_index_mapping,
+                              expected_tokens, expected_tokens_valid_lens, kv_token_id_vs_position_offset,
+                              std::nullopt, std::nullopt, std::nullopt, -1);
 }
 
 }  // namespace host

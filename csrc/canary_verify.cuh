@@ -24,6 +24,11 @@
  *     only that bit; nothing is dereferenced.
  *   - prev < -1 or prev >= num_slots: the chain is not checked; the row carries the other failures
  *     plus that bit, with expected_aux = prev.
+ * kvcanary+ (canary_verify_step_attributed: the arguments above, then four optional ones; absent = off):
+ *   violation_meta [ring_capacity, kViolationMetaFields] and forward_step [1]: each row also gets a
+ *   metadata row: forward_step's value, verify_request_rows[e] ([capacity], the entry's req_to_token row)
+ *   and, for an in-range slot, its slot_attribution row ([num_slots, kSlotAttributionFields]: the forward
+ *   and writer serial of its last write). Read for failing entries only; rows, counters unchanged.
  */
 #pragma once
 
@@ -38,6 +43,7 @@
 #include "kvcanary/real_kv.h"
 #include "kvcanary/tensor_check.h"
 #include "kvcanary/violation.h"
+#include "meta_args.cuh"
 #include "real_kv_args.cuh"
 
 namespace kvcanary {
@@ -65,6 +71,10 @@ struct VerifyParams {
   int64_t* kernel_run_counter;
 
   RealKvSources sources;
+
+  // kvcanary+ (nullptr: off)
+  const int64_t* request_rows;      // [capacity] req_to_token row of each entry
+  const int64_t* slot_attribution;  // [num_slots, kSlotAttributionFields]
 };
 
 /*! \brief Entries this launch visits: min(num_valid, capacity), or 0 when disabled. */
@@ -86,6 +96,11 @@ KVCANARY_HD const uint8_t* verify_record_row(const VerifyParams& p, int64_t slot
   return p.canary_buf + slot * p.slot_stride_bytes;
 }
 
+/*! \brief The req_to_token row of entry e, read on the failure path only. */
+KVCANARY_HD int64_t verify_request_row(const VerifyParams& p, int64_t e) {
+  return p.request_rows != nullptr ? p.request_rows[e] : kMetaUnknown;
+}
+
 /*! \brief Verify entry e; appends at most one violation row. */
 KVCANARY_HD void verify_entry(const VerifyParams& p, int64_t e) {
   const int64_t slot = p.slot_indices[e];
@@ -97,7 +112,8 @@ KVCANARY_HD void verify_entry(const VerifyParams& p, int64_t e) {
   // Rows show the expected token only when it was checked (as SGLang's built-in verify does).
   const int64_t reported_token = p.check_tokens ? expected_token : kNoExpectedToken;
   if (slot < 0 || slot >= p.num_slots) {
-    record_violation(p.sink, ViolationRow{slot, expected_position, -1, reported_token, 0, slot, kReasonSlotOutOfRange});
+    record_violation(p.sink, ViolationRow{slot, expected_position, -1, reported_token, 0, slot, kReasonSlotOutOfRange},
+                     ViolationMeta{verify_request_row(p, e), kMetaUnknown, kMetaUnknown});
     return;
   }
   const int64_t prev = p.prev_slot_indices[e];
@@ -132,8 +148,10 @@ KVCANARY_HD void verify_entry(const VerifyParams& p, int64_t e) {
     bits |= kReasonVerifyRealKvHash;
   }
   if (bits != 0) {
-    record_violation(p.sink, ViolationRow{slot, record.position, record.token, reported_token, record.prev_hash,
-                                          expected_aux, bits});
+    record_violation(p.sink,
+                     ViolationRow{slot, record.position, record.token, reported_token, record.prev_hash, expected_aux,
+                                  bits},
+                     attributed_violation_meta(p.slot_attribution, slot, verify_request_row(p, e)));
   }
 }
 
@@ -164,14 +182,16 @@ inline void canary_verify_cpu(const VerifyParams& p) {
 
 namespace host {
 
-inline void canary_verify_step(TensorView canary_buf, TensorView verify_slot_indices,
-                               TensorView verify_expected_tokens, TensorView verify_expected_positions,
-                               TensorView verify_prev_slot_indices, TensorView verify_num_valid,
-                               TensorView verify_enable, int64_t kernel_kind, TensorView violation_ring,
-                               TensorView violation_write_index, TensorView slot_run_counter,
-                               TensorView kernel_run_counter, TensorView real_kv_buf_0, TensorView real_kv_buf_1,
-                               TensorView real_kv_buf_2, TensorView real_kv_buf_3, TensorView real_kv_source_params,
-                               int64_t num_sources, int64_t real_kv_hash_mode, int64_t check_tokens) {
+/*! \brief The arguments of canary_verify_step, then the kvcanary+ metadata arguments (see the file comment). */
+inline void canary_verify_step_attributed(
+    TensorView canary_buf, TensorView verify_slot_indices, TensorView verify_expected_tokens,
+    TensorView verify_expected_positions, TensorView verify_prev_slot_indices, TensorView verify_num_valid,
+    TensorView verify_enable, int64_t kernel_kind, TensorView violation_ring, TensorView violation_write_index,
+    TensorView slot_run_counter, TensorView kernel_run_counter, TensorView real_kv_buf_0, TensorView real_kv_buf_1,
+    TensorView real_kv_buf_2, TensorView real_kv_buf_3, TensorView real_kv_source_params, int64_t num_sources,
+    int64_t real_kv_hash_mode, int64_t check_tokens, tvm::ffi::Optional<TensorView> violation_meta,
+    tvm::ffi::Optional<TensorView> forward_step, tvm::ffi::Optional<TensorView> verify_request_rows,
+    tvm::ffi::Optional<TensorView> slot_attribution) {
   constexpr const char* kFn = "canary_verify_step";
   // 1. validate
   SymbolicSize num_slots("num_slots");
@@ -206,9 +226,17 @@ inline void canary_verify_step(TensorView canary_buf, TensorView verify_slot_ind
   const RealKvSources sources =
       pack_real_kv_sources(kFn, device, num_slots.value(), real_kv_buf_0, real_kv_buf_1, real_kv_buf_2,
                            real_kv_buf_3, real_kv_source_params, num_sources, real_kv_hash_mode);
+  VerifyParams p{};
+  p.slot_attribution =
+      pack_violation_meta(kFn, device, ring_capacity, num_slots, violation_meta, forward_step, slot_attribution, p.sink);
+  if (verify_request_rows.has_value()) {
+    TensorMatcher(kFn, {capacity})
+        .dtype<int64_t>()
+        .device(device)
+        .verify(verify_request_rows.value(), "verify_request_rows");
+  }
 
   // 2. extract parameters
-  VerifyParams p{};
   p.canary_buf = data_of<const uint8_t>(canary_buf);
   p.slot_stride_bytes = slot_stride.value();
   p.num_slots = num_slots.value();
@@ -229,6 +257,7 @@ inline void canary_verify_step(TensorView canary_buf, TensorView verify_slot_ind
   p.slot_run_counter = data_of<int64_t>(slot_run_counter);
   p.kernel_run_counter = data_of<int64_t>(kernel_run_counter);
   p.sources = sources;
+  p.request_rows = optional_data_of<const int64_t>(verify_request_rows);
 
 #if KVCANARY_DEVICE_BUILD
   // 3. device guard + stream
@@ -245,6 +274,23 @@ inline void canary_verify_step(TensorView canary_buf, TensorView verify_slot_ind
   // 3-4. CPU: run the same per-entry semantics in a loop.
   canary_verify_cpu(p);
 #endif
+}
+
+/*! \brief SPEC §4.2: no metadata, no attribution. */
+inline void canary_verify_step(TensorView canary_buf, TensorView verify_slot_indices,
+                               TensorView verify_expected_tokens, TensorView verify_expected_positions,
+                               TensorView verify_prev_slot_indices, TensorView verify_num_valid,
+                               TensorView verify_enable, int64_t kernel_kind, TensorView violation_ring,
+                               TensorView violation_write_index, TensorView slot_run_counter,
+                               TensorView kernel_run_counter, TensorView real_kv_buf_0, TensorView real_kv_buf_1,
+                               TensorView real_kv_buf_2, TensorView real_kv_buf_3, TensorView real_kv_source_params,
+                               int64_t num_sources, int64_t real_kv_hash_mode, int64_t check_tokens) {
+  canary_verify_step_attributed(canary_buf, verify_slot_indices, verify_expected_tokens, verify_expected_positions,
+                                verify_prev_slot_indices, verify_num_valid, verify_enable, kernel_kind,
+                                violation_ring, violation_write_index, slot_run_counter, kernel_run_counter,
+                                real_kv_buf_0, real_kv_buf_1, real_kv_buf_2, real_kv_buf_3, real_kv_source_params,
+                                num_sources, real_kv_hash_mode, check_tokens, std::nullopt, std::nullopt,
+                                std::nullopt, std::nullopt);
 }
 
 }  // namespace host

@@ -31,6 +31,15 @@
  *   (an engine writes each KV slot once per forward); otherwise which record wins is unspecified.
  * ABI: argument for argument the seed kernel's (sglang canary_write.cuh), so its order is fixed:
  *      destination (canary_buf) first, then plan, inputs, sinks, real-KV sources.
+ * kvcanary+ (canary_write_step_attributed: the seed's arguments, then five optional ones; absent = off):
+ *   - violation_meta [ring_capacity, kViolationMetaFields], forward_step [1]: each violation row also
+ *     gets a metadata row (forward_step's value, the request's row, the slot's previous attribution);
+ *   - write_request_rows [write_req_capacity]: request r's req_to_token row (the plan writes it);
+ *   - slot_attribution [num_slots, kSlotAttributionFields]: every stored record also stores
+ *     (forward_step's value, row_serials[request row]) there — by the thread that stores prev_hash, right
+ *     after it read the slot's previous attribution for a violation row;
+ *   - row_serials [serial_rows]: the writer serial of each req_to_token row (needs write_request_rows).
+ *   The 32-byte records, the ring and the counters are bit-exact with the seed call whatever is given.
  */
 #pragma once
 
@@ -45,6 +54,7 @@
 #include "kvcanary/real_kv.h"
 #include "kvcanary/tensor_check.h"
 #include "kvcanary/violation.h"
+#include "meta_args.cuh"
 #include "real_kv_args.cuh"
 
 namespace kvcanary {
@@ -79,15 +89,24 @@ struct WriteParams {
   const int32_t* enable_chain_position_assert;
 
   RealKvSources sources;
+
+  // kvcanary+ attribution (nullptr: off)
+  const int64_t* write_request_rows;  // [write_req_capacity]
+  int64_t* slot_attribution;          // [num_slots, kSlotAttributionFields]
+  const int64_t* row_serials;         // [serial_rows]
+  int64_t serial_rows;
 };
 
-/*! \brief Chain state at the start of one request's entries. */
+/*! \brief Chain state at the start of one request's entries, and who writes them. */
 struct WriteRequestStart {
   int64_t begin;
   int64_t end;  // begin >= end: nothing to do
   uint64_t running;
   int64_t prev_position;
   bool chain_assert;
+  int64_t request_row;    // req_to_token row of the request (kMetaUnknown without write_request_rows)
+  int64_t writer_serial;  // row_serials[request_row] (kMetaUnknown when not known)
+  int64_t step;           // the forward counter, when the records' attribution is stored
 };
 
 KVCANARY_HD int32_t active_write_requests(const WriteParams& p) {
@@ -108,6 +127,9 @@ KVCANARY_HD WriteRequestStart begin_write_request(const WriteParams& p, int64_t 
   st.running = chain_head_hash();
   st.prev_position = 0;
   st.chain_assert = false;
+  st.request_row = p.write_request_rows != nullptr ? p.write_request_rows[r] : kMetaUnknown;
+  st.writer_serial = kMetaUnknown;
+  st.step = kMetaUnknown;
   if (st.begin >= st.end) {
     st.end = st.begin;
     return st;
@@ -115,11 +137,18 @@ KVCANARY_HD WriteRequestStart begin_write_request(const WriteParams& p, int64_t 
   if (st.begin < 0 || st.end > p.num_tokens) {
     if (reporter) {
       const int64_t offending = st.begin < 0 ? st.begin : st.end;
-      record_violation(p.sink, ViolationRow{kSkipWriteSlot, -1, -1, kNoExpectedToken, r, offending,
-                                            kReasonSlotOutOfRange});
+      record_violation(p.sink,
+                       ViolationRow{kSkipWriteSlot, -1, -1, kNoExpectedToken, r, offending, kReasonSlotOutOfRange},
+                       ViolationMeta{st.request_row, kMetaUnknown, kMetaUnknown});
     }
     st.end = st.begin;
     return st;
+  }
+  if (p.slot_attribution != nullptr) {
+    st.step = p.sink.forward_step != nullptr ? *p.sink.forward_step : kMetaUnknown;
+    if (p.row_serials != nullptr && st.request_row >= 0 && st.request_row < p.serial_rows) {
+      st.writer_serial = p.row_serials[st.request_row];
+    }
   }
   const int64_t seed = p.write_seed_slot_indices[r];
   if (seed == kChainHeadSlot) {
@@ -127,8 +156,10 @@ KVCANARY_HD WriteRequestStart begin_write_request(const WriteParams& p, int64_t 
   }
   if (seed < 0 || seed >= p.num_slots) {
     if (reporter) {
-      record_violation(p.sink, ViolationRow{seed, -1, -1, kNoExpectedToken, static_cast<int64_t>(st.running), seed,
-                                            kReasonSlotOutOfRange});
+      record_violation(p.sink,
+                       ViolationRow{seed, -1, -1, kNoExpectedToken, static_cast<int64_t>(st.running), seed,
+                                    kReasonSlotOutOfRange},
+                       ViolationMeta{st.request_row, kMetaUnknown, kMetaUnknown});
     }
     return st;
   }
@@ -143,13 +174,21 @@ KVCANARY_HD WriteRequestStart begin_write_request(const WriteParams& p, int64_t 
 /*! \brief Whether a non-skipped entry's record is stored (its slot lies inside the buffer). */
 KVCANARY_HD bool write_slot_in_range(const WriteParams& p, int64_t slot) { return slot >= 0 && slot < p.num_slots; }
 
+/*! \brief Metadata of a write row about `slot`: the request's row and the slot's attribution before this write. */
+KVCANARY_HD ViolationMeta write_row_meta(const WriteParams& p, const WriteRequestStart& st, int64_t slot) {
+  if (!write_slot_in_range(p, slot)) {
+    return ViolationMeta{st.request_row, kMetaUnknown, kMetaUnknown};
+  }
+  return attributed_violation_meta(p.slot_attribution, slot, st.request_row);
+}
+
 /*!
  * \brief The chain half of one non-skipped entry (slot >= 0): asserts, the out-of-range report and
- *        the prev_hash field, given the chain state before the entry.
+ *        the prev_hash field (and the slot's attribution), given the chain state before the entry.
  * \return 1 if the slot's record is stored (counted in slot_run_counter), else 0.
  */
-KVCANARY_HD int64_t write_entry_chain(const WriteParams& p, int64_t e, int64_t slot, int64_t token, int64_t position,
-                                      uint64_t running, int64_t prev_position, bool chain_assert) {
+KVCANARY_HD int64_t write_entry_chain(const WriteParams& p, const WriteRequestStart& st, int64_t e, int64_t slot,
+                                      int64_t token, int64_t position, uint64_t running, int64_t prev_position) {
   const int64_t running_signed = static_cast<int64_t>(running);
   if (p.expected_input_tokens != nullptr) {
     const int64_t expected_token = p.expected_input_tokens[e];
@@ -159,18 +198,27 @@ KVCANARY_HD int64_t write_entry_chain(const WriteParams& p, int64_t e, int64_t s
     if (position != expected_position) bits |= kReasonWritePosition;
     if (bits != 0) {
       record_violation(p.sink,
-                       ViolationRow{slot, position, token, expected_token, running_signed, expected_position, bits});
+                       ViolationRow{slot, position, token, expected_token, running_signed, expected_position, bits},
+                       write_row_meta(p, st, slot));
     }
   }
-  if (chain_assert && position != prev_position + 1) {
-    record_violation(p.sink, ViolationRow{slot, position, token, token, running_signed, prev_position + 1,
-                                          kReasonWritePosition});
+  if (st.chain_assert && position != prev_position + 1) {
+    record_violation(p.sink,
+                     ViolationRow{slot, position, token, token, running_signed, prev_position + 1,
+                                  kReasonWritePosition},
+                     write_row_meta(p, st, slot));
   }
   if (!write_slot_in_range(p, slot)) {
-    record_violation(p.sink, ViolationRow{slot, position, token, token, running_signed, slot, kReasonSlotOutOfRange});
+    record_violation(p.sink, ViolationRow{slot, position, token, token, running_signed, slot, kReasonSlotOutOfRange},
+                     write_row_meta(p, st, slot));
     return 0;
   }
   store_record_prev_hash(record_row(p.canary_buf, slot, p.slot_stride_bytes), running_signed, p.records_aligned16);
+  if (p.slot_attribution != nullptr) {
+    int64_t* a = p.slot_attribution + slot * kSlotAttributionFields;
+    a[kSlotAttributionColWrittenStep] = st.step;
+    a[kSlotAttributionColWriterSerial] = st.writer_serial;
+  }
   return 1;
 }
 
@@ -245,7 +293,7 @@ __device__ __forceinline__ void write_request_chain(const WriteParams& p, int64_
       }
     }
     if (slot >= 0) {
-      stored += write_entry_chain(p, e, slot, token, position, my_running, my_prev_position, st.chain_assert);
+      stored += write_entry_chain(p, st, e, slot, token, position, my_running, my_prev_position);
     }
   }
 #pragma unroll
@@ -297,7 +345,7 @@ inline void canary_write_cpu(const WriteParams& p) {
       if (slot < 0) continue;
       const int64_t token = p.input_ids[e];
       const int64_t position = p.positions[e];
-      stored += write_entry_chain(p, e, slot, token, position, running, prev_position, st.chain_assert);
+      stored += write_entry_chain(p, st, e, slot, token, position, running, prev_position);
       write_entry_payload(p, e);
       running = chain_step(running, token, position);
       prev_position = position;
@@ -310,16 +358,18 @@ inline void canary_write_cpu(const WriteParams& p) {
 
 namespace host {
 
-inline void canary_write_step(TensorView canary_buf, TensorView write_offsets, TensorView write_seed_slot_indices,
-                              TensorView write_num_valid_reqs, TensorView input_ids, TensorView positions,
-                              TensorView out_cache_loc, int64_t kernel_kind, int64_t enable_write_input_assert,
-                              tvm::ffi::Optional<TensorView> expected_input_tokens,
-                              tvm::ffi::Optional<TensorView> expected_input_positions, TensorView violation_ring,
-                              TensorView violation_write_index, TensorView slot_run_counter,
-                              TensorView kernel_run_counter, TensorView enable_chain_position_assert,
-                              TensorView real_kv_buf_0, TensorView real_kv_buf_1, TensorView real_kv_buf_2,
-                              TensorView real_kv_buf_3, TensorView real_kv_source_params, int64_t num_sources,
-                              int64_t real_kv_hash_mode) {
+/*! \brief The seed's arguments, then the kvcanary+ attribution arguments (see the file comment). */
+inline void canary_write_step_attributed(
+    TensorView canary_buf, TensorView write_offsets, TensorView write_seed_slot_indices,
+    TensorView write_num_valid_reqs, TensorView input_ids, TensorView positions, TensorView out_cache_loc,
+    int64_t kernel_kind, int64_t enable_write_input_assert, tvm::ffi::Optional<TensorView> expected_input_tokens,
+    tvm::ffi::Optional<TensorView> expected_input_positions, TensorView violation_ring,
+    TensorView violation_write_index, TensorView slot_run_counter, TensorView kernel_run_counter,
+    TensorView enable_chain_position_assert, TensorView real_kv_buf_0, TensorView real_kv_buf_1,
+    TensorView real_kv_buf_2, TensorView real_kv_buf_3, TensorView real_kv_source_params, int64_t num_sources,
+    int64_t real_kv_hash_mode, tvm::ffi::Optional<TensorView> violation_meta,
+    tvm::ffi::Optional<TensorView> forward_step, tvm::ffi::Optional<TensorView> write_request_rows,
+    tvm::ffi::Optional<TensorView> slot_attribution, tvm::ffi::Optional<TensorView> row_serials) {
   constexpr const char* kFn = "canary_write_step";
   // 1. validate
   SymbolicSize num_slots("num_slots");
@@ -384,9 +434,23 @@ inline void canary_write_step(TensorView canary_buf, TensorView write_offsets, T
   const RealKvSources sources =
       pack_real_kv_sources(kFn, device, num_slots.value(), real_kv_buf_0, real_kv_buf_1, real_kv_buf_2,
                            real_kv_buf_3, real_kv_source_params, num_sources, real_kv_hash_mode);
+  WriteParams p{};
+  p.slot_attribution =
+      pack_violation_meta(kFn, device, ring_capacity, num_slots, violation_meta, forward_step, slot_attribution, p.sink);
+  if (write_request_rows.has_value()) {
+    TensorMatcher(kFn, {req_capacity})
+        .dtype<int64_t>()
+        .device(device)
+        .verify(write_request_rows.value(), "write_request_rows");
+  }
+  SymbolicSize serial_rows("serial_rows");
+  if (row_serials.has_value()) {
+    KVCANARY_CHECK_ARG(write_request_rows.has_value(), ValueError, kFn, "row_serials")
+        << "needs write_request_rows (the row of each request)";
+    TensorMatcher(kFn, {serial_rows}).dtype<int64_t>().device(device).verify(row_serials.value(), "row_serials");
+  }
 
   // 2. extract parameters
-  WriteParams p{};
   p.canary_buf = data_of<uint8_t>(canary_buf);
   p.slot_stride_bytes = slot_stride.value();
   p.num_slots = num_slots.value();
@@ -410,6 +474,9 @@ inline void canary_write_step(TensorView canary_buf, TensorView write_offsets, T
   p.kernel_run_counter = data_of<int64_t>(kernel_run_counter);
   p.enable_chain_position_assert = data_of<const int32_t>(enable_chain_position_assert);
   p.sources = sources;
+  p.write_request_rows = optional_data_of<const int64_t>(write_request_rows);
+  p.row_serials = optional_data_of<const int64_t>(row_serials);
+  p.serial_rows = row_serials.has_value() ? serial_rows.value() : 0;
 
 #if KVCANARY_DEVICE_BUILD
   // 3. device guard + stream
@@ -423,6 +490,26 @@ inline void canary_write_step(TensorView canary_buf, TensorView write_offsets, T
   // 3-4. CPU: run the same per-entry semantics in a loop.
   canary_write_cpu(p);
 #endif
+}
+
+/*! \brief The seed ABI (SPEC §4.1): no metadata, no attribution. */
+inline void canary_write_step(TensorView canary_buf, TensorView write_offsets, TensorView write_seed_slot_indices,
+                              TensorView write_num_valid_reqs, TensorView input_ids, TensorView positions,
+                              TensorView out_cache_loc, int64_t kernel_kind, int64_t enable_write_input_assert,
+                              tvm::ffi::Optional<TensorView> expected_input_tokens,
+                              tvm::ffi::Optional<TensorView> expected_input_positions, TensorView violation_ring,
+                              TensorView violation_write_index, TensorView slot_run_counter,
+                              TensorView kernel_run_counter, TensorView enable_chain_position_assert,
+                              TensorView real_kv_buf_0, TensorView real_kv_buf_1, TensorView real_kv_buf_2,
+                              TensorView real_kv_buf_3, TensorView real_kv_source_params, int64_t num_sources,
+                              int64_t real_kv_hash_mode) {
+  canary_write_step_attributed(canary_buf, write_offsets, write_seed_slot_indices, write_num_valid_reqs, input_ids,
+                               positions, out_cache_loc, kernel_kind, enable_write_input_assert,
+                               expected_input_tokens, expected_input_positions, violation_ring,
+                               violation_write_index, slot_run_counter, kernel_run_counter,
+                               enable_chain_position_assert, real_kv_buf_0, real_kv_buf_1, real_kv_buf_2,
+                               real_kv_buf_3, real_kv_source_params, num_sources, real_kv_hash_mode, std::nullopt,
+                               std::nullopt, std::nullopt, std::nullopt, std::nullopt);
 }
 
 }  // namespace host

@@ -22,5 +22,9 @@
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_write_step, kvcanary::host::canary_write_step);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_verify_step, kvcanary::host::canary_verify_step);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_plan_step, kvcanary::host::canary_plan_step);
+// kvcanary+: the same kernels with the optional violation metadata / writer attribution arguments appended.
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_write_step_attributed, kvcanary::host::canary_write_step_attributed);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_verify_step_attributed, kvcanary::host::canary_verify_step_attributed);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_plan_step_attributed, kvcanary::host::canary_plan_step_attributed);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_layout_constants, kvcanary::host::canary_layout_constants);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_backend_name, kvcanary::host::canary_backend_name);

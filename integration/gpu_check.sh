@@ -8,11 +8,13 @@
 #   build     JIT-build the CPU and CUDA kernels (kvcanary.jit.build) and load both
 #   gpu-tests pytest tests/gpu (CUDA graph capture + replay vs the CPU backend)
 #   kernels   pytest tests/kernels -m "not slow" (differential CPU / ref / CUDA, out-of-range, ...)
-#   memcheck  compute-sanitizer memcheck over the CUDA out-of-range tests + 2 differential chunks
+#   memcheck  compute-sanitizer memcheck over the CUDA out-of-range tests + 2 differential chunks + 2 chunks of
+#             the attribution tests (violation metadata, writer attribution)
 #             (override the -k expression with GPU_CHECK_MEMCHECK_K)
 #             (reported as UNAVAILABLE, not FAIL, when the sanitizer cannot run on this machine)
 #   bench     benchmarks/bench_kernels.py (--quick when little time is left)
 #   bench-manager  benchmarks/bench_manager.py (per-forward canary cost, decode with CUDA graphs)
+#   bench-attribution  benchmarks/bench_attribution.py (write / verify with and without writer attribution)
 # Output: $OUT/gpu_check.md (summary table, also printed last), $OUT/<step>.log, $OUT/bench.json;
 # $OUT defaults to ./gpu_check_out. Exit status: 0 only if no step failed.
 # Total wall time is capped by GPU_CHECK_BUDGET_S (default 480 s): each step's timeout is cut to what is left.
@@ -207,7 +209,7 @@ for cand in "$(command -v compute-sanitizer 2>/dev/null)" "$CUDA_HOME/bin/comput
   if [[ -n "$cand" && -x "$cand" ]]; then SANITIZER="$cand"; break; fi
 done
 MEMCHECK_TESTS=()
-for f in tests/kernels/test_differential.py tests/kernels/test_out_of_range.py; do
+for f in tests/kernels/test_differential.py tests/kernels/test_out_of_range.py tests/kernels/test_kernel_attribution.py; do
   [[ -f "$f" ]] && MEMCHECK_TESTS+=("$f")
 done
 if [[ -z "$SANITIZER" ]]; then
@@ -250,6 +252,12 @@ record bench "$(status_of $STEP_RC)" "$STEP_S" "${bench_note:-see bench.log}"
 run_step bench-manager 150 "$PY" benchmarks/bench_manager.py --json "$OUT_DIR/bench_manager.json"
 record bench-manager "$(status_of $STEP_RC)" "$STEP_S" "decode 1/64/256 x 4096 with graphs; see the table below"
 
+# ------------------------------------------------------------------------------------------------ bench-attribution
+attr_args=(--json "$OUT_DIR/bench_attribution.json")
+if (( BUDGET_S - $(elapsed) < 60 )); then attr_args+=(--quick); fi
+run_step bench-attribution 90 "$PY" benchmarks/bench_attribution.py "${attr_args[@]}"
+record bench-attribution "$(status_of $STEP_RC)" "$STEP_S" "seed vs attributed write/verify; see the table below"
+
 # ------------------------------------------------------------------------------------------------ summary
 {
   echo "## kvcanary GPU check"
@@ -268,6 +276,7 @@ record bench-manager "$(status_of $STEP_RC)" "$STEP_S" "decode 1/64/256 x 4096 w
     "$PY" -c 'import json,sys; print(json.load(open(sys.argv[1])).get("markdown", ""))' "$OUT_DIR/bench.json" 2>/dev/null
   fi
   sed -n '/^### canary per-forward cost/,$p' "$OUT_DIR/bench-manager.log" 2>/dev/null
+  sed -n '/^kvcanary attribution cost/,$p' "$OUT_DIR/bench-attribution.log" 2>/dev/null
 } > "$SUMMARY"
 
 # Show the end of each failing step's log, then the table (last, so it survives output truncation).

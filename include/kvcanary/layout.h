@@ -70,6 +70,23 @@ constexpr int32_t kViolationColExpectedAux = 6;
 constexpr int32_t kViolationColFailReasonBits = 7;
 constexpr int32_t kViolationFields = 8;
 
+// ---------------------------------------------------------------- violation metadata (kvcanary+)
+// An int64 [ring_capacity, kViolationMetaFields] table beside the ring: row i describes ring row i (the
+// ring's 8 columns stay the seed's). Filled by the launch that appends the ring row, when it is given one.
+constexpr int32_t kViolationMetaColStep = 0;          // forward counter value read by the launch
+constexpr int32_t kViolationMetaColRequestRow = 1;    // req_to_token row of the entry's request
+constexpr int32_t kViolationMetaColWrittenStep = 2;   // slot attribution: forward that last wrote the slot
+constexpr int32_t kViolationMetaColWriterSerial = 3;  // slot attribution: request serial of that writer
+constexpr int32_t kViolationMetaFields = 4;
+
+// Writer attribution (kvcanary+): an int64 [num_slots, kSlotAttributionFields] table beside the canary
+// buffer (the 32-byte record stays the seed's). Write stores (forward counter, writer serial) for every
+// record it stores; verify reads it for failing entries only.
+constexpr int32_t kSlotAttributionColWrittenStep = 0;
+constexpr int32_t kSlotAttributionColWriterSerial = 1;
+constexpr int32_t kSlotAttributionFields = 2;
+constexpr int64_t kMetaUnknown = -1;  // a metadata or attribution value nobody knows
+
 // Fail-reason bits (column 7). Bit 6 is kvcanary's own: an index the engine handed the canary lies
 // outside the buffer it indexes; the row's expected_aux column carries the offending index.
 constexpr int64_t kReasonVerifyChainHash = int64_t{1} << 0;
@@ -129,6 +146,15 @@ constexpr LayoutConstant kLayoutConstantTable[] = {
     {"VIOLATION_COL_EXPECTED_AUX", kViolationColExpectedAux},
     {"VIOLATION_COL_FAIL_REASON_BITS", kViolationColFailReasonBits},
     {"VIOLATION_FIELDS", kViolationFields},
+    {"VIOLATION_META_COL_STEP", kViolationMetaColStep},
+    {"VIOLATION_META_COL_REQUEST_ROW", kViolationMetaColRequestRow},
+    {"VIOLATION_META_COL_WRITTEN_STEP", kViolationMetaColWrittenStep},
+    {"VIOLATION_META_COL_WRITER_SERIAL", kViolationMetaColWriterSerial},
+    {"VIOLATION_META_FIELDS", kViolationMetaFields},
+    {"SLOT_ATTRIBUTION_COL_WRITTEN_STEP", kSlotAttributionColWrittenStep},
+    {"SLOT_ATTRIBUTION_COL_WRITER_SERIAL", kSlotAttributionColWriterSerial},
+    {"SLOT_ATTRIBUTION_FIELDS", kSlotAttributionFields},
+    {"META_UNKNOWN", kMetaUnknown},
     {"REASON_VERIFY_CHAIN_HASH", kReasonVerifyChainHash},
     {"REASON_VERIFY_POSITION", kReasonVerifyPosition},
     {"REASON_VERIFY_REAL_KV_HASH", kReasonVerifyRealKvHash},

@@ -53,29 +53,36 @@ class BatchView:
         return int(self.input_ids.shape[0])
 
     def validate(self) -> None:
-        """Shape/dtype/device checks with errors naming the field (cheap: no device reads)."""
-        device = self.input_ids.device
-        for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "prefix_lens", "extend_lens"):
-            t = getattr(self, name)
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"BatchView: {name}: expected torch.Tensor, got {type(t).__name__}")
-            if t.dtype != torch.int64:
-                raise TypeError(f"BatchView: {name}: expected dtype int64, got {t.dtype}")
-            if t.dim() != 1:
-                raise ValueError(f"BatchView: {name}: expected a 1-d tensor, got shape {list(t.shape)}")
-            if t.device != device:
-                raise ValueError(f"BatchView: {name}: expected device {device} (of input_ids), got {t.device}")
-        for name in ("positions", "out_cache_loc"):
-            if getattr(self, name).shape[0] != self.num_tokens:
-                raise ValueError(
-                    f"BatchView: {name}: expected {self.num_tokens} entries (num_tokens of input_ids), "
-                    f"got {getattr(self, name).shape[0]}"
-                )
-        for name in ("prefix_lens", "extend_lens"):
-            if getattr(self, name).shape[0] != self.batch_size:
-                raise ValueError(
-                    f"BatchView: {name}: expected {self.batch_size} rows (of req_pool_indices), "
-                    f"got {getattr(self, name).shape[0]}"
-                )
+        """Kind, dtype, rank, device and length checks with errors naming the field (``TypeError`` for a wrong type
+        or dtype, ``ValueError`` otherwise). Cheap: no device reads, a few attribute reads per field (the manager
+        runs it on every eager forward)."""
         if not isinstance(self.kind, ForwardKind):
-            raise TypeError(f"BatchView: kind: expected ForwardKind, got {type(self.kind).__name__}")
+            raise TypeError(f"BatchView: kind: expected ForwardKind, got {type(self.kind).__name__} {self.kind!r}")
+        ids = self.input_ids
+        device = ids.device if isinstance(ids, torch.Tensor) else None
+        for name in _TENSOR_FIELDS:
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.dtype is not torch.int64 or t.dim() != 1 or t.device != device:
+                _explain_field(name, t, device)
+        n, bs = ids.shape[0], self.req_pool_indices.shape[0]
+        for name, want, of in (("positions", n, "num_tokens of input_ids"),
+                               ("out_cache_loc", n, "num_tokens of input_ids"),
+                               ("prefix_lens", bs, "rows of req_pool_indices"),
+                               ("extend_lens", bs, "rows of req_pool_indices")):
+            got = getattr(self, name).shape[0]
+            if got != want:
+                raise ValueError(f"BatchView: {name}: expected {want} entries ({of}), got {got}")
+
+
+_TENSOR_FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "prefix_lens", "extend_lens")
+
+
+def _explain_field(name: str, t: object, device: torch.device | None) -> None:
+    """Raise the error for a BatchView tensor field that failed the fast check."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"BatchView: {name}: expected torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int64:
+        raise TypeError(f"BatchView: {name}: expected dtype int64, got {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"BatchView: {name}: expected a 1-d tensor, got shape {list(t.shape)}")
+    raise ValueError(f"BatchView: {name}: expected device {device} (of input_ids), got {t.device}")

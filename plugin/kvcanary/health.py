@@ -22,10 +22,12 @@ STATS_PREFIX = "kvcanary stats:"
 class HealthMonitor:
     """Detects expected launch tags whose kernel_run_counter stops advancing.
 
-    The first ``observe`` after construction (or after ``set_expected``) records the baseline; every
-    ``window``-th observation after it compares the counters with the baseline, returns the expected tags
-    whose count did not grow, and makes the current counts the new baseline. A tag that runs only every k
-    steps needs ``window >= k``.
+    The first ``observe`` after construction (or after ``set_expected``) records the baseline; the first
+    observation at least ``window`` steps after it compares the counters with the baseline, returns the
+    expected tags whose count did not grow, and makes the current counts the new baseline. Windows are counted
+    in steps, not observations: a manager that reads the device counters only every ``drain_every`` steps
+    observes that often, and its window still spans ``window`` forwards. A tag that runs only every k steps
+    needs ``window >= k``.
     """
 
     def __init__(self, window: int, expected_tags: Iterable[int]) -> None:
@@ -34,7 +36,7 @@ class HealthMonitor:
         self.window = window
         self.expected: tuple[int, ...] = ()
         self._baseline: list[int] | None = None
-        self._since_baseline = 0
+        self._baseline_step = 0
         self.checks = 0
         self.set_expected(expected_tags)
 
@@ -48,7 +50,7 @@ class HealthMonitor:
     def reset(self) -> None:
         """Forget the baseline: the next observation starts a new window."""
         self._baseline = None
-        self._since_baseline = 0
+        self._baseline_step = 0
 
     def observe(self, step: int, kernel_run_counts: Sequence[int]) -> list[int]:
         """Feed one step's counters; returns the stalled expected tags (empty except at a failing check)."""
@@ -56,15 +58,12 @@ class HealthMonitor:
         if self.expected and self.expected[-1] >= len(counts):
             raise ValueError(f"kernel_run_counts has {len(counts)} entries; expected tags {self.expected}")
         if self._baseline is None:
-            self._baseline = counts
-            self._since_baseline = 0
+            self._baseline, self._baseline_step = counts, step
             return []
-        self._since_baseline += 1
-        if self._since_baseline < self.window:
+        if step - self._baseline_step < self.window:
             return []
         stalled = [t for t in self.expected if counts[t] <= self._baseline[t]]
-        self._baseline = counts
-        self._since_baseline = 0
+        self._baseline, self._baseline_step = counts, step
         self.checks += 1
         return stalled
 

@@ -74,6 +74,20 @@ VIOLATION_COL_EXPECTED_AUX = 6
 VIOLATION_COL_FAIL_REASON_BITS = 7
 VIOLATION_FIELDS = 8
 
+# violation metadata (kvcanary+): an int64 [ring_capacity, VIOLATION_META_FIELDS] table beside the ring,
+# row i describing ring row i (the ring's 8 columns stay the seed's)
+VIOLATION_META_COL_STEP = 0  # forward counter value read by the launch that found it
+VIOLATION_META_COL_REQUEST_ROW = 1  # req_to_token row of the entry's request
+VIOLATION_META_COL_WRITTEN_STEP = 2  # forward that last wrote the slot (slot attribution)
+VIOLATION_META_COL_WRITER_SERIAL = 3  # request serial of that writer (slot attribution)
+VIOLATION_META_FIELDS = 4
+
+# writer attribution (kvcanary+): an int64 [num_slots, SLOT_ATTRIBUTION_FIELDS] table beside the canary buffer
+SLOT_ATTRIBUTION_COL_WRITTEN_STEP = 0
+SLOT_ATTRIBUTION_COL_WRITER_SERIAL = 1
+SLOT_ATTRIBUTION_FIELDS = 2
+META_UNKNOWN = -1  # a metadata or attribution value nobody knows
+
 
 class FailReason(enum.IntFlag):
     """Bits of a violation row's fail_reason_bits column."""

@@ -1,14 +1,24 @@
 """Typed wrappers of the kernels: keyword-only, dispatching on ``canary_buf.device``.
 
 Argument checks live in C++ (one layer for the CPU build, the CUDA build and direct tvm-ffi calls);
-this module only turns ``real_kv_sources`` into the fixed four-buffer ABI and forwards.
+this module turns ``real_kv_sources`` into the fixed four-buffer ABI and forwards. What C++ cannot name
+(``None`` where a tensor is required, a Python list, a meta tensor, a non-integer flag: tvm-ffi or torch
+fail before the C++ checks run, with a positional or C++-stack message) is named here, on the failure
+path only: a call runs first, and only when it raises are the arguments inspected, so a valid call pays
+nothing for the check (the per-forward host cost matters) and an invalid one gets a ``TypeError`` /
+``ValueError`` that starts with ``"<fn>: <argument>: "``, like the C++ errors.
+
+The kvcanary+ arguments (violation metadata, request rows, writer attribution, forward counter) are
+optional: without them a call goes to the seed-ABI export (``canary_write_step`` …), with any of them to
+the ``*_attributed`` export, which takes the same arguments followed by the new ones.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, NoReturn
 
 import torch
 
@@ -87,6 +97,52 @@ def real_kv_launch_args(
     return list(launch.buffers), launch.params, launch.num_sources
 
 
+# Exceptions a call with an argument tvm-ffi or torch cannot take raises before the C++ checks name it:
+# TypeError (tvm-ffi's positional "Mismatched type on argument #5"), RuntimeError / BufferError (torch's DLPack
+# export of a meta tensor, with a C++ stack), AttributeError (``.device`` of a non-tensor).
+_CALL_ERRORS = (TypeError, ValueError, RuntimeError, AttributeError, BufferError)
+
+
+def _named_error(fn: str, tensors: Mapping[str, tuple[Any, bool]], ints: Mapping[str, Any],
+                 real_kv_sources: Any = ()) -> Exception | None:
+    """The first argument Python can name as wrong, as the exception to raise (None: nothing found).
+
+    ``tensors``: name -> (value, optional); ``ints``: name -> value.
+    """
+    for name, (value, optional) in tensors.items():
+        if value is None:
+            if optional:
+                continue
+            return TypeError(f"{fn}: {name}: expected a torch.Tensor, got None")
+        if not isinstance(value, torch.Tensor):
+            return TypeError(f"{fn}: {name}: expected a torch.Tensor, got {type(value).__name__}")
+        if value.device.type not in ("cpu", "cuda"):
+            return ValueError(
+                f"{fn}: {name}: expected a cpu or cuda tensor, got a tensor on device {value.device}"
+                + (" (a meta tensor has no data)" if value.device.type == "meta" else "")
+            )
+    for name, value in ints.items():
+        try:
+            operator.index(value)
+        except TypeError:
+            return TypeError(f"{fn}: {name}: expected an int, got {type(value).__name__}")
+    if not isinstance(real_kv_sources, (RealKvLaunch, Sequence)) or isinstance(real_kv_sources, (str, bytes)):
+        return TypeError(
+            f"{fn}: real_kv_sources: expected a sequence of RealKvSource or a RealKvLaunch, "
+            f"got {type(real_kv_sources).__name__}"
+        )
+    return None
+
+
+def _reraise_named(exc: Exception, fn: str, tensors: Mapping[str, tuple[Any, bool]], ints: Mapping[str, Any],
+                   real_kv_sources: Any = ()) -> NoReturn:
+    """Raise the named error for a failed call, or ``exc`` itself when no argument is to blame in Python."""
+    named = _named_error(fn, tensors, ints, real_kv_sources)
+    if named is None:
+        raise exc
+    raise named from None
+
+
 def canary_write_step(
     *,
     canary_buf: torch.Tensor,
@@ -107,36 +163,83 @@ def canary_write_step(
     enable_chain_position_assert: torch.Tensor,
     real_kv_sources: Sequence[RealKvSource] | RealKvLaunch = (),
     real_kv_hash_mode: int = layout.REAL_KV_HASH_MODE_NONE,
+    violation_meta: torch.Tensor | None = None,
+    forward_step: torch.Tensor | None = None,
+    write_request_rows: torch.Tensor | None = None,
+    slot_attribution: torch.Tensor | None = None,
+    row_serials: torch.Tensor | None = None,
 ) -> None:
     """Store the shadow records of the slots one forward filled (SPEC §4.1; see csrc/canary_write.cuh).
 
     Runs on ``canary_buf.device`` (CPU build or CUDA build, on torch's current stream) and never
     synchronises. Violations go to ``violation_ring``; counters are bumped on the device.
+
+    kvcanary+ (all optional): ``violation_meta`` int64 [R, VIOLATION_META_FIELDS] gets one metadata row per
+    ring row (``forward_step``'s value, the request's row from ``write_request_rows`` int64 [cap], the slot's
+    previous attribution); ``slot_attribution`` int64 [num_slots, SLOT_ATTRIBUTION_FIELDS] gets
+    (``forward_step``'s value, ``row_serials[row]``) for every record stored. Records, rows and counters are
+    bit-exact with the seed call.
     """
-    module: Any = load_module(_backend_of(canary_buf.device))
-    bufs, params, num_sources = real_kv_launch_args(real_kv_sources, canary_buf.device)
-    module.canary_write_step(
-        canary_buf,
-        write_offsets,
-        write_seed_slot_indices,
-        write_num_valid_reqs,
-        input_ids,
-        positions,
-        out_cache_loc,
-        int(kernel_kind),
-        int(enable_write_input_assert),
-        expected_input_tokens,
-        expected_input_positions,
-        violation_ring,
-        violation_write_index,
-        slot_run_counter,
-        kernel_run_counter,
-        enable_chain_position_assert,
-        *bufs,
-        params,
-        num_sources,
-        int(real_kv_hash_mode),
-    )
+    try:
+        module: Any = load_module(_backend_of(canary_buf.device))
+        bufs, params, num_sources = real_kv_launch_args(real_kv_sources, canary_buf.device)
+        args = (
+            canary_buf,
+            write_offsets,
+            write_seed_slot_indices,
+            write_num_valid_reqs,
+            input_ids,
+            positions,
+            out_cache_loc,
+            int(kernel_kind),
+            int(enable_write_input_assert),
+            expected_input_tokens,
+            expected_input_positions,
+            violation_ring,
+            violation_write_index,
+            slot_run_counter,
+            kernel_run_counter,
+            enable_chain_position_assert,
+            *bufs,
+            params,
+            num_sources,
+            int(real_kv_hash_mode),
+        )
+        if (violation_meta is None and forward_step is None and write_request_rows is None
+                and slot_attribution is None and row_serials is None):
+            module.canary_write_step(*args)
+        else:
+            module.canary_write_step_attributed(
+                *args, violation_meta, forward_step, write_request_rows, slot_attribution, row_serials
+            )
+    except _CALL_ERRORS as exc:
+        _reraise_named(
+            exc, "canary_write_step",
+            {
+                "canary_buf": (canary_buf, False),
+                "write_offsets": (write_offsets, False),
+                "write_seed_slot_indices": (write_seed_slot_indices, False),
+                "write_num_valid_reqs": (write_num_valid_reqs, False),
+                "input_ids": (input_ids, False),
+                "positions": (positions, False),
+                "out_cache_loc": (out_cache_loc, False),
+                "expected_input_tokens": (expected_input_tokens, True),
+                "expected_input_positions": (expected_input_positions, True),
+                "violation_ring": (violation_ring, False),
+                "violation_write_index": (violation_write_index, False),
+                "slot_run_counter": (slot_run_counter, False),
+                "kernel_run_counter": (kernel_run_counter, False),
+                "enable_chain_position_assert": (enable_chain_position_assert, False),
+                "violation_meta": (violation_meta, True),
+                "forward_step": (forward_step, True),
+                "write_request_rows": (write_request_rows, True),
+                "slot_attribution": (slot_attribution, True),
+                "row_serials": (row_serials, True),
+            },
+            {"kernel_kind": kernel_kind, "enable_write_input_assert": enable_write_input_assert,
+             "real_kv_hash_mode": real_kv_hash_mode},
+            real_kv_sources,
+        )
 
 
 def canary_verify_step(
@@ -156,32 +259,74 @@ def canary_verify_step(
     real_kv_sources: Sequence[RealKvSource] | RealKvLaunch = (),
     real_kv_hash_mode: int = layout.REAL_KV_HASH_MODE_NONE,
     check_tokens: bool = False,
+    violation_meta: torch.Tensor | None = None,
+    forward_step: torch.Tensor | None = None,
+    verify_request_rows: torch.Tensor | None = None,
+    slot_attribution: torch.Tensor | None = None,
 ) -> None:
     """Check the records of planned prefix entries (SPEC §4.2; see csrc/canary_verify.cuh).
 
     Never modifies ``canary_buf``; runs on its device without synchronising.
+
+    kvcanary+ (all optional): ``violation_meta`` int64 [R, VIOLATION_META_FIELDS] gets one metadata row per
+    ring row: ``forward_step``'s value, the entry's row from ``verify_request_rows`` int64 [cap] and the
+    failing slot's ``slot_attribution`` row (read for failing entries only).
     """
-    module: Any = load_module(_backend_of(canary_buf.device))
-    bufs, params, num_sources = real_kv_launch_args(real_kv_sources, canary_buf.device)
-    module.canary_verify_step(
-        canary_buf,
-        verify_slot_indices,
-        verify_expected_tokens,
-        verify_expected_positions,
-        verify_prev_slot_indices,
-        verify_num_valid,
-        verify_enable,
-        int(kernel_kind),
-        violation_ring,
-        violation_write_index,
-        slot_run_counter,
-        kernel_run_counter,
-        *bufs,
-        params,
-        num_sources,
-        int(real_kv_hash_mode),
-        int(check_tokens),
-    )
+    try:
+        module: Any = load_module(_backend_of(canary_buf.device))
+        bufs, params, num_sources = real_kv_launch_args(real_kv_sources, canary_buf.device)
+        args = (
+            canary_buf,
+            verify_slot_indices,
+            verify_expected_tokens,
+            verify_expected_positions,
+            verify_prev_slot_indices,
+            verify_num_valid,
+            verify_enable,
+            int(kernel_kind),
+            violation_ring,
+            violation_write_index,
+            slot_run_counter,
+            kernel_run_counter,
+            *bufs,
+            params,
+            num_sources,
+            int(real_kv_hash_mode),
+            int(check_tokens),
+        )
+        if violation_meta is None and forward_step is None and verify_request_rows is None and slot_attribution is None:
+            module.canary_verify_step(*args)
+        else:
+            module.canary_verify_step_attributed(*args, violation_meta, forward_step, verify_request_rows,
+                                                 slot_attribution)
+    except _CALL_ERRORS as exc:
+        _reraise_named(
+            exc, "canary_verify_step",
+            {
+                "canary_buf": (canary_buf, False),
+                "verify_slot_indices": (verify_slot_indices, False),
+                "verify_expected_tokens": (verify_expected_tokens, False),
+                "verify_expected_positions": (verify_expected_positions, False),
+                "verify_prev_slot_indices": (verify_prev_slot_indices, False),
+                "verify_num_valid": (verify_num_valid, False),
+                "verify_enable": (verify_enable, False),
+                "violation_ring": (violation_ring, False),
+                "violation_write_index": (violation_write_index, False),
+                "slot_run_counter": (slot_run_counter, False),
+                "kernel_run_counter": (kernel_run_counter, False),
+                "violation_meta": (violation_meta, True),
+                "forward_step": (forward_step, True),
+                "verify_request_rows": (verify_request_rows, True),
+                "slot_attribution": (slot_attribution, True),
+            },
+            {"kernel_kind": kernel_kind, "real_kv_hash_mode": real_kv_hash_mode, "check_tokens": check_tokens},
+            real_kv_sources,
+        )
+
+
+def _plan_tensors(name: str, plan: Any, cls: type) -> dict[str, tuple[Any, bool]]:
+    """``<name>.<field>`` -> (value, optional) for a plan's tensors (the kvcanary+ fields may be None)."""
+    return {f"{name}.{f.name}": (getattr(plan, f.name), f.default is None) for f in fields(cls)}
 
 
 def canary_plan_step(
@@ -197,36 +342,71 @@ def canary_plan_step(
     expected_tokens: torch.Tensor | None = None,
     expected_tokens_valid_lens: torch.Tensor | None = None,
     kv_token_id_vs_position_offset: int = 0,
+    forward_counter: torch.Tensor | None = None,
+    forward_step_value: int = -1,
 ) -> None:
     """Fill ``write_plan`` and ``verify_plan`` for one forward (SPEC §4.3; see csrc/canary_plan.cuh).
 
     Runs on the plans' device without synchronising; the amount of work lives in the plans' device
     scalars, so the launch is CUDA-graph capturable. An overflowing verify plan is disabled
-    (``verify_enable == 0``), which the caller drains and reports.
+    (``verify_enable == 0``), which the caller drains and reports. ``expected_tokens`` may be int32 (like
+    ``req_to_token``) or int64.
+
+    kvcanary+: the plans' ``write_request_rows`` / ``verify_request_rows`` (when allocated) get each batch
+    row's and each entry's req_to_token row. ``forward_counter`` (int64 [1], optional) becomes the number of the
+    forward this plan starts: ``forward_step_value`` when it is >= 0, else the counter + 1 (what a launch
+    captured in a CUDA graph needs: every replay counts one forward).
     """
-    if not isinstance(write_plan, WritePlan):
-        raise TypeError(f"canary_plan_step: write_plan: expected WritePlan, got {type(write_plan).__name__}")
-    if not isinstance(verify_plan, VerifyPlan):
-        raise TypeError(f"canary_plan_step: verify_plan: expected VerifyPlan, got {type(verify_plan).__name__}")
-    module: Any = load_module(_backend_of(write_plan.write_offsets.device))
-    module.canary_plan_step(
-        write_plan.write_offsets,
-        write_plan.write_seed_slot_indices,
-        write_plan.write_num_valid_reqs,
-        write_plan.verify_row_offsets,
-        verify_plan.verify_slot_indices,
-        verify_plan.verify_expected_tokens,
-        verify_plan.verify_expected_positions,
-        verify_plan.verify_prev_slot_indices,
-        verify_plan.verify_num_valid,
-        verify_plan.verify_enable,
-        req_pool_indices,
-        prefix_lens,
-        extend_lens,
-        req_to_token,
-        int(swa_window_size),
-        full_to_swa_index_mapping,
-        expected_tokens,
-        expected_tokens_valid_lens,
-        int(kv_token_id_vs_position_offset),
-    )
+    try:
+        if not isinstance(write_plan, WritePlan):
+            raise TypeError(f"canary_plan_step: write_plan: expected WritePlan, got {type(write_plan).__name__}")
+        if not isinstance(verify_plan, VerifyPlan):
+            raise TypeError(f"canary_plan_step: verify_plan: expected VerifyPlan, got {type(verify_plan).__name__}")
+        module: Any = load_module(_backend_of(write_plan.write_offsets.device))
+        args = (
+            write_plan.write_offsets,
+            write_plan.write_seed_slot_indices,
+            write_plan.write_num_valid_reqs,
+            write_plan.verify_row_offsets,
+            verify_plan.verify_slot_indices,
+            verify_plan.verify_expected_tokens,
+            verify_plan.verify_expected_positions,
+            verify_plan.verify_prev_slot_indices,
+            verify_plan.verify_num_valid,
+            verify_plan.verify_enable,
+            req_pool_indices,
+            prefix_lens,
+            extend_lens,
+            req_to_token,
+            int(swa_window_size),
+            full_to_swa_index_mapping,
+            expected_tokens,
+            expected_tokens_valid_lens,
+            int(kv_token_id_vs_position_offset),
+        )
+        write_rows, verify_rows = write_plan.write_request_rows, verify_plan.verify_request_rows
+        if write_rows is None and verify_rows is None and forward_counter is None:
+            module.canary_plan_step(*args)
+        else:
+            module.canary_plan_step_attributed(*args, write_rows, verify_rows, forward_counter,
+                                               int(forward_step_value))
+    except _CALL_ERRORS as exc:
+        if not isinstance(write_plan, WritePlan) or not isinstance(verify_plan, VerifyPlan):
+            raise
+        _reraise_named(
+            exc, "canary_plan_step",
+            {
+                **_plan_tensors("write_plan", write_plan, WritePlan),
+                **_plan_tensors("verify_plan", verify_plan, VerifyPlan),
+                "req_pool_indices": (req_pool_indices, False),
+                "prefix_lens": (prefix_lens, False),
+                "extend_lens": (extend_lens, False),
+                "req_to_token": (req_to_token, False),
+                "full_to_swa_index_mapping": (full_to_swa_index_mapping, True),
+                "expected_tokens": (expected_tokens, True),
+                "expected_tokens_valid_lens": (expected_tokens_valid_lens, True),
+                "forward_counter": (forward_counter, True),
+            },
+            {"swa_window_size": swa_window_size, "kv_token_id_vs_position_offset": kv_token_id_vs_position_offset,
+             "forward_step_value": forward_step_value},
+        )

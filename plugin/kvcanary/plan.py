@@ -29,12 +29,15 @@ class WritePlan:
             token, or -1 for a chain head / empty row.
         write_num_valid_reqs: int32 [1] rows in use (the batch size).
         verify_row_offsets: int64 [capacity + 1] where each row's entries start in the verify plan.
+        write_request_rows: int64 [capacity] the req_to_token row of each batch row (0 past the batch), for
+            the writer attribution and the request row of write violations (kvcanary+; None: not planned).
     """
 
     write_offsets: torch.Tensor
     write_seed_slot_indices: torch.Tensor
     write_num_valid_reqs: torch.Tensor
     verify_row_offsets: torch.Tensor
+    write_request_rows: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, capacity: int, device: torch.device | str) -> WritePlan:
@@ -46,6 +49,7 @@ class WritePlan:
             write_seed_slot_indices=torch.full((cap,), -1, **i64),
             write_num_valid_reqs=torch.zeros(1, dtype=torch.int32, device=device),
             verify_row_offsets=torch.zeros(cap + 1, **i64),
+            write_request_rows=torch.zeros(cap, **i64),
         )
 
     @property
@@ -60,6 +64,7 @@ class WritePlan:
                 "write_offsets": self.write_offsets,
                 "write_seed_slot_indices": self.write_seed_slot_indices,
                 "write_num_valid_reqs": self.write_num_valid_reqs,
+                "write_request_rows": self.write_request_rows,
             }
             object.__setattr__(self, "_kernel_args", args)
         return args
@@ -76,6 +81,8 @@ class VerifyPlan:
         verify_prev_slot_indices: int64 [capacity] slot of the previous position (-1 chain head, 0 unknown).
         verify_num_valid: int32 [1] entries in use.
         verify_enable: int32 [1] 0 when the plan overflowed its capacity (verify skipped for the step).
+        verify_request_rows: int64 [capacity] the req_to_token row each entry came from (kvcanary+: the
+            request row of its violations; -1 where no row is known, e.g. a sweep; None: not planned).
     """
 
     verify_slot_indices: torch.Tensor
@@ -84,6 +91,7 @@ class VerifyPlan:
     verify_prev_slot_indices: torch.Tensor
     verify_num_valid: torch.Tensor
     verify_enable: torch.Tensor
+    verify_request_rows: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, capacity: int, device: torch.device | str) -> VerifyPlan:
@@ -97,6 +105,7 @@ class VerifyPlan:
             verify_prev_slot_indices=torch.zeros(cap, **i64),
             verify_num_valid=torch.zeros(1, dtype=torch.int32, device=device),
             verify_enable=torch.zeros(1, dtype=torch.int32, device=device),
+            verify_request_rows=torch.full((cap,), -1, **i64),
         )
 
     @property

@@ -314,8 +314,9 @@ def canary_plan_step(
 
     bs = len(rps)
     cap = write_plan.capacity
-    offsets, seeds, row_offsets = [0], [], [0]
+    offsets, seeds, row_offsets, request_rows = [0], [], [0], []
     entries: list[tuple[int, int, int, int]] = []  # slot, prev, token, position
+    entry_rows: list[int] = []  # rp of each entry's batch row
     for r in range(cap):
         seed, write_count, row_entries = layout.CHAIN_HEAD_SLOT, 0, []
         rp = rps[r] if r < bs else layout.PADDING_REQ_POOL_ROW
@@ -338,13 +339,17 @@ def canary_plan_step(
                 if not bad_prefix and prefix > 0 and extend > 0:
                     seed = translate(table[rp][prefix - 1])
         seeds.append(seed)
+        request_rows.append(rp)
         offsets.append(offsets[-1] + write_count)
         entries.extend(row_entries)
+        entry_rows.extend([rp] * len(row_entries))
         row_offsets.append(len(entries))
     write_plan.write_offsets.copy_(torch.tensor(offsets, dtype=torch.int64))
     write_plan.write_seed_slot_indices.copy_(torch.tensor(seeds, dtype=torch.int64))
     write_plan.verify_row_offsets.copy_(torch.tensor(row_offsets, dtype=torch.int64))
     write_plan.write_num_valid_reqs[0] = bs
+    if write_plan.write_request_rows is not None:
+        write_plan.write_request_rows.copy_(torch.tensor(request_rows, dtype=torch.int64))
     vcap = verify_plan.capacity
     overflow = len(entries) > vcap
     verify_plan.verify_num_valid[0] = vcap if overflow else len(entries)
@@ -356,3 +361,5 @@ def canary_plan_step(
         verify_plan.verify_prev_slot_indices[e] = prev
         verify_plan.verify_expected_tokens[e] = token
         verify_plan.verify_expected_positions[e] = position
+        if verify_plan.verify_request_rows is not None:
+            verify_plan.verify_request_rows[e] = entry_rows[e]
