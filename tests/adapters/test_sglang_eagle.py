@@ -408,6 +408,10 @@ def test_with_the_upstream_fix_nothing_is_reported(eagle) -> None:
     t, d = (hooks.installation_of(r) for r in (eagle.target, eagle.draft))
     assert t.manager.stats.slot_runs[0] > 0 and d.manager.stats.slot_runs[0] > 0  # both pools verified
     st, sd = speculative.spec_of(eagle.target).counters, speculative.spec_of(eagle.draft).counters
+    before = dataclasses.replace(sd)
+    speculative.count_forward(speculative.spec_of(eagle.draft), types.SimpleNamespace(  # a capture warm-up batch
+        forward_mode=types.SimpleNamespace(name="DECODE"), batch_size=16, rids=None))
+    assert sd == before
     verifies = eng.modes["target"].count("TARGET_VERIFY")
     assert st.verify_forwards == verifies == 8 and sd.draft_decode_forwards == 8
     assert st.drafts_accepted == sd.drafts_accepted > 0 and st.drafts_rejected > 0

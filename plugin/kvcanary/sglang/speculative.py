@@ -184,7 +184,11 @@ def forward_modes(runner, base: Mapping[str, ForwardKind]) -> Mapping[str, Forwa
 
 
 def count_forward(state: SpecState, fb) -> None:
-    """Host counters of one real forward of a speculative runner (ModelRunner.forward)."""
+    """Host counters of one real forward of a speculative runner (ModelRunner.forward). The draft graph runners'
+    warm-up forwards at capture time also pass through ModelRunner.forward, with a ForwardBatch they build
+    themselves: only one built by ``ForwardBatch.init_new`` from the scheduler's batch (``rids`` set) counts."""
+    if getattr(fb, "rids", None) is None:
+        return
     name = getattr(fb.forward_mode, "name", str(fb.forward_mode))
     rows = int(getattr(fb, "batch_size", 0) or 0)
     c = state.counters
