@@ -28,7 +28,8 @@ import pytest
 import torch
 
 if importlib.util.find_spec("sglang") is None:
-    pytest.skip("sglang is not installed (pip install --no-deps -r requirements-sglang-cpu.txt)", allow_module_level=True)
+    pytest.skip("sglang is not installed (pip install --no-deps -r requirements-sglang-cpu.txt)",
+                allow_module_level=True)
 import hooks_state  # noqa: E402
 import sgl_engine  # noqa: E402
 import sglang  # noqa: E402,F401  (installed but broken must fail, not skip)
