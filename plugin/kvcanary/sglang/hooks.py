@@ -220,7 +220,14 @@ class AdapterHooks:
 
     def after_forward_batch_init(self, result, cls, batch, model_runner, *args, **kwargs):
         inst = installation_of(model_runner)
-        if inst is None or (not inst.verify_tokens and inst.fault_plan is None):
+        if inst is None:
+            return result
+        if mode_name(batch) not in ("DECODE", "IDLE"):  # writer attribution: a row gets a new request in a prefill
+            rows = [(int(r.req_pool_idx), r.rid) for r in self.version.batch_requests(batch)
+                    if getattr(r, "req_pool_idx", None) is not None and getattr(r, "rid", None) is not None]
+            for group in inst.groups:
+                group.manager.assign_requests(rows)
+        if not inst.verify_tokens and inst.fault_plan is None:
             return result
         reqs = self.version.batch_requests(batch)
         if inst.fault_plan is not None:
