@@ -279,11 +279,13 @@ class CanaryManager:
         self._ring_drained_to.masked_fill_(drained, -1)
 
     def _validate(self, batch: BatchView) -> None:
-        """``batch.validate()`` once per BatchView object (after_forward usually gets the one before_forward got)."""
+        """Check a BatchView once per object (after_forward usually gets the one before_forward got): the fast
+        ``well_formed`` test, and ``validate`` (errors naming the field) only when it fails."""
         if batch is not self._validated_batch:
             if not isinstance(batch, BatchView):
                 raise TypeError(f"CanaryManager: batch: expected BatchView, got {type(batch).__name__}")
-            batch.validate()
+            if not batch.well_formed():
+                batch.validate()
             self._validated_batch = batch
 
     def _check_tokens_fit(self, n: int) -> None:
