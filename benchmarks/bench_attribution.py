@@ -8,10 +8,11 @@ attribution) and reads one serial per request; verify reads the request row and 
 failing entries, so its clean path should cost nothing. ``verify dirty`` corrupts 1 % of the records to show the
 failure path.
 
-Timing: on CUDA, ``--launches`` launches captured in one CUDA graph, replayed behind a ``torch.cuda._sleep`` and
-timed with CUDA events (device time per launch, no host overhead); on the CPU, ``time.perf_counter`` around each
-launch. Every number is the median of ``--reps`` repetitions. ``host`` rows time the Python wrapper of a
-one-entry launch (the per-forward host cost an engine pays), on either device.
+Timing: the two variants of a case alternate, repetition by repetition, so both see the same machine. On CUDA,
+20 launches captured in one CUDA graph, replayed behind a ``torch.cuda._sleep`` and timed with CUDA events (device
+time per launch, no host overhead), median of the repetitions; on the CPU, ``time.perf_counter`` around each
+launch, minimum of the repetitions (the least disturbed run: CPU machines running other work make medians
+noisy). ``host`` rows time the Python wrapper of a one-entry launch (the per-forward host cost an engine pays).
 
 Usage (repository root):
     PYTHONPATH=plugin python3 benchmarks/bench_attribution.py [--device cpu|cuda] [--quick] [--json out.json]
@@ -151,22 +152,17 @@ def verify_launch(shape: Shape, device: torch.device, gen: torch.Generator,
     return seed, extra
 
 
-def reset_index(kwargs: dict[str, Any]) -> Callable[[], None]:
-    return lambda: kwargs["violation_write_index"].zero_()
-
-
-def time_launch(fn: Callable[..., None], kwargs: dict[str, Any], device: torch.device, reps: int,
-                launches: int) -> float:
-    """Median microseconds per launch (device time on CUDA, wall time on the CPU)."""
-    reset = reset_index(kwargs)
+def _launcher(fn: Callable[..., None], kwargs: dict[str, Any], device: torch.device,
+              launches: int) -> Callable[[], float]:
+    """A callable that runs the launch (``launches`` of them in a CUDA graph on CUDA) and returns us per launch."""
+    index = kwargs["violation_write_index"]
     if device.type == "cpu":
-        samples = []
-        for _ in range(reps):
-            reset()
+        def once() -> float:
+            index.zero_()
             t0 = time.perf_counter()
             fn(**kwargs)
-            samples.append((time.perf_counter() - t0) * 1e6)
-        return statistics.median(samples)
+            return (time.perf_counter() - t0) * 1e6
+        return once
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -176,27 +172,42 @@ def time_launch(fn: Callable[..., None], kwargs: dict[str, Any], device: torch.d
     with torch.cuda.graph(graph):
         for _ in range(launches):
             fn(**kwargs)
-    samples = []
-    for _ in range(reps):
-        reset()
+
+    def replay() -> float:
+        index.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(SLEEP_CYCLES)
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / launches)
-    return statistics.median(samples)
+        return start.elapsed_time(end) * 1e3 / launches
+    return replay
 
 
-def time_host(fn: Callable[..., None], kwargs: dict[str, Any], reps: int) -> float:
-    """Median host microseconds of one wrapper call (includes the launch on CUDA, not the kernel)."""
-    samples = []
+def time_pair(fn: Callable[..., None], seed: dict[str, Any], attributed: dict[str, Any], device: torch.device,
+              reps: int, launches: int) -> tuple[float, float]:
+    """(seed, attributed) us per launch, the two alternating; min on the CPU, median on CUDA."""
+    a, b = _launcher(fn, seed, device, launches), _launcher(fn, attributed, device, launches)
+    a(), b()  # warm
+    sa, sb = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn(**kwargs)
-        samples.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(samples)
+        sa.append(a())
+        sb.append(b())
+    pick = min if device.type == "cpu" else statistics.median
+    return pick(sa), pick(sb)
+
+
+def time_host_pair(fn: Callable[..., None], seed: dict[str, Any], attributed: dict[str, Any],
+                   reps: int) -> tuple[float, float]:
+    """(seed, attributed) median host us of one wrapper call (the launch included on CUDA, not the kernel)."""
+    sa, sb = [], []
+    for _ in range(reps):
+        for kwargs, out in ((seed, sa), (attributed, sb)):
+            t0 = time.perf_counter()
+            fn(**kwargs)
+            out.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(sa), statistics.median(sb)
 
 
 def run(device: torch.device, quick: bool) -> list[Row]:
@@ -214,20 +225,20 @@ def run(device: torch.device, quick: bool) -> list[Row]:
     rows: list[Row] = []
     for name, shape in write_shapes.items():
         seed, extra = write_launch(shape, device, gen)
-        rows.append(Row("write", name, time_launch(ops.canary_write_step, seed, device, reps, launches),
-                        time_launch(ops.canary_write_step, {**seed, **extra}, device, reps, launches)))
+        rows.append(Row("write", name, *time_pair(ops.canary_write_step, seed, {**seed, **extra}, device, reps,
+                                                  launches)))
     for shape in verify_shapes:
         for dirty in (0.0, 0.01):
             seed, extra = verify_launch(shape, device, gen, dirty)
             label = f"{'dirty 1%' if dirty else 'clean'} {shape.requests} x {shape.tokens_per_request}"
-            rows.append(Row("verify", label, time_launch(ops.canary_verify_step, seed, device, reps, launches),
-                            time_launch(ops.canary_verify_step, {**seed, **extra}, device, reps, launches)))
+            rows.append(Row("verify", label, *time_pair(ops.canary_verify_step, seed, {**seed, **extra}, device,
+                                                        reps, launches)))
     seed, extra = write_launch(Shape(1, 1, 64), device, gen)
-    rows.append(Row("write", "host: one-entry wrapper call", time_host(ops.canary_write_step, seed, 200),
-                    time_host(ops.canary_write_step, {**seed, **extra}, 200)))
+    rows.append(Row("write", "host: one-entry wrapper call",
+                    *time_host_pair(ops.canary_write_step, seed, {**seed, **extra}, 500)))
     seed, extra = verify_launch(Shape(1, 1, 64), device, gen, 0.0)
-    rows.append(Row("verify", "host: one-entry wrapper call", time_host(ops.canary_verify_step, seed, 200),
-                    time_host(ops.canary_verify_step, {**seed, **extra}, 200)))
+    rows.append(Row("verify", "host: one-entry wrapper call",
+                    *time_host_pair(ops.canary_verify_step, seed, {**seed, **extra}, 500)))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return rows
