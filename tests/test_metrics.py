@@ -131,6 +131,9 @@ def test_drafts_rolled_back_only_when_fed() -> None:
     m.update_drafts(spec, 7)
     m.update_drafts(spec, 9)
     assert sample(scrape(registry), "drafts_rolled_back_total") == 9
+    m.update_drafts(spec, 5)  # the total dipped (late verdicts) and grows back: only a new high counts
+    m.update_drafts(spec, 11)
+    assert sample(scrape(registry), "drafts_rolled_back_total") == 11
 
 
 def test_labels_from_rank() -> None:

@@ -192,14 +192,15 @@ class CanaryMetrics:
 
     def update_drafts(self, source: Any, rolled_back: int) -> None:
         """Add the growth of ``rolled_back`` (a running total kept by ``source``, e.g. speculative-decoding
-        counters) to ``drafts_rolled_back_total``."""
+        counters) to ``drafts_rolled_back_total``. Only a new high counts: a total that dips (a verdict that
+        arrives a step late) and grows back is not counted twice."""
         with self._lock:
-            last = self._drafts_seen.get(id(source), 0)
-            if rolled_back > last:
+            high = self._drafts_seen.get(id(source), 0)
+            if rolled_back > high:
                 if self._drafts is None:
                     self._drafts = self._counters["drafts_rolled_back_total"].labels(**self.labels)
-                self._drafts.inc(rolled_back - last)
-            self._drafts_seen[id(source)] = int(rolled_back)
+                self._drafts.inc(rolled_back - high)
+                self._drafts_seen[id(source)] = int(rolled_back)
 
     def observe(self, managers: Iterable[Any]) -> None:
         """:meth:`update` for each manager; never raises (a metrics failure must not stop serving: it is logged
