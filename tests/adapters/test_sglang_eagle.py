@@ -385,7 +385,7 @@ def test_installs_one_manager_per_pool_and_draft_replays_step_it(eagle) -> None:
     assert EAGLEDraftExtendCudaGraphRunner.replay.__wrapped__ is not None
 
 
-def test_sglang_0_5_12_chunk_tail_bug_is_caught_in_the_draft_pool(eagle) -> None:
+def test_sglang_0_5_12_chunk_tail_bug_is_caught_in_the_draft_pool(eagle, capsys) -> None:
     """sglang 0.5.12's own _draft_extend_for_prefill on real runners: each non-final chunk's last draft record
     holds the sampled token; the draft pool reports exactly those (verify_token, stored = fed, expected = next
     prompt token, pool=draft); the target pool reports nothing."""
@@ -400,6 +400,15 @@ def test_sglang_0_5_12_chunk_tail_bug_is_caught_in_the_draft_pool(eagle) -> None
     got = {(r["position"], r["stored_token"], r["expected_token"]) for r in rows if r["rank"]["pool"] == "draft"}
     assert got == wrong
     assert all(r["reasons"] == ["verify_token"] for r in rows)
+    from kvcanary.report import Violation
+
+    first = rows[0]
+    line = Violation.from_row([first["kernel_kind"], first["slot"], first["position"], first["stored_token"],
+                               first["expected_token"], int(first["stored_chain_hash"], 16), first["expected_aux"],
+                               first["fail_reason_bits"]], step=first["step"], rank=first["rank"]).log_line()
+    with capsys.disabled():
+        print(f"\nsglang 0.5.12 chunk tails fed to the draft: {len(eng.wrong_tails)} ({len(wrong)} wrong); draft-pool "
+              f"violation rows {len(rows)} at positions {sorted({p for p, _, _ in got})}; target-pool rows 0\n{line}")
 
 
 def test_with_the_upstream_fix_nothing_is_reported(eagle) -> None:
