@@ -113,6 +113,7 @@ class AdapterHooks:
                                     speculative.batch_view_for(role, v.batch_view, max_bs, device)),
             req_to_token=r2t,
             fault_plan=fault_plan_for_rank(report_rank) if role is None or role.inject_faults else None,
+            model_name=getattr(v.server_args_of(runner), "served_model_name", None),  # the metrics' model_name label
         )
         # set before piecewise graphs capture (they call the wrapper); a version may classify calls its own way
         inst.wrapper_call = getattr(v, "wrapper_gate", piecewise.wrapper_gate)(inst)
