@@ -152,8 +152,11 @@ class SpecCounters:
             a verify: ``n - 1`` per row).
         drafts_accepted / drafts_rejected: the engine's verdicts on the draft tokens (from its host copy of the
             accept lengths, which arrives one step late under an overlap scheduler).
-        rolled_back: draft records left beyond a committed length (``drafts_written - drafts_accepted``): never
-            verified, overwritten by the row's next write. Nothing is restored on the device.
+        rolled_back: draft records that were never committed, so no verify reads them and the row's next write
+            overwrites them: the rejected drafts' records (as the verdicts arrive) plus, in the draft pool, the
+            draft-decode records the same step's draft extend rewrites (``superseded``). Once every verdict is in it
+            equals ``drafts_written - drafts_accepted``; it only grows. Nothing is restored on the device.
+        superseded: draft-decode records (always rewritten by the draft extend of the same step).
     """
 
     verify_forwards: int = 0
@@ -162,11 +165,12 @@ class SpecCounters:
     drafts_written: int = 0
     drafts_accepted: int = 0
     drafts_rejected: int = 0
+    superseded: int = 0
     _logged_at: int = field(default=-1, repr=False)
 
     @property
     def rolled_back(self) -> int:
-        return max(0, self.drafts_written - self.drafts_accepted)
+        return self.drafts_rejected + self.superseded
 
     def add_verify(self, rows: int, draft_token_num: int) -> None:
         self.verify_forwards += 1
@@ -175,6 +179,7 @@ class SpecCounters:
     def add_draft_decode(self, rows: int, steps: int = 1) -> None:
         self.draft_decode_forwards += steps
         self.drafts_written += rows * steps
+        self.superseded += rows * steps
 
     def add_draft_extend(self, rows: int, draft_tokens_per_row: int = 0) -> None:
         self.draft_extend_forwards += 1

@@ -217,10 +217,11 @@ def test_spec_stats_line_is_the_adapters(e2e) -> None:
 
     c = SpecCounters()
     c.add_verify(rows=4, draft_token_num=3)
+    c.add_verdicts([0, 0, 1, 0], drafts_per_row=2)
     line = c.line(40, "draft", {"forwards": 40, "entries_verified": 1000, "violations": 2, "tp_rank": 0})
     pools = e2e.parse_spec_stats("noise\n[2026] INFO " + line + "\n")
     assert pools["draft"]["verify_forwards"] == 1 and pools["draft"]["drafts_written"] == 8
-    assert pools["draft"]["entries_verified"] == 1000 and pools["draft"]["rolled_back"] == 8
+    assert pools["draft"]["entries_verified"] == 1000 and pools["draft"]["rolled_back"] == 7
 
 
 def _dry(e2e, tmp_path, phases: str) -> Path:

@@ -386,6 +386,12 @@ def test_spec_counters() -> None:
     assert t.drafts_accepted == 4 and t.drafts_rejected == 4 * 4 - 4 and t.rolled_back == 16 - 4
     assert d.draft_decode_forwards == 4 and d.draft_extend_forwards == 2 + 4
     assert d.drafts_written == 4 * 2 + 4 * 2 * 2 and d.rolled_back == d.drafts_written - 4
+    assert d.superseded == 4 * 2  # the draft-decode records, rewritten by each step's draft extend
+    early = SpecCounters()
+    early.add_verify(rows=2, draft_token_num=3)
+    assert early.rolled_back == 0  # nothing counted as rolled back before the engine's verdict arrives
+    early.add_verdicts([1, 0], drafts_per_row=2)
+    assert early.rolled_back == early.drafts_rejected == 3
     line = t.line(12, "target", {"violations": 0})
     fields = parse_spec_line("INFO x " + line)
     assert fields["pool"] == "target" and fields["step"] == 12 and fields["rolled_back"] == 12

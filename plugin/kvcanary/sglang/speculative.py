@@ -291,6 +291,7 @@ def after_verify_complete(result, worker, num_correct_drafts_per_req=None, *args
         state = spec_of(runner)
         if state is not None:
             state.counters.add_verdicts(list(num_correct_drafts_per_req), state.draft_token_num - 1)
+            feed_metrics(state)
     return result
 
 
