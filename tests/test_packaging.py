@@ -134,5 +134,7 @@ def test_sdist_carries_what_the_readme_needs_and_builds_the_same_wheel(sdist: Pa
         assert required in names, sorted(names)
     for doc in (REPO / "docs").glob("*.md"):
         assert f"docs/{doc.name}" in names, sorted(names)
+    for req in REPO.glob("requirements-*.txt"):  # every sglang install the README and .ci/run name
+        assert req.name in names, sorted(names)
     rebuilt = _build("wheel", tmp_path / "out", root=tmp_path / prefix.rstrip("/"))
     assert _names(rebuilt) == _names(wheel)
