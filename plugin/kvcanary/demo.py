@@ -150,7 +150,7 @@ def run_demo(
     started = time.perf_counter()
     dev = torch.device(device or default_device())
     backend = "cuda" if dev.type == "cuda" else "cpu"
-    _note(progress, f"kvcanary demo: {backend} kernels (the first run builds them: ~12 s on CPU, ~40 s for CUDA) ...")
+    _note(progress, f"kvcanary demo: {backend} kernels (built on the first run only; that takes a while) ...")
     info = jit.build(backend)
     build = "cached" if info.cached else f"built in {info.seconds:.1f} s"
 
