@@ -769,22 +769,24 @@ EAGLE_ENGINE: tuple[tuple[str, object], ...] = (
     ("speculative_algorithm", "EAGLE"), ("speculative_num_steps", 2), ("speculative_eagle_topk", 1),
     ("speculative_num_draft_tokens", 3), ("chunked_prefill_size", EAGLE_CHUNK), ("max_running_requests", 32),
 )
+# Caps of 190 s: a warm machine needs ~150 s per phase (Engine start ~80 s with three sets of CUDA graphs), the first
+# Engine on a fresh machine also sglang's and kvcanary's first-use builds.
 EAGLE_PHASES: dict[str, Phase] = {
     # sglang 0.5.12 as shipped (the observer changes nothing): violations in the draft pool at every wrong chunk
     # tail, none in the target pool.
-    "5": Phase("5", "eagle-bug", "log", True, 12288, 150, 110,
+    "5": Phase("5", "eagle-bug", "log", True, 12288, 190, 110,
                COMMON_ENV + ((EAGLE_TAIL_ENV, "observe"),), EAGLE_ENGINE + (("cuda_graph_max_bs", 16),),
                max_new=(16, 32), workload="eagle-chunked"),
     # The same workload with the upstream fix patched in: nothing to report.
-    "6": Phase("6", "eagle-fixed", "log", True, 12288, 150, 110,
+    "6": Phase("6", "eagle-fixed", "log", True, 12288, 190, 110,
                COMMON_ENV + ((EAGLE_TAIL_ENV, "fix"),), EAGLE_ENGINE + (("cuda_graph_max_bs", 16),),
                max_new=(16, 32), workload="eagle-chunked"),
     # Clean soak in raise mode: 320 requests, shared prefixes and exact repeats (radix hits), chunked prefill.
-    "7": Phase("7", "eagle-soak", "raise", True, 12288, 150, 110,
+    "7": Phase("7", "eagle-soak", "raise", True, 12288, 190, 110,
                COMMON_ENV + ((EAGLE_TAIL_ENV, "fix"),), EAGLE_ENGINE + (("cuda_graph_max_bs", 32),),
                max_new=(8, 32), workload="eagle-soak"),
     # Faults into the target pool (the draft pool must stay clean), matched like phase 3.
-    "8": Phase("8", "eagle-faults", "log", True, 12288, 150, 110, COMMON_ENV + (
+    "8": Phase("8", "eagle-faults", "log", True, 12288, 190, 110, COMMON_ENV + (
         ("KVCANARY_SWEEP_INTERVAL", "3"), ("KVCANARY_FAULT", ",".join(EAGLE_FAULTS)), ("KVCANARY_FAULT_EVERY", "4"),
         ("KVCANARY_FAULT_WARMUP", "10"), ("KVCANARY_FAULT_SEED", "5"), (EAGLE_TAIL_ENV, "fix")),
         EAGLE_ENGINE + (("cuda_graph_max_bs", 32),), max_new=(8, 24), workload="eagle-faults"),
