@@ -68,6 +68,10 @@ def _seed_results_equal(seed_out: dict, attributed_out: dict, device: str, ctx: 
     ring_a, ring_b = seed_out["violation_ring"].tolist(), attributed_out["violation_ring"].tolist()
     if device == "cpu":
         assert ring_a == ring_b, f"ring differs with attribution on ({ctx})"
+    elif int(seed_out["violation_write_index"][0]) > len(ring_a):
+        # CUDA appends in any order, so once the ring overflows WHICH rows it keeps depends on which atomics won
+        # (seen on the H200: one kept row differed between two identical launches); both keep a full ring.
+        assert len(ring_a) == len(ring_b)
     else:  # CUDA appends in any order
         assert Counter(map(tuple, ring_a)) == Counter(map(tuple, ring_b)), f"ring differs ({ctx})"
 
