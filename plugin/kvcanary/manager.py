@@ -170,7 +170,8 @@ class CanaryManager:
         self.full_to_swa_index_mapping = full_to_swa_index_mapping
         self.rank = dict(rank) if rank else None
         self.reporter = reporter if reporter is not None else Reporter(
-            config.mode, config.report_path_for(self.rank.get("tp_rank", 0) if self.rank else 0), rank=self.rank
+            config.mode, config.report_path_for(self.rank.get("tp_rank", 0) if self.rank else 0), rank=self.rank,
+            repeat_window=config.log_repeat_window,
         )
         dev = self.device
         i64 = {"dtype": torch.int64, "device": dev}

@@ -471,8 +471,10 @@ class Reporter:
         self.total_lines_dropped = 0
         self._log = logger if logger is not None else _MODULE_LOGGER
         self._lock = threading.Lock()
-        if repeat_window is None:  # only log mode suppresses: raise and off ignore the variable
-            repeat_window = log_repeat_window_from_env() if self.mode is Mode.LOG else 0
+        if self.mode is not Mode.LOG:  # only log mode suppresses: raise and off ignore the setting
+            repeat_window = 0
+        elif repeat_window is None:
+            repeat_window = log_repeat_window_from_env()
         self._repeats = RepeatFilter(repeat_window)
         self._sink_error_interval_s = float(sink_error_interval_s)
         self._clock = clock

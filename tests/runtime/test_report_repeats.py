@@ -167,3 +167,20 @@ def test_manager_in_log_mode_floods_no_more(
     assert [parse_log_line(m).get("repeats") for m in lines] == [None, "9", "9"]
     (summary,) = messages(caplog, REPEAT_LOG_PREFIX)
     assert parse_repeat_line(summary)["count"] == "9"
+
+
+def test_the_managers_reporter_takes_the_window_from_its_config() -> None:
+    """A Config built in code (not from the environment) sets the window of the Reporter the manager builds."""
+    import torch
+
+    from kvcanary.config import Config, Mode
+    from kvcanary.manager import CanaryManager
+
+    def manager(mode: Mode, window: int) -> CanaryManager:
+        return CanaryManager(Config(mode=mode, log_repeat_window=window, stats_every=0), num_slots=8,
+                             req_to_token=torch.zeros((2, 4), dtype=torch.int32), device="cpu", max_batch_size=2,
+                             max_tokens_per_forward=8)
+
+    assert manager(Mode.LOG, 7).reporter.repeat_window == 7
+    assert manager(Mode.LOG, 0).reporter.repeat_window == 0
+    assert manager(Mode.RAISE, 7).reporter.repeat_window == 0  # raise mode never suppresses

@@ -101,7 +101,8 @@ class AdapterHooks:
                 real_kv_sources=spec.sources,
                 swa_window_size=spec.swa_window_size,
                 full_to_swa_index_mapping=spec.full_to_swa_index_mapping,
-                reporter=Reporter(config.mode, config.report_path_for(report_rank), rank=rank),
+                reporter=Reporter(config.mode, config.report_path_for(report_rank), rank=rank,
+                                  repeat_window=config.log_repeat_window),
                 rank=rank,
                 **speculative.manager_kwargs(role),
             )
