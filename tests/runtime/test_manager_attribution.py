@@ -37,7 +37,7 @@ class Harness:
         self.lengths: dict[int, int] = {}
         cfg = Config(mode=mode, **{"drain_every": 8, "stats_every": 0, **config})  # type: ignore[arg-type]
         self.mgr = CanaryManager(cfg, num_slots=NUM_SLOTS, req_to_token=self.req_to_token, device="cpu",
-                                 max_batch_size=4, max_tokens_per_forward=32,
+                                 max_batch_size=4, max_tokens_per_forward=64,
                                  real_kv_sources=[RealKvSource(self.kv, 1, KV_BYTES, KV_BYTES)])
         self.next_slot = 1
 
@@ -325,3 +325,24 @@ def test_batch_view_errors_name_the_field(change: dict, exc: type[Exception], pa
         h.mgr.after_forward(bad)
     with pytest.raises(TypeError, match="^CanaryManager: batch: expected BatchView"):
         h.mgr.before_forward(object())  # type: ignore[arg-type]
+
+
+def test_a_burst_beyond_the_status_peek_keeps_its_metadata() -> None:
+    """50 rows in one forward: 32 come with the status snapshot, the rest through the rows channel one step later;
+    every row still names forward 3 and its request row."""
+    h = Harness(drain_every=8, ring_capacity=100)
+    h.forward({1: h.new_entries(1, 25), 2: h.new_entries(2, 25)})  # forward 1
+    h.decode([1, 2])  # forward 2
+    victims = {int(h.req_to_token[row, p]): row for row in (1, 2) for p in range(25)}
+    for slot in victims:
+        h.kv[slot, 2] ^= 0x20
+    h.decode([1, 2])  # forward 3 finds all 50
+    for slot in victims:
+        h.kv[slot, 2] ^= 0x20
+    for _ in range(12):
+        h.decode([1, 2])
+    h.mgr.flush()
+    rows = verify_rows(h)
+    assert sorted(v.slot for v in rows) == sorted(victims)
+    assert {v.step for v in rows} == {3}
+    assert all(v.request_row == victims[v.slot] and v.written_step == 1 for v in rows)
