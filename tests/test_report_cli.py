@@ -190,3 +190,27 @@ def test_real_tp2_fault_run_matches_the_e2e_drivers_matcher(tmp_path: Path) -> N
     assert {k: sorted(c.latencies) for k, c in m.classes.items()} == {k: sorted(v) for k, v in
                                                                        driver["latency"].items()}
     assert (len(m.unexplained), m.late, len(m.missed)) == (driver["unexplained"], driver["late"], len(driver["missed"]))
+
+
+def test_eagle_reports_pool_rank_keys_and_spec_lines(tmp_path) -> None:
+    """EAGLE writes `pool` (a name) in its rank objects and `kvcanary.spec/1` counter lines: both are valid records
+    (the first H200 EAGLE run's report was read as 100 % bad lines)."""
+    import json
+
+    from kvcanary.summarize import read_reports, render
+
+    rank = {"tp_rank": 0, "pool": "target"}
+    rows = [
+        {"schema": "kvcanary.spec/1", "step": 20, "pool": "target", "counters": {"drafts_written": 64}, "rank": rank},
+        {"schema": "kvcanary.injection/1", "fault": "real_kv_flip", "step": 30, "slots": [7], "detail": "", "rank": rank},
+        {"schema": "kvcanary.violation/1", "step": 31, "tag": "verify", "reasons": ["verify_real_kv_hash"], "slot": 7,
+         "request_row": 2, "rank": rank},
+        {"schema": "kvcanary.spec/1", "step": 40, "pool": "target", "counters": {"drafts_written": 128}, "rank": rank},
+    ]
+    path = tmp_path / "kvc-0.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s, missing = read_reports([str(path)])
+    assert not missing and not s.bad_lines and s.violations == 1
+    assert s.speculative == {"tp_rank=0 pool=target": {"step": 40, "drafts_written": 128}}
+    assert s.matches is not None and s.matches.classes["real_kv_flip"].detected == 1
+    assert "speculative decoding" in render(s)

@@ -44,7 +44,12 @@ def _is_str(v: object) -> bool:
 
 
 def _rank_ok(v: object) -> bool:
-    return v is None or (isinstance(v, dict) and all(_is_int(x) for x in v.values()))
+    """A rank object: integer rank keys (``tp_rank`` ...), and names such as EAGLE's ``pool`` (``target``/``draft``)."""
+    return v is None or (isinstance(v, dict) and all(_is_int(x) or (_is_str(x) and x and " " not in x)
+                                                     for x in v.values()))
+
+
+SPEC_SCHEMA = "kvcanary.spec/1"  # speculative-decoding counters per pool (kvcanary.speculative), cumulative
 
 
 # Fields each schema must carry, with their check; other fields are optional (newer writers may add some).
@@ -54,6 +59,7 @@ REQUIRED: Mapping[str, Mapping[str, Any]] = {
     LOST_SCHEMA: {"count": _is_int, "step": _int_or_null, "rank": _rank_ok},
     HEALTH_SCHEMA: {"message": _is_str, "step": _int_or_null, "tags": _list_of(str), "rank": _rank_ok},
     INJECTION_SCHEMA: {"fault": _is_str, "step": _is_int, "slots": _list_of(int), "rank": _rank_ok},
+    SPEC_SCHEMA: {"step": _int_or_null, "pool": _is_str, "counters": lambda v: isinstance(v, dict), "rank": _rank_ok},
 }
 
 
@@ -186,6 +192,7 @@ class ReportSummary:
     lost_rows: int = 0
     lost_records: int = 0
     health: list[Record] = field(default_factory=list)
+    speculative: dict[str, dict[str, Any]] = field(default_factory=dict)  # rank label -> its last spec counters
     matches: MatchResult | None = None  # None without injection records
 
     def rank(self, label: str) -> RankSummary:
@@ -212,6 +219,7 @@ class ReportSummary:
             "top_writer_rids": top(self.writers, "writer_rid"),
             "lost": {"records": self.lost_records, "rows": self.lost_rows},
             "health": [dict(h.data) for h in self.health],
+            "speculative": self.speculative,
             "injections": None,
         }
         m = self.matches
@@ -273,6 +281,10 @@ def summarize(items: Iterable[Record | BadLine], files: Sequence[str] = ()) -> R
         elif item.schema == INJECTION_SCHEMA:
             rank.injections += 1
             injections.append((item.rank_key, d))
+        elif item.schema == SPEC_SCHEMA:  # cumulative: the latest line of a pool says it all
+            last = s.speculative.get(label)
+            if last is None or (d["step"] or 0) >= (last.get("step") or 0):
+                s.speculative[label] = {"step": d["step"], **d["counters"]}
     if injections:
         s.matches = match_injections(injections, violations)
     return s
@@ -337,6 +349,11 @@ def render(s: ReportSummary) -> str:
               f"health: {len(s.health)} record(s)"]
     for h in s.health[:MAX_LISTED]:
         lines.append(f"  step={h.data.get('step')} {h.rank_label}: {h.data['message']}")
+    if s.speculative:
+        keys = ("step", "verify_forwards", "drafts_written", "drafts_accepted", "drafts_rejected", "rolled_back")
+        rows = [(label, *(str(c.get(k, "-")) for k in keys)) for label, c in sorted(s.speculative.items())]
+        lines += ["", "speculative decoding (last kvcanary.spec/1 line per pool):",
+                  format_table(rows, ("rank", *keys), right=tuple(range(1, len(keys) + 1)))]
     m = s.matches
     if m is None:
         lines += ["", "injections: none (kvcanary.injection/1 records appear only with KVCANARY_FAULT)"]
