@@ -202,7 +202,8 @@ def test_eagle_reports_pool_rank_keys_and_spec_lines(tmp_path) -> None:
     rank = {"tp_rank": 0, "pool": "target"}
     rows = [
         {"schema": "kvcanary.spec/1", "step": 20, "pool": "target", "counters": {"drafts_written": 64}, "rank": rank},
-        {"schema": "kvcanary.injection/1", "fault": "real_kv_flip", "step": 30, "slots": [7], "detail": "", "rank": rank},
+        {"schema": "kvcanary.injection/1", "fault": "real_kv_flip", "step": 30, "slots": [7], "detail": "",
+         "rank": rank},
         {"schema": "kvcanary.violation/1", "step": 31, "tag": "verify", "reasons": ["verify_real_kv_hash"], "slot": 7,
          "request_row": 2, "rank": rank},
         {"schema": "kvcanary.spec/1", "step": 40, "pool": "target", "counters": {"drafts_written": 128}, "rank": rank},
