@@ -51,14 +51,16 @@ __global__ void chain_kernel(const int64_t* slots, const int64_t* tokens, const 
       const uint32_t steps = rem < 32 ? (uint32_t)rem : 32u;
 #pragma unroll 4
       for (uint32_t j = 0; j < steps; ++j) {
-        const int64_t sj = __shfl_sync(kFull, my_slot, j), tj = __shfl_sync(kFull, tok, j), pj = __shfl_sync(kFull, pos, j);
+        const int64_t sj = __shfl_sync(kFull, my_slot, j), tj = __shfl_sync(kFull, tok, j),
+                      pj = __shfl_sync(kFull, pos, j);
         if (lane == j) mine = running;
         if (sj >= 0) running = chain_step(running, tj, pj);
       }
     } else if (V == 1) {
 #pragma unroll
       for (uint32_t j = 0; j < 32; ++j) {
-        const int64_t sj = __shfl_sync(kFull, my_slot, j), tj = __shfl_sync(kFull, tok, j), pj = __shfl_sync(kFull, pos, j);
+        const int64_t sj = __shfl_sync(kFull, my_slot, j), tj = __shfl_sync(kFull, tok, j),
+                      pj = __shfl_sync(kFull, pos, j);
         mine = lane == j ? running : mine;
         const uint64_t next = chain_step(running, tj, pj);
         running = sj >= 0 ? next : running;

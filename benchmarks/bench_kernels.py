@@ -37,6 +37,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -510,7 +511,8 @@ class Bench:
         src = torch.empty(n, dtype=torch.uint8, device=self.device)
         src.random_(0, 256, generator=self.gen)
         dst = torch.empty_like(src)
-        t = time_cuda([lambda: dst.copy_(src)], cfg.reps, cfg.warmup)
+        # partial binds the tensors now: a closure would read them at call time, after the `del` below could run
+        t = time_cuda([partial(dst.copy_, src)], cfg.reps, cfg.warmup)
         self.check("copy floor: dst == src", bool(torch.equal(dst[: 1 << 20], src[: 1 << 20])))
         gbps = 2 * n / (t.median_ms * 1e-3) / 1e9
         self.results["floors"]["copy"] = {"bytes": n, "gbps_read_plus_write": gbps, **t.as_dict()}
@@ -607,7 +609,7 @@ class Bench:
                 canaries = [canary] + [canary.clone() for _ in range(cfg.copies - 1)]
                 runs_before = int(sinks.kernel_runs.item())
                 t = time_cuda(
-                    [lambda c=c, p=p: call_verify(c, p, sinks, sources, mode) for c, p in zip(canaries, plans)],
+                    [partial(call_verify, c, p, sinks, sources, mode) for c, p in zip(canaries, plans, strict=True)],
                     cfg.reps, cfg.warmup,
                 )
                 self.expect_no_violations(case, sinks)
@@ -617,9 +619,9 @@ class Bench:
                 kv = src_tensor if sources else dummy_kv
                 use_kv = 1 if sources else 0
                 tf = time_cuda(
-                    [lambda c=c, p=p: self.floors.plain_read(p.slots, p.tokens, p.positions, p.prevs, c, kv, use_kv,
-                                                             floor_out, blocks)
-                     for c, p in zip(canaries, plans)],
+                    [partial(self.floors.plain_read, p.slots, p.tokens, p.positions, p.prevs, c, kv, use_kv,
+                             floor_out, blocks)
+                     for c, p in zip(canaries, plans, strict=True)],
                     cfg.reps, cfg.warmup,
                 )
                 bytes_per_entry = 96 + (16 if sources else 0)
@@ -725,7 +727,7 @@ class Bench:
             sinks = Sinks.new(self.device)
             copies = self._write_copies(reqs, length, seeded, num_slots)
             self._prefill_seeds(canary, copies, sinks, sources, mode)
-            fns = [lambda w=w: call_write(canary, w, sinks, sources, mode) for w in copies]
+            fns = [partial(call_write, canary, w, sinks, sources, mode) for w in copies]
             runs_before = int(sinks.kernel_runs.item())
             if graph:
                 t, launches = self._time_graph(fns)
@@ -787,7 +789,8 @@ class Bench:
         r = self.results
         lines = []
         dev = r.get("device", {})
-        lines.append(f"### kvcanary kernel benchmarks ({dev.get('name', '?')}, {'quick' if self.cfg.quick else 'full'})")
+        size = "quick" if self.cfg.quick else "full"
+        lines.append(f"### kvcanary kernel benchmarks ({dev.get('name', '?')}, {size})")
         lines.append("")
         lines.append("| floor | median | detail |")
         lines.append("|---|---|---|")
@@ -798,8 +801,9 @@ class Bench:
                          f"{c['gbps_read_plus_write']:.0f} GB/s (read+write) |")
         if "serial_mix" in f:
             m = f["serial_mix"]
+            empty_us = m["empty_launch"]["median_ms"] * 1e3
             lines.append(f"| serial mix3 chain, {m['steps']} steps, 1 thread | {m['median_ms'] * 1e3:.1f} us | "
-                         f"{m['per_step_ns']:.2f} ns/step (empty launch {m['empty_launch']['median_ms'] * 1e3:.1f} us) |")
+                         f"{m['per_step_ns']:.2f} ns/step (empty launch {empty_us:.1f} us) |")
         lines.append("")
         if r["verify"]:
             lines.append("| verify | entries | median ms | entries/s | eff. GB/s | vs copy BW | plain-read floor ms | "
@@ -809,7 +813,8 @@ class Bench:
                 vs_copy = f"{v['vs_copy_bw']:.2f}" if v.get("vs_copy_bw") else "-"
                 lines.append(
                     f"| {v['order']} / {v['real_kv']} ({v['bytes_per_entry']} B/entry) | {v['entries']:,} | "
-                    f"{v['median_ms']:.3f} | {v['entries_per_s'] / 1e9:.2f} G | {v['effective_gbps']:.0f} | {vs_copy} | "
+                    f"{v['median_ms']:.3f} | {v['entries_per_s'] / 1e9:.2f} G | {v['effective_gbps']:.0f} | "
+                    f"{vs_copy} | "
                     f"{v['plain_read_floor']['median_ms']:.3f} | x{v['vs_plain_read']:.2f} |"
                 )
             lines.append("")
@@ -820,7 +825,8 @@ class Bench:
                 ratio = "-"
                 if "vs_serial_mix" in w:
                     ratio = f"x{w['vs_serial_mix']:.2f} {'ok' if w['meets_target'] else 'ABOVE TARGET'}"
-                lines.append(f"| {w['case']} | {w['median_ms'] * 1e3:.2f} us | {w['tokens_per_s'] / 1e6:.1f} M | {ratio} |")
+                lines.append(f"| {w['case']} | {w['median_ms'] * 1e3:.2f} us | {w['tokens_per_s'] / 1e6:.1f} M | "
+                             f"{ratio} |")
             lines.append("")
         ok = sum(1 for c in r["checks"] if c["ok"])
         lines.append(f"correctness checks: {ok}/{len(r['checks'])} passed"

@@ -44,6 +44,7 @@ import traceback
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -334,7 +335,7 @@ def build_small_case(device: torch.device, num_slots: int, rng: random.Random) -
                      torch.full((len(seed_slots), 1), 9, dtype=torch.int64, device=device),
                      torch.full((len(seed_slots),), -1, dtype=torch.int64, device=device), chain_assert=False),
         None,
-        [(s, t, 9, -1) for s, t in zip(seed_slots, pre_tok)],
+        [(s, t, 9, -1) for s, t in zip(seed_slots, pre_tok, strict=True)],
     )
 
     slots, tokens, positions, offsets, entries = [], [], [], [0], []
@@ -388,7 +389,7 @@ def small_plans(device: torch.device, entries: list[tuple[int, int, int, int]], 
                 num_slots: int) -> tuple[VerifyPlan, VerifyPlan, VerifyPlan, list[int]]:
     """(clean plan, plan with bad expectations + special entries + padded tail, disabled plan, victims)."""
     t64 = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
-    s, t, p, q = (list(col) for col in zip(*entries))
+    s, t, p, q = (list(col) for col in zip(*entries, strict=True))
     clean = make_plan(t64(s), t64(t), t64(p), t64(q))
     s2, t2, p2, q2 = list(s), list(t), list(p), list(q)
     t2[3] += 1  # expected token mismatch (reported only with check_tokens)
@@ -561,14 +562,16 @@ class Compare(Bench):
             torch.cuda.synchronize()
             c_sgl = c_ours.clone()
             s_sgl = Sinks.new(self.device)
+            # partial binds the arguments now: a closure would read these names at call time (the loop rebinds
+            # them, and the `del` at the end of the iteration empties them)
             kinds: dict[str, tuple[torch.Tensor, Sinks, list[Callable[[], None]]]] = {
                 "kvcanary": (c_ours, s_ours,
-                             [lambda w=w: call_write(c_ours, w, s_ours, sources, mode) for w in copies]),
+                             [partial(call_write, c_ours, w, s_ours, sources, mode) for w in copies]),
             }
             if self.sgl is not None:
                 sgl = self.sgl
                 kinds["sglang"] = (c_sgl, s_sgl,
-                                   [lambda w=w: sgl.write(c_sgl, w, s_sgl, sources, mode) for w in copies])
+                                   [partial(sgl.write, c_sgl, w, s_sgl, sources, mode) for w in copies])
             times: dict[tuple[str, str], Timing] = {}
             launches: dict[str, int] = {}
             order = [k for k in ("sglang", "kvcanary") if k in kinds]
@@ -658,18 +661,18 @@ class Compare(Bench):
                 kinds: dict[str, tuple[Sinks, list[Callable[[], None]]]] = {}
                 if self.sgl is not None:
                     sgl, s_sgl = self.sgl, Sinks.new(self.device)
-                    kinds["sglang"] = (s_sgl, [lambda c=c, p=p: sgl.verify(c, p, s_sgl, sources, mode)
-                                               for c, p in zip(canaries, plans)])
+                    kinds["sglang"] = (s_sgl, [partial(sgl.verify, c, p, s_sgl, sources, mode)
+                                               for c, p in zip(canaries, plans, strict=True)])
                 s_ours = Sinks.new(self.device)
-                kinds["kvcanary"] = (s_ours, [lambda c=c, p=p: call_verify(c, p, s_ours, sources, mode)
-                                              for c, p in zip(canaries, plans)])
+                kinds["kvcanary"] = (s_ours, [partial(call_verify, c, p, s_ours, sources, mode)
+                                              for c, p in zip(canaries, plans, strict=True)])
                 kv = src_tensor if sources else dummy_kv
                 use_kv = 1 if sources else 0
-                floor_fns = [lambda c=c, p=p: self.floors.plain_read(p.slots, p.tokens, p.positions, p.prevs, c, kv,
-                                                                     use_kv, floor_out, blocks)
-                             for c, p in zip(canaries, plans)]
+                floor_fns = [partial(self.floors.plain_read, p.slots, p.tokens, p.positions, p.prevs, c, kv,
+                                     use_kv, floor_out, blocks)
+                             for c, p in zip(canaries, plans, strict=True)]
                 times: dict[tuple[str, str], Timing] = {}
-                for who, (sinks, fns) in kinds.items():
+                for who, (_sinks, fns) in kinds.items():
                     times[(who, "eager")] = time_cuda(fns, cfg.reps, cfg.warmup)
                 t_read = time_cuda(floor_fns, cfg.reps, cfg.warmup)
                 n_graph = self.graph_launches_for(max(t.median_ms for t in times.values()))

@@ -258,8 +258,8 @@ def _verify(canary_buf: torch.Tensor, sources: list[RealKvSource], sinks: _Sinks
 
     device = canary_buf.device
     slots, tokens, positions, prevs = [], [], [], []
-    for req_slots, req_tokens in zip(chain.slots, chain.tokens):
-        for p, (slot, token) in enumerate(zip(req_slots, req_tokens)):
+    for req_slots, req_tokens in zip(chain.slots, chain.tokens, strict=True):
+        for p, (slot, token) in enumerate(zip(req_slots, req_tokens, strict=True)):
             slots.append(slot)
             tokens.append(token)
             positions.append(p)
@@ -339,11 +339,12 @@ def _run_selftest(dev: torch.device, checks: list[CheckResult]) -> None:
     #    seeds are the previous positions' slots (exercises the seed path and the chain-position assert).
     write_sinks = _new_sinks(dev)
     prefill = [
-        (layout.CHAIN_HEAD_SLOT, [(s, t, p) for p, (s, t) in enumerate(zip(slots[:-1], toks[:-1]))])
-        for slots, toks in zip(chain.slots, chain.tokens)
+        (layout.CHAIN_HEAD_SLOT, [(s, t, p) for p, (s, t) in enumerate(zip(slots[:-1], toks[:-1], strict=True))])
+        for slots, toks in zip(chain.slots, chain.tokens, strict=True)
     ]
     decode = [
-        (slots[-2], [(slots[-1], toks[-1], len(slots) - 1)]) for slots, toks in zip(chain.slots, chain.tokens)
+        (slots[-2], [(slots[-1], toks[-1], len(slots) - 1)])
+        for slots, toks in zip(chain.slots, chain.tokens, strict=True)
     ]
     _write(canary_buf, [source], write_sinks, prefill)
     _write(canary_buf, [source], write_sinks, decode)
@@ -354,9 +355,9 @@ def _run_selftest(dev: torch.device, checks: list[CheckResult]) -> None:
     # 2. The records match SPEC §2 computed here in Python (token, position, chain, PARTIAL fingerprint).
     records = canary_buf.cpu().view(torch.int64).tolist()
     mismatches = []
-    for req_slots, req_tokens in zip(chain.slots, chain.tokens):
+    for req_slots, req_tokens in zip(chain.slots, chain.tokens, strict=True):
         running = _splitmix64(layout.CHAIN_ANCHOR)
-        for p, (slot, token) in enumerate(zip(req_slots, req_tokens)):
+        for p, (slot, token) in enumerate(zip(req_slots, req_tokens, strict=True)):
             want = [token, p, _signed(running), _signed(_fold(bytes(kv_host[slot, :16].tolist())))]
             if records[slot][: layout.RECORD_FIELDS] != want:
                 mismatches.append(slot)

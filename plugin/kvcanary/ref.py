@@ -77,7 +77,9 @@ def real_kv_fingerprint(sources: Sequence[RealKvSource], mode: int, slot: int) -
         return 0
     total = 0
     for src in sources:
-        n = min(src.read_bytes, layout.REAL_KV_PARTIAL_BYTES) if mode == layout.REAL_KV_HASH_MODE_PARTIAL else src.read_bytes
+        n = src.read_bytes
+        if mode == layout.REAL_KV_HASH_MODE_PARTIAL:
+            n = min(n, layout.REAL_KV_PARTIAL_BYTES)
         if n <= 0:
             continue
         total = splitmix64(total ^ fold_bytes(slot_bytes(src, slot, n)))

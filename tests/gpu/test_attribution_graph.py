@@ -77,7 +77,8 @@ def test_replayed_forwards_report_the_step_that_found_it_and_who_wrote_the_slot(
     assert [(v.step, v.slot, v.reasons) for v in verify] == [
         (k, victim, ("verify_real_kv_hash",)) for k in range(first, first + 3)
     ]
-    assert {(v.request_row, v.written_step, v.writer_rid) for v in verify} == {(VICTIM_ROW, written, f"req-{VICTIM_ROW}")}
+    attributed = {(v.request_row, v.written_step, v.writer_rid) for v in verify}
+    assert attributed == {(VICTIM_ROW, written, f"req-{VICTIM_ROW}")}
     swept = [v for v in mgr.violations if v.tag_name == "sweep"]
     if position < 20:  # the sweep source covers positions 0..19: sweeps at steps that are multiples of 4
         assert [(v.step, v.request_row, v.written_step) for v in swept] == [

@@ -21,7 +21,8 @@ from kvcanary.real_kv import RealKvSource
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)"),
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="needs a CUDA device (torch.cuda.is_available() is False)"),
 ]
 
 NUM_SLOTS = 2048
@@ -180,7 +181,7 @@ class Workload:
         rng.shuffle(entries)
         entries = entries[:VERIFY_CAP]
         pad = VERIFY_CAP - len(entries)
-        cols = list(zip(*entries)) if entries else [(), (), (), ()]
+        cols = list(zip(*entries, strict=True)) if entries else [(), (), (), ()]
         num_valid = len(entries) if rng.random() < 0.85 else VERIFY_CAP + 5  # > capacity: clamped
         return {
             "v_slots": torch.tensor(list(cols[0]) + [0] * pad, dtype=torch.int64),

@@ -125,11 +125,14 @@ def test_budget_skips_and_partial_results(e2e, tmp_path) -> None:
         calls.append((spec["phase"], spec["subs"], round(timeout)))
         out = spec["out"]
         if spec["phase"] == "1":
-            json.dump({"status": "OK", "requests_sent": 640, "requests_ok": 640}, open(os.path.join(out, "result.json"), "w"))
+            json.dump({"status": "OK", "requests_sent": 640, "requests_ok": 640},
+                      open(os.path.join(out, "result.json"), "w"))
             open(log_path, "w").write("kvcanary stats: step=9 forwards=9 tokens_written=1 entries_verified=2000000 "
-                                      "entries_swept=5 violations=0 lost=0\nKV cache pool is full. Retract requests. \n")
+                                      "entries_swept=5 violations=0 lost=0\n"
+                                      "KV cache pool is full. Retract requests. \n")
             return 0
-        json.dump({"status": "RUNNING", "requests_sent": 128, "requests_ok": 64}, open(os.path.join(out, "result.json"), "w"))
+        json.dump({"status": "RUNNING", "requests_sent": 128, "requests_ok": 64},
+                  open(os.path.join(out, "result.json"), "w"))
         return 124
 
     clock = iter([0, 0, 10, 10, 200, 200, 400, 400, 400, 400] + [600] * 20)
@@ -204,7 +207,8 @@ def test_overhead_ratio_comes_from_the_last_pair(e2e, tmp_path) -> None:
 def test_measured_forwards_excludes_the_warm_up(e2e) -> None:
     """Phase 4's per-forward time divides the measured workload's wall time by the forwards the canary counted
     after the worker's marker, not by every forward the Engine ran (its warm-up groups included)."""
-    stats = "kvcanary stats: step={0} forwards={0} tokens_written=1 entries_verified=1 entries_swept=0 violations=0 lost=0\n"
+    stats = ("kvcanary stats: step={0} forwards={0} tokens_written=1 entries_verified=1 entries_swept=0 "
+             "violations=0 lost=0\n")
     log = (e2e.ENGINE_MARKER + "off\n" + e2e.MEASURED_MARKER + "\n"
            + e2e.ENGINE_MARKER + "log\n" + stats.format(700) + stats.format(740) + e2e.MEASURED_MARKER + "\n"
            + stats.format(1500) + stats.format(2900) + e2e.ENGINE_MARKER + "off\n" + e2e.MEASURED_MARKER + "\n")

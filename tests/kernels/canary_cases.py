@@ -201,8 +201,8 @@ def random_verify_launch(rng: random.Random, *, allow_out_of_range: bool = True)
         if rng.random() < 0.2:
             src.kv_bytes[rng.randrange(src.kv_bytes.shape[0]), rng.randrange(16)] ^= 0xFF
     slots, exp_tok, exp_pos, prevs = [], [], [], []
-    for c, toks in zip(chains, chain_tokens):
-        for p, (s, t) in enumerate(zip(c, toks)):
+    for c, toks in zip(chains, chain_tokens, strict=True):
+        for p, (s, t) in enumerate(zip(c, toks, strict=True)):
             slot, prev, tok, pos = s, (c[p - 1] if p else -1), t, p
             roll = rng.random()
             if roll < 0.05:
@@ -250,7 +250,9 @@ def random_verify_launch(rng: random.Random, *, allow_out_of_range: bool = True)
 RESULT_KEYS = ("canary_buf", "violation_ring", "violation_write_index", "slot_run_counter", "kernel_run_counter")
 
 
-def run_launch(fn: Callable[..., None], launch: Launch, device: str, *, ring_capacity: int | None = None) -> dict[str, Any]:
+def run_launch(
+    fn: Callable[..., None], launch: Launch, device: str, *, ring_capacity: int | None = None
+) -> dict[str, Any]:
     """Run `fn` on a fresh copy of `launch` on `device`; return the result tensors on CPU."""
     kwargs = launch.clone_to(device)
     if ring_capacity is not None:

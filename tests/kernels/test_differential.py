@@ -36,13 +36,14 @@ def _compare(launch: Launch, kernel_fn, ref_fn, backend: str, seed: int) -> None
     assert torch.equal(got["canary_buf"], want["canary_buf"]), f"canary_buf differs ({ctx})"
     for key in ("violation_write_index", "slot_run_counter", "kernel_run_counter"):
         assert torch.equal(got[key], want[key]), f"{key}: {got[key].tolist()} != {want[key].tolist()} ({ctx})"
-    for g, w in zip(got["real_kv_bytes"], want["real_kv_bytes"]):
+    for g, w in zip(got["real_kv_bytes"], want["real_kv_bytes"], strict=True):
         assert torch.equal(g, w), f"real KV bytes modified ({ctx})"
     got_rows, want_rows = kept_rows(got), kept_rows(want)
     if backend == "cpu":
         assert got_rows == want_rows, f"ring rows differ ({ctx})"
         return
-    if len(want_rows) == len(Counter(map(tuple, want_rows))) and int(want["violation_write_index"][0]) <= len(want_rows):
+    distinct = len(want_rows) == len(Counter(map(tuple, want_rows)))
+    if distinct and int(want["violation_write_index"][0]) <= len(want_rows):
         assert Counter(got_rows) == Counter(want_rows), f"ring rows differ ({ctx})"
         return
     everything = Counter(kept_rows(run_launch(ref_fn, launch, "cpu", ring_capacity=BIG_RING)))

@@ -65,7 +65,8 @@ def records_of(canary: torch.Tensor, slots: list[int]) -> list[list[int]]:
 
 def test_splitmix64_and_mix3_golden() -> None:
     # The kernels' hashes surface through the chain: a head's prev_hash is splitmix64(anchor).
-    assert GOLDEN["chain_head_prev_hash"] == GOLDEN["chain5_mode0"]["records_[token,position,prev_hash,real_kv_hash]"][0][2]
+    records = GOLDEN["chain5_mode0"]["records_[token,position,prev_hash,real_kv_hash]"]
+    assert GOLDEN["chain_head_prev_hash"] == records[0][2]
     from kvcanary import ref  # the reference must agree with the golden file too
 
     for case in GOLDEN["splitmix64_u64"]:
@@ -122,7 +123,8 @@ def test_verify_after_corruption_matches_golden(device: str) -> None:
     count = int(t["violation_write_index"][0])
     assert count == golden["violation_count"]
     rows = sorted(t["violation_ring"].cpu()[:count].tolist())
-    assert rows == sorted(golden["rows_[kind,slot,position,stored_token,expected_token,stored_chain_hash,expected_aux,fail_reason_bits]"])
+    rows_key = "rows_[kind,slot,position,stored_token,expected_token,stored_chain_hash,expected_aux,fail_reason_bits]"
+    assert rows == sorted(golden[rows_key])
     assert int(t["slot_run_counter"][0]) == golden["slot_run_counter"]
 
 

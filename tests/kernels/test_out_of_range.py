@@ -25,7 +25,9 @@ def devices() -> list[str]:
     return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
 
 
-def guarded(shape: tuple[int, ...], dtype: torch.dtype, device: str, fill: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def guarded(
+    shape: tuple[int, ...], dtype: torch.dtype, device: str, fill: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A tensor of `shape` inside a uint8 arena with GUARD sentinel bytes before and after it."""
     numel = 1
     for s in shape:
@@ -147,7 +149,8 @@ print("asan-ok")
 
 def _libasan() -> str | None:
     try:
-        path = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=True).stdout.strip()
+        proc = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=True)
+        path = proc.stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
     return path if os.path.isabs(path) and os.path.exists(path) else None

@@ -21,7 +21,9 @@ def random_plan_case(rng: random.Random) -> dict:
     req_rows = rng.randint(1, 12)
     max_ctx = rng.randint(1, 40)
     num_slots = rng.randint(2, 200)
-    table = torch.tensor([[rng.randrange(num_slots) for _ in range(max_ctx)] for _ in range(req_rows)], dtype=torch.int32)
+    table = torch.tensor(
+        [[rng.randrange(num_slots) for _ in range(max_ctx)] for _ in range(req_rows)], dtype=torch.int32
+    )
     if rng.random() < 0.2:  # a view with a row stride larger than its width
         wide = torch.zeros((req_rows, max_ctx + 3), dtype=torch.int32)
         wide[:, :max_ctx] = table
@@ -68,7 +70,8 @@ def random_plan_case(rng: random.Random) -> dict:
         )
     case["write_capacity"] = bs + rng.choice([0, 0, 1, 4])
     total = sum(
-        (1 if not 0 <= rp < req_rows else min(max(p, 0), max_ctx)) if rp != 0 else 0 for rp, p in zip(rps, prefixes)
+        (1 if not 0 <= rp < req_rows else min(max(p, 0), max_ctx)) if rp != 0 else 0
+        for rp, p in zip(rps, prefixes, strict=True)
     )
     case["verify_capacity"] = max(0, total + rng.choice([0, 3, 20, -1, -5]))
     return case
@@ -83,7 +86,7 @@ def run_plan(fn, case: dict, device: str) -> tuple[WritePlan, VerifyPlan]:
 
 
 def assert_plans_equal(a: tuple[WritePlan, VerifyPlan], b: tuple[WritePlan, VerifyPlan], ctx: str) -> None:
-    for pa, pb in zip(a, b):
+    for pa, pb in zip(a, b, strict=True):
         for f in fields(pa):
             ta, tb = getattr(pa, f.name).cpu(), getattr(pb, f.name).cpu()
             assert torch.equal(ta, tb), f"{f.name} differs ({ctx}): {ta.tolist()} != {tb.tolist()}"
@@ -109,9 +112,12 @@ def test_random_cases_cover_the_interesting_shapes() -> None:
         seen["overflow"] += int(vp.verify_enable[0]) == 0
         seen["padding"] += int((case["req_pool_indices"] == 0).any())
         seen["swa"] += case["swa_window_size"] > 0
-        seen["tokens"] += int((vp.verify_expected_tokens[: int(vp.verify_num_valid[0])] != -1).any()) if vp.capacity else 0
+        if vp.capacity:
+            seen["tokens"] += int((vp.verify_expected_tokens[: int(vp.verify_num_valid[0])] != -1).any())
         n = int(vp.verify_num_valid[0]) if int(vp.verify_enable[0]) else 0
-        seen["index_error"] += any(layout.decode_plan_index_error(s) is not None for s in vp.verify_slot_indices[:n].tolist())
+        seen["index_error"] += any(
+            layout.decode_plan_index_error(s) is not None for s in vp.verify_slot_indices[:n].tolist()
+        )
         seen["extend0"] += int((case["extend_lens"] == 0).any())
         seen["prefix0"] += int((case["prefix_lens"] == 0).any())
     assert all(v >= 20 for v in seen.values()), seen

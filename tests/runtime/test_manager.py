@@ -40,7 +40,7 @@ class TinyEngine:
 
     def forward(self, rows: list[int], counts: list[int]) -> None:
         ids, pos, locs, prefixes = [], [], [], []
-        for row, count in zip(rows, counts):
+        for row, count in zip(rows, counts, strict=True):
             prefixes.append(self.lengths[row])
             for _ in range(count):
                 p = self.lengths[row]
@@ -61,7 +61,7 @@ class TinyEngine:
         )
         batch.validate()
         self.mgr.before_forward(batch)
-        for token, p, slot in zip(ids, pos, locs):  # the "model" writes KV
+        for token, p, slot in zip(ids, pos, locs, strict=True):  # the "model" writes KV
             self.kv[slot] = torch.full((32,), (token * 7 + p) % 251, dtype=torch.uint8)
         self.mgr.after_forward(batch)
         self.mgr.step()
