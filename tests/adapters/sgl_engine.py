@@ -113,7 +113,8 @@ def build_runner(sa, nccl_port: int | None = None):
     set_global_server_args_for_scheduler(sa)
     mr = ModelRunner(
         model_config=ModelConfig.from_server_args(sa), mem_fraction_static=0.05, gpu_id=0, tp_rank=0, tp_size=1,
-        moe_ep_rank=0, moe_ep_size=1, pp_rank=0, pp_size=1, nccl_port=nccl_port if nccl_port is not None else free_port(), server_args=sa,
+        moe_ep_rank=0, moe_ep_size=1, pp_rank=0, pp_size=1,
+        nccl_port=nccl_port if nccl_port is not None else free_port(), server_args=sa,
     )
     if sa.page_size > 1:
         mr.token_to_kv_pool_allocator.__class__ = _torch_paged_allocator_class()
@@ -250,7 +251,8 @@ class MiniScheduler:
             batch = self._new_batch(reqs)
             batch.prepare_for_extend()
             for r in reqs:
-                if r.req_pool_idx in self._rows_seen and r.is_chunked == 0 and len(r.prefix_indices) <= len(r.origin_input_ids):
+                if (r.req_pool_idx in self._rows_seen and r.is_chunked == 0
+                        and len(r.prefix_indices) <= len(r.origin_input_ids)):
                     self.reused_rows.add(r.req_pool_idx)
                 self._rows_seen.add(r.req_pool_idx)
             decoding = []
@@ -260,7 +262,7 @@ class MiniScheduler:
                 decoding = list(self.running.reqs)
                 self.running = None
             ids = self._forward(batch)
-            for req, tok in zip(batch.reqs, ids):
+            for req, tok in zip(batch.reqs, ids, strict=True):  # one sampled token per request
                 if req.is_chunked > 0:
                     req.is_chunked -= 1
                     continue
@@ -279,7 +281,7 @@ class MiniScheduler:
         batch = self.running
         batch.prepare_for_decode()
         ids = self._forward(batch)
-        for req, tok in zip(batch.reqs, ids):
+        for req, tok in zip(batch.reqs, ids, strict=True):
             self._finish_step(req, tok)
             if req.finished():
                 self._release(req)

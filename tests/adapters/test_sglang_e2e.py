@@ -8,10 +8,9 @@ K-byte flip on a live slot are each reported with the expected reason.
 
 from __future__ import annotations
 
-import importlib.util
-
 import collections
 import importlib.metadata
+import importlib.util
 import random
 import textwrap
 
@@ -19,11 +18,11 @@ import pytest
 import torch
 
 if importlib.util.find_spec("sglang") is None:
-    pytest.skip("sglang is not installed (pip install --no-deps -r requirements-sglang-cpu.txt)", allow_module_level=True)
-import sglang  # noqa: E402,F401  (installed but broken must fail, not skip)
-
+    pytest.skip("sglang is not installed (pip install --no-deps -r requirements-sglang-cpu.txt)",
+                allow_module_level=True)
 import hooks_state  # noqa: E402
 import sgl_engine  # noqa: E402
+import sglang  # noqa: E402,F401  (installed but broken must fail, not skip)
 
 from kvcanary import faults  # noqa: E402
 from kvcanary.report import CanaryViolationError  # noqa: E402
@@ -105,11 +104,12 @@ def test_real_engine_clean_run_then_detections(engine, capsys) -> None:
     st = manager.stats
     modes = collections.Counter(sched.forwards)
     n = len(sched.forwards)
+    kr, sr = st.kernel_runs, st.slot_runs
     summary = textwrap.dedent(f"""
         page_size={engine.page_size} forwards={n} modes={dict(modes)} prefix_tokens_from_radix={sched.cached_tokens}
         finished={len(sched.finished)} reused_req_rows={len(sched.reused_rows)} violations={st.violations_seen}
-        kernel_runs verify={st.kernel_runs[LaunchTag.VERIFY]} write={st.kernel_runs[LaunchTag.WRITE]} sweep={st.kernel_runs[LaunchTag.SWEEP]}
-        slot_runs verified={st.slot_runs[LaunchTag.VERIFY]} written={st.slot_runs[LaunchTag.WRITE]} swept={st.slot_runs[LaunchTag.SWEEP]}
+        kernel_runs verify={kr[LaunchTag.VERIFY]} write={kr[LaunchTag.WRITE]} sweep={kr[LaunchTag.SWEEP]}
+        slot_runs verified={sr[LaunchTag.VERIFY]} written={sr[LaunchTag.WRITE]} swept={sr[LaunchTag.SWEEP]}
         """)
     with capsys.disabled():
         print(summary)
@@ -119,7 +119,8 @@ def test_real_engine_clean_run_then_detections(engine, capsys) -> None:
     assert len(sched.finished) > 10 and sched.reused_rows  # finished requests' rows were reused
     assert st.violations_seen == 0 and manager.violations == []
     assert st.forwards == n == inst.steps
-    assert st.kernel_runs[LaunchTag.VERIFY] == n and st.kernel_runs[LaunchTag.WRITE] == n  # every forward planned+verified+written
+    # every forward planned+verified+written
+    assert st.kernel_runs[LaunchTag.VERIFY] == n and st.kernel_runs[LaunchTag.WRITE] == n
     assert st.kernel_runs[LaunchTag.SWEEP] == n // SWEEP_INTERVAL and st.slot_runs[LaunchTag.SWEEP] > 0
     assert st.slot_runs[LaunchTag.VERIFY] > 0 and st.slot_runs[LaunchTag.WRITE] >= sum(
         len(r.origin_input_ids) for r in sched.finished) - sched.cached_tokens
@@ -159,7 +160,8 @@ def test_real_engine_clean_run_then_detections(engine, capsys) -> None:
         _steps_until_raise(sched, manager)
         raise AssertionError(f"{inj} not detected: {manager.config.describe()} real_kv_mode={manager.real_kv_mode} "
                              f"slot_runs {before} -> {manager.stats.slot_runs} violations={manager.violations[-3:]} "
-                             f"byte now {int(k_source.kv_bytes[slot, 3]):#x} last forward {sched.forwards[-1]} row={req.req_pool_idx} r2t={r2t[req.req_pool_idx, :6].tolist()}")
+                             f"byte now {int(k_source.kv_bytes[slot, 3]):#x} last forward {sched.forwards[-1]} "
+                             f"row={req.req_pool_idx} r2t={r2t[req.req_pool_idx, :6].tolist()}")
     with capsys.disabled():
         print("flip:", inj.detail, "->", exc.value.violations[0].log_line())
     assert {v.slot for v in exc.value.violations} == {slot}
@@ -194,7 +196,7 @@ def test_radix_sweep_source_never_reads_slots_on_the_host(engine, monkeypatch) -
             m.setattr(torch.Tensor, name, no_host_read)
         slots, prevs, positions = source()
     assert slots.dtype == prevs.dtype == positions.dtype == torch.int64
-    got = sorted(zip(slots.tolist(), prevs.tolist(), positions.tolist()))
+    got = sorted(zip(slots.tolist(), prevs.tolist(), positions.tolist(), strict=True))
     assert len(expected) > 100 and got == sorted(expected)
 
 

@@ -19,11 +19,11 @@ import pytest
 import torch
 
 if importlib.util.find_spec("sglang") is None:
-    pytest.skip("sglang is not installed (pip install --no-deps -r requirements-sglang-cpu.txt)", allow_module_level=True)
-import sglang  # noqa: E402,F401
-
+    pytest.skip("sglang is not installed (pip install --no-deps -r requirements-sglang-cpu.txt)",
+                allow_module_level=True)
 import hooks_state  # noqa: E402
 import sgl_engine  # noqa: E402
+import sglang  # noqa: E402,F401
 
 from kvcanary import faults  # noqa: E402
 from kvcanary.sglang import hooks  # noqa: E402
@@ -144,7 +144,7 @@ def test_token_swap_leaves_no_record_the_prefix_cache_disagrees_with(tmp_path, m
     checked, swapped = 0, {s for r in injections for s in r["slots"]}
     for slots, tokens in _tree_paths(inst.prefix_cache):
         running = ref.chain_head_hash()
-        for pos, (slot, tok) in enumerate(zip(slots, tokens)):
+        for pos, (slot, tok) in enumerate(zip(slots, tokens, strict=True)):
             rec = records[slot]
             assert (rec[layout.RECORD_FIELD_TOKEN], rec[layout.RECORD_FIELD_POSITION]) == (tok, pos), (slot, pos)
             assert rec[layout.RECORD_FIELD_PREV_HASH] == ref.to_i64(running), (slot, pos)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 if importlib.util.find_spec("sglang") is None:
-    pytest.skip("sglang is not installed (pip install --no-deps -r requirements-sglang-cpu.txt)", allow_module_level=True)
+    pytest.skip("sglang is not installed (pip install --no-deps -r requirements-sglang-cpu.txt)",
+                allow_module_level=True)
 import hooks_state  # noqa: E402
 import sgl_engine  # noqa: E402
 import sglang  # noqa: E402,F401  (installed but broken must fail, not skip)
@@ -46,7 +47,8 @@ def server_args(tmp_path_factory):
 
 
 # --------------------------------------------------------------------------------------------- targets
-@pytest.mark.parametrize("target", v0_5_12.TARGETS, ids=lambda t: t.dotted.rsplit(".", 2)[-2] + "." + t.dotted.rsplit(".", 1)[-1])
+@pytest.mark.parametrize("target", v0_5_12.TARGETS,
+                         ids=lambda t: t.dotted.rsplit(".", 2)[-2] + "." + t.dotted.rsplit(".", 1)[-1])
 def test_hook_target_resolves_with_expected_parameters(target) -> None:
     import inspect
 
@@ -185,7 +187,8 @@ def test_bad_value_stops_startup_naming_the_variable(hooks, monkeypatch, server_
         register()
     hooks_state.restore(hooks)
     monkeypatch.setenv("SGLANG_PLUGINS", "kvcanary")
-    if "kvcanary" not in {ep.name for ep in __import__("importlib.metadata").metadata.entry_points(group="sglang.srt.plugins")}:
+    entry_points = __import__("importlib.metadata").metadata.entry_points(group="sglang.srt.plugins")
+    if "kvcanary" not in {ep.name for ep in entry_points}:
         pytest.skip("kvcanary entry point not installed")
     plugins.load_plugins()  # logs the error, does not raise
     assert hooks_state.is_patched(v0_5_12.STARTUP_FAILURE_TARGET)
@@ -198,7 +201,8 @@ GUARDS = [
     ("torch_compile", {"enable_torch_compile": True}, "remove --enable-torch-compile"),
     ("split_prefill", {"enable_pdmux": True}, "remove --enable-pdmux"),
     ("eagle_topk", {"speculative_algorithm": "EAGLE", "speculative_eagle_topk": 4}, "--speculative-eagle-topk 1"),
-    ("speculative", {"speculative_algorithm": "STANDALONE"}, "remove --speculative-algorithm"),  # EAGLE topk 1 is covered
+    # EAGLE topk 1 is covered
+    ("speculative", {"speculative_algorithm": "STANDALONE"}, "remove --speculative-algorithm"),
     ("own_canary", {"kv_canary": "log"}, "drop --kv-canary"),
 ]
 
@@ -338,7 +342,8 @@ def test_forward_modes_map_to_batch_views() -> None:
     dec = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, req_pool_indices=_i64(3, 0), out_cache_loc=_i64(9, 0))
     v = v0_5_12.batch_view(dec, _i64(5, 6), _i64(7, 0), ones, empty)
     assert v.kind.name == "DECODE" and v.prefix_lens.tolist() == [7, 0] and v.extend_lens.tolist() == [1, 1]
-    ext = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, req_pool_indices=_i64(1, 2), out_cache_loc=_i64(4, 5, 6),
+    ext = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, req_pool_indices=_i64(1, 2),
+                                out_cache_loc=_i64(4, 5, 6),
                                 extend_prefix_lens=torch.tensor([3, 0], dtype=torch.int32),
                                 extend_seq_lens=torch.tensor([1, 2], dtype=torch.int32))
     v = v0_5_12.batch_view(ext, _i64(1, 2, 3), _i64(3, 0, 1), ones, empty)
@@ -380,7 +385,8 @@ def test_populate_hook_zeroes_padded_rows(hooks, monkeypatch) -> None:
     def fb(rows, positions):
         n = len(rows)
         return types.SimpleNamespace(
-            input_ids=torch.arange(n), req_pool_indices=_i64(*rows), seq_lens=torch.tensor(positions, dtype=torch.int32) + 1,
+            input_ids=torch.arange(n), req_pool_indices=_i64(*rows),
+            seq_lens=torch.tensor(positions, dtype=torch.int32) + 1,
             out_cache_loc=torch.arange(1, n + 1), positions=_i64(*positions), mrope_positions=None, encoder_lens=None,
             ngram_embedding_info=None, mamba_track_indices=None, mamba_track_mask=None, out_cache_loc_swa=None,
             seq_lens_cpu=None, num_token_non_padded=None,
@@ -390,7 +396,8 @@ def test_populate_hook_zeroes_padded_rows(hooks, monkeypatch) -> None:
                          nsa_enable_prefill_cp=False, enable_num_token_non_padded_flag=False)
     bufs.populate_from_forward_batch(forward_batch=fb([5, 6, 7, 8], [10, 11, 12, 13]), raw_bs=4, raw_num_token=4, bs=4,
                                      **common_kwargs)
-    bufs.populate_from_forward_batch(forward_batch=fb([1, 2], [20, 21]), raw_bs=2, raw_num_token=2, bs=4, **common_kwargs)
+    bufs.populate_from_forward_batch(forward_batch=fb([1, 2], [20, 21]), raw_bs=2, raw_num_token=2, bs=4,
+                                     **common_kwargs)
     assert bufs.req_pool_indices.tolist() == [1, 2, 0, 0]
     assert bufs.positions.tolist() == [20, 21, 0, 0]
     assert bufs.out_cache_loc.tolist() == [1, 2, 0, 0]
