@@ -1521,7 +1521,7 @@ def _write_json(path: str, obj: dict) -> None:
 # The Engine arguments above use sglang 0.5.12's names. sglang 0.5.23's ServerArgs refuses two of them: it has no
 # --disable-piecewise-cuda-graph (prefill graphs are --cuda-graph-backend-prefill full|breakable|disabled, breakable
 # by default on CUDA) and --cuda-graph-max-bs became --cuda-graph-max-bs-decode. The worker translates them for the
-# sglang it imports (kvcanary picks its own version module; this driver does not import kvcanary).
+# sglang it imports (kvcanary picks its own version module; the driver itself never loads kvcanary).
 def installed_sglang_version() -> str:
     from importlib.metadata import version
 
