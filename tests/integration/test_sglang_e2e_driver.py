@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,17 +12,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = ROOT / "integration" / "sglang_e2e.py"
-
-
-@pytest.fixture(scope="module")
-def e2e():
-    name = "sglang_e2e_driver"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, DRIVER)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
 
 
 def test_driver_imports_neither_kvcanary_nor_sglang_at_module_level() -> None:

@@ -19,17 +19,6 @@ DRIVER = ROOT / "integration" / "sglang_e2e.py"
 SHARED_EAGLE = ROOT.parent / "shared" / "e2e" / "tiny-eagle-config.json"
 
 
-@pytest.fixture(scope="module")
-def e2e():
-    name = "sglang_e2e_driver"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, DRIVER)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
 def _sglang_eagle():
     """sglang 0.5.12's EAGLE worker module on this (CPU) machine, or skip (the tests/adapters shims make it import)."""
     if importlib.util.find_spec("sglang") is None:

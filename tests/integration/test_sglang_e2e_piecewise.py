@@ -3,7 +3,6 @@ time limits, the piecewise counts read from the worker logs, the verdicts and th
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -24,17 +23,6 @@ def host_line(piecewise: int, forwards: int = 900) -> str:
     return (f"kvcanary host time: step={forwards} forwards={forwards} eager=3 canary_us_per_forward=70.0 "
             f"hooks_us=30.0 launch_us_per_eager_forward=200.0 forward_us=900.0 piecewise={piecewise} "
             f"launch_us_per_piecewise_forward=150.5 canary_us_per_piecewise_forward=190.25\n")
-
-
-@pytest.fixture(scope="module")
-def e2e():
-    name = "sglang_e2e_driver"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, DRIVER)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
 
 
 def test_piecewise_leaves_sglangs_default_in_place(e2e, tmp_path) -> None:
