@@ -234,22 +234,25 @@ def read_jsonl(paths: list[str]) -> list[dict]:
     return rows
 
 
-def parse_stats(log_text: str) -> dict | None:
-    """The last ``kvcanary stats:`` line of a log (cumulative counters), or None."""
+def last_match_fields(pattern: re.Pattern, log_text: str) -> dict | None:
+    """The named groups of ``pattern``'s last match in a log, as ints (floats where the value has a '.'), or None.
+    kvcanary's stats and host-time lines are cumulative, so the last one says it all."""
     last = None
-    for m in STATS_RE.finditer(log_text):
-        last = m
-    return None if last is None else {k: int(v) for k, v in last.groupdict().items()}
-
-
-def parse_host_time(log_text: str) -> dict | None:
-    """The last ``kvcanary host time:`` line of a log (host time the canary adds per forward), or None."""
-    last = None
-    for m in HOST_RE.finditer(log_text):
+    for m in pattern.finditer(log_text):
         last = m
     if last is None:
         return None
     return {k: (float(v) if "." in v else int(v)) for k, v in last.groupdict().items()}
+
+
+def parse_stats(log_text: str) -> dict | None:
+    """The last ``kvcanary stats:`` line of a log (cumulative counters), or None."""
+    return last_match_fields(STATS_RE, log_text)
+
+
+def parse_host_time(log_text: str) -> dict | None:
+    """The last ``kvcanary host time:`` line of a log (host time the canary adds per forward), or None."""
+    return last_match_fields(HOST_RE, log_text)
 
 
 def measured_forwards(log_text: str, mode: str = "log") -> int | None:
@@ -626,12 +629,7 @@ def parse_piecewise(log_text: str) -> dict | None:
     """Prefill forwards the piecewise CUDA graph runner served, from the last ``kvcanary host time:`` line that
     counts them: ``{"forwards", "piecewise", "launch_us", "canary_us"}`` (canary host µs per such forward: its
     launches around the replay, and hooks + launches); None without such a line."""
-    last = None
-    for m in PIECEWISE_RE.finditer(log_text):
-        last = m
-    if last is None:
-        return None
-    return {k: (float(v) if "." in v else int(v)) for k, v in last.groupdict().items()}
+    return last_match_fields(PIECEWISE_RE, log_text)
 
 
 def piecewise_capture_seconds(log_text: str) -> list[float]:
