@@ -13,6 +13,7 @@ For decode batches of 1, 64 and 256 requests with 4096-token contexts, in one ru
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import statistics
 import time
@@ -35,6 +36,38 @@ def _replay_times(graph: torch.cuda.CUDAGraph, reps: int) -> float:
         b.synchronize()
         samples.append(a.elapsed_time(b) * 1e3)
     return statistics.median(samples)
+
+
+_NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "empty", 6: "wait_event",
+               7: "event_record"}
+
+
+def _cudart() -> ctypes.CDLL:
+    """The CUDA runtime torch loaded (the same library its graphs live in), found through /proc/self/maps."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if "libcudart.so" in path:
+                return ctypes.CDLL(path)
+    return ctypes.CDLL("libcudart.so")
+
+
+def graph_nodes(graph: torch.cuda.CUDAGraph) -> dict[str, int]:
+    """Node count per node type of a captured graph (``keep_graph=True``), read with cudaGraphGetNodes."""
+    rt = _cudart()
+    handle = ctypes.c_void_p(graph.raw_cuda_graph())
+    count = ctypes.c_size_t(0)
+    if rt.cudaGraphGetNodes(handle, None, ctypes.byref(count)) != 0:
+        raise RuntimeError("cudaGraphGetNodes failed")
+    nodes = (ctypes.c_void_p * count.value)()
+    rt.cudaGraphGetNodes(handle, nodes, ctypes.byref(count))
+    counts: dict[str, int] = {}
+    for node in nodes:
+        kind = ctypes.c_int(-1)
+        rt.cudaGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind))
+        name = _NODE_TYPES.get(kind.value, f"type{kind.value}")
+        counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 def _decode_loop(rig: DecodeRig, steps: int) -> tuple[float, float]:
@@ -71,7 +104,7 @@ def bench(batch_size: int, context_len: int, steps: int, reps: int) -> dict:
     t_canary = _replay_times(canary.graph, reps)  # type: ignore[arg-type]
     # The bare canary kernels, captured alone.
     mgr = canary.manager
-    bare = torch.cuda.CUDAGraph()
+    bare = torch.cuda.CUDAGraph(keep_graph=True)  # kept: its nodes are counted
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -81,6 +114,8 @@ def bench(batch_size: int, context_len: int, steps: int, reps: int) -> dict:
     with torch.cuda.graph(bare):
         mgr.before_forward(canary.decode)
         mgr.after_forward(canary.decode)
+    nodes = graph_nodes(bare)
+    bare.instantiate()
     t_bare = _replay_times(bare, reps)
     wall_plain, _ = _decode_loop(plain, steps)
     wall_canary, host_step = _decode_loop(canary, steps)
@@ -94,6 +129,8 @@ def bench(batch_size: int, context_len: int, steps: int, reps: int) -> dict:
         "replay_us_canary": t_canary,
         "device_overhead_us": t_canary - t_plain,
         "bare_kernels_us": t_bare,
+        "canary_graph_nodes": sum(nodes.values()),
+        "canary_graph_node_types": nodes,
         "host_step_us": host_step,
         "wall_us_plain": wall_plain,
         "wall_us_canary": wall_canary,
@@ -116,11 +153,12 @@ def main() -> int:
     print(f"\n### canary per-forward cost, decode with CUDA graphs ({torch.cuda.get_device_name()}, "
           f"context {args.context})\n")
     print("| batch | verify entries | replay plain µs | replay canary µs | device overhead µs | bare kernels µs "
-          "| host step() µs | wall/step plain µs | wall/step canary µs | violations |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| canary graph nodes | host step() µs | wall/step plain µs | wall/step canary µs | violations |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch_size']} | {r['verify_entries_per_forward']:,} | {r['replay_us_plain']:.1f} | "
               f"{r['replay_us_canary']:.1f} | {r['device_overhead_us']:.1f} | {r['bare_kernels_us']:.1f} | "
+              f"{r['canary_graph_nodes']} ({', '.join(f'{k} {v}' for k, v in r['canary_graph_node_types'].items())}) | "
               f"{r['host_step_us']:.1f} | {r['wall_us_plain']:.1f} | {r['wall_us_canary']:.1f} | {r['violations']} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
