@@ -23,6 +23,7 @@ Phases (``--phases``, default ``1,2,3,4``):
    violations to them by slot and step window.
 4. ``overhead``: the same workload with the plugin off and with ``log`` + PARTIAL real-KV, Engines started in
    turn in one subprocess (``--overhead-split``: one each): off, log, off, log (``--overhead-rounds``, default 2).
+   Decode CUDA graphs on; ``--overhead-eager`` runs every forward eagerly (``disable_cuda_graph``).
    Each Engine first runs 3 groups of a differently seeded workload, unmeasured; the first pair also absorbs what
    a fresh machine compiles on first use. The ratio is the last pair's (tokens/s and wall time per forward); the
    earlier pairs' ratios are shown beside it.
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import json
 import os
@@ -141,6 +143,7 @@ PHASES: dict[str, Phase] = {
                                                                ("KVCANARY_REAL_KV", "partial"))),
 }
 PHASE_NAMES = {p.name: k for k, p in PHASES.items()}
+OVERHEAD_WITH_GRAPHS = PHASES["4"]  # --overhead-eager runs phase 4 with graphs=False
 
 
 def parse_phases(text: str) -> list[str]:
@@ -1622,6 +1625,9 @@ def parse_args(argv=None):
     ap.add_argument("--overhead-rounds", type=int, default=None,
                     help="phase 4: off/log Engine pairs, in turn; the last pair is measured (default 2; 3 with "
                     "--piecewise, which reports the median and range of every pair's ratio)")
+    ap.add_argument("--overhead-eager", action="store_true",
+                    help="phase 4 with every forward eager (disable_cuda_graph): what a prefill-heavy or graph-less "
+                    "deployment pays per forward")
     ap.add_argument("--piecewise", action="store_true",
                     help="keep sglang's default piecewise CUDA graphs for prefill (no disable_piecewise_cuda_graph)")
     ap.add_argument("--tp-size", type=int, default=1, help="tensor parallel ranks (one canary per rank)")
@@ -1636,6 +1642,9 @@ def parse_args(argv=None):
         args.out = os.path.abspath(args.out)
     if args.overhead_rounds is None:
         args.overhead_rounds = PIECEWISE_OVERHEAD_ROUNDS if args.piecewise else 2
+    # Engine kwargs are built from PHASES in this (parent) process, so the worker gets disable_cuda_graph
+    PHASES["4"] = dataclasses.replace(OVERHEAD_WITH_GRAPHS, graphs=False) if args.overhead_eager \
+        else OVERHEAD_WITH_GRAPHS
     return args
 
 

@@ -210,3 +210,13 @@ def test_a_log_faster_than_off_is_not_called_a_slowdown(e2e, tmp_path) -> None:
     results = {"4off": dict(ok, tokens_per_s=8435.6), "4log": dict(ok, tokens_per_s=8936.3)}
     text = e2e.render(e2e.build_summary(str(tmp_path), ["4"], results, 100.0, 1.0, {}))
     assert "no slowdown measurable: 5.94 % more tok/s" in text and "fewer" not in text
+
+
+def test_overhead_eager_runs_phase_4_without_cuda_graphs(e2e, tmp_path) -> None:
+    """--overhead-eager: the off/log Engines of phase 4 get disable_cuda_graph; without it they keep decode graphs."""
+    args = e2e.parse_args(["--out", str(tmp_path), "--phases", "4", "--overhead-eager"])
+    kw = e2e.engine_kwargs(e2e.PHASES["4"], "m", args)
+    assert kw.get("disable_cuda_graph") is True and "cuda_graph_max_bs" not in kw
+    args = e2e.parse_args(["--out", str(tmp_path), "--phases", "4"])
+    kw = e2e.engine_kwargs(e2e.PHASES["4"], "m", args)
+    assert "disable_cuda_graph" not in kw and kw["cuda_graph_max_bs"] == 64
