@@ -235,7 +235,7 @@ def test_sweep_gathers_on_the_scheduler_stream(engine, monkeypatch) -> None:
     scheduler = Scheduler()
     hooks.hooks_for(v0_5_12).after_init_cache(None, scheduler)
     inst = hooks.installation_of(engine.mr)
-    source = inst.manager._sweep_source
+    source = inst.manager.sweeper.source
     source()
     assert seen == [None]  # the event loop has not started: no scheduler stream yet
     scheduler.schedule_stream = stream  # created when the event loop starts (after the cache)

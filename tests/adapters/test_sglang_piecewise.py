@@ -267,7 +267,8 @@ def test_canary_launches_run_before_and_after_the_replayed_layer_stack(piecewise
     assert mode == "EXTEND" and run.replays[-1] == (21, "EXTEND")
     assert events == ["replay_prepare", "plan", "verify", "layers", "write"], events
     manager = run.inst.manager
-    assert torch.equal(manager._positions[:32], run.pcg.buffers.positions[:32])  # the snapshot is the static batch
+    snapshot = manager.device_state.positions_snapshot
+    assert torch.equal(snapshot[:32], run.pcg.buffers.positions[:32])  # the snapshot is the static batch
     while not sched.idle:
         sched.step()
     manager.flush()

@@ -227,17 +227,22 @@ def test_drain_every_reports_within_that_many_forwards_and_reads_nothing_in_betw
     eng = TinyEngine(mode=Mode.LOG, drain_every=4)
     eng.mgr.mark_init_finished()
     eng.forward([1], [4])  # step 1
-    reads = []
-    original = eng.mgr._read_status
-    eng.mgr._read_status = lambda: reads.append(eng.mgr._steps) or original()  # type: ignore[method-assign]
+    drain = eng.mgr.violation_drain
+    reads: list[int] = []  # the steps whose step() read a status snapshot
+
+    def forward() -> None:
+        before = drain.status_reads
+        eng.forward([1], [1])
+        reads.extend([eng.mgr.steps] * (drain.status_reads - before))
+
     eng.kv[int(eng.req_to_token[1, 1]), 0] ^= 0xFF
-    eng.forward([1], [1])  # step 2: verify finds the flip
+    forward()  # step 2: verify finds the flip
     assert eng.mgr.violations == [] and reads == []
-    eng.forward([1], [1])  # step 3: snapshot (the CPU copy is immediate, so it is read at once)
-    eng.forward([1], [1])  # step 4: read
+    forward()  # step 3: snapshot (the CPU copy is immediate, so it is read at once)
+    forward()  # step 4: read
     assert {v.reasons for v in eng.mgr.violations} == {("verify_real_kv_hash",)}
     for _ in range(4):
-        eng.forward([1], [1])
+        forward()
     assert reads and set(reads) <= {3, 4, 7, 8}, reads
 
 
@@ -261,10 +266,11 @@ def test_update_expected_tokens_appends_like_a_full_upload() -> None:
     inc.mgr.update_expected_tokens([(1, 4, [15]), (2, 2, [23])])
     inc.mgr.update_expected_tokens([(1, 5, [16])])
     assert torch.equal(full.mgr.expected_tokens, inc.mgr.expected_tokens)
-    assert torch.equal(full.mgr._expected_valid_lens_by_row, inc.mgr._expected_valid_lens_by_row)
+    assert full.mgr.token_table is not None and inc.mgr.token_table is not None
+    assert torch.equal(full.mgr.token_table.valid_lens_by_row, inc.mgr.token_table.valid_lens_by_row)
     width = inc.mgr.expected_tokens.shape[1]
     inc.mgr.update_expected_tokens([(3, width - 1, [7, 8, 9])])  # clipped at the width
-    assert inc.mgr.expected_tokens[3, width - 1] == 7 and int(inc.mgr._expected_valid_lens_by_row[3]) == width
+    assert inc.mgr.expected_tokens[3, width - 1] == 7 and int(inc.mgr.token_table.valid_lens_by_row[3]) == width
     with pytest.raises(ValueError, match="row 99"):
         inc.mgr.update_expected_tokens([(99, 0, [1])])
     with pytest.raises(ValueError, match="start -1"):

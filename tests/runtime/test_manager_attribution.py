@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 
-from kvcanary import manager as manager_module
+from kvcanary import writers
 from kvcanary.batch import BatchView, ForwardKind
 from kvcanary.config import Config, Mode
 from kvcanary.health import STATS_PREFIX
@@ -238,7 +238,7 @@ def test_assign_requests_gives_a_new_serial_only_when_the_request_changes() -> N
 
 
 def test_writer_ids_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(manager_module, "MAX_WRITER_IDS", 2)
+    monkeypatch.setattr(writers, "MAX_WRITER_IDS", 2)
     h = Harness()
     h.mgr.assign_requests([(1, "one")])
     s1 = int(h.mgr.row_serials[1])

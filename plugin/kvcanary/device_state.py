@@ -1,0 +1,315 @@
+"""The device half of one canary (SPEC §5): every buffer the kernels read and write, and every launch.
+
+:class:`DeviceState` owns the canary buffer, the write and verify plans, one flat int64 state buffer (a header,
+then the violation ring, so that the host drains the header with one copy), the violation metadata beside the
+ring, the per-slot writer attribution, the row serials, and the forward's snapshot of token ids, positions and
+slots. Every buffer keeps its address for the state's lifetime (CUDA-graph capture). All kernel launches of the
+runtime happen here, and only here:
+
+* :meth:`DeviceState.before_forward`: ring reuse, snapshot copies, plan, verify-overflow count, verify;
+* :meth:`DeviceState.after_forward`: write;
+* :meth:`DeviceState.sweep`: verify over a sweep plan (tag SWEEP).
+
+The forward counter (kvcanary+). Forward k is the one after which the manager's ``step()`` has run k times
+(``steps``). The header's forward counter holds the number of the forward whose launches run: the plan launch of
+every forward sets it, to ``steps + 1`` when ``before_forward`` runs eagerly (the host knows the number), or to
+the counter + 1 when the launch is captured in a CUDA graph (each replay counts one forward: no host work, no
+sync). Every violation row gets a metadata row beside it (``violation_meta``; the ring's 8 columns stay the
+seed's) holding the counter value its launch read, the request's req_to_token row and the slot's writer
+attribution. A sweep launched by ``step()`` after forward k reads k: its rows say step k too.
+
+What keeps the counter equal to ``steps``: eager planning sets it, so a re-plan inside a forward (an adapter
+rewriting records) or a warm-up run that no ``step()`` follows cannot push it ahead; :meth:`mark_init_finished`
+(called once warm-up and graph capture are over) sets it to ``steps``, so the first replay after the warm-up
+runs counts from there. The drain (:mod:`kvcanary.drain`) corrects any drift that nothing anchored.
+
+Writer attribution (kvcanary+): ``slot_attribution`` (int64 ``[num_slots, 2]``) gets, from the write kernel, the
+forward counter and the writer serial of every record it stores; the writer serial is ``row_serials[req_to_token
+row]`` (:meth:`upload_row_serials`; serials are handed out by :mod:`kvcanary.writers`). Verify and sweep read it
+for failing entries only.
+
+The drain reads this state only through :meth:`status_segments`, :meth:`ring_segments`, :func:`parse_header` and
+:meth:`acknowledge_ring`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from kvcanary import layout, ops
+from kvcanary.batch import BatchView
+from kvcanary.plan import VerifyPlan, WritePlan
+from kvcanary.real_kv import RealKvSource
+from kvcanary.tags import NUM_LAUNCH_TAGS, LaunchTag
+from kvcanary.token_table import TokenTable
+
+logger = logging.getLogger(__name__)
+
+# Layout of the flat int64 state buffer: one header, then the violation ring. The ring's int32 write index lives
+# in the low half of element 0.
+STATE_WRITE_INDEX = 0
+STATE_OVERFLOWS = 1
+STATE_KERNEL_RUNS = 2
+STATE_SLOT_RUNS = STATE_KERNEL_RUNS + NUM_LAUNCH_TAGS
+STATE_RING_EPOCH = STATE_SLOT_RUNS + NUM_LAUNCH_TAGS  # how many times the drained ring was emptied
+STATE_FORWARD = STATE_RING_EPOCH + 1  # the device forward counter (+1 by each forward's plan launch)
+STATE_HEADER = 16
+assert STATE_FORWARD < STATE_HEADER
+
+
+class StateHeader(NamedTuple):
+    """A host copy of the state header (see :func:`parse_header`)."""
+
+    write_index: int  # the ring's int32 write index (negative: it wrapped, the ring is full)
+    overflows: int  # forwards whose verify was skipped (plan over capacity)
+    kernel_runs: tuple[int, ...]  # per launch tag
+    slot_runs: tuple[int, ...]  # per launch tag
+    ring_epoch: int  # how many times the drained ring was emptied
+    forward: int  # the device forward counter
+
+
+def parse_header(values: Sequence[int]) -> StateHeader:
+    """The header at the start of a host copy of the state buffer (``values``: at least ``STATE_HEADER`` ints)."""
+    index = values[STATE_WRITE_INDEX] & 0xFFFFFFFF
+    index = index - (1 << 32) if index >= 1 << 31 else index  # the int32 in the low half
+    return StateHeader(
+        write_index=index,
+        overflows=values[STATE_OVERFLOWS],
+        kernel_runs=tuple(values[STATE_KERNEL_RUNS : STATE_KERNEL_RUNS + NUM_LAUNCH_TAGS]),
+        slot_runs=tuple(values[STATE_SLOT_RUNS : STATE_SLOT_RUNS + NUM_LAUNCH_TAGS]),
+        ring_epoch=values[STATE_RING_EPOCH],
+        forward=values[STATE_FORWARD],
+    )
+
+
+def _staged(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host int64 values to copy to ``device`` without blocking (pinned on CUDA: the caching host allocator keeps
+    the buffer until the copy has run)."""
+    staged = torch.tensor(values, dtype=torch.int64)
+    return staged.pin_memory() if device.type == "cuda" else staged
+
+
+class DeviceState:
+    """The buffers and launches of one KV pool's canary (arguments as in :class:`~kvcanary.manager.CanaryManager`,
+    already checked by it).
+
+    Public buffers (stable addresses): ``canary_buf``, ``write_plan``, ``verify_plan``, ``state`` (the flat
+    header + ring) and its views ``violation_write_index``, ``verify_overflow_count``, ``kernel_run_counters``,
+    ``slot_run_counters``, ``violation_ring``, ``forward_counter``; ``violation_meta``, ``slot_attribution``,
+    ``row_serials``, ``enable_chain_position_assert``, and the snapshot ``input_ids_snapshot``,
+    ``positions_snapshot``, ``out_cache_loc_snapshot``.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_slots: int,
+        req_to_token: torch.Tensor,
+        device: torch.device,
+        max_batch_size: int,
+        max_tokens_per_forward: int,
+        verify_capacity: int,
+        ring_capacity: int,
+        real_kv_sources: Sequence[RealKvSource],
+        real_kv_mode: int,
+        swa_window_size: int,
+        kv_token_id_vs_position_offset: int,
+        full_to_swa_index_mapping: torch.Tensor | None,
+        token_table: TokenTable | None,
+    ) -> None:
+        self.device = dev = device
+        self.req_to_token = req_to_token
+        self.real_kv_sources = tuple(real_kv_sources)
+        self.real_kv_mode = real_kv_mode
+        self._real_kv_launch = ops.prepare_real_kv(self.real_kv_sources, dev)  # once, not per launch
+        self.swa_window_size = swa_window_size
+        self.kv_token_id_vs_position_offset = kv_token_id_vs_position_offset
+        self.full_to_swa_index_mapping = full_to_swa_index_mapping
+        self.ring_capacity = ring_capacity
+        i64 = {"dtype": torch.int64, "device": dev}
+
+        self.canary_buf = torch.zeros((num_slots, layout.RECORD_BYTES), dtype=torch.uint8, device=dev)
+        self.write_plan = WritePlan.allocate(max_batch_size, dev)
+        self.verify_plan = VerifyPlan.allocate(verify_capacity, dev)
+        self.state = torch.zeros(STATE_HEADER + ring_capacity * layout.VIOLATION_FIELDS, **i64)
+        state = self.state
+        self.violation_write_index = state[STATE_WRITE_INDEX : STATE_WRITE_INDEX + 1].view(torch.int32)[0:1]
+        self.verify_overflow_count = state[STATE_OVERFLOWS : STATE_OVERFLOWS + 1]
+        self.kernel_run_counters = state[STATE_KERNEL_RUNS : STATE_KERNEL_RUNS + NUM_LAUNCH_TAGS]
+        self.slot_run_counters = state[STATE_SLOT_RUNS : STATE_SLOT_RUNS + NUM_LAUNCH_TAGS]
+        self.violation_ring = state[STATE_HEADER:].view(ring_capacity, layout.VIOLATION_FIELDS)
+        self._ring_epoch = state[STATE_RING_EPOCH : STATE_RING_EPOCH + 1]
+        self.forward_counter = state[STATE_FORWARD : STATE_FORWARD + 1]
+        # kvcanary+ metadata beside the ring (row i describes ring row i) and writer attribution beside the
+        # canary buffer; the ring and the 32-byte records stay the seed's.
+        meta = layout.VIOLATION_META_FIELDS
+        self.violation_meta = torch.full((ring_capacity, meta), layout.META_UNKNOWN, **i64)
+        self.slot_attribution = torch.full((num_slots, layout.SLOT_ATTRIBUTION_FIELDS), layout.META_UNKNOWN, **i64)
+        self.row_serials = torch.full((req_to_token.shape[0],), layout.META_UNKNOWN, **i64)
+        # Ring index value up to which the host has read every row (-1: none pending). The next forward
+        # empties the ring if nothing was appended since (see _reuse_drained_ring).
+        self._ring_drained_to = torch.full((1,), -1, **i64)
+        self.enable_chain_position_assert = torch.zeros(1, dtype=torch.int32, device=dev)
+        # The forward's own copy of the batch's token ids, positions and slots: some models change them in place
+        # during the forward, and the write after it must record what the forward was given.
+        self.input_ids_snapshot = torch.zeros(max_tokens_per_forward, **i64)
+        self.positions_snapshot = torch.zeros(max_tokens_per_forward, **i64)
+        self.out_cache_loc_snapshot = torch.zeros(max_tokens_per_forward, **i64)
+        # The token check: the table (uploads are the TokenTable's) and this forward's rows' valid lengths.
+        self._expected_tokens: torch.Tensor | None = None
+        self._expected_valid_lens_by_row: torch.Tensor | None = None
+        self._expected_valid_lens: torch.Tensor | None = None
+        if token_table is not None:
+            self._expected_tokens = token_table.expected_tokens
+            self._expected_valid_lens_by_row = token_table.valid_lens_by_row
+            self._expected_valid_lens = torch.zeros(max_batch_size, **i64)
+        self._counter_views_by_tag = {tag: self._build_counter_views(tag) for tag in LaunchTag}
+
+    # ------------------------------------------------------------------------------------------ launches
+    def _build_counter_views(self, tag: LaunchTag) -> dict[str, torch.Tensor]:
+        """The ring, counter and metadata arguments of a ``tag`` launch (built once: slicing costs host time)."""
+        views = {
+            "violation_ring": self.violation_ring,
+            "violation_write_index": self.violation_write_index,
+            "slot_run_counter": self.slot_run_counters[tag : tag + 1],
+            "kernel_run_counter": self.kernel_run_counters[tag : tag + 1],
+            "violation_meta": self.violation_meta,
+            "forward_step": self.forward_counter,
+            "slot_attribution": self.slot_attribution,
+        }
+        if tag == LaunchTag.WRITE:
+            views["row_serials"] = self.row_serials
+        return views
+
+    def _reuse_drained_ring(self) -> None:
+        """Empty the ring if the host has read every row and nothing was appended since.
+
+        Device ops, stream-ordered before this forward's launches: when the write index still equals
+        the value the host acknowledged, no row beyond what it read exists, so resetting loses nothing.
+        The epoch counter tells the host the ring restarted. Without this a long-running engine would
+        keep details of only its first ``ring_capacity`` violations.
+        """
+        drained = self.violation_write_index == self._ring_drained_to
+        self.violation_write_index.masked_fill_(drained, 0)
+        self._ring_epoch.add_(drained)
+        self._ring_drained_to.masked_fill_(drained, -1)
+
+    def before_forward(self, batch: BatchView, *, reuse_ring: bool, count_forward: bool,
+                       forward_step_value: int) -> None:
+        """Everything that runs before the model writes KV, in stream order: ring reuse (when ``reuse_ring``: an
+        acknowledgement is pending, or a graph is being captured, which must always carry it), the snapshot copies,
+        the plan (``count_forward``: it sets the forward counter, to ``forward_step_value`` or, when that is -1
+        (captured), to the counter + 1), the verify-overflow count and the verify.
+
+        This one method is the whole "before" sequence, so that one fused launch can replace it. ``batch`` was
+        validated and fits the capacities (the manager checks both)."""
+        n, bs = batch.num_tokens, batch.batch_size
+        if reuse_ring:
+            self._reuse_drained_ring()  # else a no-op on the device: nothing acknowledged
+        self.input_ids_snapshot[:n].copy_(batch.input_ids)
+        self.positions_snapshot[:n].copy_(batch.positions)
+        self.out_cache_loc_snapshot[:n].copy_(batch.out_cache_loc)
+        expected = {}
+        by_row = self._expected_valid_lens_by_row
+        if by_row is not None and self._expected_valid_lens is not None:
+            valid = self._expected_valid_lens[:bs]
+            rps = batch.req_pool_indices.clamp(0, by_row.shape[0] - 1)
+            torch.index_select(by_row, 0, rps, out=valid)
+            expected = {"expected_tokens": self._expected_tokens, "expected_tokens_valid_lens": valid}
+        ops.canary_plan_step(
+            write_plan=self.write_plan,
+            verify_plan=self.verify_plan,
+            req_pool_indices=batch.req_pool_indices,
+            prefix_lens=batch.prefix_lens,
+            extend_lens=batch.extend_lens,
+            req_to_token=self.req_to_token,
+            swa_window_size=self.swa_window_size,
+            full_to_swa_index_mapping=self.full_to_swa_index_mapping,
+            kv_token_id_vs_position_offset=self.kv_token_id_vs_position_offset,
+            **expected,
+            forward_counter=self.forward_counter if count_forward else None,
+            forward_step_value=forward_step_value,
+        )
+        self.verify_overflow_count += self.verify_plan.verify_enable == 0
+        ops.canary_verify_step(
+            canary_buf=self.canary_buf,
+            **self.verify_plan.kernel_args(),
+            kernel_kind=LaunchTag.VERIFY,
+            **self._counter_views_by_tag[LaunchTag.VERIFY],
+            real_kv_sources=self._real_kv_launch,
+            real_kv_hash_mode=self.real_kv_mode,
+            check_tokens=self._expected_tokens is not None,
+        )
+
+    def after_forward(self, num_tokens: int) -> None:
+        """Write the records of the last planned forward's ``num_tokens`` tokens from the snapshot (after the model
+        wrote KV)."""
+        n = num_tokens
+        ops.canary_write_step(
+            canary_buf=self.canary_buf,
+            **self.write_plan.kernel_args(),
+            input_ids=self.input_ids_snapshot[:n],
+            positions=self.positions_snapshot[:n],
+            out_cache_loc=self.out_cache_loc_snapshot[:n],
+            kernel_kind=LaunchTag.WRITE,
+            enable_write_input_assert=False,
+            expected_input_tokens=None,
+            expected_input_positions=None,
+            **self._counter_views_by_tag[LaunchTag.WRITE],
+            enable_chain_position_assert=self.enable_chain_position_assert,
+            real_kv_sources=self._real_kv_launch,
+            real_kv_hash_mode=self.real_kv_mode,
+        )
+
+    def sweep(self, plan: VerifyPlan) -> None:
+        """Verify ``plan``'s entries with real-KV and no token check, tag SWEEP (host-called, outside capture)."""
+        ops.canary_verify_step(
+            canary_buf=self.canary_buf,
+            **plan.kernel_args(),
+            kernel_kind=LaunchTag.SWEEP,
+            **self._counter_views_by_tag[LaunchTag.SWEEP],
+            real_kv_sources=self._real_kv_launch,
+            real_kv_hash_mode=self.real_kv_mode,
+            check_tokens=False,
+        )
+
+    # ------------------------------------------------------------------------------------------ host-called updates
+    def mark_init_finished(self, steps: int) -> None:
+        """Switch the write chain-position assert on and set the forward counter to ``steps``."""
+        self.enable_chain_position_assert.fill_(1)
+        self.forward_counter.fill_(steps)
+
+    def set_snapshot_position(self, index: int, position: int) -> None:
+        """Overwrite the snapshot position of token ``index`` of the last forward (stream-ordered)."""
+        self.positions_snapshot[index] = position
+
+    def upload_row_serials(self, rows: list[int], serials: list[int]) -> None:
+        """``row_serials[rows[i]] = serials[i]``: one batched, non-blocking upload."""
+        dev = _staged(rows + serials, self.device).to(self.device, non_blocking=True)
+        m = len(rows)
+        self.row_serials.index_put_((dev[:m],), dev[m:])
+
+    # ------------------------------------------------------------------------------------------ what the drain reads
+    def status_segments(self, first: int, peek_end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The status copy's sources: the state prefix up to ring row ``peek_end`` (header included), and the
+        metadata of ring rows ``first..peek_end``, both flat."""
+        numel = STATE_HEADER + peek_end * layout.VIOLATION_FIELDS
+        return self.state[:numel], self.violation_meta[first:peek_end].view(-1)
+
+    def ring_segments(self, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ring rows ``first..end`` and their metadata rows, both flat."""
+        return self.violation_ring[first:end].view(-1), self.violation_meta[first:end].view(-1)
+
+    def acknowledge_ring(self, index: int) -> None:
+        """Tell the device the host read every ring row up to write index ``index`` (the next forward may then
+        empty the ring). A non-blocking copy, stream-ordered before the next forward."""
+        self._ring_drained_to.copy_(_staged([index], self.device), non_blocking=True)
+
+    def synchronize(self) -> None:
+        """Wait for all device work (shutdown and tests only)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,262 @@
+"""The violation drain (SPEC §5): device status and violation rows to the host without a sync, and their reports.
+
+Two :class:`kvcanary.pump.PinnedChannel` copies carry everything: the **status** copy (the state header: ring
+index, overflows, counters, forward counter; plus the next few ring rows and their metadata) taken after step T
+is read at step T+1 on CUDA, at once on the CPU; a burst larger than the peek is fetched by the **rows** copy,
+read one step later. With ``drain_every = N`` the status copy starts on the step before every N-th and is read on
+the N-th (:meth:`ViolationDrain.on_step`).
+
+Ring epochs. The kernels only append to the ring. Once the host has read every row up to index ``I`` it
+acknowledges ``I`` (:meth:`kvcanary.device_state.DeviceState.acknowledge_ring`); the next forward empties the
+ring if the index still equals ``I`` and increments the epoch in the header. The host sees the new epoch in the
+next status copy and adds the acknowledged rows to its running total (at most one reset per acknowledgement).
+Rows a burst could not keep (index beyond the capacity) are reported as lost.
+
+Which forward found a violation (kvcanary+). Every row's metadata holds the device forward counter its launch
+read (see :mod:`kvcanary.device_state`). Every status copy carries the counter too, and the host labels rows with
+``counter - (snapshot counter - snapshot step)``: a drift that nothing anchored (e.g. a graph captured after
+``mark_init_finished``) is corrected from the next snapshot on. The writer serial of the slot becomes a request
+id through the writer table (``writer_rid``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvcanary import layout
+from kvcanary.device_state import STATE_HEADER, DeviceState, parse_header
+from kvcanary.pump import PinnedChannel, side_stream
+from kvcanary.report import Reporter, Violation
+from kvcanary.tags import NUM_LAUNCH_TAGS
+
+logger = logging.getLogger(__name__)
+
+ROW_PEEK = 32  # ring rows copied with every status snapshot: the usual few violations need no second copy
+MAX_STATUS_ROWS = 1024  # the status copy is the state prefix up to the peeked rows; past this, no peek
+_META = layout.VIOLATION_META_FIELDS
+
+
+@dataclass
+class CanaryStats:
+    """Host view of the device counters (as of the last drained snapshot)."""
+
+    forwards: int = 0
+    kernel_runs: tuple[int, ...] = (0,) * NUM_LAUNCH_TAGS
+    slot_runs: tuple[int, ...] = (0,) * NUM_LAUNCH_TAGS
+    violations_seen: int = 0  # every violation the device counted, kept or lost, over the manager's life
+    verify_overflows: int = 0
+    sweeps: int = 0
+
+
+# (host step, kernel_runs per tag) of every status read: the manager's health check
+CountersObserver = Callable[[int, tuple[int, ...]], None]
+
+
+class ViolationDrain:
+    """Drains ``state``'s status and ring and reports what they hold.
+
+    Args:
+        state: the device state it reads (only through its drain API).
+        drain_every: the status cadence in steps (1: every step).
+        reporter: where violations and lost counts go (raise mode raises from :meth:`on_step` / :meth:`drain`).
+        rank: attached to every violation.
+        writer_id: writer serial -> request id (``None``: unknown).
+        stats: updated from every status read (``sweeps`` excepted: not a device counter).
+        on_counters: called with (host step, kernel_runs) after every status read.
+
+    Public state: ``violations`` (every violation reported so far), ``acknowledged_index`` (the ring index last
+    acknowledged and not yet seen emptied, or None: the next forward need not try to empty the ring) and
+    ``status_reads`` (status copies read so far).
+    """
+
+    def __init__(self, state: DeviceState, *, drain_every: int, reporter: Reporter, rank: dict[str, int] | None,
+                 writer_id: Callable[[int], str | None], stats: CanaryStats, on_counters: CountersObserver) -> None:
+        self._state = state
+        self._drain_every = drain_every
+        self._reporter = reporter
+        self._rank = rank
+        self._writer_id = writer_id
+        self._stats = stats
+        self._on_counters = on_counters
+        self._capacity = capacity = state.ring_capacity
+        stream = side_stream(state.device)
+        status_rows = min(capacity, MAX_STATUS_ROWS)
+        self._status_channel = PinnedChannel(STATE_HEADER + status_rows * layout.VIOLATION_FIELDS + ROW_PEEK * _META,
+                                             torch.int64, state.device, stream)
+        self._rows_channel = PinnedChannel(capacity * (layout.VIOLATION_FIELDS + _META), torch.int64, state.device,
+                                           stream)
+        self.violations: list[Violation] = []
+        self.acknowledged_index: int | None = None
+        self.status_reads = 0
+        self._rows_requested = 0  # ring rows already asked for (all rows below this are in flight or read)
+        self._lost_reported = 0
+        self._epoch = 0
+        self._index_base = 0  # violations counted in ring epochs already emptied
+        self._last_index = 0
+        self._overflows_reported = 0
+        # host step = device forward counter - _step_offset (as of the last drained snapshot)
+        self._step_offset = 0
+
+    @property
+    def busy(self) -> bool:
+        """Whether a copy is still in flight."""
+        return self._rows_channel.busy or self._status_channel.busy
+
+    def on_step(self, steps: int) -> list[Violation]:
+        """The drain of the step that made the step count ``steps``, on the ``drain_every`` cadence (a burst of rows
+        in flight is read every step). Returns the violations reported now."""
+        every = self._drain_every
+        if every > 1 and not self._rows_channel.busy:
+            phase = steps % every
+            if phase == every - 1:  # (a stale snapshot still unread, e.g. after a flush, is read first)
+                return self.drain(steps, restart=True)  # starts the snapshot the next step reads
+            return self.drain(steps, restart=False) if phase == 0 else []
+        return self.drain(steps)
+
+    def drain(self, steps: int, restart: bool = True) -> list[Violation]:
+        """Read whatever copies are ready; ``restart``: start the next status copy at once. ``steps``: the host
+        step count now."""
+        reported: list[Violation] = []
+        for _ in range(2):  # the second pass reads a snapshot that is ready at once (CPU, idle GPU)
+            if self._rows_channel.ready():
+                reported += self._read_rows()
+            if self._status_channel.ready():
+                reported += self._read_status(steps)
+            if restart and not self._status_channel.busy:
+                self._start_status(steps)
+        return reported
+
+    def flush(self, steps: int) -> list[Violation]:
+        """Synchronise and drain everything (shutdown / tests only: this blocks)."""
+        self._state.synchronize()
+        reported: list[Violation] = []
+        for _ in range(3):
+            reported += self.drain(steps)
+            if not self.busy:
+                break
+            self._state.synchronize()
+        return reported
+
+    # ------------------------------------------------------------------------------------------ copies
+    def _start_status(self, steps: int) -> None:
+        """One copy of the state prefix: the header and the ring up to the next ROW_PEEK unread rows, plus those
+        rows' metadata (none once more than MAX_STATUS_ROWS rows were read: then rows come by the rows channel, one
+        step later)."""
+        first = self._rows_requested
+        peek_end = min(first + ROW_PEEK, self._capacity)
+        if peek_end > MAX_STATUS_ROWS:
+            peek_end = first = 0
+        self._status_channel.start(*self._state.status_segments(first, peek_end), step=steps, first=first,
+                                   peek_end=peek_end)
+
+    def _read_status(self, steps: int) -> list[Violation]:
+        self.status_reads += 1
+        channel = self._status_channel
+        step, first, peek_end = channel.step, channel.meta["first"], channel.meta["peek_end"]
+        flat, peek_meta = channel.take_segments()
+        header = parse_header(flat)
+        fields = layout.VIOLATION_FIELDS
+        peek = flat[STATE_HEADER + first * fields : STATE_HEADER + peek_end * fields]
+        index = header.write_index
+        # The snapshot was taken after forward `step` (stream order), when the device counter read
+        # header.forward: forwards the host never stepped (warm-up, capture) are the difference.
+        self._step_offset = header.forward - step
+        if header.ring_epoch != self._epoch:  # the device emptied the ring after we acknowledged every row
+            # at most one reset per acknowledgement: the emptied epoch ended at the index we acknowledged
+            self._index_base += self.acknowledged_index or 0
+            self._epoch, self._rows_requested, self._lost_reported = header.ring_epoch, 0, 0
+            self.acknowledged_index = None
+        self._last_index = index
+        stats = self._stats
+        stats.kernel_runs, stats.slot_runs = header.kernel_runs, header.slot_runs
+        stats.violations_seen = self._index_base + index
+        stats.forwards = steps
+        overflows = header.overflows
+        if overflows > self._overflows_reported:
+            logger.warning(
+                "kvcanary: verify skipped for %d forward(s): the plan exceeded its capacity of %d entries "
+                "(raise verify_capacity)", overflows - self._overflows_reported, self._state.verify_plan.capacity,
+            )
+            self._overflows_reported = overflows
+            stats.verify_overflows = overflows
+        capacity = self._capacity
+        kept = min(index, capacity) if index >= 0 else capacity  # a wrapped int32 index: the ring is full
+        lost_total = max(0, index - capacity) if index >= 0 else 0
+        reported: list[Violation] = []
+        if not self._rows_channel.busy and kept > self._rows_requested:
+            have = min(kept, first + len(peek) // fields)
+            peeked: list[list[int]] = []
+            metas: list[list[int]] = []
+            if first == self._rows_requested and have > first:
+                peeked = [peek[i * fields : (i + 1) * fields] for i in range(have - first)]
+                metas = [peek_meta[i * _META : (i + 1) * _META] for i in range(have - first)]
+                self._rows_requested = have  # before reporting: raise mode must not see these rows again
+            if kept > self._rows_requested:  # more rows than the peek carried: fetch them (read next step)
+                self._rows_channel.start(*self._state.ring_segments(self._rows_requested, kept),
+                                         step=step, lost=lost_total, offset=self._step_offset)
+                self._rows_requested = kept
+            if peeked:
+                reported += self._report_rows(peeked, metas, step, self._step_offset, lost_total)
+        elif not self._rows_channel.busy and lost_total > self._lost_reported:
+            reported += self._report_rows([], [], step, self._step_offset, lost_total)
+        self._acknowledge_drained_rows()
+        self._on_counters(steps, header.kernel_runs)
+        return reported
+
+    def _read_rows(self) -> list[Violation]:
+        channel = self._rows_channel
+        step, lost_total, offset = channel.step, channel.meta["lost"], channel.meta["offset"]
+        flat, flat_meta = channel.take_segments()
+        fields = layout.VIOLATION_FIELDS
+        rows = [flat[i : i + fields] for i in range(0, len(flat), fields)]
+        metas = [flat_meta[i : i + _META] for i in range(0, len(flat_meta), _META)]
+        reported = self._report_rows(rows, metas, step, offset, lost_total)
+        self._acknowledge_drained_rows()
+        return reported
+
+    # ------------------------------------------------------------------------------------------ acknowledgement
+    def _acknowledge_drained_rows(self) -> None:
+        """Acknowledge every row up to the last seen index once all of them were read or counted lost (so the next
+        forward may empty the ring); once per index."""
+        index = self._last_index
+        if index <= 0 or self._rows_channel.busy or index == self.acknowledged_index:
+            return
+        capacity = self._capacity
+        if self._rows_requested < min(index, capacity) or self._lost_reported < max(0, index - capacity):
+            return
+        self._state.acknowledge_ring(index)
+        self.acknowledged_index = index
+
+    # ------------------------------------------------------------------------------------------ reports
+    def _violation(self, row: list[int], meta: list[int], snapshot_step: int, offset: int) -> Violation:
+        """A ring row and its metadata row as a Violation: device forward counter values become host steps."""
+        unknown = layout.META_UNKNOWN
+        found = meta[layout.VIOLATION_META_COL_STEP]
+        request_row = meta[layout.VIOLATION_META_COL_REQUEST_ROW]
+        written = meta[layout.VIOLATION_META_COL_WRITTEN_STEP]
+        written_step = written - offset if written != unknown and written - offset > 0 else None  # <= 0: warm-up
+        return Violation.from_row(
+            row,
+            step=found - offset if found != unknown else snapshot_step,
+            rank=self._rank,
+            request_row=None if request_row == unknown else request_row,
+            written_step=written_step,
+            writer_rid=self._writer_id(meta[layout.VIOLATION_META_COL_WRITER_SERIAL]),
+        )
+
+    def _report_rows(self, rows: list[list[int]], metas: list[list[int]], step: int, offset: int,
+                     lost_total: int) -> list[Violation]:
+        """Record and report rows already marked as read (so a raise never repeats them)."""
+        lost = max(0, lost_total - self._lost_reported)
+        self._lost_reported = max(self._lost_reported, lost_total)
+        violations = [self._violation(r, m, step, offset) for r, m in zip(rows, metas, strict=True)]
+        self.violations.extend(violations)
+        try:
+            self._reporter.report(violations, lost=lost, step=step)
+        finally:
+            self._acknowledge_drained_rows()
+        return violations
