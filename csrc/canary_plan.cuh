@@ -51,11 +51,20 @@ constexpr uint32_t kPlanRowThreads = 1024;
 constexpr uint32_t kPlanEntryThreads = 256;
 constexpr uint32_t kPlanEntryBlocksPerSm = 8;
 
+/*! \brief A batch array the engine hands over as int32 or int64 (sglang keeps some lens in int32). */
+struct IntArray {
+  const void* data;
+  bool i32;
+  KVCANARY_HD int64_t operator[](int64_t i) const {
+    return i32 ? static_cast<int64_t>(static_cast<const int32_t*>(data)[i]) : static_cast<const int64_t*>(data)[i];
+  }
+};
+
 struct PlanParams {
   // batch rows
-  const int64_t* req_pool_indices;
-  const int64_t* prefix_lens;
-  const int64_t* extend_lens;
+  IntArray req_pool_indices;
+  IntArray prefix_lens;
+  IntArray extend_lens;
   int64_t batch_rows;
   // req_to_token [req_rows, max_context] (row stride in elements)
   const int32_t* req_to_token;
@@ -66,13 +75,15 @@ struct PlanParams {
   int64_t swa_window;
   const int64_t* lut;  // nullptr: no translation
   int64_t lut_len;
-  // expected tokens [exp_rows, exp_cols] (int32 or int64) indexed by rp; valid lengths per batch row
+  // expected tokens [exp_rows, exp_cols] (int32 or int64) indexed by rp; valid lengths per batch row, or
+  // (valid_lens_rows > 0) per req_to_token row: expected_valid_lens[clamp(rp, 0, valid_lens_rows - 1)]
   const void* expected_tokens;  // nullptr: no token expectations
   bool expected_tokens_i32;
   int64_t exp_rows;
   int64_t exp_cols;
   int64_t exp_row_stride;
   const int64_t* expected_valid_lens;
+  int64_t valid_lens_rows;
   int64_t token_offset;
   // write plan
   int64_t* write_offsets;
@@ -146,12 +157,21 @@ KVCANARY_HD RowPlan plan_row(const PlanParams& p, int64_t r) {
   return row;
 }
 
+/*! \brief Valid expected tokens of batch row r (request row rp). */
+KVCANARY_HD int64_t plan_valid_len(const PlanParams& p, int64_t r, int64_t rp) {
+  if (p.valid_lens_rows <= 0) {
+    return p.expected_valid_lens[r];
+  }
+  const int64_t row = rp < 0 ? 0 : (rp >= p.valid_lens_rows ? p.valid_lens_rows - 1 : rp);
+  return p.expected_valid_lens[row];
+}
+
 KVCANARY_HD int64_t plan_expected_token(const PlanParams& p, int64_t r, int64_t rp, int64_t pos) {
   if (p.expected_tokens == nullptr || rp < 0 || rp >= p.exp_rows) {
     return kNoExpectedToken;
   }
   const int64_t index = pos + p.token_offset;
-  if (index < 0 || index >= p.expected_valid_lens[r] || index >= p.exp_cols) {
+  if (index < 0 || index >= plan_valid_len(p, r, rp) || index >= p.exp_cols) {
     return kNoExpectedToken;
   }
   const int64_t at = rp * p.exp_row_stride + index;
@@ -159,30 +179,41 @@ KVCANARY_HD int64_t plan_expected_token(const PlanParams& p, int64_t r, int64_t 
                                : static_cast<const int64_t*>(p.expected_tokens)[at];
 }
 
-/*! \brief Write verify entry `e`, the k-th entry of batch row r. */
-KVCANARY_HD void plan_verify_entry(const PlanParams& p, int64_t r, const RowPlan& row, int64_t k, int64_t e) {
+/*! \brief One verify entry: what verify checks for a slot. */
+struct PlanEntry {
   int64_t slot;
-  int64_t prev = kUnknownPrevSlot;
-  int64_t token = kNoExpectedToken;
-  int64_t position = kNoExpectedPosition;
+  int64_t prev;
+  int64_t token;
+  int64_t position;
+};
+
+/*! \brief The k-th verify entry of batch row r. */
+KVCANARY_HD PlanEntry plan_entry(const PlanParams& p, int64_t r, const RowPlan& row, int64_t k) {
+  PlanEntry out{0, kUnknownPrevSlot, kNoExpectedToken, kNoExpectedPosition};
   const int64_t window = row.rp_ok ? row.window_end - row.window_start : 0;
   if (!row.rp_ok) {
-    slot = plan_index_error(row.rp);
+    out.slot = plan_index_error(row.rp);
   } else if (k < window) {
-    position = row.window_start + k;
-    slot = plan_slot(p, row.rp, position);
-    prev = position > 0 ? plan_slot(p, row.rp, position - 1) : kChainHeadSlot;
-    token = plan_expected_token(p, r, row.rp, position);
+    out.position = row.window_start + k;
+    out.slot = plan_slot(p, row.rp, out.position);
+    out.prev = out.position > 0 ? plan_slot(p, row.rp, out.position - 1) : kChainHeadSlot;
+    out.token = plan_expected_token(p, r, row.rp, out.position);
   } else if (k == window && row.bad_prefix) {
-    slot = plan_index_error(p.prefix_lens[r]);
+    out.slot = plan_index_error(p.prefix_lens[r]);
   } else {
-    slot = plan_index_error(p.extend_lens[r]);
+    out.slot = plan_index_error(p.extend_lens[r]);
   }
-  p.slots[e] = slot;
+  return out;
+}
+
+/*! \brief Write verify entry `e`, the k-th entry of batch row r. */
+KVCANARY_HD void plan_verify_entry(const PlanParams& p, int64_t r, const RowPlan& row, int64_t k, int64_t e) {
+  const PlanEntry entry = plan_entry(p, r, row, k);
+  p.slots[e] = entry.slot;
   if (p.verify_request_rows != nullptr) p.verify_request_rows[e] = row.rp;
-  p.prevs[e] = prev;
-  p.expected_tok[e] = token;
-  p.expected_pos[e] = position;
+  p.prevs[e] = entry.prev;
+  p.expected_tok[e] = entry.token;
+  p.expected_pos[e] = entry.position;
 }
 
 /*! \brief Totals → verify num_valid / enable; write num_valid. Done once, by one thread. */
@@ -201,19 +232,26 @@ KVCANARY_HD void plan_finish(const PlanParams& p, int64_t verify_total) {
 }
 
 /*! \brief Row r of the write plan (r < write_capacity; rows past bs are empty, with rp 0). */
-KVCANARY_HD void plan_store_row(const PlanParams& p, int64_t r, int64_t rp, int64_t seed, int64_t write_end,
-                                int64_t verify_end) {
+KVCANARY_HD void plan_store_write_row(const PlanParams& p, int64_t r, int64_t rp, int64_t seed, int64_t write_end) {
   p.write_seeds[r] = seed;
   if (p.write_request_rows != nullptr) p.write_request_rows[r] = rp;
   p.write_offsets[r + 1] = write_end;
+}
+
+/*! \brief Row r of both plans. */
+KVCANARY_HD void plan_store_row(const PlanParams& p, int64_t r, int64_t rp, int64_t seed, int64_t write_end,
+                                int64_t verify_end) {
+  plan_store_write_row(p, r, rp, seed, write_end);
   p.verify_row_offsets[r + 1] = verify_end;
 }
 
 #if KVCANARY_DEVICE_BUILD
 
-/*! \brief Inclusive block-wide sum of two counters at once; returns the block totals. */
+/*! \brief Inclusive block-wide sum of two counters at once over kThreads threads; returns the block totals. */
+template <uint32_t kThreads>
 __device__ __forceinline__ void block_inclusive_scan2(int64_t& a, int64_t& b, int64_t& total_a, int64_t& total_b) {
-  constexpr uint32_t kWarps = kPlanRowThreads / 32;
+  static_assert(kThreads % 32 == 0 && kThreads <= 1024, "whole warps, at most 32 of them");
+  constexpr uint32_t kWarps = kThreads / 32;
   __shared__ int64_t warp_a[kWarps];
   __shared__ int64_t warp_b[kWarps];
   const uint32_t lane = threadIdx.x % 32;
@@ -273,7 +311,7 @@ __global__ void __launch_bounds__(kPlanRowThreads) canary_plan_rows_kernel(const
     int64_t verify_end = row.verify_count;
     int64_t total_write = 0;
     int64_t total_verify = 0;
-    block_inclusive_scan2(write_end, verify_end, total_write, total_verify);
+    block_inclusive_scan2<kPlanRowThreads>(write_end, verify_end, total_write, total_verify);
     if (r < p.write_capacity) {
       plan_store_row(p, r, row.rp, row.seed, carry_write + write_end, carry_verify + verify_end);
     }
@@ -452,9 +490,9 @@ inline void canary_plan_step_attributed(
 
   // 2. extract parameters
   PlanParams p{};
-  p.req_pool_indices = data_of<const int64_t>(req_pool_indices);
-  p.prefix_lens = data_of<const int64_t>(prefix_lens);
-  p.extend_lens = data_of<const int64_t>(extend_lens);
+  p.req_pool_indices = IntArray{data_of<const void>(req_pool_indices), false};
+  p.prefix_lens = IntArray{data_of<const void>(prefix_lens), false};
+  p.extend_lens = IntArray{data_of<const void>(extend_lens), false};
   p.batch_rows = batch_rows.value();
   p.req_to_token = data_of<const int32_t>(req_to_token);
   p.req_rows = req_rows.value();
@@ -471,6 +509,7 @@ inline void canary_plan_step_attributed(
       expected_tokens.has_value() && p.exp_rows > 1 ? stride_of(expected_tokens.value(), 0) : p.exp_cols;
   p.expected_valid_lens =
       expected_tokens_valid_lens.has_value() ? data_of<const int64_t>(expected_tokens_valid_lens.value()) : nullptr;
+  p.valid_lens_rows = 0;  // per batch row
   p.token_offset = kv_token_id_vs_position_offset;
   p.write_offsets = data_of<int64_t>(write_offsets);
   p.write_seeds = data_of<int64_t>(write_seed_slot_indices);

@@ -51,11 +51,27 @@ namespace kvcanary {
 constexpr uint32_t kVerifyThreadsPerBlock = 256;
 constexpr uint32_t kVerifyBlocksPerSm = 8;
 
-struct VerifyParams {
+/*! \brief What checking one entry against its record needs (shared by verify and canary_check_step). */
+struct RecordCheck {
   const uint8_t* canary_buf;
   int64_t slot_stride_bytes;
   int64_t num_slots;
   bool records_aligned16;
+  bool check_tokens;
+  RealKvSources sources;
+  const int64_t* slot_attribution;  // [num_slots, kSlotAttributionFields], nullptr: off (kvcanary+)
+};
+
+/*! \brief One planned entry: the slot, its predecessor, and what its record must hold. */
+struct VerifyEntry {
+  int64_t slot;
+  int64_t prev;
+  int64_t expected_token;
+  int64_t expected_position;
+};
+
+struct VerifyParams {
+  RecordCheck check;
 
   const int64_t* slot_indices;
   const int64_t* expected_tokens;
@@ -64,17 +80,13 @@ struct VerifyParams {
   const int32_t* num_valid;
   const int32_t* enable;
   int64_t capacity;
-  bool check_tokens;
 
   ViolationSink sink;
   int64_t* slot_run_counter;
   int64_t* kernel_run_counter;
 
-  RealKvSources sources;
-
   // kvcanary+ (nullptr: off)
-  const int64_t* request_rows;      // [capacity] req_to_token row of each entry
-  const int64_t* slot_attribution;  // [num_slots, kSlotAttributionFields]
+  const int64_t* request_rows;  // [capacity] req_to_token row of each entry
 };
 
 /*! \brief Entries this launch visits: min(num_valid, capacity), or 0 when disabled. */
@@ -92,37 +104,49 @@ KVCANARY_HD void verify_bump_counters(const VerifyParams& p) {
   if (active > 0) atomic_add_i64(p.slot_run_counter, active);
 }
 
-KVCANARY_HD const uint8_t* verify_record_row(const VerifyParams& p, int64_t slot) {
-  return p.canary_buf + slot * p.slot_stride_bytes;
+KVCANARY_HD const uint8_t* verify_record_row(const RecordCheck& c, int64_t slot) {
+  return c.canary_buf + slot * c.slot_stride_bytes;
 }
 
-/*! \brief The req_to_token row of entry e, read on the failure path only. */
-KVCANARY_HD int64_t verify_request_row(const VerifyParams& p, int64_t e) {
-  return p.request_rows != nullptr ? p.request_rows[e] : kMetaUnknown;
-}
+/*! \brief The req_to_token row of plan entry e, read on the failure path only. */
+struct PlannedRequestRow {
+  const int64_t* rows;  // nullptr: unknown
+  int64_t e;
+  KVCANARY_HD int64_t operator()() const { return rows != nullptr ? rows[e] : kMetaUnknown; }
+};
 
-/*! \brief Verify entry e; appends at most one violation row. */
-KVCANARY_HD void verify_entry(const VerifyParams& p, int64_t e) {
-  const int64_t slot = p.slot_indices[e];
+/*! \brief A request row the caller already holds. */
+struct KnownRequestRow {
+  int64_t row;
+  KVCANARY_HD int64_t operator()() const { return row; }
+};
+
+/*!
+ * \brief Check one entry against its record; appends at most one violation row to `sink`.
+ * `request_row()` is evaluated for a failing entry only.
+ */
+template <typename RequestRow>
+KVCANARY_HD void verify_record(const RecordCheck& c, const ViolationSink& sink, const VerifyEntry& entry,
+                               const RequestRow& request_row) {
+  const int64_t slot = entry.slot;
   if (slot == kPaddingSlot) {
     return;
   }
-  const int64_t expected_token = p.expected_tokens[e];
-  const int64_t expected_position = p.expected_positions[e];
   // Rows show the expected token only when it was checked (as SGLang's built-in verify does).
-  const int64_t reported_token = p.check_tokens ? expected_token : kNoExpectedToken;
-  if (slot < 0 || slot >= p.num_slots) {
-    record_violation(p.sink, ViolationRow{slot, expected_position, -1, reported_token, 0, slot, kReasonSlotOutOfRange},
-                     ViolationMeta{verify_request_row(p, e), kMetaUnknown, kMetaUnknown});
+  const int64_t reported_token = c.check_tokens ? entry.expected_token : kNoExpectedToken;
+  if (slot < 0 || slot >= c.num_slots) {
+    record_violation(sink,
+                     ViolationRow{slot, entry.expected_position, -1, reported_token, 0, slot, kReasonSlotOutOfRange},
+                     ViolationMeta{request_row(), kMetaUnknown, kMetaUnknown});
     return;
   }
-  const int64_t prev = p.prev_slot_indices[e];
-  const bool prev_in_range = prev > kUnknownPrevSlot && prev < p.num_slots;
+  const int64_t prev = entry.prev;
+  const bool prev_in_range = prev > kUnknownPrevSlot && prev < c.num_slots;
   // Issue both record loads before any use so their latencies overlap.
-  const CanaryRecord record = load_record_readonly(verify_record_row(p, slot), p.records_aligned16);
+  const CanaryRecord record = load_record_readonly(verify_record_row(c, slot), c.records_aligned16);
   CanaryRecord prev_record{};
   if (prev_in_range) {
-    prev_record = load_record_readonly(verify_record_row(p, prev), p.records_aligned16);
+    prev_record = load_record_readonly(verify_record_row(c, prev), c.records_aligned16);
   }
 
   int64_t bits = 0;
@@ -138,21 +162,31 @@ KVCANARY_HD void verify_entry(const VerifyParams& p, int64_t e) {
     bits |= kReasonSlotOutOfRange;
     expected_aux = prev;
   }
-  if (p.check_tokens && expected_token != kNoExpectedToken && record.token != expected_token) {
+  if (c.check_tokens && entry.expected_token != kNoExpectedToken && record.token != entry.expected_token) {
     bits |= kReasonVerifyToken;
   }
-  if (record.position != expected_position) {
+  if (record.position != entry.expected_position) {
     bits |= kReasonVerifyPosition;
   }
-  if (record.real_kv_hash != static_cast<int64_t>(real_kv_fingerprint(p.sources, slot))) {
+  if (record.real_kv_hash != static_cast<int64_t>(real_kv_fingerprint(c.sources, slot))) {
     bits |= kReasonVerifyRealKvHash;
   }
   if (bits != 0) {
-    record_violation(p.sink,
+    record_violation(sink,
                      ViolationRow{slot, record.position, record.token, reported_token, record.prev_hash, expected_aux,
                                   bits},
-                     attributed_violation_meta(p.slot_attribution, slot, verify_request_row(p, e)));
+                     attributed_violation_meta(c.slot_attribution, slot, request_row()));
   }
+}
+
+/*! \brief Verify plan entry e; appends at most one violation row. */
+KVCANARY_HD void verify_entry(const VerifyParams& p, int64_t e) {
+  const int64_t slot = p.slot_indices[e];
+  if (slot == kPaddingSlot) {
+    return;
+  }
+  const VerifyEntry entry{slot, p.prev_slot_indices[e], p.expected_tokens[e], p.expected_positions[e]};
+  verify_record(p.check, p.sink, entry, PlannedRequestRow{p.request_rows, e});
 }
 
 #if KVCANARY_DEVICE_BUILD
@@ -227,7 +261,7 @@ inline void canary_verify_step_attributed(
       pack_real_kv_sources(kFn, device, num_slots.value(), real_kv_buf_0, real_kv_buf_1, real_kv_buf_2,
                            real_kv_buf_3, real_kv_source_params, num_sources, real_kv_hash_mode);
   VerifyParams p{};
-  p.slot_attribution =
+  p.check.slot_attribution =
       pack_violation_meta(kFn, device, ring_capacity, num_slots, violation_meta, forward_step, slot_attribution, p.sink);
   if (verify_request_rows.has_value()) {
     TensorMatcher(kFn, {capacity})
@@ -237,11 +271,11 @@ inline void canary_verify_step_attributed(
   }
 
   // 2. extract parameters
-  p.canary_buf = data_of<const uint8_t>(canary_buf);
-  p.slot_stride_bytes = slot_stride.value();
-  p.num_slots = num_slots.value();
-  p.records_aligned16 = reinterpret_cast<uintptr_t>(p.canary_buf) % kRealKvAlignBytes == 0 &&
-                        p.slot_stride_bytes % kRealKvAlignBytes == 0;
+  p.check.canary_buf = data_of<const uint8_t>(canary_buf);
+  p.check.slot_stride_bytes = slot_stride.value();
+  p.check.num_slots = num_slots.value();
+  p.check.records_aligned16 = reinterpret_cast<uintptr_t>(p.check.canary_buf) % kRealKvAlignBytes == 0 &&
+                              p.check.slot_stride_bytes % kRealKvAlignBytes == 0;
   p.slot_indices = data_of<const int64_t>(verify_slot_indices);
   p.expected_tokens = data_of<const int64_t>(verify_expected_tokens);
   p.expected_positions = data_of<const int64_t>(verify_expected_positions);
@@ -249,14 +283,14 @@ inline void canary_verify_step_attributed(
   p.num_valid = data_of<const int32_t>(verify_num_valid);
   p.enable = data_of<const int32_t>(verify_enable);
   p.capacity = capacity.value();
-  p.check_tokens = check_tokens == 1;
+  p.check.check_tokens = check_tokens == 1;
   p.sink.ring = data_of<int64_t>(violation_ring);
   p.sink.write_index = data_of<int32_t>(violation_write_index);
   p.sink.capacity = static_cast<int32_t>(ring_capacity.value());
   p.sink.kernel_kind = kernel_kind;
   p.slot_run_counter = data_of<int64_t>(slot_run_counter);
   p.kernel_run_counter = data_of<int64_t>(kernel_run_counter);
-  p.sources = sources;
+  p.check.sources = sources;
   p.request_rows = optional_data_of<const int64_t>(verify_request_rows);
 
 #if KVCANARY_DEVICE_BUILD

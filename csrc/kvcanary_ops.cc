@@ -8,6 +8,7 @@
 #include <tvm/ffi/function.h>
 
 #include "kvcanary/macros.h"
+#include "canary_check.cuh"
 #include "canary_layout.cuh"
 #include "canary_plan.cuh"
 #include "canary_verify.cuh"
@@ -26,5 +27,7 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_plan_step, kvcanary::host::canary_plan_step
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_write_step_attributed, kvcanary::host::canary_write_step_attributed);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_verify_step_attributed, kvcanary::host::canary_verify_step_attributed);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_plan_step_attributed, kvcanary::host::canary_plan_step_attributed);
+// kvcanary+ (issue 15): plan + verify + the per-forward small ops in one launch.
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_check_step, kvcanary::host::canary_check_step);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_layout_constants, kvcanary::host::canary_layout_constants);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_backend_name, kvcanary::host::canary_backend_name);

@@ -87,6 +87,27 @@ constexpr int32_t kSlotAttributionColWriterSerial = 1;
 constexpr int32_t kSlotAttributionFields = 2;
 constexpr int64_t kMetaUnknown = -1;  // a metadata or attribution value nobody knows
 
+// ---------------------------------------------------------------- launch tags and the state buffer (kvcanary+)
+// Launch tags (violation column 0; index of the per-tag counters). The Python names live in kvcanary.tags.
+constexpr int32_t kLaunchTagVerify = 0;
+constexpr int32_t kLaunchTagWrite = 1;
+constexpr int32_t kLaunchTagSweep = 2;
+constexpr int32_t kNumLaunchTags = 3;
+
+// The manager's flat int64 state buffer: a header of kStateHeaderFields elements, then the violation ring
+// ([ring_capacity, kViolationFields]), so that one copy drains the header and the first rows. Offsets are in
+// int64 elements. canary_check_step takes the whole buffer as one tensor.
+constexpr int32_t kStateWriteIndex = 0;  // the ring's int32 write index, in the low half (little-endian)
+constexpr int32_t kStateOverflows = 1;   // forwards whose verify plan overflowed (canary_plan_step callers)
+constexpr int32_t kStateKernelRuns = 2;  // [kNumLaunchTags] launches per tag
+constexpr int32_t kStateSlotRuns = kStateKernelRuns + kNumLaunchTags;  // [kNumLaunchTags] entries per tag
+constexpr int32_t kStateRingEpoch = kStateSlotRuns + kNumLaunchTags;   // times the drained ring was emptied
+constexpr int32_t kStateForward = kStateRingEpoch + 1;    // the device forward counter
+constexpr int32_t kStateDrainedTo = kStateForward + 1;    // ring index the host has read up to (<= 0: none)
+constexpr int32_t kStateDoneBlocks = kStateDrainedTo + 1;  // scratch: blocks finished (int32, low half; 0 at rest)
+constexpr int32_t kStateHeaderFields = 16;
+static_assert(kStateDoneBlocks < kStateHeaderFields, "state header too small");
+
 // Fail-reason bits (column 7). Bit 6 is kvcanary's own: an index the engine handed the canary lies
 // outside the buffer it indexes; the row's expected_aux column carries the offending index.
 constexpr int64_t kReasonVerifyChainHash = int64_t{1} << 0;
@@ -155,6 +176,19 @@ constexpr LayoutConstant kLayoutConstantTable[] = {
     {"SLOT_ATTRIBUTION_COL_WRITER_SERIAL", kSlotAttributionColWriterSerial},
     {"SLOT_ATTRIBUTION_FIELDS", kSlotAttributionFields},
     {"META_UNKNOWN", kMetaUnknown},
+    {"LAUNCH_TAG_VERIFY", kLaunchTagVerify},
+    {"LAUNCH_TAG_WRITE", kLaunchTagWrite},
+    {"LAUNCH_TAG_SWEEP", kLaunchTagSweep},
+    {"NUM_LAUNCH_TAGS", kNumLaunchTags},
+    {"STATE_WRITE_INDEX", kStateWriteIndex},
+    {"STATE_OVERFLOWS", kStateOverflows},
+    {"STATE_KERNEL_RUNS", kStateKernelRuns},
+    {"STATE_SLOT_RUNS", kStateSlotRuns},
+    {"STATE_RING_EPOCH", kStateRingEpoch},
+    {"STATE_FORWARD", kStateForward},
+    {"STATE_DRAINED_TO", kStateDrainedTo},
+    {"STATE_DONE_BLOCKS", kStateDoneBlocks},
+    {"STATE_HEADER_FIELDS", kStateHeaderFields},
     {"REASON_VERIFY_CHAIN_HASH", kReasonVerifyChainHash},
     {"REASON_VERIFY_POSITION", kReasonVerifyPosition},
     {"REASON_VERIFY_REAL_KV_HASH", kReasonVerifyRealKvHash},

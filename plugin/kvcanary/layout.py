@@ -88,6 +88,24 @@ SLOT_ATTRIBUTION_COL_WRITER_SERIAL = 1
 SLOT_ATTRIBUTION_FIELDS = 2
 META_UNKNOWN = -1  # a metadata or attribution value nobody knows
 
+# launch tags (violation column 0; index of the per-tag counters; kvcanary.tags names them)
+LAUNCH_TAG_VERIFY = 0
+LAUNCH_TAG_WRITE = 1
+LAUNCH_TAG_SWEEP = 2
+NUM_LAUNCH_TAGS = 3
+
+# The manager's flat int64 state buffer: a header of STATE_HEADER_FIELDS elements, then the violation ring
+# [ring_capacity, VIOLATION_FIELDS]. Offsets in int64 elements; canary_check_step takes the whole buffer.
+STATE_WRITE_INDEX = 0  # the ring's int32 write index, in the low half
+STATE_OVERFLOWS = 1  # forwards whose verify plan overflowed
+STATE_KERNEL_RUNS = 2  # [NUM_LAUNCH_TAGS] launches per tag
+STATE_SLOT_RUNS = STATE_KERNEL_RUNS + NUM_LAUNCH_TAGS  # [NUM_LAUNCH_TAGS] entries per tag
+STATE_RING_EPOCH = STATE_SLOT_RUNS + NUM_LAUNCH_TAGS  # times the drained ring was emptied
+STATE_FORWARD = STATE_RING_EPOCH + 1  # the device forward counter
+STATE_DRAINED_TO = STATE_FORWARD + 1  # ring index the host has read up to (<= 0: none)
+STATE_DONE_BLOCKS = STATE_DRAINED_TO + 1  # scratch of canary_check_step: blocks finished (int32, low half)
+STATE_HEADER_FIELDS = 16
+
 
 class FailReason(enum.IntFlag):
     """Bits of a violation row's fail_reason_bits column."""

@@ -28,8 +28,8 @@ from kvcanary.plan import VerifyPlan, WritePlan
 from kvcanary.real_kv import RealKvSource
 
 __all__ = [
-    "RealKvLaunch", "canary_plan_step", "canary_verify_step", "canary_write_step", "load_module", "prepare_real_kv",
-    "real_kv_launch_args",
+    "RealKvLaunch", "canary_check_step", "canary_plan_step", "canary_verify_step", "canary_write_step", "load_module",
+    "prepare_real_kv", "real_kv_launch_args",
 ]
 
 _unused_source_cache: dict[torch.device, torch.Tensor] = {}
@@ -409,4 +409,114 @@ def canary_plan_step(
             },
             {"swa_window_size": swa_window_size, "kv_token_id_vs_position_offset": kv_token_id_vs_position_offset,
              "forward_step_value": forward_step_value},
+        )
+
+
+def canary_check_step(
+    *,
+    state: torch.Tensor,
+    canary_buf: torch.Tensor,
+    write_plan: WritePlan,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    req_to_token: torch.Tensor,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    input_ids_out: torch.Tensor,
+    positions_out: torch.Tensor,
+    out_cache_loc_out: torch.Tensor,
+    violation_meta: torch.Tensor | None = None,
+    slot_attribution: torch.Tensor | None = None,
+    swa_window_size: int = 0,
+    full_to_swa_index_mapping: torch.Tensor | None = None,
+    expected_tokens: torch.Tensor | None = None,
+    expected_valid_lens_by_row: torch.Tensor | None = None,
+    kv_token_id_vs_position_offset: int = 0,
+    real_kv_sources: Sequence[RealKvSource] | RealKvLaunch = (),
+    real_kv_hash_mode: int = layout.REAL_KV_HASH_MODE_NONE,
+    check_tokens: bool = False,
+    new_forward: bool = True,
+    forward_step_value: int = -1,
+) -> None:
+    """Everything before a forward in one launch (see csrc/canary_check.cuh): plan and verify (tag VERIFY) every
+    batch row's prefix, store ``write_plan``, snapshot the batch's tokens, positions and slots, count the forward
+    and empty a drained ring. Never synchronises; graph-capturable.
+
+    ``state``: the manager's flat int64 buffer, header (``layout.STATE_*``) then the violation ring. Verify never
+    overflows (no plan buffer), so nothing is skipped. ``req_pool_indices`` / ``prefix_lens`` / ``extend_lens``
+    and the snapshot sources may be int32 or int64; ``*_out`` are int64 with at least ``input_ids.shape[0]``
+    elements. ``expected_valid_lens_by_row`` (int64, one per req_to_token row) gives the token check's valid
+    lengths; ``check_tokens`` compares them. ``new_forward``: set ``state[STATE_FORWARD]`` to
+    ``forward_step_value`` (>= 0) or the counter + 1 (< 0: a captured launch, every replay counts one forward);
+    else only read it. Rows carry the forward number in ``violation_meta`` and the slot's ``slot_attribution``.
+    """
+    try:
+        if not isinstance(write_plan, WritePlan):
+            raise TypeError(f"canary_check_step: write_plan: expected WritePlan, got {type(write_plan).__name__}")
+        module: Any = load_module(_backend_of(canary_buf.device))
+        launch = prepare_real_kv(real_kv_sources, canary_buf.device)
+        module.canary_check_step(
+            state,
+            violation_meta,
+            slot_attribution,
+            canary_buf,
+            write_plan.write_offsets,
+            write_plan.write_seed_slot_indices,
+            write_plan.write_num_valid_reqs,
+            write_plan.write_request_rows,
+            req_pool_indices,
+            prefix_lens,
+            extend_lens,
+            req_to_token,
+            int(swa_window_size),
+            full_to_swa_index_mapping,
+            expected_tokens,
+            expected_valid_lens_by_row,
+            int(kv_token_id_vs_position_offset),
+            input_ids,
+            positions,
+            out_cache_loc,
+            input_ids_out,
+            positions_out,
+            out_cache_loc_out,
+            *launch.buffers,
+            launch.params,
+            launch.num_sources,
+            int(real_kv_hash_mode),
+            int(check_tokens),
+            int(new_forward),
+            int(forward_step_value),
+        )
+    except _CALL_ERRORS as exc:
+        if not isinstance(write_plan, WritePlan):
+            raise
+        _reraise_named(
+            exc, "canary_check_step",
+            {
+                "state": (state, False),
+                "violation_meta": (violation_meta, True),
+                "slot_attribution": (slot_attribution, True),
+                "canary_buf": (canary_buf, False),
+                **{k: v for k, v in _plan_tensors("write_plan", write_plan, WritePlan).items()
+                   if k != "write_plan.verify_row_offsets"},
+                "req_pool_indices": (req_pool_indices, False),
+                "prefix_lens": (prefix_lens, False),
+                "extend_lens": (extend_lens, False),
+                "req_to_token": (req_to_token, False),
+                "full_to_swa_index_mapping": (full_to_swa_index_mapping, True),
+                "expected_tokens": (expected_tokens, True),
+                "expected_valid_lens_by_row": (expected_valid_lens_by_row, True),
+                "input_ids": (input_ids, False),
+                "positions": (positions, False),
+                "out_cache_loc": (out_cache_loc, False),
+                "input_ids_out": (input_ids_out, False),
+                "positions_out": (positions_out, False),
+                "out_cache_loc_out": (out_cache_loc_out, False),
+            },
+            {"swa_window_size": swa_window_size, "kv_token_id_vs_position_offset": kv_token_id_vs_position_offset,
+             "real_kv_hash_mode": real_kv_hash_mode, "check_tokens": check_tokens, "new_forward": new_forward,
+             "forward_step_value": forward_step_value},
+            real_kv_sources,
         )

@@ -117,23 +117,32 @@ class _Records:
 
 
 class _Sink:
-    def __init__(self, ring: torch.Tensor, write_index: torch.Tensor, kernel_kind: int) -> None:
+    def __init__(self, ring: torch.Tensor, write_index: torch.Tensor, kernel_kind: int,
+                 meta: torch.Tensor | None = None, step: int = layout.META_UNKNOWN) -> None:
         self.ring = ring
         self.write_index = write_index
         self.capacity = int(ring.shape[0])
         self.index = int(write_index[0])
         self.kernel_kind = kernel_kind
         self.rows: dict[int, list[int]] = {}
+        self.meta = meta
+        self.step = step
+        self.meta_rows: dict[int, list[int]] = {}
 
-    def record(self, *row: int) -> None:
+    def record(self, *row: int, meta: tuple[int, int, int] | None = None) -> None:
+        """Append a row; ``meta``: (request row, written step, writer serial), unknown when None."""
         index = self.index
         self.index = to_i64(index + 1) if index + 1 < 1 << 31 else index + 1 - (1 << 32)
         if 0 <= index < self.capacity:
             self.rows[index] = [self.kernel_kind, *row]
+            unknown = layout.META_UNKNOWN
+            self.meta_rows[index] = [self.step, *(meta if meta is not None else (unknown, unknown, unknown))]
 
     def commit(self) -> None:
         for index, row in self.rows.items():
             self.ring[index] = torch.tensor([to_i64(v) for v in row], dtype=torch.int64)
+            if self.meta is not None:
+                self.meta[index] = torch.tensor(self.meta_rows[index], dtype=torch.int64)
         self.write_index[0] = self.index
 
 
@@ -233,9 +242,18 @@ def canary_verify_step(
     real_kv_sources: Sequence[RealKvSource] = (),
     real_kv_hash_mode: int = layout.REAL_KV_HASH_MODE_NONE,
     check_tokens: bool = False,
+    violation_meta: torch.Tensor | None = None,
+    forward_step: torch.Tensor | None = None,
+    verify_request_rows: torch.Tensor | None = None,
+    slot_attribution: torch.Tensor | None = None,
 ) -> None:
+    """Reference of ``ops.canary_verify_step`` (contract: csrc/canary_verify.cuh), metadata arguments included."""
     records = _Records(canary_buf)
-    sink = _Sink(violation_ring, violation_write_index, kernel_kind)
+    unknown = layout.META_UNKNOWN
+    sink = _Sink(violation_ring, violation_write_index, kernel_kind, violation_meta,
+                 int(forward_step[0]) if forward_step is not None else unknown)
+    request_rows = verify_request_rows.tolist() if verify_request_rows is not None else None
+    attribution = slot_attribution.tolist() if slot_attribution is not None else None
     slots, prevs = verify_slot_indices.tolist(), verify_prev_slot_indices.tolist()
     exp_tok, exp_pos = verify_expected_tokens.tolist(), verify_expected_positions.tolist()
     enabled = int(verify_enable[0]) != 0
@@ -245,8 +263,10 @@ def canary_verify_step(
         if slot == layout.PADDING_SLOT:
             continue
         reported_token = exp_tok[e] if check_tokens else layout.NO_EXPECTED_TOKEN
+        request_row = request_rows[e] if request_rows is not None else unknown
         if slot < 0 or slot >= records.num_slots:
-            sink.record(slot, exp_pos[e], -1, reported_token, 0, slot, layout.REASON_SLOT_OUT_OF_RANGE)
+            sink.record(slot, exp_pos[e], -1, reported_token, 0, slot, layout.REASON_SLOT_OUT_OF_RANGE,
+                        meta=(request_row, unknown, unknown))
             continue
         token, position, prev_hash, kv_hash = records.load(slot)
         prev = prevs[e]
@@ -271,7 +291,9 @@ def canary_verify_step(
         if kv_hash != to_i64(real_kv_fingerprint(real_kv_sources, real_kv_hash_mode, slot)):
             bits |= layout.REASON_VERIFY_REAL_KV_HASH
         if bits:
-            sink.record(slot, position, token, reported_token, prev_hash, expected_aux, bits)
+            written = tuple(attribution[slot]) if attribution is not None else (unknown, unknown)
+            sink.record(slot, position, token, reported_token, prev_hash, expected_aux, bits,
+                        meta=(request_row, *written))
     sink.commit()
     kernel_run_counter[0] = to_i64(int(kernel_run_counter[0]) + 1)
     slot_run_counter[0] = to_i64(int(slot_run_counter[0]) + active)
@@ -365,3 +387,89 @@ def canary_plan_step(
         verify_plan.verify_expected_positions[e] = position
         if verify_plan.verify_request_rows is not None:
             verify_plan.verify_request_rows[e] = entry_rows[e]
+
+
+def canary_check_step(
+    *,
+    state: torch.Tensor,
+    canary_buf: torch.Tensor,
+    write_plan: WritePlan,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    req_to_token: torch.Tensor,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    input_ids_out: torch.Tensor,
+    positions_out: torch.Tensor,
+    out_cache_loc_out: torch.Tensor,
+    violation_meta: torch.Tensor | None = None,
+    slot_attribution: torch.Tensor | None = None,
+    swa_window_size: int = 0,
+    full_to_swa_index_mapping: torch.Tensor | None = None,
+    expected_tokens: torch.Tensor | None = None,
+    expected_valid_lens_by_row: torch.Tensor | None = None,
+    kv_token_id_vs_position_offset: int = 0,
+    real_kv_sources: Sequence[RealKvSource] = (),
+    real_kv_hash_mode: int = layout.REAL_KV_HASH_MODE_NONE,
+    check_tokens: bool = False,
+    new_forward: bool = True,
+    forward_step_value: int = -1,
+) -> None:
+    """Reference of ``ops.canary_check_step`` (contract: csrc/canary_check.cuh): the plan and verify references
+    composed over a verify plan that cannot overflow, then the manager's per-forward small ops."""
+    i64 = torch.int64
+    n = int(input_ids.shape[0])
+    for src, dst in ((input_ids, input_ids_out), (positions, positions_out), (out_cache_loc, out_cache_loc_out)):
+        dst[:n] = src.to(i64)
+    rps = req_pool_indices.to(i64)
+    valid = None
+    if expected_valid_lens_by_row is not None:
+        valid = expected_valid_lens_by_row[rps.clamp(0, int(expected_valid_lens_by_row.shape[0]) - 1)]
+    bs = int(rps.shape[0])
+    scratch = WritePlan.allocate(write_plan.capacity, "cpu")
+    verify_plan = VerifyPlan.allocate(bs * (int(req_to_token.shape[1]) + 2), "cpu")  # every entry a row can plan
+    canary_plan_step(
+        write_plan=scratch, verify_plan=verify_plan, req_pool_indices=rps, prefix_lens=prefix_lens.to(i64),
+        extend_lens=extend_lens.to(i64), req_to_token=req_to_token, swa_window_size=swa_window_size,
+        full_to_swa_index_mapping=full_to_swa_index_mapping, expected_tokens=expected_tokens,
+        expected_tokens_valid_lens=valid, kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+    )
+    write_plan.write_offsets.copy_(scratch.write_offsets)
+    write_plan.write_seed_slot_indices.copy_(scratch.write_seed_slot_indices)
+    write_plan.write_num_valid_reqs.copy_(scratch.write_num_valid_reqs)
+    if write_plan.write_request_rows is not None and scratch.write_request_rows is not None:
+        write_plan.write_request_rows.copy_(scratch.write_request_rows)
+    counter = int(state[layout.STATE_FORWARD])
+    step = counter if not new_forward else (forward_step_value if forward_step_value >= 0 else counter + 1)
+    tag = layout.LAUNCH_TAG_VERIFY
+    write_index = state[layout.STATE_WRITE_INDEX : layout.STATE_WRITE_INDEX + 1].view(torch.int32)[0:1]
+    canary_verify_step(
+        canary_buf=canary_buf,
+        verify_slot_indices=verify_plan.verify_slot_indices,
+        verify_expected_tokens=verify_plan.verify_expected_tokens,
+        verify_expected_positions=verify_plan.verify_expected_positions,
+        verify_prev_slot_indices=verify_plan.verify_prev_slot_indices,
+        verify_num_valid=verify_plan.verify_num_valid,
+        verify_enable=verify_plan.verify_enable,
+        kernel_kind=tag,
+        violation_ring=state[layout.STATE_HEADER_FIELDS :].view(-1, layout.VIOLATION_FIELDS),
+        violation_write_index=write_index,
+        slot_run_counter=state[layout.STATE_SLOT_RUNS + tag : layout.STATE_SLOT_RUNS + tag + 1],
+        kernel_run_counter=state[layout.STATE_KERNEL_RUNS + tag : layout.STATE_KERNEL_RUNS + tag + 1],
+        real_kv_sources=real_kv_sources,
+        real_kv_hash_mode=real_kv_hash_mode,
+        check_tokens=check_tokens,
+        violation_meta=violation_meta,
+        forward_step=torch.tensor([step], dtype=i64),
+        verify_request_rows=verify_plan.verify_request_rows,
+        slot_attribution=slot_attribution,
+    )
+    if new_forward:
+        state[layout.STATE_FORWARD] = step
+    drained_to = int(state[layout.STATE_DRAINED_TO])
+    if drained_to > 0 and int(write_index[0]) == drained_to:  # the host read every row, none appended since
+        write_index[0] = 0
+        state[layout.STATE_RING_EPOCH] += 1
+        state[layout.STATE_DRAINED_TO] = -1

@@ -20,3 +20,17 @@ def test_reason_names_decode_every_bit() -> None:
     assert layout.reason_names(layout.REASON_SLOT_OUT_OF_RANGE) == ["slot_out_of_range"]
     assert layout.reason_names(1 << 9) == ["bit9"]
     assert layout.reason_names(0) == []
+
+
+def test_launch_tags_and_state_header_agree_with_the_python_names() -> None:
+    """The kernels stamp and count by these values; kvcanary.tags names them for the host."""
+    from kvcanary.tags import NUM_LAUNCH_TAGS, LaunchTag
+
+    assert (LaunchTag.VERIFY, LaunchTag.WRITE, LaunchTag.SWEEP) == (
+        layout.LAUNCH_TAG_VERIFY, layout.LAUNCH_TAG_WRITE, layout.LAUNCH_TAG_SWEEP)
+    assert NUM_LAUNCH_TAGS == layout.NUM_LAUNCH_TAGS
+    header = [layout.STATE_WRITE_INDEX, layout.STATE_OVERFLOWS,
+              *range(layout.STATE_KERNEL_RUNS, layout.STATE_KERNEL_RUNS + layout.NUM_LAUNCH_TAGS),
+              *range(layout.STATE_SLOT_RUNS, layout.STATE_SLOT_RUNS + layout.NUM_LAUNCH_TAGS),
+              layout.STATE_RING_EPOCH, layout.STATE_FORWARD, layout.STATE_DRAINED_TO, layout.STATE_DONE_BLOCKS]
+    assert len(set(header)) == len(header) and max(header) < layout.STATE_HEADER_FIELDS  # disjoint, in the header

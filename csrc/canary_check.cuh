@@ -1,0 +1,513 @@
+/*!
+ * \file canary_check.cuh
+ * \brief canary_check_step: everything the canary does before a forward, in one launch (issue 15).
+ *
+ * Computes, in one launch, what these did as ~12 launches before: canary_plan_step_attributed with an
+ * unbounded verify plan, then canary_verify_step_attributed (tag VERIFY), plus the manager's small ops:
+ *   - plan + verify: for each batch row r < bs and each of its verify entries (the same entries, in the
+ *     same order, as canary_plan.cuh plans: SWA window, LUT, index-error entries, kv_token_id offset), the
+ *     entry is checked against its record exactly as canary_verify.cuh checks a plan entry (chain, token,
+ *     position, real-KV, out-of-range slots; a violation row with tag VERIFY and, with violation_meta, a
+ *     metadata row: the step below, the row's rp, the slot's attribution). No verify plan is stored, so
+ *     there is no capacity and nothing is ever skipped: kernel_runs[VERIFY] += 1 and slot_runs[VERIFY] +=
+ *     the number of entries (what verify counts for an unbounded plan); the overflow counter is not touched.
+ *   - the write plan (write_offsets, write_seed_slot_indices, write_num_valid_reqs, write_request_rows), the
+ *     same values canary_plan_step stores (verify_row_offsets is not written: nobody reads it).
+ *   - snapshot: input_ids / positions / out_cache_loc [n] (each int32 or int64) -> the int64 *_out buffers
+ *     ([>= n]; the write launch after the forward reads them).
+ *   - batch arrays req_pool_indices / prefix_lens / extend_lens may each be int32 or int64.
+ *   - token check: the valid length of batch row r is expected_valid_lens_by_row[clamp(rp, 0, rows - 1)]
+ *     (rows: that table's length, i.e. req_to_token rows), read here instead of gathered by the host.
+ *   - forward counter (state[kStateForward]): with new_forward it becomes forward_step_value when that is
+ *     >= 0, else the counter + 1 (a CUDA-graph replay counts one forward); every metadata row this launch
+ *     records carries the NEW value. Without new_forward the counter is read, not written.
+ *   - drained-ring reuse, after every append of this launch: if drained_to > 0 and the ring's write index
+ *     equals it (the host has read every row and nothing was appended since, this launch included), the
+ *     index becomes 0, the epoch += 1 and drained_to = -1. The manager's _reuse_drained_ring did the same
+ *     before the launches; here it runs after them, so this launch's own rows are never emptied unread.
+ *     drained_to <= 0 means "nothing acknowledged" (so a zeroed header is a valid initial state; the host
+ *     never acknowledges index 0).
+ * State: the manager's flat int64 buffer, ONE argument: the header of kvcanary/layout.h (kState*: write
+ *   index in the low int32 of element 0, overflows, kernel_runs[3], slot_runs[3], ring epoch, forward
+ *   counter, drained_to, done-block scratch), then the ring [ring_capacity, kViolationFields]; ring_capacity
+ *   = (state length - kStateHeaderFields) / kViolationFields.
+ * Grid:  CUDA: min(one wave of resident blocks (SMs x occupancy of this kernel), ceil(write_capacity x
+ *        (max_context + 2) / kCheckThreads)) blocks, at least 1: sized from the SM count and the capacities
+ *        (write plan, req_to_token width), never from data, so the launch is graph-capturable. Every block
+ *        scans the batch rows in chunks of kCheckThreads (block-wide prefix sums in shared memory: bs is
+ *        small, any bs up to the write capacity works), then the whole grid strides over that chunk's
+ *        entries (entry e -> thread e mod grid size, as the plan's entries kernel did); each entry finds its
+ *        row by binary search over the chunk's row starts in shared memory. Block 0 stores the write plan
+ *        and bumps the counters; the snapshot is grid-strided. The last block to finish (an atomic count in
+ *        state[kStateDoneBlocks], reset to 0 by that block) stores the forward counter and reuses the ring:
+ *        every block computed the step from the counter it read at its start, before any block could
+ *        store it. CPU: one loop, the same per-row and per-entry semantics, in entry order.
+ * Block: kCheckThreads threads; one entry per thread per grid step.
+ * Reads:  batch arrays, req_to_token, the LUT, the expected-token table and valid lengths, records, real-KV
+ *         bytes, the snapshot sources, the state header (forward counter, write index, drained_to).
+ * Writes: write plan, snapshots, violation rows (+ metadata rows), the state header (counters, forward
+ *         counter, write index / epoch / drained_to on reuse, the done-block scratch). Never the records.
+ */
+#pragma once
+
+#include <cstdint>
+
+#include "canary_plan.cuh"
+#include "canary_verify.cuh"
+#include "kvcanary/atomics.h"
+#include "kvcanary/launch.h"
+#include "kvcanary/layout.h"
+#include "kvcanary/macros.h"
+#include "kvcanary/real_kv.h"
+#include "kvcanary/tensor_check.h"
+#include "kvcanary/violation.h"
+#include "meta_args.cuh"
+#include "real_kv_args.cuh"
+
+namespace kvcanary {
+
+constexpr uint32_t kCheckThreads = 256;
+
+struct CheckParams {
+  PlanParams plan;    // batch rows, tables and the write plan (the verify-plan pointers stay nullptr)
+  RecordCheck check;  // records, real-KV sources, check_tokens, slot attribution
+  int64_t* state;     // [kStateHeaderFields + ring_capacity * kViolationFields]
+  int32_t ring_capacity;
+  int64_t* violation_meta;  // [ring_capacity, kViolationMetaFields], nullptr: no metadata
+  IntArray input_ids;
+  IntArray positions;
+  IntArray out_cache_loc;
+  int64_t* input_ids_out;
+  int64_t* positions_out;
+  int64_t* out_cache_loc_out;
+  int64_t num_tokens;
+  bool new_forward;
+  int64_t forward_step_value;
+};
+
+KVCANARY_HD int32_t* check_write_index(const CheckParams& p) {
+  return reinterpret_cast<int32_t*>(p.state + kStateWriteIndex);  // the low half (little-endian)
+}
+
+/*! \brief The forward number this launch's rows carry, from the counter value read at the launch's start. */
+KVCANARY_HD int64_t check_step_value(const CheckParams& p, int64_t counter) {
+  if (!p.new_forward) {
+    return counter;
+  }
+  return p.forward_step_value >= 0 ? p.forward_step_value : counter + 1;
+}
+
+/*! \brief The VERIFY sink of this launch; `step` holds the step value (per block on the device). */
+KVCANARY_HD ViolationSink check_sink(const CheckParams& p, const int64_t* step) {
+  return ViolationSink{p.state + kStateHeaderFields, check_write_index(p), p.ring_capacity, kLaunchTagVerify,
+                       p.violation_meta, step};
+}
+
+KVCANARY_HD void check_snapshot(const CheckParams& p, int64_t i) {
+  p.input_ids_out[i] = p.input_ids[i];
+  p.positions_out[i] = p.positions[i];
+  p.out_cache_loc_out[i] = p.out_cache_loc[i];
+}
+
+/*! \brief kernel_runs[VERIFY] += 1, slot_runs[VERIFY] += entries (once per launch, by one thread). */
+KVCANARY_HD void check_bump_counters(const CheckParams& p, int64_t entries) {
+  atomic_add_i64(p.state + kStateKernelRuns + kLaunchTagVerify, 1);
+  if (entries > 0) atomic_add_i64(p.state + kStateSlotRuns + kLaunchTagVerify, entries);
+}
+
+/*! \brief A load that bypasses the (non-coherent) L1 on the device: values other blocks updated. */
+template <typename T>
+KVCANARY_HD T check_load_fresh(const T* addr) {
+#if KVCANARY_DEVICE_CODE
+  return *reinterpret_cast<const volatile T*>(addr);
+#else
+  return *addr;
+#endif
+}
+
+/*!
+ * \brief End of the launch, after every append: store the forward counter, reuse a drained ring.
+ * Run by one thread while no other thread of the launch can append (the CPU loop's end; the last block).
+ */
+KVCANARY_HD void check_finish(const CheckParams& p, int64_t step) {
+  if (p.new_forward) {
+    p.state[kStateForward] = step;
+  }
+  int32_t* index = check_write_index(p);
+  const int64_t drained_to = check_load_fresh(p.state + kStateDrainedTo);
+  if (drained_to > 0 && static_cast<int64_t>(check_load_fresh(index)) == drained_to) {
+    *index = 0;
+    p.state[kStateRingEpoch] = check_load_fresh(p.state + kStateRingEpoch) + 1;
+    p.state[kStateDrainedTo] = -1;
+  }
+}
+
+/*! \brief Verify the k-th entry of batch row r. */
+KVCANARY_HD void check_entry(const CheckParams& p, const ViolationSink& sink, int64_t r, const RowPlan& row,
+                             int64_t k) {
+  const PlanEntry e = plan_entry(p.plan, r, row, k);
+  verify_record(p.check, sink, VerifyEntry{e.slot, e.prev, e.token, e.position}, KnownRequestRow{row.rp});
+}
+
+#if KVCANARY_DEVICE_BUILD
+
+__global__ void __launch_bounds__(kCheckThreads) canary_check_kernel(const __grid_constant__ CheckParams p) {
+  // The current chunk's rows: where each row's entries start, and what plan_entry needs of its RowPlan.
+  __shared__ int64_t s_start[kCheckThreads];
+  __shared__ int64_t s_rp[kCheckThreads];
+  __shared__ int64_t s_window_start[kCheckThreads];
+  __shared__ int64_t s_window_end[kCheckThreads];
+  __shared__ uint8_t s_flags[kCheckThreads];  // bit 0: rp_ok, bit 1: bad_prefix
+  __shared__ int64_t s_step;
+  __shared__ bool s_last;
+  const PlanParams& q = p.plan;
+  if (threadIdx.x == 0) {
+    // Nobody stores the counter before every block has counted itself done (below), so all blocks read the
+    // value from before the launch.
+    s_step = check_step_value(p, p.state[kStateForward]);
+  }
+  __syncthreads();
+  const ViolationSink sink = check_sink(p, &s_step);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t i = g; i < p.num_tokens; i += stride) {
+    check_snapshot(p, i);
+  }
+
+  const bool stores_write_plan = blockIdx.x == 0;
+  const int64_t rows = stores_write_plan ? q.write_capacity : q.batch_rows;
+  int64_t carry_write = 0;
+  int64_t carry_verify = 0;
+  for (int64_t base = 0; base < rows; base += kCheckThreads) {
+    const int64_t r = base + threadIdx.x;
+    RowPlan row{};
+    row.seed = kChainHeadSlot;
+    if (r < q.batch_rows) {
+      row = plan_row(q, r);
+    }
+    int64_t write_end = row.write_count;
+    int64_t verify_end = row.verify_count;
+    int64_t total_write = 0;
+    int64_t total_verify = 0;
+    block_inclusive_scan2<kCheckThreads>(write_end, verify_end, total_write, total_verify);
+    if (stores_write_plan && r < q.write_capacity) {
+      plan_store_write_row(q, r, row.rp, row.seed, carry_write + write_end);
+    }
+    s_start[threadIdx.x] = carry_verify + verify_end - row.verify_count;
+    s_rp[threadIdx.x] = row.rp;
+    s_window_start[threadIdx.x] = row.window_start;
+    s_window_end[threadIdx.x] = row.window_end;
+    s_flags[threadIdx.x] = static_cast<uint8_t>((row.rp_ok ? 1 : 0) | (row.bad_prefix ? 2 : 0));
+    __syncthreads();
+
+    const int64_t chunk_begin = carry_verify;
+    const int64_t chunk_end = carry_verify + total_verify;
+    const int64_t chunk_rows = q.batch_rows - base < kCheckThreads ? q.batch_rows - base : kCheckThreads;
+    // Entry e goes to thread e mod stride: the first such e at or after chunk_begin.
+    int64_t e = g >= chunk_begin ? g : g + ((chunk_begin - g + stride - 1) / stride) * stride;
+    for (; e < chunk_end; e += stride) {
+      // Row: the last one whose start is <= e (an empty row shares its start with the next one).
+      int64_t lo = 0;
+      int64_t hi = chunk_rows;
+      while (hi - lo > 1) {
+        const int64_t mid = (lo + hi) / 2;
+        if (s_start[mid] <= e) {
+          lo = mid;
+        } else {
+          hi = mid;
+        }
+      }
+      RowPlan entry_row{};
+      entry_row.rp = s_rp[lo];
+      entry_row.window_start = s_window_start[lo];
+      entry_row.window_end = s_window_end[lo];
+      entry_row.rp_ok = (s_flags[lo] & 1) != 0;
+      entry_row.bad_prefix = (s_flags[lo] & 2) != 0;
+      check_entry(p, sink, base + lo, entry_row, e - s_start[lo]);
+    }
+    carry_write += total_write;
+    carry_verify += total_verify;
+    __syncthreads();  // the shared row arrays are rewritten by the next chunk
+  }
+  if (stores_write_plan && threadIdx.x == 0) {
+    q.write_offsets[0] = 0;
+    *q.write_num_valid = static_cast<int32_t>(q.batch_rows);
+    check_bump_counters(p, carry_verify);
+  }
+
+  // Count this block done once all its appends are visible device-wide; the last block finishes the launch.
+  __threadfence();
+  __syncthreads();
+  int32_t* done = reinterpret_cast<int32_t*>(p.state + kStateDoneBlocks);
+  if (threadIdx.x == 0) {
+    s_last = atomicAdd(done, 1) == static_cast<int32_t>(gridDim.x) - 1;
+  }
+  __syncthreads();
+  if (s_last && threadIdx.x == 0) {
+    __threadfence();  // every other block's appends (write index) before this block's reads
+    check_finish(p, s_step);
+    *done = 0;  // ready for the next launch (and for a graph replay)
+  }
+}
+
+/*! \brief Blocks of canary_check_kernel one wave can hold on `device_id` (queried once per device). */
+inline int64_t check_resident_blocks(int32_t device_id) {
+  constexpr int32_t kMaxDevices = 64;
+  static int32_t cached[kMaxDevices] = {};
+  if (device_id >= 0 && device_id < kMaxDevices && cached[device_id] > 0) {
+    return cached[device_id];
+  }
+  int32_t per_sm = 0;
+  TVM_FFI_CHECK_CUDA_ERROR(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, canary_check_kernel, kCheckThreads, 0));
+  const int32_t blocks = (per_sm > 0 ? per_sm : 1) * host::sm_count(device_id);
+  if (device_id >= 0 && device_id < kMaxDevices) {
+    cached[device_id] = blocks;
+  }
+  return blocks;
+}
+
+#else
+
+inline void canary_check_cpu(const CheckParams& p) {
+  const PlanParams& q = p.plan;
+  const int64_t step = check_step_value(p, p.state[kStateForward]);
+  const ViolationSink sink = check_sink(p, &step);
+  for (int64_t i = 0; i < p.num_tokens; ++i) {
+    check_snapshot(p, i);
+  }
+  int64_t write_end = 0;
+  int64_t entries = 0;
+  q.write_offsets[0] = 0;
+  for (int64_t r = 0; r < q.write_capacity; ++r) {
+    RowPlan row{};
+    row.seed = kChainHeadSlot;
+    if (r < q.batch_rows) {
+      row = plan_row(q, r);
+    }
+    write_end += row.write_count;
+    plan_store_write_row(q, r, row.rp, row.seed, write_end);
+    for (int64_t k = 0; k < row.verify_count; ++k) {
+      check_entry(p, sink, r, row, k);
+    }
+    entries += row.verify_count;
+  }
+  *q.write_num_valid = static_cast<int32_t>(q.batch_rows);
+  check_bump_counters(p, entries);
+  check_finish(p, step);
+}
+
+#endif  // KVCANARY_DEVICE_BUILD
+
+namespace host {
+
+/*! \brief dtype check of a tensor that may be int32 or int64; returns whether it is int32. */
+inline bool int32_or_int64(const char* fn, const TensorView& t, const char* arg) {
+  const DLDataType dtype = t.dtype();
+  const bool i32 = same_dtype(dtype, dtype_of<int32_t>());
+  KVCANARY_CHECK_ARG(i32 || same_dtype(dtype, dtype_of<int64_t>()), TypeError, fn, arg)
+      << "expected dtype int32 or int64, got " << dtype;
+  return i32;
+}
+
+/*! \brief Validate a batch or snapshot array of `size` int32/int64 elements and wrap it. */
+inline IntArray int_array(const char* fn, SymbolicSize& size, SymbolicDevice& device, const TensorView& t,
+                          const char* arg) {
+  const bool i32 = int32_or_int64(fn, t, arg);
+  TensorMatcher(fn, {size}).device(device).verify(t, arg);
+  return IntArray{data_of<const void>(t), i32};
+}
+
+/*! \brief Validate an int64 snapshot destination of at least num_tokens elements. */
+inline int64_t* snapshot_out(const char* fn, const SymbolicSize& num_tokens, SymbolicDevice& device,
+                             const TensorView& t, const char* arg) {
+  SymbolicSize len("len");
+  TensorMatcher(fn, {len}).dtype<int64_t>().device(device).verify(t, arg);
+  KVCANARY_CHECK_ARG(len.value() >= num_tokens.value(), ValueError, fn, arg)
+      << "holds " << len.value() << " elements, fewer than num_tokens=" << num_tokens.value() << " (bound by "
+      << num_tokens.bound_by() << ")";
+  return data_of<int64_t>(t);
+}
+
+/*! \brief See the file comment. */
+inline void canary_check_step(
+    TensorView state, tvm::ffi::Optional<TensorView> violation_meta, tvm::ffi::Optional<TensorView> slot_attribution,
+    TensorView canary_buf, TensorView write_offsets, TensorView write_seed_slot_indices,
+    TensorView write_num_valid_reqs, tvm::ffi::Optional<TensorView> write_request_rows, TensorView req_pool_indices,
+    TensorView prefix_lens, TensorView extend_lens, TensorView req_to_token, int64_t swa_window_size,
+    tvm::ffi::Optional<TensorView> full_to_swa_index_mapping, tvm::ffi::Optional<TensorView> expected_tokens,
+    tvm::ffi::Optional<TensorView> expected_valid_lens_by_row, int64_t kv_token_id_vs_position_offset,
+    TensorView input_ids, TensorView positions, TensorView out_cache_loc, TensorView input_ids_out,
+    TensorView positions_out, TensorView out_cache_loc_out, TensorView real_kv_buf_0, TensorView real_kv_buf_1,
+    TensorView real_kv_buf_2, TensorView real_kv_buf_3, TensorView real_kv_source_params, int64_t num_sources,
+    int64_t real_kv_hash_mode, int64_t check_tokens, int64_t new_forward, int64_t forward_step_value) {
+  constexpr const char* kFn = "canary_check_step";
+  // 1. validate
+  SymbolicDevice device(KVCANARY_DEVICE_BUILD ? kDLCUDA : kDLCPU);
+  SymbolicSize state_len("state_len");
+  TensorMatcher(kFn, {state_len}).dtype<int64_t>().device(device).verify(state, "state");
+  const int64_t ring_numel = state_len.value() - kStateHeaderFields;
+  KVCANARY_CHECK_ARG(ring_numel >= 0 && ring_numel % kViolationFields == 0, ValueError, kFn, "state")
+      << "expected " << kStateHeaderFields << " header elements then ring_capacity x " << kViolationFields
+      << " ring elements, got length " << state_len.value();
+  KVCANARY_CHECK_ARG(ring_numel / kViolationFields <= INT32_MAX, ValueError, kFn, "state")
+      << "ring_capacity must be <= 2^31-1, got " << ring_numel / kViolationFields;
+  SymbolicSize ring_capacity("ring_capacity");
+  ring_capacity.bind(ring_numel / kViolationFields, "state");
+
+  SymbolicSize num_slots("num_slots");
+  SymbolicSize slot_stride("slot_stride_bytes");
+  TensorMatcher(kFn, {num_slots, slot_stride}).dtype<uint8_t>().device(device).verify(canary_buf, "canary_buf");
+  KVCANARY_CHECK_ARG(slot_stride.value() >= kMinSlotStrideBytes, ValueError, kFn, "canary_buf")
+      << "slot_stride_bytes (shape[1]) must be >= " << kMinSlotStrideBytes << ", got " << slot_stride.value();
+  ViolationSink meta_sink{};
+  const int64_t* attribution = pack_violation_meta(kFn, device, ring_capacity, num_slots, violation_meta,
+                                                   std::nullopt, slot_attribution, meta_sink);
+
+  SymbolicSize offsets_len("write_offsets_len");
+  SymbolicSize write_capacity("write_capacity");
+  TensorMatcher(kFn, {offsets_len}).dtype<int64_t>().device(device).verify(write_offsets, "write_offsets");
+  TensorMatcher(kFn, {write_capacity})
+      .dtype<int64_t>()
+      .device(device)
+      .verify(write_seed_slot_indices, "write_seed_slot_indices");
+  TensorMatcher(kFn, {1}).dtype<int32_t>().device(device).verify(write_num_valid_reqs, "write_num_valid_reqs");
+  if (write_request_rows.has_value()) {
+    TensorMatcher(kFn, {write_capacity})
+        .dtype<int64_t>()
+        .device(device)
+        .verify(write_request_rows.value(), "write_request_rows");
+  }
+  KVCANARY_CHECK_ARG(offsets_len.value() == write_capacity.value() + 1, ValueError, kFn, "write_offsets")
+      << "expected length write_capacity + 1 = " << write_capacity.value() + 1
+      << " (write_capacity bound by write_seed_slot_indices), got " << offsets_len.value();
+  KVCANARY_CHECK_ARG(write_capacity.value() < INT32_MAX, ValueError, kFn, "write_seed_slot_indices")
+      << "write_capacity must be < 2^31, got " << write_capacity.value();
+
+  SymbolicSize batch_rows("batch_rows");
+  const IntArray rps = int_array(kFn, batch_rows, device, req_pool_indices, "req_pool_indices");
+  const IntArray prefixes = int_array(kFn, batch_rows, device, prefix_lens, "prefix_lens");
+  const IntArray extends = int_array(kFn, batch_rows, device, extend_lens, "extend_lens");
+  KVCANARY_CHECK_ARG(batch_rows.value() <= write_capacity.value(), ValueError, kFn, "req_pool_indices")
+      << "batch has " << batch_rows.value() << " rows, more than the write plan's capacity "
+      << write_capacity.value();
+  SymbolicSize req_rows("req_rows");
+  SymbolicSize max_context("max_context_len");
+  TensorMatcher(kFn, {req_rows, max_context})
+      .dtype<int32_t>()
+      .device(device)
+      .inner_contiguous()
+      .verify(req_to_token, "req_to_token");
+  KVCANARY_CHECK_ARG(swa_window_size >= 0, ValueError, kFn, "swa_window_size")
+      << "must be >= 0 (0: no sliding window), got " << swa_window_size;
+  SymbolicSize lut_len("lut_len");
+  if (full_to_swa_index_mapping.has_value()) {
+    TensorMatcher(kFn, {lut_len})
+        .dtype<int64_t>()
+        .device(device)
+        .verify(full_to_swa_index_mapping.value(), "full_to_swa_index_mapping");
+  }
+  KVCANARY_CHECK_ARG(expected_tokens.has_value() == expected_valid_lens_by_row.has_value(), ValueError, kFn,
+                     expected_tokens.has_value() ? "expected_valid_lens_by_row" : "expected_tokens")
+      << "expected_tokens and expected_valid_lens_by_row must be given together";
+  SymbolicSize exp_rows("expected_rows");
+  SymbolicSize exp_cols("expected_cols");
+  SymbolicSize valid_rows("valid_lens_rows");
+  bool expected_i32 = false;
+  if (expected_tokens.has_value()) {
+    expected_i32 = int32_or_int64(kFn, expected_tokens.value(), "expected_tokens");
+    TensorMatcher(kFn, {exp_rows, exp_cols})
+        .device(device)
+        .inner_contiguous()
+        .verify(expected_tokens.value(), "expected_tokens");
+    TensorMatcher(kFn, {valid_rows})
+        .dtype<int64_t>()
+        .device(device)
+        .verify(expected_valid_lens_by_row.value(), "expected_valid_lens_by_row");
+    KVCANARY_CHECK_ARG(valid_rows.value() >= 1, ValueError, kFn, "expected_valid_lens_by_row")
+        << "needs at least one row (one per req_to_token row), got 0";
+  }
+
+  SymbolicSize num_tokens("num_tokens");
+  const IntArray ids = int_array(kFn, num_tokens, device, input_ids, "input_ids");
+  const IntArray pos = int_array(kFn, num_tokens, device, positions, "positions");
+  const IntArray locs = int_array(kFn, num_tokens, device, out_cache_loc, "out_cache_loc");
+  int64_t* ids_out = snapshot_out(kFn, num_tokens, device, input_ids_out, "input_ids_out");
+  int64_t* pos_out = snapshot_out(kFn, num_tokens, device, positions_out, "positions_out");
+  int64_t* locs_out = snapshot_out(kFn, num_tokens, device, out_cache_loc_out, "out_cache_loc_out");
+
+  const RealKvSources sources =
+      pack_real_kv_sources(kFn, device, num_slots.value(), real_kv_buf_0, real_kv_buf_1, real_kv_buf_2,
+                           real_kv_buf_3, real_kv_source_params, num_sources, real_kv_hash_mode);
+  KVCANARY_CHECK_ARG(check_tokens == 0 || check_tokens == 1, ValueError, kFn, "check_tokens")
+      << "must be 0 or 1, got " << check_tokens;
+  KVCANARY_CHECK_ARG(new_forward == 0 || new_forward == 1, ValueError, kFn, "new_forward")
+      << "must be 0 or 1, got " << new_forward;
+
+  // 2. extract parameters
+  CheckParams p{};
+  PlanParams& q = p.plan;
+  q.req_pool_indices = rps;
+  q.prefix_lens = prefixes;
+  q.extend_lens = extends;
+  q.batch_rows = batch_rows.value();
+  q.req_to_token = data_of<const int32_t>(req_to_token);
+  q.req_rows = req_rows.value();
+  q.max_context = max_context.value();
+  q.req_to_token_row_stride = q.req_rows > 1 ? stride_of(req_to_token, 0) : q.max_context;
+  q.swa_window = swa_window_size;
+  q.lut = optional_data_of<const int64_t>(full_to_swa_index_mapping);
+  q.lut_len = full_to_swa_index_mapping.has_value() ? lut_len.value() : 0;
+  q.expected_tokens = optional_data_of<const void>(expected_tokens);
+  q.expected_tokens_i32 = expected_i32;
+  q.exp_rows = expected_tokens.has_value() ? exp_rows.value() : 0;
+  q.exp_cols = expected_tokens.has_value() ? exp_cols.value() : 0;
+  q.exp_row_stride = expected_tokens.has_value() && q.exp_rows > 1 ? stride_of(expected_tokens.value(), 0) : q.exp_cols;
+  q.expected_valid_lens = optional_data_of<const int64_t>(expected_valid_lens_by_row);
+  q.valid_lens_rows = expected_valid_lens_by_row.has_value() ? valid_rows.value() : 0;
+  q.token_offset = kv_token_id_vs_position_offset;
+  q.write_offsets = data_of<int64_t>(write_offsets);
+  q.write_seeds = data_of<int64_t>(write_seed_slot_indices);
+  q.write_num_valid = data_of<int32_t>(write_num_valid_reqs);
+  q.write_capacity = write_capacity.value();
+  q.write_request_rows = optional_data_of<int64_t>(write_request_rows);
+  p.check.canary_buf = data_of<const uint8_t>(canary_buf);
+  p.check.slot_stride_bytes = slot_stride.value();
+  p.check.num_slots = num_slots.value();
+  p.check.records_aligned16 = reinterpret_cast<uintptr_t>(p.check.canary_buf) % kRealKvAlignBytes == 0 &&
+                              p.check.slot_stride_bytes % kRealKvAlignBytes == 0;
+  p.check.check_tokens = check_tokens == 1;
+  p.check.sources = sources;
+  p.check.slot_attribution = attribution;
+  p.state = data_of<int64_t>(state);
+  p.ring_capacity = static_cast<int32_t>(ring_capacity.value());
+  p.violation_meta = meta_sink.meta;
+  p.input_ids = ids;
+  p.positions = pos;
+  p.out_cache_loc = locs;
+  p.input_ids_out = ids_out;
+  p.positions_out = pos_out;
+  p.out_cache_loc_out = locs_out;
+  p.num_tokens = num_tokens.value();
+  p.new_forward = new_forward == 1;
+  p.forward_step_value = forward_step_value;
+
+#if KVCANARY_DEVICE_BUILD
+  // 3. device guard + stream
+  const DLDevice dev = device.value();
+  tvm::ffi::CUDADeviceGuard guard(dev.device_id);
+  const cudaStream_t stream = current_stream(dev);
+  // 4. launch: one wave at most, fewer blocks when the capacities bound the entries (never sized from data).
+  const int64_t most_entries = q.write_capacity * (q.max_context + 2);
+  const int64_t wanted = ceil_div(most_entries > 0 ? most_entries : 1, kCheckThreads);
+  const int64_t resident = check_resident_blocks(dev.device_id);
+  const int64_t blocks = wanted < resident ? wanted : resident;
+  launch_kernel(canary_check_kernel, static_cast<uint32_t>(blocks > 0 ? blocks : 1), kCheckThreads, stream, p);
+#else
+  // 3-4. CPU: the same per-row and per-entry semantics in one loop.
+  canary_check_cpu(p);
+#endif
+}
+
+}  // namespace host
+}  // namespace kvcanary
