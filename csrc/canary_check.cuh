@@ -31,7 +31,7 @@
  *   index in the low int32 of element 0, overflows, kernel_runs[3], slot_runs[3], ring epoch, forward
  *   counter, drained_to, done-block scratch), then the ring [ring_capacity, kViolationFields]; ring_capacity
  *   = (state length - kStateHeaderFields) / kViolationFields.
- * Grid:  CUDA: min(one wave of resident blocks (SMs x occupancy of this kernel), ceil(write_capacity x
+ * Grid:  CUDA: min(one wave of resident blocks (SMs x min(occupancy, kCheckMaxBlocksPerSm)), ceil(write_capacity x
  *        (max_context + 2) / kCheckThreads)) blocks, at least 1: sized from the SM count and the capacities
  *        (write plan, req_to_token width), never from data, so the launch is graph-capturable. Every block
  *        scans the batch rows in chunks of kCheckThreads (block-wide prefix sums in shared memory: bs is
@@ -67,6 +67,11 @@
 namespace kvcanary {
 
 constexpr uint32_t kCheckThreads = 256;
+// Register budget: 5 resident blocks of 256 threads per SM (48 registers on sm_90a, no spills; 6 spills). The
+// grid is one wave of at most kCheckMaxBlocksPerSm blocks per SM: the knob between a cheap small decode (every
+// block scans the rows and counts itself done) and latency hiding on a large verify.
+constexpr uint32_t kCheckMinBlocksPerSm = 5;
+constexpr int32_t kCheckMaxBlocksPerSm = 5;
 
 struct CheckParams {
   PlanParams plan;    // batch rows, tables and the write plan (the verify-plan pointers stay nullptr)
@@ -151,7 +156,8 @@ KVCANARY_HD void check_entry(const CheckParams& p, const ViolationSink& sink, in
 
 #if KVCANARY_DEVICE_BUILD
 
-__global__ void __launch_bounds__(kCheckThreads) canary_check_kernel(const __grid_constant__ CheckParams p) {
+__global__ void __launch_bounds__(kCheckThreads, kCheckMinBlocksPerSm)
+    canary_check_kernel(const __grid_constant__ CheckParams p) {
   // The current chunk's rows: where each row's entries start, and what plan_entry needs of its RowPlan.
   __shared__ int64_t s_start[kCheckThreads];
   __shared__ int64_t s_rp[kCheckThreads];
@@ -260,6 +266,7 @@ inline int64_t check_resident_blocks(int32_t device_id) {
   int32_t per_sm = 0;
   TVM_FFI_CHECK_CUDA_ERROR(
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, canary_check_kernel, kCheckThreads, 0));
+  per_sm = per_sm < kCheckMaxBlocksPerSm ? per_sm : kCheckMaxBlocksPerSm;
   const int32_t blocks = (per_sm > 0 ? per_sm : 1) * host::sm_count(device_id);
   if (device_id >= 0 && device_id < kMaxDevices) {
     cached[device_id] = blocks;

@@ -261,8 +261,8 @@ inline void canary_verify_step_attributed(
       pack_real_kv_sources(kFn, device, num_slots.value(), real_kv_buf_0, real_kv_buf_1, real_kv_buf_2,
                            real_kv_buf_3, real_kv_source_params, num_sources, real_kv_hash_mode);
   VerifyParams p{};
-  p.check.slot_attribution =
-      pack_violation_meta(kFn, device, ring_capacity, num_slots, violation_meta, forward_step, slot_attribution, p.sink);
+  p.check.slot_attribution = pack_violation_meta(kFn, device, ring_capacity, num_slots, violation_meta, forward_step,
+                                                 slot_attribution, p.sink);
   if (verify_request_rows.has_value()) {
     TensorMatcher(kFn, {capacity})
         .dtype<int64_t>()
