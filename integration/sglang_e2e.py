@@ -96,6 +96,8 @@ HOST_RE = re.compile(
     r"kvcanary host time: step=\d+ forwards=(?P<forwards>\d+) eager=(?P<eager>\d+) "
     r"canary_us_per_forward=(?P<canary_us>[\d.]+) hooks_us=(?P<hooks_us>[\d.]+) "
     r"launch_us_per_eager_forward=(?P<launch_us>[\d.]+) forward_us=(?P<forward_us>[\d.]+)"
+    # the batch hook's share (ForwardBatch.init_new), last on the line; older lines lack it (no key then)
+    r"(?:[^\n]*? batch_init_us=(?P<batch_init_us>[\d.]+))?"
 )
 MEASURED_MARKER = "[e2e-worker] measured workload starts"
 ENGINE_MARKER = "[e2e-worker] overhead engine: KVCANARY_MODE="
@@ -239,13 +241,14 @@ def read_jsonl(paths: list[str]) -> list[dict]:
 
 def last_match_fields(pattern: re.Pattern, log_text: str) -> dict | None:
     """The named groups of ``pattern``'s last match in a log, as ints (floats where the value has a '.'), or None.
-    kvcanary's stats and host-time lines are cumulative, so the last one says it all."""
+    kvcanary's stats and host-time lines are cumulative, so the last one says it all. An optional group that did
+    not match (a field an older line lacks) is left out."""
     last = None
     for m in pattern.finditer(log_text):
         last = m
     if last is None:
         return None
-    return {k: (float(v) if "." in v else int(v)) for k, v in last.groupdict().items()}
+    return {k: (float(v) if "." in v else int(v)) for k, v in last.groupdict().items() if v is not None}
 
 
 def parse_stats(log_text: str) -> dict | None:
@@ -404,6 +407,14 @@ def _fmt(x, nd=1):
     return str(x)
 
 
+def _host_cell(host: dict | None) -> str:
+    """The summary table's canary host µs per forward, with the batch hook's share when the line has it."""
+    if not host:
+        return "-"
+    cell = _fmt(host.get("canary_us"))
+    return f"{cell} (batch-init {_fmt(host['batch_init_us'])})" if "batch_init_us" in host else cell
+
+
 def render(summary: dict) -> str:
     """The one summary table (markdown) plus the fault and overhead tables."""
     lines = ["## kvcanary in sglang 0.5.12: end-to-end summary", ""]
@@ -423,7 +434,7 @@ def render(summary: dict) -> str:
             f"{s['cached_tokens']} | {s['retractions']} | {_fmt(s['forwards'])} | {_fmt(s['entries_verified'])} | "
             f"{_fmt(s['entries_swept'])} | {s['violations']} | {s['lost']} | {s['health_errors']} | "
             f"{s['injections']} | "
-            f"{_fmt(s['tokens_per_s'])} | {_fmt((s.get('host') or {}).get('canary_us'))} | {s.get('verdict', '-')} |"
+            f"{_fmt(s['tokens_per_s'])} | {_host_cell(s.get('host'))} | {s.get('verdict', '-')} |"
         )
     faults = summary.get("faults")
     if faults:
@@ -461,7 +472,9 @@ def render(summary: dict) -> str:
             lines.append(
                 f"| where the canary's time goes (log) | {host['canary_us']:.1f} µs host per forward: "
                 f"{host['hooks_us']:.1f} in the forward hooks (drain, health, stats) + "
-                f"{host['launch_us']:.1f} per eager forward ({host['eager']} of {host['forwards']}) launching "
+                + (f"{host['batch_init_us']:.1f} in the batch hook (ForwardBatch.init_new: writer attribution, "
+                   "token uploads) + " if "batch_init_us" in host else "")
+                + f"{host['launch_us']:.1f} per eager forward ({host['eager']} of {host['forwards']}) launching "
                 f"plan/verify/write; a forward's own host time {host['forward_us']:.1f} µs"
                 + (f"; = {host['canary_us'] / (10 * ov['log']['ms_per_forward']):.1f} % of the measured forward period"
                    if (ov.get("log") or {}).get("ms_per_forward") else "") + " | | | | |")
@@ -1399,8 +1412,9 @@ def dry_run_reports(args, groups: list[list[Request]]) -> dict:
                 "errors": []}
         stats = "kvcanary stats: step=1200 forwards=1200 tokens_written=300000 entries_verified=2500000 " \
                 "entries_swept=90000 violations=0 lost=0\n" \
-                "kvcanary host time: step=1200 forwards=1200 eager=240 canary_us_per_forward=61.5 hooks_us=40.2 " \
-                "launch_us_per_eager_forward=106.5 forward_us=2210.0\n"
+                "kvcanary host time: step=1200 forwards=1200 eager=240 canary_us_per_forward=64.7 hooks_us=40.2 " \
+                "launch_us_per_eager_forward=106.5 forward_us=2210.0 piecewise=0 launch_us_per_piecewise_forward=0.0 " \
+                "canary_us_per_piecewise_forward=0.0 batch_init_us=3.2\n"
         if key in EAGLE_PHASES:
             results[key] = dry_run_eagle(phase, pdir, dict(base, seed=args.seed), args.seed)
             continue
@@ -1440,9 +1454,9 @@ def dry_run_piecewise_log() -> str:
     return ("Capture piecewise CUDA graph end. Time elapsed: 21.4 s. mem usage=0.12 GB. avail mem=120.00 GB.\n"
             "kvcanary stats: step=1200 forwards=1200 tokens_written=300000 entries_verified=2500000 "
             "entries_swept=90000 violations=0 lost=0\n"
-            "kvcanary host time: step=1200 forwards=1200 eager=0 canary_us_per_forward=61.5 hooks_us=40.2 "
+            "kvcanary host time: step=1200 forwards=1200 eager=0 canary_us_per_forward=64.7 hooks_us=40.2 "
             "launch_us_per_eager_forward=0.0 forward_us=2210.0 piecewise=240 launch_us_per_piecewise_forward=106.5 "
-            "canary_us_per_piecewise_forward=146.7\n")
+            "canary_us_per_piecewise_forward=146.7 batch_init_us=3.2\n")
 
 
 def dry_run_piecewise_overhead(args, pdir: str, base: dict, log_engine: str) -> dict:

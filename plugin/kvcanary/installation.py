@@ -54,7 +54,10 @@ class HostTime:
     """Host time the canary adds to forwards, against the host time of the forwards themselves (ns).
 
     A serving engine whose scheduler loop is CPU-bound (small models, CUDA-graph decode) pays every host
-    microsecond of the canary per forward; this is what ``kvcanary host time:`` lines report.
+    microsecond of the canary per forward; this is what ``kvcanary host time:`` lines report. Three places add
+    it: the forward hook around each real forward (``hook_ns``), the ``model.forward`` wrapper's launches
+    (``in_forward_ns``) and the engine's per-batch hook where the batch is built (``batch_init_ns``: writer
+    attribution, token-table uploads, the fault injector's request facts; sglang's ``ForwardBatch.init_new``).
     """
 
     forwards: int = 0
@@ -65,19 +68,23 @@ class HostTime:
     piecewise_forwards: int = 0  # real forwards a piecewise (prefill) graph runner served, the wrapper around it
     piecewise_launch_ns: int = 0  # the wrapper's launches in those forwards (part of in_forward_ns)
     piecewise_hook_ns: int = 0  # the hooks' time in those forwards (part of hook_ns)
+    batch_inits: int = 0  # calls of the adapter's batch hook (one per batch the engine builds)
+    batch_init_ns: int = 0  # their host time (outside ModelRunner.forward: not in forward_ns)
 
     def line(self, step: int) -> str:
         n = max(self.forwards, 1)
-        canary = (self.hook_ns + self.in_forward_ns) / n / 1e3
+        canary = (self.hook_ns + self.in_forward_ns + self.batch_init_ns) / n / 1e3
         eager_launch = self.in_forward_ns - self.piecewise_launch_ns
         pw = max(self.piecewise_forwards, 1)
+        # batch_init_us goes last: parsers of the older line (without it) still match its prefix
         return (
             f"kvcanary host time: step={step} forwards={self.forwards} eager={self.eager_forwards} "
             f"canary_us_per_forward={canary:.1f} hooks_us={self.hook_ns / n / 1e3:.1f} "
             f"launch_us_per_eager_forward={eager_launch / max(self.eager_forwards, 1) / 1e3:.1f} "
             f"forward_us={self.forward_ns / n / 1e3:.1f} piecewise={self.piecewise_forwards} "
             f"launch_us_per_piecewise_forward={self.piecewise_launch_ns / pw / 1e3:.1f} "
-            f"canary_us_per_piecewise_forward={(self.piecewise_launch_ns + self.piecewise_hook_ns) / pw / 1e3:.1f}"
+            f"canary_us_per_piecewise_forward={(self.piecewise_launch_ns + self.piecewise_hook_ns) / pw / 1e3:.1f} "
+            f"batch_init_us={self.batch_init_ns / n / 1e3:.1f}"
         )
 
 
@@ -145,13 +152,14 @@ class Installation:
 
         @functools.wraps(original)
         def forward(input_ids, positions, forward_batch, *args, **kwargs):
-            # torch.compile tracing this frame (a compiled caller): trace the model only, never a kvcanary op.
+            # torch.compile tracing this frame (a compiled caller): trace the model only, never a kvcanary op
+            # (nor a clock read: dynamo cannot trace time.perf_counter_ns).
             if torch.compiler.is_compiling():
                 return original(input_ids, positions, forward_batch, *args, **kwargs)
+            t0 = time.perf_counter_ns()  # before the gate: asking it is the canary's host time too
             call = install.wrapper_call() if install.wrapper_call is not None else WrapperCall.EAGER
             if call is WrapperCall.SKIP:
                 return original(input_ids, positions, forward_batch, *args, **kwargs)
-            t0 = time.perf_counter_ns()
             views = install.to_views(forward_batch, input_ids, positions)
             for group, view in zip(install.groups, views, strict=False):
                 group.manager.before_forward(view)
@@ -249,6 +257,12 @@ class Installation:
         every = self.config.stats_every
         if every and host.forwards % every == 0:
             logger.info("%s", host.line(self.steps))
+
+    def account_batch_init(self, ns: int) -> None:
+        """Host time of one call of the adapter's per-batch hook (where the engine builds a forward's batch)."""
+        host = self.host_time
+        host.batch_inits += 1
+        host.batch_init_ns += ns
 
     def set_sweep_source(self, source: SweepSource | None) -> None:
         self.manager.set_sweep_source(source)

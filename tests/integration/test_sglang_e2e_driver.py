@@ -149,6 +149,9 @@ def test_dry_run_cli(tmp_path) -> None:
     assert "RESULT: PASS" in proc.stdout and "| token_swap | 24 | 24 | 100 % |" in proc.stdout
     assert (tmp_path / "summary.md").read_text().strip().endswith("RESULT: PASS")
     assert json.loads((tmp_path / "summary.json").read_text())["summary"]["overhead"]["ratio"] == pytest.approx(0.975)
+    # the dry run's host-time line carries the batch hook's share: the phase table and the overhead line show it
+    assert "| 64.7 (batch-init 3.2) |" in proc.stdout
+    assert "40.2 in the forward hooks (drain, health, stats) + 3.2 in the batch hook" in proc.stdout
 
 
 def test_tp_size_and_fault_rank_reach_the_engine_and_the_fault_phase(e2e, tmp_path) -> None:
@@ -171,11 +174,29 @@ def test_host_time_line_of_the_adapter_parses(e2e, caplog) -> None:
     inst = Installation(config=Config(stats_every=2), groups=[], to_views=lambda *a: [], req_to_token=None)
     inst.host_time = HostTime(eager_forwards=1, in_forward_ns=90_000)
     with caplog.at_level("INFO", logger="kvcanary.installation"):
+        inst.account_batch_init(7_000)  # the batch hook (ForwardBatch.init_new), once per batch
+        inst.account_batch_init(5_000)
         inst.account_forward(forward_ns=2_000_000, hook_ns=40_000)
         inst.account_forward(forward_ns=3_000_000, hook_ns=60_000)
     host = e2e.parse_host_time("\n".join(r.getMessage() for r in caplog.records))
-    assert host == {"forwards": 2, "eager": 1, "canary_us": 95.0, "hooks_us": 50.0, "launch_us": 90.0,
-                    "forward_us": 2500.0}
+    # canary = (hooks 100 + launches 90 + batch-init 12) µs over 2 forwards
+    assert host == {"forwards": 2, "eager": 1, "canary_us": 101.0, "hooks_us": 50.0, "launch_us": 90.0,
+                    "forward_us": 2500.0, "batch_init_us": 6.0}
+
+
+def test_host_time_lines_without_batch_init_still_parse(e2e) -> None:
+    """Logs written before the batch hook was counted (no ``batch_init_us``) parse as before, with no such key; the
+    summary shows the batch hook's share only when the line has it."""
+    old = ("kvcanary host time: step=900 forwards=900 eager=3 canary_us_per_forward=70.0 hooks_us=30.0 "
+           "launch_us_per_eager_forward=200.0 forward_us=900.0\n")
+    new = old.replace("forward_us=900.0", "forward_us=900.0 piecewise=0 launch_us_per_piecewise_forward=0.0 "
+                      "canary_us_per_piecewise_forward=0.0 batch_init_us=4.5")
+    assert e2e.parse_host_time(old) == {"forwards": 900, "eager": 3, "canary_us": 70.0, "hooks_us": 30.0,
+                                        "launch_us": 200.0, "forward_us": 900.0}
+    assert e2e.parse_host_time(old + new)["batch_init_us"] == 4.5  # the last line wins
+    assert "batch_init_us" not in e2e.parse_host_time(new + old)
+    assert e2e._host_cell(e2e.parse_host_time(new)) == "70.0 (batch-init 4.5)"
+    assert e2e._host_cell(e2e.parse_host_time(old)) == "70.0" and e2e._host_cell(None) == "-"
 
 
 def test_overhead_ratio_comes_from_the_last_pair(e2e, tmp_path) -> None:

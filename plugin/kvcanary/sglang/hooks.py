@@ -144,6 +144,7 @@ class AdapterHooks:
         return result
 
     def around_forward(self, original, runner, forward_batch, *args, **kwargs):
+        t0 = time.perf_counter_ns()  # first: everything up to the model is the canary's host time
         inst = installation_of(runner)
         if inst is None or _capturing(inst.req_to_token.device):
             return original(runner, forward_batch, *args, **kwargs)
@@ -151,8 +152,8 @@ class AdapterHooks:
         mode = mode_name(forward_batch)
         if mode not in modes:
             raise unsupported_mode(mode, modes, self.version.SGLANG_VERSION)
-        t0 = time.perf_counter_ns()
-        inst.host_before(lambda i, step, cls: inject_fault(i, step, forward_batch, cls, self.version))
+        if inst.fault_plan is not None:
+            inst.host_before(lambda i, step, cls: inject_fault(i, step, forward_batch, cls, self.version))
         t1 = time.perf_counter_ns()
         inst.serving += 1  # a piecewise replay inside is a real forward's (capture-time ones run outside)
         try:
@@ -163,9 +164,9 @@ class AdapterHooks:
             repair_token_swaps(inst, forward_batch)
         t2 = time.perf_counter_ns()
         inst.host_after()
+        speculative.after_forward(runner, forward_batch)  # EAGLE: spec counters and their stats line
         t3 = time.perf_counter_ns()
         inst.account_forward(t3 - t0, t1 - t0 + t3 - t2)
-        speculative.after_forward(runner, forward_batch)  # EAGLE: spec counters and their stats line
         return out
 
     def after_populate(self, result, buffers, *args, forward_batch=None, raw_bs=None, raw_num_token=None, bs=None,
@@ -221,23 +222,32 @@ class AdapterHooks:
         return radix_sweep_source(radix, stream) if radix is not None else None
 
     def after_forward_batch_init(self, result, cls, batch, model_runner, *args, **kwargs):
+        t0 = time.perf_counter_ns()
         inst = installation_of(model_runner)
         if inst is None:
             return result
+        try:
+            self._batch_init(inst, batch)
+        finally:
+            inst.account_batch_init(time.perf_counter_ns() - t0)  # per batch, in the scheduler: HostTime
+        return result
+
+    def _batch_init(self, inst: Installation, batch) -> None:
+        """The per-batch host work: writer attribution for new requests, the fault injector's request facts,
+        token-table uploads."""
         if mode_name(batch) not in ("DECODE", "IDLE"):  # writer attribution: a row gets a new request in a prefill
             rows = [(int(r.req_pool_idx), r.rid) for r in self.version.batch_requests(batch)
                     if getattr(r, "req_pool_idx", None) is not None and getattr(r, "rid", None) is not None]
             for group in inst.groups:
                 group.manager.assign_requests(rows)
         if not inst.verify_tokens and inst.fault_plan is None:
-            return result
+            return
         reqs = self.version.batch_requests(batch)
         if inst.fault_plan is not None:
             inst.batch_reqs = list(reqs)
             inst.row_remaining = rows_remaining(reqs)
         if inst.verify_tokens:
             inst.update_expected_tokens(expected_token_updates(inst.token_mirror, reqs))
-        return result
 
 
 _HOOKS: dict[str, AdapterHooks] = {}
