@@ -85,7 +85,8 @@ def main() -> None:
         ("step, device idle (reads + restarts the status copy)", timed(step_idle, args.iters, sync) - sync_us),
         ("step, device busy (back to back)", timed(mgr.step, args.iters, sync)),
         ("status copy start (PinnedChannel.start, 2 KiB)",
-         timed(lambda: (channel.start(mgr._state[:272], step=0), setattr(channel, "busy", False)), args.iters, sync)),
+         timed(lambda: (channel.start(mgr.device_state.state[:272], step=0), setattr(channel, "busy", False)),
+               args.iters, sync)),
     ]
     # token check (KVCANARY_VERIFY_TOKENS): a decode forward of 64 rows with ~1000-token requests
     tok = CanaryManager(Config(mode=Mode.LOG, stats_every=0, verify_tokens=True), num_slots=slots,

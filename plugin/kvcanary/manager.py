@@ -112,6 +112,7 @@ class CanaryManager:
                 raise ValueError(f"{what}: expected device {self.device}, got {src.device}")
             if src.num_slots < num_slots:
                 raise ValueError(f"{what}: covers {src.num_slots} slots, fewer than num_slots={num_slots}")
+        self._cuda = self.device.type == "cuda"
         self.num_slots = num_slots
         self.max_tokens_per_forward = max_tokens_per_forward
         self._max_batch_size = max_batch_size
@@ -198,7 +199,7 @@ class CanaryManager:
         self._check_tokens_fit(batch.num_tokens)
         if bs > self._max_batch_size:
             raise ValueError(f"CanaryManager: batch has {bs} rows, more than max_batch_size={self._max_batch_size}")
-        capturing = _is_capturing(self.device)
+        capturing = self._cuda and torch.cuda.is_current_stream_capturing()  # (inline: this runs every forward)
         self.device_state.before_forward(
             batch,
             reuse_ring=capturing or self.violation_drain.acknowledged_index is not None,  # graphs always carry it
@@ -293,10 +294,11 @@ class CanaryManager:
             return []
         self._steps += 1
         sweeper = self.sweeper
-        if sweeper.due(self._steps):
-            self.sweep(*sweeper.source())  # type: ignore[misc]  # due() says the source is set
+        if sweeper.source is not None and sweeper.due(self._steps):  # (no call at all while the sweep is off)
+            self.sweep(*sweeper.source())
         reported = self.violation_drain.on_step(self._steps)
-        self._log_stats_if_due()
+        if self.stats_logger.due(self._steps):
+            self._log_stats()
         return reported
 
     def _observe_health(self, steps: int, kernel_runs: tuple[int, ...]) -> None:
@@ -305,11 +307,10 @@ class CanaryManager:
         if stalled:
             self.reporter.health_error(self.health.message(stalled, steps), step=steps, tags=stalled)
 
-    def _log_stats_if_due(self) -> None:
-        """The stats line every ``stats_every`` steps, whatever the drain cadence: the counters are those of the
-        last drained snapshot (at most ``drain_every`` forwards old), so it costs no device read of its own."""
-        if not self.stats_logger.due(self._steps):
-            return
+    def _log_stats(self) -> None:
+        """The stats line (``step()`` calls it every ``stats_every`` steps, whatever the drain cadence): the counters
+        are those of the last drained snapshot (at most ``drain_every`` forwards old), so it costs no device read of
+        its own."""
         slot_runs = self.stats.slot_runs
         self.stats_logger.maybe_log(
             self._steps,
