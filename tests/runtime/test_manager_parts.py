@@ -1,0 +1,228 @@
+"""The manager's parts on their own (CPU): the state header, the drain's epoch / acknowledgement protocol driven by
+hand-written device state, the writer table, the sweep cadence and the token table. The manager-level tests
+(test_manager.py, test_manager_attribution.py) stay the contract; these pin each part's public API."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcanary import layout, writers
+from kvcanary.batch import BatchView, ForwardKind
+from kvcanary.config import Mode
+from kvcanary.device_state import (
+    STATE_FORWARD,
+    STATE_HEADER,
+    STATE_KERNEL_RUNS,
+    STATE_RING_EPOCH,
+    STATE_WRITE_INDEX,
+    DeviceState,
+    parse_header,
+)
+from kvcanary.drain import ROW_PEEK, CanaryStats, ViolationDrain
+from kvcanary.report import Reporter
+from kvcanary.sweep import Sweeper
+from kvcanary.tags import NUM_LAUNCH_TAGS, LaunchTag
+from kvcanary.token_table import SCATTER_MAX_TOKENS, TokenTable
+from kvcanary.writers import WriterTable
+
+CPU = torch.device("cpu")
+
+
+def device_state(ring_capacity: int = 8) -> DeviceState:
+    return DeviceState(
+        num_slots=64, req_to_token=torch.zeros((4, 16), dtype=torch.int32), device=CPU, max_batch_size=4,
+        max_tokens_per_forward=16, verify_capacity=64, ring_capacity=ring_capacity, real_kv_sources=(),
+        real_kv_mode=layout.REAL_KV_HASH_MODE_NONE, swa_window_size=0, kv_token_id_vs_position_offset=0,
+        full_to_swa_index_mapping=None, token_table=None,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- state header
+
+
+def test_parse_header_reads_the_int32_write_index_from_the_low_half() -> None:
+    values = list(range(100, 100 + STATE_HEADER))
+    values[STATE_WRITE_INDEX] = (7 << 32) | 0xFFFFFFFF  # high half: not the index's; low half: int32 -1
+    header = parse_header(values)
+    assert header.write_index == -1
+    values[STATE_WRITE_INDEX] = (3 << 32) | 5
+    header = parse_header(values)
+    assert header.write_index == 5
+    assert header.kernel_runs == tuple(values[STATE_KERNEL_RUNS : STATE_KERNEL_RUNS + NUM_LAUNCH_TAGS])
+    assert (header.ring_epoch, header.forward) == (values[STATE_RING_EPOCH], values[STATE_FORWARD])
+
+
+def test_state_views_share_the_flat_buffer() -> None:
+    state = device_state()
+    state.violation_write_index.fill_(3)
+    state.kernel_run_counters[LaunchTag.WRITE] = 9
+    state.violation_ring[1, 0] = 42
+    header = parse_header(state.state.tolist())
+    assert (header.write_index, header.kernel_runs[LaunchTag.WRITE]) == (3, 9)
+    flat, meta = state.status_segments(0, 2)
+    assert flat.numel() == STATE_HEADER + 2 * layout.VIOLATION_FIELDS
+    assert meta.numel() == 2 * layout.VIOLATION_META_FIELDS
+    assert int(flat[STATE_HEADER + layout.VIOLATION_FIELDS]) == 42
+
+
+# ---------------------------------------------------------------------------------------------- drain
+
+
+class HandDrain:
+    """A ViolationDrain over a CPU DeviceState whose ring the test writes by hand (as the kernels would)."""
+
+    def __init__(self, ring_capacity: int = 8, drain_every: int = 1) -> None:
+        self.state = device_state(ring_capacity)
+        self.reporter = Reporter(Mode.LOG)
+        self.stats = CanaryStats()
+        self.counters: list[tuple[int, tuple[int, ...]]] = []
+        self.drain = ViolationDrain(self.state, drain_every=drain_every, reporter=self.reporter, rank=None,
+                                    writer_id={7: "rid-7"}.get, stats=self.stats,
+                                    on_counters=lambda step, runs: self.counters.append((step, runs)))
+        self.index = 0
+
+    def append(self, slot: int, *, found_at: int, serial: int = 0) -> None:
+        """One verify row for ``slot``, found by the launch that read forward counter ``found_at``."""
+        i = self.index
+        if i < self.state.ring_capacity:
+            row = [0] * layout.VIOLATION_FIELDS
+            row[layout.VIOLATION_COL_KERNEL_KIND] = int(LaunchTag.VERIFY)
+            row[layout.VIOLATION_COL_SLOT] = slot
+            row[layout.VIOLATION_COL_FAIL_REASON_BITS] = int(layout.FailReason.VERIFY_CHAIN_HASH)
+            self.state.violation_ring[i] = torch.tensor(row)
+            meta = [found_at, 1, layout.META_UNKNOWN, serial]
+            self.state.violation_meta[i] = torch.tensor(meta)
+        self.index += 1
+        self.state.violation_write_index.fill_(self.index)
+
+    def empty_ring(self) -> None:
+        """What the next forward does after an acknowledgement: index back to 0, one more epoch."""
+        self.index = 0
+        self.state.violation_write_index.fill_(0)
+        self.state.state[STATE_RING_EPOCH] += 1
+
+
+def test_drain_reports_rows_once_with_host_steps_and_writer_ids() -> None:
+    h = HandDrain()
+    h.state.forward_counter.fill_(12)  # the device counter ran 2 ahead of the host (warm-up forwards)
+    h.append(5, found_at=11, serial=7)
+    h.append(6, found_at=12)
+    got = h.drain.drain(steps=10)
+    assert [(v.slot, v.step, v.writer_rid) for v in got] == [(5, 9, "rid-7"), (6, 10, None)]
+    assert h.drain.drain(steps=10) == [] and len(h.drain.violations) == 2  # never twice
+    assert h.drain.acknowledged_index == 2 and h.stats.violations_seen == 2
+    assert h.counters and h.counters[-1][0] == 10 and h.drain.status_reads >= 2
+
+
+def test_drain_epochs_keep_a_lifetime_count_across_ring_reuse() -> None:
+    h = HandDrain(ring_capacity=4)
+    for k in range(3):  # three bursts of 3 rows, each in a ring the device emptied after the acknowledgement
+        for j in range(3):
+            h.append(10 * k + j, found_at=k + 1)
+        h.drain.drain(steps=k + 1)
+        assert h.drain.acknowledged_index == 3
+        h.empty_ring()
+        h.drain.drain(steps=k + 1)  # sees the new epoch: the acknowledged rows join the running total
+        assert h.drain.acknowledged_index is None
+    assert [v.slot for v in h.drain.violations] == [0, 1, 2, 10, 11, 12, 20, 21, 22]
+    assert h.stats.violations_seen == 9 and h.reporter.total_lost == 0
+
+
+def test_drain_counts_rows_beyond_the_ring_as_lost_and_acknowledges_only_then() -> None:
+    h = HandDrain(ring_capacity=4)
+    for j in range(6):
+        h.append(j, found_at=1)
+    h.drain.drain(steps=1)
+    assert [v.slot for v in h.drain.violations] == [0, 1, 2, 3]
+    assert h.reporter.total_lost == 2 and h.stats.violations_seen == 6
+    assert h.drain.acknowledged_index == 6
+
+
+def test_drain_fetches_a_burst_beyond_the_peek_through_the_rows_copy() -> None:
+    h = HandDrain(ring_capacity=ROW_PEEK + 10)
+    for j in range(ROW_PEEK + 5):
+        h.append(j, found_at=1)
+    first = h.drain.drain(steps=1)
+    assert len(first) == ROW_PEEK  # the status copy's peek; the rest is in flight on the rows copy
+    h.drain.flush(steps=1)
+    assert [v.slot for v in h.drain.violations] == list(range(ROW_PEEK + 5))
+    assert h.drain.acknowledged_index == ROW_PEEK + 5
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_drain_cadence_reads_on_the_last_two_steps_of_each_period(every: int) -> None:
+    h = HandDrain(drain_every=every)
+    reads = []
+    for step in range(1, 13):
+        before = h.drain.status_reads
+        h.drain.on_step(step)
+        if h.drain.status_reads > before:
+            reads.append(step)
+    assert reads == (list(range(1, 13)) if every == 1 else [3, 4, 7, 8, 11, 12])
+
+
+def test_acknowledged_ring_is_emptied_by_the_next_forward() -> None:
+    """The device half of the protocol: before_forward empties the ring only when the index still equals the
+    acknowledged one."""
+    h = HandDrain()
+    h.append(5, found_at=0)
+    h.drain.drain(steps=0)
+    assert h.drain.acknowledged_index == 1
+    t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    batch = BatchView(ForwardKind.DECODE, t([1]), t([0]), t([1]), t([1]), t([0]), t([1]))
+    h.append(6, found_at=0)  # appended after the acknowledgement: the ring must stay
+    h.state.before_forward(batch, reuse_ring=True, count_forward=True, forward_step_value=1)
+    header = parse_header(h.state.state.tolist())
+    assert (header.write_index, header.ring_epoch) == (2, 0)
+    h.drain.drain(steps=1)  # reads row 6, acknowledges 2
+    h.state.before_forward(batch, reuse_ring=True, count_forward=True, forward_step_value=2)
+    header = parse_header(h.state.state.tolist())
+    assert (header.write_index, header.ring_epoch, header.forward) == (0, 1, 2)
+
+
+# ---------------------------------------------------------------------------------------------- writers
+
+
+def test_writer_table_hands_out_serials_per_new_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    table = WriterTable(rows=4)
+    assert table.assign([(1, "a"), (2, "b")]) == ([1, 2], [1, 2])
+    assert table.assign([(1, "a"), (2, "b")]) == ([], [])  # same requests: nothing to upload
+    assert table.assign([(2, 99)]) == ([2], [3])
+    assert (table.writer_id(3), table.writer_id(2), table.writer_id(0), table.writer_id(-1)) == ("99", "b", None, None)
+    with pytest.raises(ValueError, match=r"^CanaryManager.assign_requests: row 4 outside \[0, 4\)$"):
+        table.assign([(4, "x")])
+    monkeypatch.setattr(writers, "MAX_WRITER_IDS", 2)
+    table.assign([(3, "c")])
+    assert table.writer_id(1) is None and table.writer_id(4) == "c"  # the oldest dropped
+
+
+# ---------------------------------------------------------------------------------------------- sweep
+
+
+def test_sweeper_cadence_and_arguments() -> None:
+    sweeper = Sweeper(device_state(), interval=3)
+    assert not any(sweeper.due(s) for s in range(1, 10))  # no source
+    sweeper.source = lambda: ([], [], [])
+    assert [s for s in range(1, 10) if sweeper.due(s)] == [3, 6, 9]
+    assert not Sweeper(device_state(), interval=0).due(0)
+    with pytest.raises(ValueError, match="lengths differ: 2/1/2"):
+        sweeper.run([1, 2], [-1], [0, 1])
+
+
+# ---------------------------------------------------------------------------------------------- token table
+
+
+def test_token_table_long_rows_and_scatters_leave_the_same_table() -> None:
+    long = list(range(1, SCATTER_MAX_TOKENS + 10))
+    whole, pieces = TokenTable(3, 64, CPU), TokenTable(3, 64, CPU)
+    whole.update([(1, 0, long)])  # one contiguous copy
+    pieces.update([(1, 0, long[:20])])
+    pieces.update([(1, 20, long[20:])])  # scattered
+    assert torch.equal(whole.expected_tokens, pieces.expected_tokens)
+    assert int(whole.valid_lens_by_row[1]) == int(pieces.valid_lens_by_row[1]) == len(long)
+    assert int(whole.expected_tokens[2, 0]) == layout.NO_EXPECTED_TOKEN
+    whole.update([(2, 62, [7, 8, 9])])  # clipped at the width
+    assert whole.expected_tokens[2, 62:].tolist() == [7, 8] and int(whole.valid_lens_by_row[2]) == 64
+    with pytest.raises(ValueError, match="start -1 < 0"):
+        whole.update([(1, -1, [1])])
