@@ -13,10 +13,11 @@
  * Block: kWriteThreadsPerBlock threads. A record splits into the chain field (prev_hash), which
  *        depends on every earlier entry, and the payload (token, position, real_kv_hash), which does
  *        not. Warp 0 is the chain warp: per 32-entry chunk each lane loads its entry (the next chunk
- *        is prefetched), all lanes walk the chunk's chain steps in order (warp-uniform, values
- *        broadcast by shuffles) keeping the hash before their own entry, then they run the asserts
- *        and store prev_hash. The other warps store payloads (loads, real-KV folds, stores) for
- *        all entries in parallel, so their memory latency never stalls the serial chain.
+ *        is prefetched), all lanes walk the chunk's chain steps in order (warp-uniform; a chunk
+ *        without skips reads its inputs from a shared-memory stage, see ChainWalk) and take the hash
+ *        before their own entry, then they run the asserts and store prev_hash. The other warps store
+ *        payloads (loads, real-KV folds, stores) for all entries in parallel, so their memory latency
+ *        never stalls the serial chain.
  * Reads:  plan arrays, token arrays, the seed record, real-KV bytes of written slots.
  * Writes: records of written slots, violation rows, slot_run_counter (one atomic per request with
  *         work), kernel_run_counter (+1 per launch, by block 0, even with no work).
@@ -236,8 +237,131 @@ KVCANARY_HD void write_entry_payload(const WriteParams& p, int64_t e) {
 
 constexpr unsigned kFullWarpMask = 0xffffffffu;
 
+/*!
+ * \brief How the chain warp walks a chunk of 32 entries without skips (chunks with skips and the short
+ *        tail always take the shuffle walk with selects). benchmarks/bench_chain_variants.py times both.
+ *
+ * kSharedStage: the lanes stage their (token, position) in shared memory, every lane walks all 32 steps
+ *   reading the pair with one uniform-address 16-byte load, and lane 0 parks the hash before each step
+ *   in shared memory (one store). Per step: the chain's integer work (the one-thread floor's, in vector
+ *   registers) plus two memory-pipe instructions, whose latency is hidden because they do not depend on
+ *   the chain (the loads) or nothing waits for them (the stores): the integer pipes, the chain's
+ *   bottleneck, carry nothing else. The previous position of each lane is one shuffle per chunk.
+ * kShuffle (before issue 15): per step four 32-bit shuffles broadcast lane j's token and position, and
+ *   four selects (integer pipe) keep the hash and previous position before a lane's own entry.
+ * Why not the floor itself: the one-thread floor runs on the uniform datapath (UIMAD/USHF: ptxas proves
+ * the hash warp-uniform because its inputs are loop counters); ptxas keeps a hash fed by per-entry data in
+ * vector registers whatever the broadcast (shuffle, shared memory, global load, redux), and the vector
+ * 64-bit multiply is longer (see benchmarks/bench_chain_variants.py, "floor, vector registers").
+ */
+enum class ChainWalk : int { kShuffle = 0, kSharedStage = 1 };
+#ifndef KVCANARY_WRITE_CHAIN_WALK
+#define KVCANARY_WRITE_CHAIN_WALK 1
+#endif
+constexpr ChainWalk kWriteChainWalk = static_cast<ChainWalk>(KVCANARY_WRITE_CHAIN_WALK);
+#ifndef KVCANARY_WRITE_CHAIN_UNROLL
+#define KVCANARY_WRITE_CHAIN_UNROLL 8
+#endif
+constexpr uint32_t kChainStageUnroll = KVCANARY_WRITE_CHAIN_UNROLL;  // steps per iteration of the staged walk
+static_assert(kWarpSize % kChainStageUnroll == 0, "KVCANARY_WRITE_CHAIN_UNROLL must divide 32");
+static_assert(kWriteChainWalk == ChainWalk::kShuffle || kWriteChainWalk == ChainWalk::kSharedStage,
+              "KVCANARY_WRITE_CHAIN_WALK must be 0 (shuffle) or 1 (shared-memory stage)");
+
+/*! \brief Shared memory of the chain warp (kSharedStage): one chunk's inputs and the hash before each entry. */
+struct ChainStage {
+  longlong2 entry[kWarpSize];  // (token, position) of lane j's entry
+  uint64_t before[kWarpSize];  // the running hash before entry j
+};
+
+/*! \brief Chain state after the last walked entry, and what lane `lane` needs for its own entry. */
+struct ChunkWalk {
+  uint64_t running;        // after the chunk
+  int64_t prev_position;   // position of the chunk's last walked entry
+  uint64_t my_running;     // before this lane's entry
+  int64_t my_prev_position;  // position of the walked entry before this lane's
+};
+
+/*!
+ * \brief Walk a full chunk (32 entries, none skipped) through shared memory (kSharedStage).
+ * Every lane computes the same chain (the hash is warp-uniform); only the inputs come from memory.
+ */
+__device__ __forceinline__ ChunkWalk walk_full_chunk_staged(ChainStage& stage, uint32_t lane, uint64_t running,
+                                                            int64_t prev_position, int64_t token, int64_t position) {
+  stage.entry[lane] = make_longlong2(token, position);
+  __syncwarp();
+  // Unrolled by kChainStageUnroll steps: a fully unrolled chunk is ~2000 instructions (~32 KB), more than the
+  // L0 instruction cache, while 8 steps fit; the loads take immediate offsets from one base either way.
+#pragma unroll 1
+  for (uint32_t j0 = 0; j0 < kWarpSize; j0 += kChainStageUnroll) {
+#pragma unroll
+    for (uint32_t j = j0; j < j0 + kChainStageUnroll; ++j) {
+      const longlong2 in = stage.entry[j];
+      if (lane == 0) stage.before[j] = running;
+      running = chain_step(running, in.x, in.y);
+    }
+  }
+  __syncwarp();
+  ChunkWalk w;
+  w.running = running;
+  w.my_running = stage.before[lane];
+  const int64_t previous_lane_position = __shfl_up_sync(kFullWarpMask, position, 1);
+  w.my_prev_position = lane == 0 ? prev_position : previous_lane_position;
+  w.prev_position = __shfl_sync(kFullWarpMask, position, kWarpSize - 1);
+  // No barrier here: the next staged chunk writes `entry` (read only before the barrier above) and, after its
+  // own first barrier, which every lane reaches after reading `before` here, `before`.
+  return w;
+}
+
+/*! \brief Walk a full chunk (32 entries, none skipped) with shuffles and selects (kShuffle). */
+__device__ __forceinline__ ChunkWalk walk_full_chunk_shuffled(uint32_t lane, uint64_t running, int64_t prev_position,
+                                                              int64_t token, int64_t position) {
+  ChunkWalk w;
+  w.my_running = running;
+  w.my_prev_position = prev_position;
+#pragma unroll
+  for (uint32_t j = 0; j < kWarpSize; ++j) {
+    const int64_t token_j = __shfl_sync(kFullWarpMask, token, j);
+    const int64_t position_j = __shfl_sync(kFullWarpMask, position, j);
+    w.my_running = lane == j ? running : w.my_running;
+    w.my_prev_position = lane == j ? prev_position : w.my_prev_position;
+    running = chain_step(running, token_j, position_j);
+    prev_position = position_j;
+  }
+  w.running = running;
+  w.prev_position = prev_position;
+  return w;
+}
+
+/*!
+ * \brief Walk a chunk with skipped entries or fewer than 32 entries (`remaining` from `chunk` on):
+ *        shuffles and selects; a skipped entry leaves the chain unchanged.
+ */
+__device__ __forceinline__ ChunkWalk walk_partial_chunk(uint32_t lane, uint64_t running, int64_t prev_position,
+                                                        int64_t slot, int64_t token, int64_t position,
+                                                        int64_t remaining) {
+  ChunkWalk w;
+  w.my_running = running;
+  w.my_prev_position = prev_position;
+  const uint32_t steps = remaining < kWarpSize ? static_cast<uint32_t>(remaining) : kWarpSize;
+#pragma unroll 8
+  for (uint32_t j = 0; j < steps; ++j) {
+    const int64_t slot_j = __shfl_sync(kFullWarpMask, slot, j);
+    const int64_t token_j = __shfl_sync(kFullWarpMask, token, j);
+    const int64_t position_j = __shfl_sync(kFullWarpMask, position, j);
+    w.my_running = lane == j ? running : w.my_running;
+    w.my_prev_position = lane == j ? prev_position : w.my_prev_position;
+    const uint64_t next = chain_step(running, token_j, position_j);
+    running = slot_j >= 0 ? next : running;
+    prev_position = slot_j >= 0 ? position_j : prev_position;
+  }
+  w.running = running;
+  w.prev_position = prev_position;
+  return w;
+}
+
 /*! \brief Chain warp: the serial hash over request r's entries, asserts, prev_hash fields, counter. */
-__device__ __forceinline__ void write_request_chain(const WriteParams& p, int64_t r, uint32_t lane) {
+__device__ __forceinline__ void write_request_chain(const WriteParams& p, int64_t r, uint32_t lane,
+                                                    ChainStage& stage) {
   const WriteRequestStart st = begin_write_request(p, r, lane == 0);
   uint64_t running = st.running;
   int64_t prev_position = st.prev_position;
@@ -263,37 +387,21 @@ __device__ __forceinline__ void write_request_chain(const WriteParams& p, int64_
       next_token = p.input_ids[e_next];
       next_position = p.positions[e_next];
     }
-    // Shuffle broadcast, full unroll, no branch on the chain: measured fastest of the variants in
-    // benchmarks/bench_chain_variants.py. A full chunk without skips needs no select at all.
-    uint64_t my_running = running;
-    int64_t my_prev_position = prev_position;
+    // A full chunk without skips (the common case) walks 32 steps with no select on the chain.
+    ChunkWalk w;
     if (__all_sync(kFullWarpMask, slot >= 0)) {
-#pragma unroll
-      for (uint32_t j = 0; j < kWarpSize; ++j) {
-        const int64_t token_j = __shfl_sync(kFullWarpMask, token, j);
-        const int64_t position_j = __shfl_sync(kFullWarpMask, position, j);
-        my_running = lane == j ? running : my_running;
-        my_prev_position = lane == j ? prev_position : my_prev_position;
-        running = chain_step(running, token_j, position_j);
-        prev_position = position_j;
+      if constexpr (kWriteChainWalk == ChainWalk::kSharedStage) {
+        w = walk_full_chunk_staged(stage, lane, running, prev_position, token, position);
+      } else {
+        w = walk_full_chunk_shuffled(lane, running, prev_position, token, position);
       }
     } else {
-      const int64_t remaining = st.end - chunk;  // a short tail walks only its own entries
-      const uint32_t steps = remaining < kWarpSize ? static_cast<uint32_t>(remaining) : kWarpSize;
-#pragma unroll 8
-      for (uint32_t j = 0; j < steps; ++j) {
-        const int64_t slot_j = __shfl_sync(kFullWarpMask, slot, j);
-        const int64_t token_j = __shfl_sync(kFullWarpMask, token, j);
-        const int64_t position_j = __shfl_sync(kFullWarpMask, position, j);
-        my_running = lane == j ? running : my_running;
-        my_prev_position = lane == j ? prev_position : my_prev_position;
-        const uint64_t next = chain_step(running, token_j, position_j);
-        running = slot_j >= 0 ? next : running;
-        prev_position = slot_j >= 0 ? position_j : prev_position;
-      }
+      w = walk_partial_chunk(lane, running, prev_position, slot, token, position, st.end - chunk);
     }
+    running = w.running;
+    prev_position = w.prev_position;
     if (slot >= 0) {
-      stored += write_entry_chain(p, st, e, slot, token, position, my_running, my_prev_position);
+      stored += write_entry_chain(p, st, e, slot, token, position, w.my_running, w.my_prev_position);
     }
   }
 #pragma unroll
@@ -323,8 +431,9 @@ __global__ void __launch_bounds__(kWriteThreadsPerBlock) canary_write_kernel(con
   if (r >= active_write_requests(p)) {
     return;  // block-uniform
   }
+  __shared__ ChainStage chain_stage;  // used by the chain warp only
   if (warp == kWriteChainWarp) {
-    write_request_chain(p, r, threadIdx.x % kWarpSize);
+    write_request_chain(p, r, threadIdx.x % kWarpSize, chain_stage);
   } else {
     write_request_payloads(p, r, threadIdx.x - kWarpSize, blockDim.x - kWarpSize);
   }
