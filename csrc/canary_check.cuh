@@ -2,51 +2,39 @@
  * \file canary_check.cuh
  * \brief canary_check_step: everything the canary does before a forward, in one launch (issue 15).
  *
- * Computes, in one launch, what these did as ~12 launches before: canary_plan_step_attributed with an
- * unbounded verify plan, then canary_verify_step_attributed (tag VERIFY), plus the manager's small ops:
- *   - plan + verify: for each batch row r < bs and each of its verify entries (the same entries, in the
- *     same order, as canary_plan.cuh plans: SWA window, LUT, index-error entries, kv_token_id offset), the
- *     entry is checked against its record exactly as canary_verify.cuh checks a plan entry (chain, token,
- *     position, real-KV, out-of-range slots; a violation row with tag VERIFY and, with violation_meta, a
- *     metadata row: the step below, the row's rp, the slot's attribution). No verify plan is stored, so
- *     there is no capacity and nothing is ever skipped: kernel_runs[VERIFY] += 1 and slot_runs[VERIFY] +=
- *     the number of entries (what verify counts for an unbounded plan); the overflow counter is not touched.
- *   - the write plan (write_offsets, write_seed_slot_indices, write_num_valid_reqs, write_request_rows), the
- *     same values canary_plan_step stores (verify_row_offsets is not written: nobody reads it).
- *   - snapshot: input_ids / positions / out_cache_loc [n] (each int32 or int64) -> the int64 *_out buffers
- *     ([>= n]; the write launch after the forward reads them).
- *   - batch arrays req_pool_indices / prefix_lens / extend_lens may each be int32 or int64.
- *   - token check: the valid length of batch row r is expected_valid_lens_by_row[clamp(rp, 0, rows - 1)]
- *     (rows: that table's length, i.e. req_to_token rows), read here instead of gathered by the host.
- *   - forward counter (state[kStateForward]): with new_forward it becomes forward_step_value when that is
- *     >= 0, else the counter + 1 (a CUDA-graph replay counts one forward); every metadata row this launch
- *     records carries the NEW value. Without new_forward the counter is read, not written.
- *   - drained-ring reuse, after every append of this launch: if drained_to > 0 and the ring's write index
- *     equals it (the host has read every row and nothing was appended since, this launch included), the
- *     index becomes 0, the epoch += 1 and drained_to = -1. The manager's _reuse_drained_ring did the same
- *     before the launches; here it runs after them, so this launch's own rows are never emptied unread.
- *     drained_to <= 0 means "nothing acknowledged" (so a zeroed header is a valid initial state; the host
- *     never acknowledges index 0).
- * State: the manager's flat int64 buffer, ONE argument: the header of kvcanary/layout.h (kState*: write
- *   index in the low int32 of element 0, overflows, kernel_runs[3], slot_runs[3], ring epoch, forward
- *   counter, drained_to, done-block scratch), then the ring [ring_capacity, kViolationFields]; ring_capacity
- *   = (state length - kStateHeaderFields) / kViolationFields.
- * Grid:  CUDA: min(one wave of resident blocks (SMs x min(occupancy, kCheckMaxBlocksPerSm)), ceil(write_capacity x
- *        (max_context + 2) / kCheckThreads)) blocks, at least 1: sized from the SM count and the capacities
- *        (write plan, req_to_token width), never from data, so the launch is graph-capturable. Every block
- *        scans the batch rows in chunks of kCheckThreads (block-wide prefix sums in shared memory: bs is
- *        small, any bs up to the write capacity works), then the whole grid strides over that chunk's
- *        entries (entry e -> thread e mod grid size, as the plan's entries kernel did); each entry finds its
- *        row by binary search over the chunk's row starts in shared memory. Block 0 stores the write plan
- *        and bumps the counters; the snapshot is grid-strided. The last block to finish (an atomic count in
- *        state[kStateDoneBlocks], reset to 0 by that block) stores the forward counter and reuses the ring:
- *        every block computed the step from the counter it read at its start, before any block could
- *        store it. CPU: one loop, the same per-row and per-entry semantics, in entry order.
- * Block: kCheckThreads threads; one entry per thread per grid step.
- * Reads:  batch arrays, req_to_token, the LUT, the expected-token table and valid lengths, records, real-KV
- *         bytes, the snapshot sources, the state header (forward counter, write index, drained_to).
- * Writes: write plan, snapshots, violation rows (+ metadata rows), the state header (counters, forward
- *         counter, write index / epoch / drained_to on reuse, the done-block scratch). Never the records.
+ * Computes what canary_plan_step_attributed (with an unbounded verify plan) + canary_verify_step_attributed
+ * (tag VERIFY) + the manager's small per-forward ops did:
+ *   - plan + verify: every verify entry of every batch row r < bs (the entries, in the order, canary_plan.cuh
+ *     plans: SWA window, LUT, index-error entries, kv_token_id offset) is checked exactly as canary_verify.cuh
+ *     checks a plan entry (chain, token, position, real-KV, out-of-range; with violation_meta a metadata row:
+ *     the step below, the row's rp, the slot's attribution). No verify plan, no capacity: nothing is skipped.
+ *     kernel_runs[VERIFY] += 1, slot_runs[VERIFY] += entries; the overflow counter is not touched.
+ *   - the write plan (offsets, seeds, num_valid, request rows) as canary_plan_step stores it (not
+ *     verify_row_offsets: nobody reads it); snapshot: input_ids / positions / out_cache_loc [n] (int32 or
+ *     int64) -> the int64 *_out buffers [>= n]; batch arrays may each be int32 or int64.
+ *   - token check: batch row r's valid length is expected_valid_lens_by_row[clamp(rp, 0, rows - 1)].
+ *   - forward counter (state[kStateForward]): with new_forward it becomes forward_step_value (>= 0) or the
+ *     counter + 1 (< 0: each CUDA-graph replay counts one forward), and every metadata row of this launch
+ *     carries the NEW value; without new_forward it is only read.
+ *   - drained-ring reuse after every append of this launch: if drained_to > 0 and the write index equals it
+ *     (the host read every row and none was appended since, this launch's included), index = 0, epoch += 1,
+ *     drained_to = -1. drained_to <= 0: nothing acknowledged (a zeroed header is a valid initial state).
+ * State: the manager's flat int64 buffer as ONE argument: the kState* header of kvcanary/layout.h, then the
+ *   ring [ring_capacity, kViolationFields], ring_capacity = (length - kStateHeaderFields) / kViolationFields.
+ * Grid:  CUDA: min(SMs x min(occupancy, kCheckMaxBlocksPerSm), ceil(write_capacity x (max_context + 2) /
+ *        kCheckThreads)) blocks, at least 1: from the SM count and capacities, never from data (capturable).
+ *        Every block scans the rows in chunks of kCheckThreads (block-wide prefix sums in shared memory; any
+ *        bs up to the write capacity), then the grid strides over the chunk's entries (entry e -> thread e mod
+ *        grid size), each finding its row by binary search over the chunk's row starts in shared memory. Block
+ *        0 stores the write plan and bumps the counters; the snapshot is grid-strided. The last block to finish
+ *        (atomic count in state[kStateDoneBlocks], reset to 0 by it) stores the counter and reuses the ring;
+ *        every block took the step from the counter it read at its start, before any block could store it.
+ *        CPU: one loop, the same per-row and per-entry semantics, rows in entry order.
+ * Block: kCheckThreads threads (launch bounds: kCheckMinBlocksPerSm per SM); one entry per thread per step.
+ * Reads:  batch arrays, req_to_token, LUT, expected tokens and valid lengths, records, real-KV bytes, the
+ *         snapshot sources, the state header (forward counter, write index, drained_to).
+ * Writes: write plan, snapshots, violation (+ metadata) rows, the header (counters, forward counter, write
+ *         index / epoch / drained_to on reuse, the done-block scratch). Never the records.
  */
 #pragma once
 
