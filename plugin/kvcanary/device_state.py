@@ -3,8 +3,9 @@
 :class:`DeviceState` owns the canary buffer, the write and verify plans, one flat int64 state buffer (a header,
 then the violation ring, so that the host drains the header with one copy), the violation metadata beside the
 ring, the per-slot writer attribution, the row serials, and the forward's snapshot of token ids, positions and
-slots. Every buffer keeps its address for the state's lifetime (CUDA-graph capture). All kernel launches of the
-runtime happen here, and only here:
+slots. Every buffer keeps its address for the state's lifetime (CUDA-graph capture). Every kernel launch of the
+runtime (``kvcanary.ops``) happens here, and only here (host → device uploads live with their owners: the token
+table, the sweep plan):
 
 * :meth:`DeviceState.before_forward`: ring reuse, snapshot copies, plan, verify-overflow count, verify;
 * :meth:`DeviceState.after_forward`: write;
