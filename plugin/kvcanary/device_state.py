@@ -7,12 +7,13 @@ slots. Every buffer keeps its address for the state's lifetime (CUDA-graph captu
 runtime (``kvcanary.ops``) happens here, and only here (host → device uploads live with their owners: the token
 table, the sweep plan):
 
-* :meth:`DeviceState.before_forward`: ring reuse, snapshot copies, plan, verify-overflow count, verify;
+* :meth:`DeviceState.before_forward`: one ``canary_check_step`` launch (plan + verify of every batch row's prefix,
+  the write plan, the snapshot of token ids, positions and slots, the forward counter, the drained-ring reuse);
 * :meth:`DeviceState.after_forward`: write;
 * :meth:`DeviceState.sweep`: verify over a sweep plan (tag SWEEP).
 
 The forward counter (kvcanary+). Forward k is the one after which the manager's ``step()`` has run k times
-(``steps``). The header's forward counter holds the number of the forward whose launches run: the plan launch of
+(``steps``). The header's forward counter holds the number of the forward whose launches run: the check launch of
 every forward sets it, to ``steps + 1`` when ``before_forward`` runs eagerly (the host knows the number), or to
 the counter + 1 when the launch is captured in a CUDA graph (each replay counts one forward: no host work, no
 sync). Every violation row gets a metadata row beside it (``violation_meta``; the ring's 8 columns stay the
@@ -50,23 +51,21 @@ from kvcanary.token_table import TokenTable
 
 logger = logging.getLogger(__name__)
 
-# Layout of the flat int64 state buffer: one header, then the violation ring. The ring's int32 write index lives
-# in the low half of element 0.
-STATE_WRITE_INDEX = 0
-STATE_OVERFLOWS = 1
-STATE_KERNEL_RUNS = 2
-STATE_SLOT_RUNS = STATE_KERNEL_RUNS + NUM_LAUNCH_TAGS
-STATE_RING_EPOCH = STATE_SLOT_RUNS + NUM_LAUNCH_TAGS  # how many times the drained ring was emptied
-STATE_FORWARD = STATE_RING_EPOCH + 1  # the device forward counter (+1 by each forward's plan launch)
-STATE_HEADER = 16
-assert STATE_FORWARD < STATE_HEADER
+# The flat int64 state buffer: a header (layout ``STATE_*``, the kernels' kvcanary/layout.h), then the violation
+# ring. The ring's int32 write index lives in the low half of element 0.
+STATE_HEADER = layout.STATE_HEADER_FIELDS
+STATE_WRITE_INDEX = layout.STATE_WRITE_INDEX
+STATE_KERNEL_RUNS = layout.STATE_KERNEL_RUNS
+STATE_SLOT_RUNS = layout.STATE_SLOT_RUNS
+STATE_RING_EPOCH = layout.STATE_RING_EPOCH
+STATE_FORWARD = layout.STATE_FORWARD
+STATE_DRAINED_TO = layout.STATE_DRAINED_TO
 
 
 class StateHeader(NamedTuple):
     """A host copy of the state header (see :func:`parse_header`)."""
 
     write_index: int  # the ring's int32 write index (negative: it wrapped, the ring is full)
-    overflows: int  # forwards whose verify was skipped (plan over capacity)
     kernel_runs: tuple[int, ...]  # per launch tag
     slot_runs: tuple[int, ...]  # per launch tag
     ring_epoch: int  # how many times the drained ring was emptied
@@ -79,7 +78,6 @@ def parse_header(values: Sequence[int]) -> StateHeader:
     index = index - (1 << 32) if index >= 1 << 31 else index  # the int32 in the low half
     return StateHeader(
         write_index=index,
-        overflows=values[STATE_OVERFLOWS],
         kernel_runs=tuple(values[STATE_KERNEL_RUNS : STATE_KERNEL_RUNS + NUM_LAUNCH_TAGS]),
         slot_runs=tuple(values[STATE_SLOT_RUNS : STATE_SLOT_RUNS + NUM_LAUNCH_TAGS]),
         ring_epoch=values[STATE_RING_EPOCH],
@@ -98,8 +96,8 @@ class DeviceState:
     """The buffers and launches of one KV pool's canary (arguments as in :class:`~kvcanary.manager.CanaryManager`,
     already checked by it).
 
-    Public buffers (stable addresses): ``canary_buf``, ``write_plan``, ``verify_plan``, ``state`` (the flat
-    header + ring) and its views ``violation_write_index``, ``verify_overflow_count``, ``kernel_run_counters``,
+    Public buffers (stable addresses): ``canary_buf``, ``write_plan``, ``state`` (the flat
+    header + ring) and its views ``violation_write_index``, ``kernel_run_counters``,
     ``slot_run_counters``, ``violation_ring``, ``forward_counter``; ``violation_meta``, ``slot_attribution``,
     ``row_serials``, ``enable_chain_position_assert``, and the snapshot ``input_ids_snapshot``,
     ``positions_snapshot``, ``out_cache_loc_snapshot``.
@@ -113,7 +111,6 @@ class DeviceState:
         device: torch.device,
         max_batch_size: int,
         max_tokens_per_forward: int,
-        verify_capacity: int,
         ring_capacity: int,
         real_kv_sources: Sequence[RealKvSource],
         real_kv_mode: int,
@@ -135,15 +132,12 @@ class DeviceState:
 
         self.canary_buf = torch.zeros((num_slots, layout.RECORD_BYTES), dtype=torch.uint8, device=dev)
         self.write_plan = WritePlan.allocate(max_batch_size, dev)
-        self.verify_plan = VerifyPlan.allocate(verify_capacity, dev)
         self.state = torch.zeros(STATE_HEADER + ring_capacity * layout.VIOLATION_FIELDS, **i64)
         state = self.state
         self.violation_write_index = state[STATE_WRITE_INDEX : STATE_WRITE_INDEX + 1].view(torch.int32)[0:1]
-        self.verify_overflow_count = state[STATE_OVERFLOWS : STATE_OVERFLOWS + 1]
         self.kernel_run_counters = state[STATE_KERNEL_RUNS : STATE_KERNEL_RUNS + NUM_LAUNCH_TAGS]
         self.slot_run_counters = state[STATE_SLOT_RUNS : STATE_SLOT_RUNS + NUM_LAUNCH_TAGS]
         self.violation_ring = state[STATE_HEADER:].view(ring_capacity, layout.VIOLATION_FIELDS)
-        self._ring_epoch = state[STATE_RING_EPOCH : STATE_RING_EPOCH + 1]
         self.forward_counter = state[STATE_FORWARD : STATE_FORWARD + 1]
         # kvcanary+ metadata beside the ring (row i describes ring row i) and writer attribution beside the
         # canary buffer; the ring and the 32-byte records stay the seed's.
@@ -151,23 +145,22 @@ class DeviceState:
         self.violation_meta = torch.full((ring_capacity, meta), layout.META_UNKNOWN, **i64)
         self.slot_attribution = torch.full((num_slots, layout.SLOT_ATTRIBUTION_FIELDS), layout.META_UNKNOWN, **i64)
         self.row_serials = torch.full((req_to_token.shape[0],), layout.META_UNKNOWN, **i64)
-        # Ring index value up to which the host has read every row (-1: none pending). The next forward
-        # empties the ring if nothing was appended since (see _reuse_drained_ring).
-        self._ring_drained_to = torch.full((1,), -1, **i64)
+        # Ring index up to which the host has read every row (<= 0: none acknowledged): the check launch of the
+        # next forward empties the ring if nothing was appended since (csrc/canary_check.cuh).
+        self._ring_drained_to = state[STATE_DRAINED_TO : STATE_DRAINED_TO + 1]
         self.enable_chain_position_assert = torch.zeros(1, dtype=torch.int32, device=dev)
         # The forward's own copy of the batch's token ids, positions and slots: some models change them in place
         # during the forward, and the write after it must record what the forward was given.
         self.input_ids_snapshot = torch.zeros(max_tokens_per_forward, **i64)
         self.positions_snapshot = torch.zeros(max_tokens_per_forward, **i64)
         self.out_cache_loc_snapshot = torch.zeros(max_tokens_per_forward, **i64)
-        # The token check: the table (uploads are the TokenTable's) and this forward's rows' valid lengths.
+        # The token check: the table and its per-row valid lengths (uploads are the TokenTable's; the check launch
+        # reads each batch row's valid length itself).
         self._expected_tokens: torch.Tensor | None = None
         self._expected_valid_lens_by_row: torch.Tensor | None = None
-        self._expected_valid_lens: torch.Tensor | None = None
         if token_table is not None:
             self._expected_tokens = token_table.expected_tokens
             self._expected_valid_lens_by_row = token_table.valid_lens_by_row
-            self._expected_valid_lens = torch.zeros(max_batch_size, **i64)
         self._counter_views_by_tag = {tag: self._build_counter_views(tag) for tag in LaunchTag}
 
     # ------------------------------------------------------------------------------------------ launches
@@ -186,64 +179,38 @@ class DeviceState:
             views["row_serials"] = self.row_serials
         return views
 
-    def _reuse_drained_ring(self) -> None:
-        """Empty the ring if the host has read every row and nothing was appended since.
-
-        Device ops, stream-ordered before this forward's launches: when the write index still equals
-        the value the host acknowledged, no row beyond what it read exists, so resetting loses nothing.
-        The epoch counter tells the host the ring restarted. Without this a long-running engine would
-        keep details of only its first ``ring_capacity`` violations.
-        """
-        drained = self.violation_write_index == self._ring_drained_to
-        self.violation_write_index.masked_fill_(drained, 0)
-        self._ring_epoch.add_(drained)
-        self._ring_drained_to.masked_fill_(drained, -1)
-
-    def before_forward(self, batch: BatchView, *, reuse_ring: bool, count_forward: bool,
-                       forward_step_value: int) -> None:
-        """Everything that runs before the model writes KV, in stream order: ring reuse (when ``reuse_ring``: an
-        acknowledgement is pending, or a graph is being captured, which must always carry it), the snapshot copies,
-        the plan (``count_forward``: it sets the forward counter, to ``forward_step_value`` or, when that is -1
-        (captured), to the counter + 1), the verify-overflow count and the verify.
-
-        This one method is the whole "before" sequence, so that one fused launch can replace it. ``batch`` was
-        validated and fits the capacities (the manager checks both)."""
-        n, bs = batch.num_tokens, batch.batch_size
-        if reuse_ring:
-            self._reuse_drained_ring()  # else a no-op on the device: nothing acknowledged
-        self.input_ids_snapshot[:n].copy_(batch.input_ids)
-        self.positions_snapshot[:n].copy_(batch.positions)
-        self.out_cache_loc_snapshot[:n].copy_(batch.out_cache_loc)
-        expected = {}
-        by_row = self._expected_valid_lens_by_row
-        if by_row is not None and self._expected_valid_lens is not None:
-            valid = self._expected_valid_lens[:bs]
-            rps = batch.req_pool_indices.clamp(0, by_row.shape[0] - 1)
-            torch.index_select(by_row, 0, rps, out=valid)
-            expected = {"expected_tokens": self._expected_tokens, "expected_tokens_valid_lens": valid}
-        ops.canary_plan_step(
+    def before_forward(self, batch: BatchView, *, count_forward: bool, forward_step_value: int) -> None:
+        """Everything that runs before the model writes KV, as ONE launch (``ops.canary_check_step``): plan and verify
+        every batch row's prefix, store the write plan, snapshot the batch's token ids, positions and slots, set the
+        forward counter (``count_forward``: to ``forward_step_value``, or the counter + 1 when that is -1, i.e.
+        captured) and empty a ring the host acknowledged in full. ``batch`` was validated and fits the capacities
+        (the manager checks both); its arrays may be int32 or int64."""
+        ops.canary_check_step(
+            state=self.state,
+            canary_buf=self.canary_buf,
             write_plan=self.write_plan,
-            verify_plan=self.verify_plan,
             req_pool_indices=batch.req_pool_indices,
             prefix_lens=batch.prefix_lens,
             extend_lens=batch.extend_lens,
             req_to_token=self.req_to_token,
+            input_ids=batch.input_ids,
+            positions=batch.positions,
+            out_cache_loc=batch.out_cache_loc,
+            input_ids_out=self.input_ids_snapshot,
+            positions_out=self.positions_snapshot,
+            out_cache_loc_out=self.out_cache_loc_snapshot,
+            violation_meta=self.violation_meta,
+            slot_attribution=self.slot_attribution,
             swa_window_size=self.swa_window_size,
             full_to_swa_index_mapping=self.full_to_swa_index_mapping,
+            expected_tokens=self._expected_tokens,
+            expected_valid_lens_by_row=self._expected_valid_lens_by_row,
             kv_token_id_vs_position_offset=self.kv_token_id_vs_position_offset,
-            **expected,
-            forward_counter=self.forward_counter if count_forward else None,
-            forward_step_value=forward_step_value,
-        )
-        self.verify_overflow_count += self.verify_plan.verify_enable == 0
-        ops.canary_verify_step(
-            canary_buf=self.canary_buf,
-            **self.verify_plan.kernel_args(),
-            kernel_kind=LaunchTag.VERIFY,
-            **self._counter_views_by_tag[LaunchTag.VERIFY],
             real_kv_sources=self._real_kv_launch,
             real_kv_hash_mode=self.real_kv_mode,
             check_tokens=self._expected_tokens is not None,
+            new_forward=count_forward,
+            forward_step_value=forward_step_value,
         )
 
     def after_forward(self, num_tokens: int) -> None:
@@ -306,8 +273,8 @@ class DeviceState:
         return self.violation_ring[first:end].view(-1), self.violation_meta[first:end].view(-1)
 
     def acknowledge_ring(self, index: int) -> None:
-        """Tell the device the host read every ring row up to write index ``index`` (the next forward may then
-        empty the ring). A non-blocking copy, stream-ordered before the next forward."""
+        """Tell the device the host read every ring row up to write index ``index`` (> 0; the next forward's check
+        launch may then empty the ring). A non-blocking copy, stream-ordered before the next forward."""
         self._ring_drained_to.copy_(_staged([index], self.device), non_blocking=True)
 
     def synchronize(self) -> None:

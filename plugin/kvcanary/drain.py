@@ -48,7 +48,6 @@ class CanaryStats:
     kernel_runs: tuple[int, ...] = (0,) * NUM_LAUNCH_TAGS
     slot_runs: tuple[int, ...] = (0,) * NUM_LAUNCH_TAGS
     violations_seen: int = 0  # every violation the device counted, kept or lost, over the manager's life
-    verify_overflows: int = 0
     sweeps: int = 0
 
 
@@ -97,7 +96,6 @@ class ViolationDrain:
         self._epoch = 0
         self._index_base = 0  # violations counted in ring epochs already emptied
         self._last_index = 0
-        self._overflows_reported = 0
         # host step = device forward counter - _step_offset (as of the last drained snapshot)
         self._step_offset = 0
 
@@ -175,14 +173,6 @@ class ViolationDrain:
         stats.kernel_runs, stats.slot_runs = header.kernel_runs, header.slot_runs
         stats.violations_seen = self._index_base + index
         stats.forwards = steps
-        overflows = header.overflows
-        if overflows > self._overflows_reported:
-            logger.warning(
-                "kvcanary: verify skipped for %d forward(s): the plan exceeded its capacity of %d entries "
-                "(raise verify_capacity)", overflows - self._overflows_reported, self._state.verify_plan.capacity,
-            )
-            self._overflows_reported = overflows
-            stats.verify_overflows = overflows
         capacity = self._capacity
         kept = min(index, capacity) if index >= 0 else capacity  # a wrapped int32 index: the ring is full
         lost_total = max(0, index - capacity) if index >= 0 else 0

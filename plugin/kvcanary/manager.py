@@ -1,10 +1,10 @@
 """CanaryManager: the engine-agnostic runtime an adapter drives once per forward (SPEC §5).
 
-Per forward: ``before_forward(batch)`` (plan, then verify every running request's prefix; snapshots the
-batch's token, position and slot arrays because some models mutate them) runs before the model writes
-KV; ``after_forward(batch)`` (write the new records with real-KV fingerprints) runs after. Both only
-enqueue device work with fixed capacities and stable buffers, so they can sit inside a captured CUDA
-graph, and neither ever synchronises with the host.
+Per forward: ``before_forward(batch)`` (one launch: plan and verify every running request's prefix, snapshot the
+batch's token, position and slot arrays because some models mutate them) runs before the model writes KV;
+``after_forward(batch)`` (one launch: write the new records with real-KV fingerprints) runs after. Both only
+enqueue device work with fixed capacities and stable buffers, so they can sit inside a captured CUDA graph (two
+nodes per forward), and neither ever synchronises with the host.
 
 ``step()`` is the host half, called after each forward outside any graph capture: it sweeps the prefix cache every
 ``sweep_interval`` forwards, drains violations and counters on the ``drain_every`` cadence and reports them (log
@@ -42,11 +42,10 @@ from kvcanary.tags import LaunchTag
 from kvcanary.token_table import TokenTable
 from kvcanary.writers import WriterTable
 
-__all__ = ["DEFAULT_VERIFY_CAPACITY_PER_SLOT", "CanaryManager", "CanaryStats", "SweepSource"]
+__all__ = ["CanaryManager", "CanaryStats", "SweepSource"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_VERIFY_CAPACITY_PER_SLOT = 3  # prefix sharing lets Σ prefix exceed the pool
 
 
 def _is_capturing(device: torch.device) -> bool:
@@ -64,7 +63,6 @@ class CanaryManager:
         max_batch_size: most batch rows in one forward (CUDA-graph padding included).
         max_tokens_per_forward: most tokens in one forward.
         real_kv_sources: real KV bytes to fingerprint (at most 4).
-        verify_capacity: most prefix entries verified per forward (default 3 × num_slots).
         swa_window_size / full_to_swa_index_mapping: sliding-window pool (verify only the window).
         kv_token_id_vs_position_offset: the token check expects token ``p + offset`` of the request at position
             ``p`` (SPEC §4.3; 1 for an EAGLE draft pool, whose slot at p holds the KV of token p + 1).
@@ -82,7 +80,6 @@ class CanaryManager:
         max_batch_size: int,
         max_tokens_per_forward: int,
         real_kv_sources: Sequence[RealKvSource] = (),
-        verify_capacity: int | None = None,
         swa_window_size: int = 0,
         kv_token_id_vs_position_offset: int = 0,
         full_to_swa_index_mapping: torch.Tensor | None = None,
@@ -126,13 +123,12 @@ class CanaryManager:
             repeat_window=config.log_repeat_window,
         )
         rows, max_ctx = req_to_token.shape
-        vcap = verify_capacity if verify_capacity is not None else DEFAULT_VERIFY_CAPACITY_PER_SLOT * num_slots
 
         # The parts.
         self.token_table = TokenTable(rows, max_ctx, self.device) if config.verify_tokens else None
         self.device_state = DeviceState(
             num_slots=num_slots, req_to_token=req_to_token, device=self.device, max_batch_size=max_batch_size,
-            max_tokens_per_forward=max_tokens_per_forward, verify_capacity=vcap, ring_capacity=config.ring_capacity,
+            max_tokens_per_forward=max_tokens_per_forward, ring_capacity=config.ring_capacity,
             real_kv_sources=self.real_kv_sources, real_kv_mode=self.real_kv_mode,
             swa_window_size=int(swa_window_size), kv_token_id_vs_position_offset=self.kv_token_id_vs_position_offset,
             full_to_swa_index_mapping=full_to_swa_index_mapping, token_table=self.token_table,
@@ -151,7 +147,6 @@ class CanaryManager:
         # Device tensors tests and tools read (the parts' own; stable for the manager's lifetime).
         state = self.device_state
         self.canary_buf = state.canary_buf
-        self.verify_plan = state.verify_plan
         self.violation_ring = state.violation_ring
         self.kernel_run_counters = state.kernel_run_counters
         self.slot_run_counters = state.slot_run_counters
@@ -164,9 +159,8 @@ class CanaryManager:
         self._validated_batch: BatchView | None = None
         self._chain_position_assert_armed = False  # set by mark_init_finished (the device flag's host copy)
         logger.info(
-            "kvcanary: manager on %s: %d slots, batch<=%d, tokens<=%d, verify<=%d entries, %d real-KV source(s) "
-            "(%s); %s",
-            self.device, num_slots, max_batch_size, max_tokens_per_forward, vcap, len(self.real_kv_sources),
+            "kvcanary: manager on %s: %d slots, batch<=%d, tokens<=%d, %d real-KV source(s) (%s); %s",
+            self.device, num_slots, max_batch_size, max_tokens_per_forward, len(self.real_kv_sources),
             layout.RealKvHashMode(self.real_kv_mode).name.lower(), config.describe(),
         )
 
@@ -188,7 +182,7 @@ class CanaryManager:
             )
 
     def before_forward(self, batch: BatchView, *, new_forward: bool = True) -> None:
-        """Plan and verify (before the model writes KV). Graph-capturable; never synchronises.
+        """Plan and verify (before the model writes KV): one launch. Graph-capturable; never synchronises.
 
         ``new_forward=False``: plan and verify without touching the forward counter (its launches read the
         current value), e.g. an adapter rewriting records of a forward that ``step()`` already counted.
@@ -202,7 +196,6 @@ class CanaryManager:
         capturing = self._cuda and torch.cuda.is_current_stream_capturing()  # (inline: this runs every forward)
         self.device_state.before_forward(
             batch,
-            reuse_ring=capturing or self.violation_drain.acknowledged_index is not None,  # graphs always carry it
             count_forward=new_forward,
             forward_step_value=-1 if capturing else self._steps + 1,  # captured: each replay adds 1
         )

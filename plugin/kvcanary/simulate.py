@@ -61,7 +61,6 @@ class DecodeRig:
                 max_batch_size=max(bs, 1),
                 max_tokens_per_forward=max(bs, min(PREFILL_TOKENS_PER_FORWARD, bs * shape.context_len)),
                 real_kv_sources=[RealKvSource(self.kv, 1, shape.kv_row_bytes, shape.kv_row_bytes)],
-                verify_capacity=bs * max_len,
             )
         rows = torch.arange(1, bs + 1, dtype=torch.int64, device=self.device)
         i64 = {"dtype": torch.int64, "device": self.device}

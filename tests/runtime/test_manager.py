@@ -13,6 +13,7 @@ from kvcanary.config import Config, Mode
 from kvcanary.manager import CanaryManager
 from kvcanary.real_kv import RealKvSource
 from kvcanary.report import CanaryHealthError, CanaryViolationError
+from kvcanary.tags import LaunchTag
 
 NUM_SLOTS = 128
 
@@ -125,20 +126,32 @@ def test_health_raises_when_a_launch_stops_running() -> None:
             eng.mgr.step()
 
 
-def test_overflow_disables_verify_and_warns(caplog: pytest.LogCaptureFixture) -> None:
-    req = torch.zeros((2, 8), dtype=torch.int32)
-    mgr = CanaryManager(Config(mode=Mode.LOG), num_slots=16, req_to_token=req, device="cpu", max_batch_size=2,
-                        max_tokens_per_forward=8, verify_capacity=2)
-    req[1, :5] = torch.arange(1, 6, dtype=torch.int32)
+def test_verify_has_no_capacity_to_overflow() -> None:
+    """Σ prefix far beyond the pool (rows sharing a cached prefix): every entry is verified, none skipped (the fused
+    check launch has no plan buffer; a capacity once disabled verify for such a forward)."""
+    slots, rows_n, ctx = 32, 9, 12
+    req = torch.zeros((rows_n, ctx), dtype=torch.int32)
+    mgr = CanaryManager(Config(mode=Mode.LOG), num_slots=slots, req_to_token=req, device="cpu", max_batch_size=8,
+                        max_tokens_per_forward=16)
     t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
-    batch = BatchView(ForwardKind.DECODE, t([9]), t([5]), t([6]), t([1]), t([5]), t([1]))
-    with caplog.at_level(logging.WARNING):
-        mgr.before_forward(batch)
-        mgr.after_forward(batch)
-        mgr.step()
-        mgr.flush()
-    assert any("verify skipped" in r.getMessage() for r in caplog.records)
-    assert mgr.stats.verify_overflows == 1
+    prompt = list(range(1, 11))  # one cached prefix of 10 slots, shared by 8 rows
+    req[1, :10] = torch.tensor(prompt, dtype=torch.int32)
+    first = BatchView(ForwardKind.EXTEND, t([5] * 10), t(list(range(10))), t(prompt), t([1]), t([0]), t([10]))
+    mgr.before_forward(first)
+    mgr.after_forward(first)
+    mgr.step()
+    for row in range(1, 9):
+        req[row, :10] = torch.tensor(prompt, dtype=torch.int32)
+        req[row, 10] = 10 + row  # one new slot each
+    rows = t(list(range(1, 9)))
+    batch = BatchView(ForwardKind.DECODE, t([5] * 8), t([10] * 8), t([10 + r for r in range(1, 9)]), rows,
+                      t([10] * 8), t([1] * 8))
+    mgr.before_forward(batch)  # 80 entries, verify capacity would have been 3 x 32 slots before: now unbounded
+    mgr.after_forward(batch)
+    mgr.step()
+    mgr.flush()
+    assert mgr.stats.slot_runs[LaunchTag.VERIFY] == 80
+    assert mgr.violations == []
 
 
 def test_batch_beyond_capacity_is_refused() -> None:

@@ -32,7 +32,7 @@ CPU = torch.device("cpu")
 def device_state(ring_capacity: int = 8) -> DeviceState:
     return DeviceState(
         num_slots=64, req_to_token=torch.zeros((4, 16), dtype=torch.int32), device=CPU, max_batch_size=4,
-        max_tokens_per_forward=16, verify_capacity=64, ring_capacity=ring_capacity, real_kv_sources=(),
+        max_tokens_per_forward=16, ring_capacity=ring_capacity, real_kv_sources=(),
         real_kv_mode=layout.REAL_KV_HASH_MODE_NONE, swa_window_size=0, kv_token_id_vs_position_offset=0,
         full_to_swa_index_mapping=None, token_table=None,
     )
@@ -163,7 +163,7 @@ def test_drain_cadence_reads_on_the_last_two_steps_of_each_period(every: int) ->
 
 
 def test_acknowledged_ring_is_emptied_by_the_next_forward() -> None:
-    """The device half of the protocol: before_forward empties the ring only when the index still equals the
+    """The device half of the protocol: the check launch empties the ring only when the index still equals the
     acknowledged one."""
     h = HandDrain()
     h.append(5, found_at=0)
@@ -172,11 +172,11 @@ def test_acknowledged_ring_is_emptied_by_the_next_forward() -> None:
     t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
     batch = BatchView(ForwardKind.DECODE, t([1]), t([0]), t([1]), t([1]), t([0]), t([1]))
     h.append(6, found_at=0)  # appended after the acknowledgement: the ring must stay
-    h.state.before_forward(batch, reuse_ring=True, count_forward=True, forward_step_value=1)
+    h.state.before_forward(batch, count_forward=True, forward_step_value=1)
     header = parse_header(h.state.state.tolist())
     assert (header.write_index, header.ring_epoch) == (2, 0)
     h.drain.drain(steps=1)  # reads row 6, acknowledges 2
-    h.state.before_forward(batch, reuse_ring=True, count_forward=True, forward_step_value=2)
+    h.state.before_forward(batch, count_forward=True, forward_step_value=2)
     header = parse_header(h.state.state.tolist())
     assert (header.write_index, header.ring_epoch, header.forward) == (0, 1, 2)
 
