@@ -13,10 +13,12 @@ parts, next to one empty torch launch (``x.add_(1)``) as the unit.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
 
+from kvcanary import ops
 from kvcanary.batch import BatchView, ForwardKind
 from kvcanary.config import Config, Mode
 from kvcanary.manager import CanaryManager
@@ -35,6 +37,36 @@ def timed(fn, iters: int, sync) -> float:
         rounds.append((time.perf_counter() - t0) / iters * 1e6)
         sync()
     return sorted(rounds)[2]
+
+
+class _Recorder:
+    """Stands in for the loaded kernel module for one call: keeps the export's name and positional arguments."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple]] = []
+
+    def __getattr__(self, name: str):
+        return lambda *a: self.calls.append((name, a))
+
+
+def export_rows(mgr: CanaryManager, batch: BatchView, iters: int, sync) -> list[tuple[str, float]]:
+    """Where a launch's host time goes: the tvm-ffi export called with the arguments the manager's launch passes,
+    prebuilt (argument conversion + C++ checks + the CUDA launch), against the whole manager call."""
+    recorder = _Recorder()
+    saved = ops.load_module
+    ops.load_module = lambda backend: recorder  # type: ignore[assignment]
+    try:
+        mgr.before_forward(batch)
+        mgr.after_forward(batch)
+    finally:
+        ops.load_module = saved
+    module = saved(batch.input_ids.device.type)
+    out = []
+    for name, call_args in recorder.calls:
+        fn = getattr(module, name)
+        out.append((f"{name}: the export alone, {len(call_args)} arguments prebuilt",
+                    timed(functools.partial(fn, *call_args), iters, sync)))
+    return out
 
 
 def main() -> None:
@@ -77,9 +109,10 @@ def main() -> None:
     channel = PinnedChannel(272, torch.int64, dev, side_stream(dev))
     rows_out = [
         ("one torch launch (x.add_(1))", timed(lambda: x.add_(1), args.iters, sync)),
-        ("before_forward (decode bs=1: copies, plan, verify)",
+        ("before_forward (decode bs=1: one check launch)",
          timed(lambda: mgr.before_forward(decode), args.iters, sync)),
         ("after_forward (decode bs=1: write)", timed(lambda: mgr.after_forward(decode), args.iters, sync)),
+        *export_rows(mgr, decode, args.iters, sync),
         ("before_forward (extend 256)", timed(lambda: mgr.before_forward(extend), args.iters, sync)),
         ("after_forward (extend 256)", timed(lambda: mgr.after_forward(extend), args.iters, sync)),
         ("step, device idle (reads + restarts the status copy)", timed(step_idle, args.iters, sync) - sync_us),

@@ -162,6 +162,24 @@ class DeviceState:
             self._expected_tokens = token_table.expected_tokens
             self._expected_valid_lens_by_row = token_table.valid_lens_by_row
         self._counter_views_by_tag = {tag: self._build_counter_views(tag) for tag in LaunchTag}
+        # The two per-forward launches, their fixed arguments bound once (a forward's host time is the product's cost)
+        self._check = ops.CheckLaunch(
+            state=self.state, canary_buf=self.canary_buf, write_plan=self.write_plan, req_to_token=req_to_token,
+            input_ids_out=self.input_ids_snapshot, positions_out=self.positions_snapshot,
+            out_cache_loc_out=self.out_cache_loc_snapshot, violation_meta=self.violation_meta,
+            slot_attribution=self.slot_attribution, swa_window_size=swa_window_size,
+            full_to_swa_index_mapping=full_to_swa_index_mapping, expected_tokens=self._expected_tokens,
+            expected_valid_lens_by_row=self._expected_valid_lens_by_row,
+            kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, real_kv_sources=self._real_kv_launch,
+            real_kv_hash_mode=real_kv_mode, check_tokens=self._expected_tokens is not None,
+        )
+        self._write = ops.WriteLaunch(
+            canary_buf=self.canary_buf, write_plan=self.write_plan, input_ids=self.input_ids_snapshot,
+            positions=self.positions_snapshot, out_cache_loc=self.out_cache_loc_snapshot, kernel_kind=LaunchTag.WRITE,
+            **self._counter_views_by_tag[LaunchTag.WRITE],
+            enable_chain_position_assert=self.enable_chain_position_assert, real_kv_sources=self._real_kv_launch,
+            real_kv_hash_mode=real_kv_mode,
+        )
 
     # ------------------------------------------------------------------------------------------ launches
     def _build_counter_views(self, tag: LaunchTag) -> dict[str, torch.Tensor]:
@@ -185,53 +203,13 @@ class DeviceState:
         forward counter (``count_forward``: to ``forward_step_value``, or the counter + 1 when that is -1, i.e.
         captured) and empty a ring the host acknowledged in full. ``batch`` was validated and fits the capacities
         (the manager checks both); its arrays may be int32 or int64."""
-        ops.canary_check_step(
-            state=self.state,
-            canary_buf=self.canary_buf,
-            write_plan=self.write_plan,
-            req_pool_indices=batch.req_pool_indices,
-            prefix_lens=batch.prefix_lens,
-            extend_lens=batch.extend_lens,
-            req_to_token=self.req_to_token,
-            input_ids=batch.input_ids,
-            positions=batch.positions,
-            out_cache_loc=batch.out_cache_loc,
-            input_ids_out=self.input_ids_snapshot,
-            positions_out=self.positions_snapshot,
-            out_cache_loc_out=self.out_cache_loc_snapshot,
-            violation_meta=self.violation_meta,
-            slot_attribution=self.slot_attribution,
-            swa_window_size=self.swa_window_size,
-            full_to_swa_index_mapping=self.full_to_swa_index_mapping,
-            expected_tokens=self._expected_tokens,
-            expected_valid_lens_by_row=self._expected_valid_lens_by_row,
-            kv_token_id_vs_position_offset=self.kv_token_id_vs_position_offset,
-            real_kv_sources=self._real_kv_launch,
-            real_kv_hash_mode=self.real_kv_mode,
-            check_tokens=self._expected_tokens is not None,
-            new_forward=count_forward,
-            forward_step_value=forward_step_value,
-        )
+        self._check(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.input_ids, batch.positions,
+                    batch.out_cache_loc, new_forward=count_forward, forward_step_value=forward_step_value)
 
     def after_forward(self, num_tokens: int) -> None:
         """Write the records of the last planned forward's ``num_tokens`` tokens from the snapshot (after the model
-        wrote KV)."""
-        n = num_tokens
-        ops.canary_write_step(
-            canary_buf=self.canary_buf,
-            **self.write_plan.kernel_args(),
-            input_ids=self.input_ids_snapshot[:n],
-            positions=self.positions_snapshot[:n],
-            out_cache_loc=self.out_cache_loc_snapshot[:n],
-            kernel_kind=LaunchTag.WRITE,
-            enable_write_input_assert=False,
-            expected_input_tokens=None,
-            expected_input_positions=None,
-            **self._counter_views_by_tag[LaunchTag.WRITE],
-            enable_chain_position_assert=self.enable_chain_position_assert,
-            real_kv_sources=self._real_kv_launch,
-            real_kv_hash_mode=self.real_kv_mode,
-        )
+        wrote KV): one launch."""
+        self._write(num_tokens)
 
     def sweep(self, plan: VerifyPlan) -> None:
         """Verify ``plan``'s entries with real-KV and no token check, tag SWEEP (host-called, outside capture)."""

@@ -28,8 +28,8 @@ from kvcanary.plan import VerifyPlan, WritePlan
 from kvcanary.real_kv import RealKvSource
 
 __all__ = [
-    "RealKvLaunch", "canary_check_step", "canary_plan_step", "canary_verify_step", "canary_write_step", "load_module",
-    "prepare_real_kv", "real_kv_launch_args",
+    "CheckLaunch", "RealKvLaunch", "WriteLaunch", "canary_check_step", "canary_plan_step", "canary_verify_step",
+    "canary_write_step", "load_module", "prepare_real_kv", "real_kv_launch_args",
 ]
 
 _unused_source_cache: dict[torch.device, torch.Tensor] = {}
@@ -180,66 +180,78 @@ def canary_write_step(
     (``forward_step``'s value, ``row_serials[row]``) for every record stored. Records, rows and counters are
     bit-exact with the seed call.
     """
+    kwargs = {k: v for k, v in locals().items() if k in _WRITE_ARGS}
     try:
-        module: Any = load_module(_backend_of(canary_buf.device))
-        bufs, params, num_sources = real_kv_launch_args(real_kv_sources, canary_buf.device)
-        args = (
-            canary_buf,
-            write_offsets,
-            write_seed_slot_indices,
-            write_num_valid_reqs,
-            input_ids,
-            positions,
-            out_cache_loc,
-            int(kernel_kind),
-            int(enable_write_input_assert),
-            expected_input_tokens,
-            expected_input_positions,
-            violation_ring,
-            violation_write_index,
-            slot_run_counter,
-            kernel_run_counter,
-            enable_chain_position_assert,
-            *bufs,
-            params,
-            num_sources,
-            int(real_kv_hash_mode),
-        )
-        if (violation_meta is None and forward_step is None and write_request_rows is None
-                and slot_attribution is None and row_serials is None):
-            module.canary_write_step(*args)
-        else:
-            module.canary_write_step_attributed(
-                *args, violation_meta, forward_step, write_request_rows, slot_attribution, row_serials
-            )
+        name, args = _write_call(**kwargs)
+        getattr(load_module(_backend_of(canary_buf.device)), name)(*args)
     except _CALL_ERRORS as exc:
-        _reraise_named(
-            exc, "canary_write_step",
-            {
-                "canary_buf": (canary_buf, False),
-                "write_offsets": (write_offsets, False),
-                "write_seed_slot_indices": (write_seed_slot_indices, False),
-                "write_num_valid_reqs": (write_num_valid_reqs, False),
-                "input_ids": (input_ids, False),
-                "positions": (positions, False),
-                "out_cache_loc": (out_cache_loc, False),
-                "expected_input_tokens": (expected_input_tokens, True),
-                "expected_input_positions": (expected_input_positions, True),
-                "violation_ring": (violation_ring, False),
-                "violation_write_index": (violation_write_index, False),
-                "slot_run_counter": (slot_run_counter, False),
-                "kernel_run_counter": (kernel_run_counter, False),
-                "enable_chain_position_assert": (enable_chain_position_assert, False),
-                "violation_meta": (violation_meta, True),
-                "forward_step": (forward_step, True),
-                "write_request_rows": (write_request_rows, True),
-                "slot_attribution": (slot_attribution, True),
-                "row_serials": (row_serials, True),
-            },
-            {"kernel_kind": kernel_kind, "enable_write_input_assert": enable_write_input_assert,
-             "real_kv_hash_mode": real_kv_hash_mode},
-            real_kv_sources,
-        )
+        _raise_write_error(exc, **kwargs)
+
+
+_WRITE_ARGS = (
+    "canary_buf", "write_offsets", "write_seed_slot_indices", "write_num_valid_reqs", "input_ids", "positions",
+    "out_cache_loc", "kernel_kind", "enable_write_input_assert", "expected_input_tokens", "expected_input_positions",
+    "violation_ring", "violation_write_index", "slot_run_counter", "kernel_run_counter", "enable_chain_position_assert",
+    "real_kv_sources", "real_kv_hash_mode", "violation_meta", "forward_step", "write_request_rows",
+    "slot_attribution", "row_serials",
+)
+
+
+def _write_call(*, canary_buf, write_offsets, write_seed_slot_indices, write_num_valid_reqs, input_ids, positions,
+                out_cache_loc, kernel_kind, enable_write_input_assert, expected_input_tokens, expected_input_positions,
+                violation_ring, violation_write_index, slot_run_counter, kernel_run_counter,
+                enable_chain_position_assert, real_kv_sources, real_kv_hash_mode, violation_meta, forward_step,
+                write_request_rows, slot_attribution, row_serials) -> tuple[str, tuple]:
+    """(export name, positional arguments) of one write: the seed export, or the attributed one when any kvcanary+
+    argument is given."""
+    bufs, params, num_sources = real_kv_launch_args(real_kv_sources, canary_buf.device)
+    args = (
+        canary_buf, write_offsets, write_seed_slot_indices, write_num_valid_reqs, input_ids, positions, out_cache_loc,
+        int(kernel_kind), int(enable_write_input_assert), expected_input_tokens, expected_input_positions,
+        violation_ring, violation_write_index, slot_run_counter, kernel_run_counter, enable_chain_position_assert,
+        *bufs, params, num_sources, int(real_kv_hash_mode),
+    )
+    if (violation_meta is None and forward_step is None and write_request_rows is None and slot_attribution is None
+            and row_serials is None):
+        return "canary_write_step", args
+    return "canary_write_step_attributed", (*args, violation_meta, forward_step, write_request_rows,
+                                            slot_attribution, row_serials)
+
+
+def _raise_write_error(exc: Exception, *, canary_buf, write_offsets, write_seed_slot_indices, write_num_valid_reqs,
+                       input_ids, positions, out_cache_loc, kernel_kind, enable_write_input_assert,
+                       expected_input_tokens, expected_input_positions, violation_ring, violation_write_index,
+                       slot_run_counter, kernel_run_counter, enable_chain_position_assert, real_kv_sources,
+                       real_kv_hash_mode, violation_meta, forward_step, write_request_rows, slot_attribution,
+                       row_serials) -> NoReturn:
+    """The named error of a failed canary_write_step call (or ``exc`` when Python cannot name an argument)."""
+    _reraise_named(
+        exc, "canary_write_step",
+        {
+            "canary_buf": (canary_buf, False),
+            "write_offsets": (write_offsets, False),
+            "write_seed_slot_indices": (write_seed_slot_indices, False),
+            "write_num_valid_reqs": (write_num_valid_reqs, False),
+            "input_ids": (input_ids, False),
+            "positions": (positions, False),
+            "out_cache_loc": (out_cache_loc, False),
+            "expected_input_tokens": (expected_input_tokens, True),
+            "expected_input_positions": (expected_input_positions, True),
+            "violation_ring": (violation_ring, False),
+            "violation_write_index": (violation_write_index, False),
+            "slot_run_counter": (slot_run_counter, False),
+            "kernel_run_counter": (kernel_run_counter, False),
+            "enable_chain_position_assert": (enable_chain_position_assert, False),
+            "violation_meta": (violation_meta, True),
+            "forward_step": (forward_step, True),
+            "write_request_rows": (write_request_rows, True),
+            "slot_attribution": (slot_attribution, True),
+            "row_serials": (row_serials, True),
+        },
+        {"kernel_kind": kernel_kind, "enable_write_input_assert": enable_write_input_assert,
+         "real_kv_hash_mode": real_kv_hash_mode},
+        real_kv_sources,
+    )
 
 
 def canary_verify_step(
@@ -492,31 +504,150 @@ def canary_check_step(
     except _CALL_ERRORS as exc:
         if not isinstance(write_plan, WritePlan):
             raise
-        _reraise_named(
-            exc, "canary_check_step",
-            {
-                "state": (state, False),
-                "violation_meta": (violation_meta, True),
-                "slot_attribution": (slot_attribution, True),
-                "canary_buf": (canary_buf, False),
-                **{k: v for k, v in _plan_tensors("write_plan", write_plan, WritePlan).items()
-                   if k != "write_plan.verify_row_offsets"},
-                "req_pool_indices": (req_pool_indices, False),
-                "prefix_lens": (prefix_lens, False),
-                "extend_lens": (extend_lens, False),
-                "req_to_token": (req_to_token, False),
-                "full_to_swa_index_mapping": (full_to_swa_index_mapping, True),
-                "expected_tokens": (expected_tokens, True),
-                "expected_valid_lens_by_row": (expected_valid_lens_by_row, True),
-                "input_ids": (input_ids, False),
-                "positions": (positions, False),
-                "out_cache_loc": (out_cache_loc, False),
-                "input_ids_out": (input_ids_out, False),
-                "positions_out": (positions_out, False),
-                "out_cache_loc_out": (out_cache_loc_out, False),
-            },
-            {"swa_window_size": swa_window_size, "kv_token_id_vs_position_offset": kv_token_id_vs_position_offset,
-             "real_kv_hash_mode": real_kv_hash_mode, "check_tokens": check_tokens, "new_forward": new_forward,
-             "forward_step_value": forward_step_value},
-            real_kv_sources,
+        _raise_check_error(exc, **{k: v for k, v in locals().items() if k in _CHECK_ARGS})
+
+
+_CHECK_ARGS = (
+    "state", "canary_buf", "write_plan", "req_pool_indices", "prefix_lens", "extend_lens", "req_to_token", "input_ids",
+    "positions", "out_cache_loc", "input_ids_out", "positions_out", "out_cache_loc_out", "violation_meta",
+    "slot_attribution", "swa_window_size", "full_to_swa_index_mapping", "expected_tokens", "expected_valid_lens_by_row",
+    "kv_token_id_vs_position_offset", "real_kv_sources", "real_kv_hash_mode", "check_tokens", "new_forward",
+    "forward_step_value",
+)
+
+
+def _raise_check_error(exc: Exception, *, state, canary_buf, write_plan, req_pool_indices, prefix_lens, extend_lens,
+                       req_to_token, input_ids, positions, out_cache_loc, input_ids_out, positions_out,
+                       out_cache_loc_out, violation_meta, slot_attribution, swa_window_size, full_to_swa_index_mapping,
+                       expected_tokens, expected_valid_lens_by_row, kv_token_id_vs_position_offset, real_kv_sources,
+                       real_kv_hash_mode, check_tokens, new_forward, forward_step_value) -> NoReturn:
+    """The named error of a failed canary_check_step call (or ``exc`` when Python cannot name an argument)."""
+    _reraise_named(
+        exc, "canary_check_step",
+        {
+            "state": (state, False),
+            "violation_meta": (violation_meta, True),
+            "slot_attribution": (slot_attribution, True),
+            "canary_buf": (canary_buf, False),
+            **{k: v for k, v in _plan_tensors("write_plan", write_plan, WritePlan).items()
+               if k != "write_plan.verify_row_offsets"},
+            "req_pool_indices": (req_pool_indices, False),
+            "prefix_lens": (prefix_lens, False),
+            "extend_lens": (extend_lens, False),
+            "req_to_token": (req_to_token, False),
+            "full_to_swa_index_mapping": (full_to_swa_index_mapping, True),
+            "expected_tokens": (expected_tokens, True),
+            "expected_valid_lens_by_row": (expected_valid_lens_by_row, True),
+            "input_ids": (input_ids, False),
+            "positions": (positions, False),
+            "out_cache_loc": (out_cache_loc, False),
+            "input_ids_out": (input_ids_out, False),
+            "positions_out": (positions_out, False),
+            "out_cache_loc_out": (out_cache_loc_out, False),
+        },
+        {"swa_window_size": swa_window_size, "kv_token_id_vs_position_offset": kv_token_id_vs_position_offset,
+         "real_kv_hash_mode": real_kv_hash_mode, "check_tokens": check_tokens, "new_forward": new_forward,
+         "forward_step_value": forward_step_value},
+        real_kv_sources,
+    )
+
+
+class CheckLaunch:
+    """``canary_check_step`` with everything that stays fixed for a runtime's lifetime bound once.
+
+    A forward then passes only its batch arrays: one call of the export with a prebuilt argument tuple, no keyword
+    unpacking or re-checking in Python (a forward's host time is the product's cost). A call that fails goes
+    through the same naming as :func:`canary_check_step`, so errors still say which argument is wrong.
+    """
+
+    def __init__(self, *, state: torch.Tensor, canary_buf: torch.Tensor, write_plan: WritePlan,
+                 req_to_token: torch.Tensor, input_ids_out: torch.Tensor, positions_out: torch.Tensor,
+                 out_cache_loc_out: torch.Tensor, violation_meta: torch.Tensor | None = None,
+                 slot_attribution: torch.Tensor | None = None, swa_window_size: int = 0,
+                 full_to_swa_index_mapping: torch.Tensor | None = None, expected_tokens: torch.Tensor | None = None,
+                 expected_valid_lens_by_row: torch.Tensor | None = None, kv_token_id_vs_position_offset: int = 0,
+                 real_kv_sources: Sequence[RealKvSource] | RealKvLaunch = (),
+                 real_kv_hash_mode: int = layout.REAL_KV_HASH_MODE_NONE, check_tokens: bool = False) -> None:
+        if not isinstance(write_plan, WritePlan):
+            raise TypeError(f"canary_check_step: write_plan: expected WritePlan, got {type(write_plan).__name__}")
+        launch = prepare_real_kv(real_kv_sources, canary_buf.device)
+        self._fixed = dict(
+            state=state, canary_buf=canary_buf, write_plan=write_plan, req_to_token=req_to_token,
+            input_ids_out=input_ids_out, positions_out=positions_out, out_cache_loc_out=out_cache_loc_out,
+            violation_meta=violation_meta, slot_attribution=slot_attribution, swa_window_size=swa_window_size,
+            full_to_swa_index_mapping=full_to_swa_index_mapping, expected_tokens=expected_tokens,
+            expected_valid_lens_by_row=expected_valid_lens_by_row,
+            kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, real_kv_sources=launch,
+            real_kv_hash_mode=real_kv_hash_mode, check_tokens=check_tokens,
         )
+        module: Any = load_module(_backend_of(canary_buf.device))
+        self._fn = module.canary_check_step
+        self._head = (state, violation_meta, slot_attribution, canary_buf, write_plan.write_offsets,
+                      write_plan.write_seed_slot_indices, write_plan.write_num_valid_reqs,
+                      write_plan.write_request_rows)
+        self._mid = (req_to_token, int(swa_window_size), full_to_swa_index_mapping, expected_tokens,
+                     expected_valid_lens_by_row, int(kv_token_id_vs_position_offset))
+        self._tail = (input_ids_out, positions_out, out_cache_loc_out, *launch.buffers, launch.params,
+                      launch.num_sources, int(real_kv_hash_mode), int(check_tokens))
+
+    def __call__(self, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
+                 input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor, *,
+                 new_forward: bool = True, forward_step_value: int = -1) -> None:
+        try:
+            self._fn(*self._head, req_pool_indices, prefix_lens, extend_lens, *self._mid, input_ids, positions,
+                     out_cache_loc, *self._tail, int(new_forward), int(forward_step_value))
+        except _CALL_ERRORS as exc:
+            _raise_check_error(exc, **self._fixed, req_pool_indices=req_pool_indices, prefix_lens=prefix_lens,
+                               extend_lens=extend_lens, input_ids=input_ids, positions=positions,
+                               out_cache_loc=out_cache_loc, new_forward=new_forward,
+                               forward_step_value=forward_step_value)
+
+
+class WriteLaunch:
+    """``canary_write_step`` of a runtime with every argument bound once, per token count.
+
+    The write reads the first ``n`` tokens of the runtime's own snapshot buffers, so a forward's whole argument
+    tuple depends on ``n`` only: it is laid out once per ``n`` (at most ``max_cached`` counts are kept; a decode loop
+    uses one or a few) and a forward is one call of the export. Failures are named like :func:`canary_write_step`'s.
+    """
+
+    def __init__(self, *, canary_buf: torch.Tensor, write_plan: WritePlan, input_ids: torch.Tensor,
+                 positions: torch.Tensor, out_cache_loc: torch.Tensor, kernel_kind: int,
+                 violation_ring: torch.Tensor, violation_write_index: torch.Tensor, slot_run_counter: torch.Tensor,
+                 kernel_run_counter: torch.Tensor, enable_chain_position_assert: torch.Tensor,
+                 real_kv_sources: Sequence[RealKvSource] | RealKvLaunch = (),
+                 real_kv_hash_mode: int = layout.REAL_KV_HASH_MODE_NONE, violation_meta: torch.Tensor | None = None,
+                 forward_step: torch.Tensor | None = None, slot_attribution: torch.Tensor | None = None,
+                 row_serials: torch.Tensor | None = None, max_cached: int = 256) -> None:
+        self._kwargs = dict(
+            canary_buf=canary_buf, **write_plan.kernel_args(), kernel_kind=kernel_kind,
+            enable_write_input_assert=False, expected_input_tokens=None, expected_input_positions=None,
+            violation_ring=violation_ring, violation_write_index=violation_write_index,
+            slot_run_counter=slot_run_counter, kernel_run_counter=kernel_run_counter,
+            enable_chain_position_assert=enable_chain_position_assert,
+            real_kv_sources=prepare_real_kv(real_kv_sources, canary_buf.device), real_kv_hash_mode=real_kv_hash_mode,
+            violation_meta=violation_meta, forward_step=forward_step, slot_attribution=slot_attribution,
+            row_serials=row_serials,
+        )
+        self._kwargs.setdefault("write_request_rows", None)
+        self._buffers = (input_ids, positions, out_cache_loc)
+        self._module: Any = load_module(_backend_of(canary_buf.device))
+        self._by_count: dict[int, tuple[Any, tuple]] = {}
+        self._max_cached = max_cached
+
+    def _bound(self, n: int) -> tuple[Any, tuple]:
+        ids, pos, loc = self._buffers
+        name, args = _write_call(**self._kwargs, input_ids=ids[:n], positions=pos[:n], out_cache_loc=loc[:n])
+        if len(self._by_count) >= self._max_cached:
+            self._by_count.clear()
+        bound = self._by_count[n] = (getattr(self._module, name), args)
+        return bound
+
+    def __call__(self, n: int) -> None:
+        bound = self._by_count.get(n)
+        try:
+            fn, args = bound if bound is not None else self._bound(n)
+            fn(*args)
+        except _CALL_ERRORS as exc:
+            ids, pos, loc = self._buffers
+            _raise_write_error(exc, **self._kwargs, input_ids=ids[:n], positions=pos[:n], out_cache_loc=loc[:n])
