@@ -16,9 +16,10 @@
  *   - forward counter (state[kStateForward]): with new_forward it becomes forward_step_value (>= 0) or the
  *     counter + 1 (< 0: each CUDA-graph replay counts one forward), and every metadata row of this launch
  *     carries the NEW value; without new_forward it is only read.
- *   - drained-ring reuse after every append of this launch: if drained_to > 0 and the write index equals it
- *     (the host read every row and none was appended since, this launch's included), index = 0, epoch += 1,
- *     drained_to = -1. drained_to <= 0: nothing acknowledged (a zeroed header is a valid initial state).
+ *   - drained-ring reuse BEFORE any append of this launch: if drained_to > 0 and the write index equals it
+ *     (the host read every row and none was appended since), index = 0, epoch += 1, drained_to = -1; this
+ *     launch's rows then start at index 0 (a forward that finds violations again still gets the emptied ring).
+ *     drained_to <= 0: nothing acknowledged (a zeroed header is a valid initial state).
  * State: the manager's flat int64 buffer as ONE argument: the kState* header of kvcanary/layout.h, then the
  *   ring [ring_capacity, kViolationFields], ring_capacity = (length - kStateHeaderFields) / kViolationFields.
  * Grid:  CUDA: min(SMs x min(occupancy, kCheckMaxBlocksPerSm), ceil(write_capacity x (max_context + 2) /
@@ -26,15 +27,19 @@
  *        Every block scans the rows in chunks of kCheckThreads (block-wide prefix sums in shared memory; any
  *        bs up to the write capacity), then the grid strides over the chunk's entries (entry e -> thread e mod
  *        grid size), each finding its row by binary search over the chunk's row starts in shared memory. Block
- *        0 stores the write plan and bumps the counters; the snapshot is grid-strided. The last block to finish
- *        (atomic count in state[kStateDoneBlocks], reset to 0 by it) stores the counter and reuses the ring;
- *        every block took the step from the counter it read at its start, before any block could store it.
- *        CPU: one loop, the same per-row and per-entry semantics, rows in entry order.
+ *        0 stores the write plan and bumps the counters; the snapshot is grid-strided. Reuse gate: after its
+ *        snapshot each block takes an arrival ticket (state[kStateArrivals]); the ticket holder that is first
+ *        (ticket mod grid == 0) reuses the ring and opens state[kStateReuseGate], every other block waits for
+ *        the gate before its first append (the first block never waits: no deadlock whatever the residency).
+ *        The last block to finish (atomic count in state[kStateDoneBlocks]) stores the counter and resets the
+ *        three scratch fields to 0; every block took the step from the counter it read at its start, before
+ *        any block could store it. CPU: one loop (reuse first), the same per-row and per-entry semantics, rows
+ *        in entry order.
  * Block: kCheckThreads threads (launch bounds: kCheckMinBlocksPerSm per SM); one entry per thread per step.
  * Reads:  batch arrays, req_to_token, LUT, expected tokens and valid lengths, records, real-KV bytes, the
  *         snapshot sources, the state header (forward counter, write index, drained_to).
  * Writes: write plan, snapshots, violation (+ metadata) rows, the header (counters, forward counter, write
- *         index / epoch / drained_to on reuse, the done-block scratch). Never the records.
+ *         index / epoch / drained_to on reuse, the done / arrival / gate scratch). Never the records.
  */
 #pragma once
 
@@ -119,19 +124,27 @@ KVCANARY_HD T check_load_fresh(const T* addr) {
 }
 
 /*!
- * \brief End of the launch, after every append: store the forward counter, reuse a drained ring.
- * Run by one thread while no other thread of the launch can append (the CPU loop's end; the last block).
+ * \brief Start of the launch, before any append: empty the ring if the host read every row and none was appended
+ * since its acknowledgement (the old manager's order: reuse, then this forward's appends). Run by one thread while
+ * no thread of the launch can append yet (the CPU loop's start; on the device the gate's opener).
  */
-KVCANARY_HD void check_finish(const CheckParams& p, int64_t step) {
-  if (p.new_forward) {
-    p.state[kStateForward] = step;
-  }
+KVCANARY_HD void check_reuse_drained_ring(const CheckParams& p) {
   int32_t* index = check_write_index(p);
   const int64_t drained_to = check_load_fresh(p.state + kStateDrainedTo);
   if (drained_to > 0 && static_cast<int64_t>(check_load_fresh(index)) == drained_to) {
     *index = 0;
-    p.state[kStateRingEpoch] = check_load_fresh(p.state + kStateRingEpoch) + 1;
+    p.state[kStateRingEpoch] += 1;
     p.state[kStateDrainedTo] = -1;
+  }
+}
+
+/*!
+ * \brief End of the launch, after every append: store the forward counter.
+ * Run by one thread once every block has read the counter (the CPU loop's end; the last block).
+ */
+KVCANARY_HD void check_finish(const CheckParams& p, int64_t step) {
+  if (p.new_forward) {
+    p.state[kStateForward] = step;
   }
 }
 
@@ -143,6 +156,28 @@ KVCANARY_HD void check_entry(const CheckParams& p, const ViolationSink& sink, in
 }
 
 #if KVCANARY_DEVICE_BUILD
+
+/*!
+ * \brief The reuse gate, by thread 0 of each block before the block's first append: one block reuses the ring and
+ * opens the gate, every other block waits until it is open. The opener is the block whose arrival ticket is a
+ * multiple of the grid size: ticket 0 (the first to arrive) at rest, and still exactly one block if a dead launch
+ * left the ticket count non-zero, so no launch can wait on a gate nobody opens. Capturable: no host sync.
+ */
+__device__ __forceinline__ void check_reuse_gate(const CheckParams& p) {
+  int32_t* arrivals = reinterpret_cast<int32_t*>(p.state + kStateArrivals);
+  int32_t* gate = reinterpret_cast<int32_t*>(p.state + kStateReuseGate);
+  const uint32_t ticket = static_cast<uint32_t>(atomicAdd(arrivals, 1));
+  if (ticket % gridDim.x == 0) {
+    check_reuse_drained_ring(p);
+    __threadfence();  // the reset index, epoch and drained_to before the open gate, device-wide
+    atomicExch(gate, 1);
+    return;
+  }
+  while (check_load_fresh(gate) == 0) {
+    __nanosleep(64);
+  }
+  __threadfence();  // nothing of this block's below is ordered before the gate it saw open
+}
 
 __global__ void __launch_bounds__(kCheckThreads, kCheckMinBlocksPerSm)
     canary_check_kernel(const __grid_constant__ CheckParams p) {
@@ -167,6 +202,10 @@ __global__ void __launch_bounds__(kCheckThreads, kCheckMinBlocksPerSm)
   for (int64_t i = g; i < p.num_tokens; i += stride) {
     check_snapshot(p, i);
   }
+  if (threadIdx.x == 0) {
+    check_reuse_gate(p);  // after the snapshot (no appends there): the opener has usually done the reuse by now
+  }
+  __syncthreads();
 
   const bool stores_write_plan = blockIdx.x == 0;
   const int64_t rows = stores_write_plan ? q.write_capacity : q.batch_rows;
@@ -238,9 +277,11 @@ __global__ void __launch_bounds__(kCheckThreads, kCheckMinBlocksPerSm)
   }
   __syncthreads();
   if (s_last && threadIdx.x == 0) {
-    __threadfence();  // every other block's appends (write index) before this block's reads
     check_finish(p, s_step);
-    *done = 0;  // ready for the next launch (and for a graph replay)
+    // Ready for the next launch (and for a graph replay): every block has passed the gate and counted itself done.
+    *reinterpret_cast<int32_t*>(p.state + kStateArrivals) = 0;
+    *reinterpret_cast<int32_t*>(p.state + kStateReuseGate) = 0;
+    *done = 0;
   }
 }
 
@@ -266,6 +307,7 @@ inline int64_t check_resident_blocks(int32_t device_id) {
 
 inline void canary_check_cpu(const CheckParams& p) {
   const PlanParams& q = p.plan;
+  check_reuse_drained_ring(p);  // before any append, as the device's gate orders it
   const int64_t step = check_step_value(p, p.state[kStateForward]);
   const ViolationSink sink = check_sink(p, &step);
   for (int64_t i = 0; i < p.num_tokens; ++i) {

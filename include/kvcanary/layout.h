@@ -105,8 +105,12 @@ constexpr int32_t kStateRingEpoch = kStateSlotRuns + kNumLaunchTags;   // times 
 constexpr int32_t kStateForward = kStateRingEpoch + 1;    // the device forward counter
 constexpr int32_t kStateDrainedTo = kStateForward + 1;    // ring index the host has read up to (<= 0: none)
 constexpr int32_t kStateDoneBlocks = kStateDrainedTo + 1;  // scratch: blocks finished (int32, low half; 0 at rest)
+// Scratch of canary_check_step's start (int32, low half; 0 at rest): blocks arrived (arrival tickets), and the gate
+// the reusing block opens (1) once the drained-ring reuse is done, before any block of the launch appends.
+constexpr int32_t kStateArrivals = kStateDoneBlocks + 1;
+constexpr int32_t kStateReuseGate = kStateArrivals + 1;
 constexpr int32_t kStateHeaderFields = 16;
-static_assert(kStateDoneBlocks < kStateHeaderFields, "state header too small");
+static_assert(kStateReuseGate < kStateHeaderFields, "state header too small");
 
 // Fail-reason bits (column 7). Bit 6 is kvcanary's own: an index the engine handed the canary lies
 // outside the buffer it indexes; the row's expected_aux column carries the offending index.
@@ -188,6 +192,8 @@ constexpr LayoutConstant kLayoutConstantTable[] = {
     {"STATE_FORWARD", kStateForward},
     {"STATE_DRAINED_TO", kStateDrainedTo},
     {"STATE_DONE_BLOCKS", kStateDoneBlocks},
+    {"STATE_ARRIVALS", kStateArrivals},
+    {"STATE_REUSE_GATE", kStateReuseGate},
     {"STATE_HEADER_FIELDS", kStateHeaderFields},
     {"REASON_VERIFY_CHAIN_HASH", kReasonVerifyChainHash},
     {"REASON_VERIFY_POSITION", kReasonVerifyPosition},

@@ -104,6 +104,10 @@ STATE_RING_EPOCH = STATE_SLOT_RUNS + NUM_LAUNCH_TAGS  # times the drained ring w
 STATE_FORWARD = STATE_RING_EPOCH + 1  # the device forward counter
 STATE_DRAINED_TO = STATE_FORWARD + 1  # ring index the host has read up to (<= 0: none)
 STATE_DONE_BLOCKS = STATE_DRAINED_TO + 1  # scratch of canary_check_step: blocks finished (int32, low half)
+# scratch of canary_check_step's start (int32, low half; 0 at rest): arrival tickets, and the gate the reusing block
+# opens once the drained-ring reuse is done (no block appends before it)
+STATE_ARRIVALS = STATE_DONE_BLOCKS + 1
+STATE_REUSE_GATE = STATE_ARRIVALS + 1
 STATE_HEADER_FIELDS = 16
 
 

@@ -417,9 +417,15 @@ def canary_check_step(
     new_forward: bool = True,
     forward_step_value: int = -1,
 ) -> None:
-    """Reference of ``ops.canary_check_step`` (contract: csrc/canary_check.cuh): the plan and verify references
-    composed over a verify plan that cannot overflow, then the manager's per-forward small ops."""
+    """Reference of ``ops.canary_check_step`` (contract: csrc/canary_check.cuh): the drained-ring reuse first, then
+    the plan and verify references composed over a verify plan that cannot overflow, and the per-forward small ops."""
     i64 = torch.int64
+    write_index = state[layout.STATE_WRITE_INDEX : layout.STATE_WRITE_INDEX + 1].view(torch.int32)[0:1]
+    drained_to = int(state[layout.STATE_DRAINED_TO])
+    if drained_to > 0 and int(write_index[0]) == drained_to:  # the host read every row, none appended since
+        write_index[0] = 0  # before this launch's appends: they start at row 0 of the emptied ring
+        state[layout.STATE_RING_EPOCH] += 1
+        state[layout.STATE_DRAINED_TO] = -1
     n = int(input_ids.shape[0])
     for src, dst in ((input_ids, input_ids_out), (positions, positions_out), (out_cache_loc, out_cache_loc_out)):
         dst[:n] = src.to(i64)
@@ -444,7 +450,6 @@ def canary_check_step(
     counter = int(state[layout.STATE_FORWARD])
     step = counter if not new_forward else (forward_step_value if forward_step_value >= 0 else counter + 1)
     tag = layout.LAUNCH_TAG_VERIFY
-    write_index = state[layout.STATE_WRITE_INDEX : layout.STATE_WRITE_INDEX + 1].view(torch.int32)[0:1]
     canary_verify_step(
         canary_buf=canary_buf,
         verify_slot_indices=verify_plan.verify_slot_indices,
@@ -468,8 +473,3 @@ def canary_check_step(
     )
     if new_forward:
         state[layout.STATE_FORWARD] = step
-    drained_to = int(state[layout.STATE_DRAINED_TO])
-    if drained_to > 0 and int(write_index[0]) == drained_to:  # the host read every row, none appended since
-        write_index[0] = 0
-        state[layout.STATE_RING_EPOCH] += 1
-        state[layout.STATE_DRAINED_TO] = -1

@@ -2,11 +2,12 @@
 
 * Differential: on random batches the fused launch leaves exactly what ``canary_plan_step`` (attributed, with a verify
   capacity that never overflows) + ``canary_verify_step`` (attributed, tag VERIFY) + the manager's small ops done by
-  hand (snapshot copies, per-row valid-length gather, int64 conversions, drained-ring reuse after the launch) leave:
+  hand (drained-ring reuse before the launch, snapshot copies, per-row valid-length gather, int64 conversions) leave:
   write plan, snapshots, state header (counters, forward counter, epoch, drained_to, write index), ring rows and
   metadata rows. CPU: bit-exact, rows in order. CUDA: rows as multisets (appends race), and CUDA equals CPU.
 * kvcanary.ref.canary_check_step (the plan and verify references composed) equals the CPU kernel.
-* The forward counter, the drained-ring reuse and the many-row / many-entry grid paths, by hand.
+* The forward counter, the drained-ring reuse (before the launch's appends) and the many-row / many-entry grid paths,
+  by hand; on CUDA, a many-block launch whose blocks all append after the reuse.
 * A CUDA graph of check + write replays with the counter +1 per replay.
 * Argument errors name the argument.
 """
@@ -180,7 +181,8 @@ def random_check_case(rng: random.Random, *, bs_max: int = 8, ctx_max: int = 40)
     start = rng.choice([0, 0, 1, 3, 70])
     state[layout.STATE_WRITE_INDEX] = start
     state[layout.STATE_DRAINED_TO] = rng.choice([-1, 0, start, start, start + 1])
-    state[layout.STATE_DONE_BLOCKS] = 0
+    for scratch in (layout.STATE_DONE_BLOCKS, layout.STATE_ARRIVALS, layout.STATE_REUSE_GATE):
+        state[scratch] = 0  # canary_check_step's scratch is 0 at rest
     case["state"] = state
     case["violation_meta"] = (torch.full((ring_capacity, layout.VIOLATION_META_FIELDS), SENTINEL, dtype=torch.int64)
                               if rng.random() < 0.85 else None)
@@ -216,6 +218,13 @@ def run_composed(case: dict[str, Any], device: str) -> dict[str, Any]:
     """What the manager did before canary_check_step: plan + verify launches and the small torch ops."""
     kw = _on(case, device)
     state = kw["state"]
+    # _reuse_drained_ring, before the launch's appends (drained_to <= 0: nothing acknowledged)
+    write_index = state[layout.STATE_WRITE_INDEX : layout.STATE_WRITE_INDEX + 1].view(torch.int32)[0:1]
+    drained_to = state[layout.STATE_DRAINED_TO : layout.STATE_DRAINED_TO + 1]
+    drained = (write_index.to(torch.int64) == drained_to) & (drained_to > 0)
+    write_index.masked_fill_(drained, 0)
+    state[layout.STATE_RING_EPOCH : layout.STATE_RING_EPOCH + 1].add_(drained)
+    drained_to.masked_fill_(drained, -1)
     n = kw["input_ids"].shape[0]
     for src, dst in (("input_ids", "input_ids_out"), ("positions", "positions_out"),
                      ("out_cache_loc", "out_cache_loc_out")):
@@ -237,7 +246,6 @@ def run_composed(case: dict[str, Any], device: str) -> dict[str, Any]:
         kv_token_id_vs_position_offset=kw["kv_token_id_vs_position_offset"], **expected,
         forward_counter=counter if kw["new_forward"] else None, forward_step_value=kw["forward_step_value"],
     )
-    write_index = state[layout.STATE_WRITE_INDEX : layout.STATE_WRITE_INDEX + 1].view(torch.int32)[0:1]
     ops.canary_verify_step(
         canary_buf=kw["canary_buf"], **verify_plan.kernel_args(), kernel_kind=V,
         violation_ring=state[H:].view(-1, layout.VIOLATION_FIELDS), violation_write_index=write_index,
@@ -247,12 +255,6 @@ def run_composed(case: dict[str, Any], device: str) -> dict[str, Any]:
         check_tokens=kw["check_tokens"], violation_meta=kw["violation_meta"], forward_step=counter,
         slot_attribution=kw["slot_attribution"],
     )
-    # _reuse_drained_ring, after the launch's appends (drained_to <= 0: nothing acknowledged)
-    drained_to = state[layout.STATE_DRAINED_TO : layout.STATE_DRAINED_TO + 1]
-    drained = (write_index.to(torch.int64) == drained_to) & (drained_to > 0)
-    write_index.masked_fill_(drained, 0)
-    state[layout.STATE_RING_EPOCH : layout.STATE_RING_EPOCH + 1].add_(drained)
-    drained_to.masked_fill_(drained, -1)
     _sync(device)
     assert int(verify_plan.verify_enable[0]) == 1, "the composed plan overflowed: raise its capacity"
     return _results(kw)
@@ -272,7 +274,7 @@ def _results(kw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _appended(result: dict[str, Any], start: int) -> int:
-    """Rows appended by the launch: the header's write index (before a reuse: then it is 0 and none were)."""
+    """Rows appended by the launch from write index ``start`` (0 after a reuse): the header's index moved by them."""
     index = int(result["header"][layout.STATE_WRITE_INDEX]) & 0xFFFFFFFF
     return max(0, index - start)
 
@@ -318,11 +320,13 @@ def test_fused_equals_plan_verify_and_small_ops(backend: str, chunk: int) -> Non
         assert_same(fused, composed, ctx, ordered=backend == "cpu")
         if backend == "cuda":  # the CUDA kernel equals the CPU loop
             assert_same(fused, run_fused(ops.canary_check_step, case, "cpu"), ctx + " vs cpu", ordered=False)
-        start = int(case["state"][layout.STATE_WRITE_INDEX])
+        reused = int(fused["header"][layout.STATE_RING_EPOCH]) != int(case["state"][layout.STATE_RING_EPOCH])
+        start = 0 if reused else int(case["state"][layout.STATE_WRITE_INDEX])
         appended = _appended(fused, start)
         seen["rows"] += appended > 0
         seen["overflow"] += start + appended > fused["ring"].shape[0]
-        seen["reuse"] += int(fused["header"][layout.STATE_RING_EPOCH]) != int(case["state"][layout.STATE_RING_EPOCH])
+        seen["reuse"] += reused
+        seen["rows_after_reuse"] += reused and appended > 0
         seen["swa"] += case["full_to_swa_index_mapping"] is not None
         seen["tokens_i32"] += case["expected_tokens"] is not None and case["expected_tokens"].dtype == torch.int32
         seen["check_tokens"] += case["check_tokens"] and case["expected_tokens"] is not None
@@ -331,7 +335,7 @@ def test_fused_equals_plan_verify_and_small_ops(backend: str, chunk: int) -> Non
         seen["rp_i32"] += case["req_pool_indices"].dtype == torch.int32
         seen["kept_forward"] += not case["new_forward"]
         seen["real_kv"] += case["real_kv_hash_mode"] != 0 and bool(case["sources"])
-    assert all(v >= 5 for v in seen.values()) and len(seen) == 11, seen
+    assert all(v >= 5 for v in seen.values()) and len(seen) == 12, seen
 
 
 def test_reference_equals_the_cpu_kernel() -> None:
@@ -445,23 +449,96 @@ def test_forward_counter_and_row_step(backend: str, new_forward: bool, step_valu
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(("index", "drained_to", "corrupt", "reused"), [
-    (5, 5, False, True),  # acknowledged, nothing appended: emptied
-    (5, 5, True, False),  # acknowledged, but this launch appended: kept (its rows are unread)
-    (5, 3, False, False),  # rows 3..4 not read yet
-    (0, 0, False, False),  # a zeroed header: nothing acknowledged
+    (5, 5, False, True),  # acknowledged, nothing appended since: emptied
+    (5, 5, True, True),  # acknowledged: emptied first, this launch's 2 rows then start at row 0 (issue 15)
+    (5, 3, False, False),  # rows 3..4 not read yet: the index moved since the acknowledgement
+    (5, 3, True, False),  # ... and this launch's rows go past the capacity (4): counted, not kept
+    (0, 0, True, False),  # a zeroed header: nothing acknowledged
     (0, -1, False, False),
+    (0, -1, True, False),
 ])
 def test_drained_ring_reuse(backend: str, index: int, drained_to: int, corrupt: bool, reused: bool) -> None:
+    """The reuse happens before the launch's appends (the old manager's order), so a forward that finds violations
+    again still gets the emptied ring instead of counting them all as lost."""
     _skip_unavailable(backend)
     case, out = _hand(backend, index=index, drained_to=drained_to, corrupt=corrupt)
     header = out["header"].tolist()
     epoch = int(case["state"][layout.STATE_RING_EPOCH])
+    rows = 2 if corrupt else 0  # slot 12's position and slot 13's chain
+    assert header[layout.STATE_ARRIVALS] == 0 and header[layout.STATE_REUSE_GATE] == 0  # scratch back at rest
     if reused:
-        assert header[layout.STATE_WRITE_INDEX] == 0 and header[layout.STATE_DRAINED_TO] == -1
+        assert header[layout.STATE_WRITE_INDEX] == rows and header[layout.STATE_DRAINED_TO] == -1
         assert header[layout.STATE_RING_EPOCH] == epoch + 1
     else:
-        assert header[layout.STATE_WRITE_INDEX] == index + (2 if corrupt else 0)
+        assert header[layout.STATE_WRITE_INDEX] == index + rows
         assert header[layout.STATE_DRAINED_TO] == drained_to and header[layout.STATE_RING_EPOCH] == epoch
+    first = 0 if reused else index
+    kept = max(0, min(first + rows, 4) - first)  # the ring holds 4 rows
+    assert sorted(out["ring"][first : first + kept, layout.VIOLATION_COL_SLOT].tolist()) == [12, 13][:kept]
+    assert out["meta"][first : first + kept, layout.VIOLATION_META_COL_STEP].tolist() == [42] * kept
+    untouched = [i for i in range(4) if not first <= i < first + kept]
+    assert not out["ring"][untouched].any(), "rows outside this launch's appends stay as they were"
+
+
+@pytest.mark.gpu
+def test_many_blocks_all_append_after_the_reuse() -> None:
+    """A batch whose failing entries span every block of a many-block grid, into a ring the host acknowledged
+    nearly full: the ring is emptied before ANY block appends (the reuse gate), so the kept rows are 0..count-1,
+    nothing is lost, and the count equals the failing entries (the CPU loop's, same rows as a multiset)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    rng = random.Random(11)
+    req_rows, length, bs = 64, 60, 512
+    num_slots = req_rows * (length + 1) + 1
+    table = torch.zeros((req_rows, length + 1), dtype=torch.int32)
+    slots = list(range(1, num_slots))
+    rng.shuffle(slots)
+    for rr in range(1, req_rows):
+        table[rr] = torch.tensor(slots[(rr - 1) * (length + 1) : rr * (length + 1)], dtype=torch.int32)
+    canary = torch.zeros((num_slots, 32), dtype=torch.uint8)
+    locs = table[1:, :length].reshape(-1).to(torch.int64)
+    z = {"violation_ring": torch.zeros((1, 8), dtype=torch.int64), "violation_write_index": _ints([0], torch.int32),
+         "slot_run_counter": _ints([0]), "kernel_run_counter": _ints([0])}
+    ops.canary_write_step(  # request rows 1.. hold clean chains of `length` tokens
+        canary_buf=canary, write_offsets=torch.arange(0, req_rows * length, length, dtype=torch.int64),
+        write_seed_slot_indices=_ints([-1] * (req_rows - 1)), write_num_valid_reqs=_ints([req_rows - 1], torch.int32),
+        input_ids=torch.randint(0, 30000, (locs.numel(),)), positions=torch.arange(length).repeat(req_rows - 1),
+        out_cache_loc=locs, kernel_kind=1, enable_write_input_assert=False, expected_input_tokens=None,
+        expected_input_positions=None, enable_chain_position_assert=_ints([0], torch.int32), **z,
+    )
+    for slot in rng.sample(locs.tolist(), locs.numel() // 3):  # a third of the records corrupt
+        canary[slot, 8] ^= 1 << rng.randrange(8)
+    ring_capacity = 32768
+    state = torch.zeros(H + ring_capacity * layout.VIOLATION_FIELDS, dtype=torch.int64)
+    state[H:] = SENTINEL
+    state[layout.STATE_WRITE_INDEX] = state[layout.STATE_DRAINED_TO] = ring_capacity - 3  # read nearly full
+    state[layout.STATE_RING_EPOCH] = 4
+    state[layout.STATE_FORWARD] = 99
+    rps = [rng.randrange(1, req_rows) for _ in range(bs)]
+    case = random_check_case(random.Random(3))
+    case.update({
+        "canary_buf": canary, "req_to_token": table, "req_pool_indices": _ints(rps),
+        "prefix_lens": _ints([length] * bs), "extend_lens": _ints([1] * bs), "swa_window_size": 0,
+        "full_to_swa_index_mapping": None, "expected_tokens": None, "expected_valid_lens_by_row": None,
+        "kv_token_id_vs_position_offset": 0, "input_ids": _ints([1] * bs), "positions": _ints([length] * bs),
+        "out_cache_loc": _ints([int(table[rp, length]) for rp in rps]), "input_ids_out": _ints([0] * bs),
+        "positions_out": _ints([0] * bs), "out_cache_loc_out": _ints([0] * bs), "real_kv_hash_mode": 0,
+        "check_tokens": False, "new_forward": True, "forward_step_value": -1, "state": state,
+        "violation_meta": torch.full((ring_capacity, layout.VIOLATION_META_FIELDS), SENTINEL, dtype=torch.int64),
+        "slot_attribution": None, "write_capacity": bs, "sources": [],
+    })
+    want = run_fused(ops.canary_check_step, case, "cpu")
+    got = run_fused(ops.canary_check_step, case, "cuda")
+    count = int(want["header"][layout.STATE_WRITE_INDEX])
+    # about 2/3 of the 30720 entries (one per thread of a ~126-block grid) fail: every block appends, all are kept
+    assert 15_000 < count < ring_capacity
+    header = got["header"].tolist()
+    assert header[layout.STATE_WRITE_INDEX] == count and header[layout.STATE_RING_EPOCH] == 5
+    assert header[layout.STATE_DRAINED_TO] == -1 and header[layout.STATE_FORWARD] == 100
+    assert header[layout.STATE_ARRIVALS] == header[layout.STATE_REUSE_GATE] == header[layout.STATE_DONE_BLOCKS] == 0
+    assert not (got["ring"][:count] == SENTINEL).any() and (got["ring"][count:] == SENTINEL).all()
+    assert (got["meta"][:count, layout.VIOLATION_META_COL_STEP] == 100).all()
+    assert_same(got, want, "many blocks", ordered=False)
 
 
 # ---------------------------------------------------------------------------------------------- CUDA graph

@@ -32,5 +32,6 @@ def test_launch_tags_and_state_header_agree_with_the_python_names() -> None:
     header = [layout.STATE_WRITE_INDEX, layout.STATE_OVERFLOWS,
               *range(layout.STATE_KERNEL_RUNS, layout.STATE_KERNEL_RUNS + layout.NUM_LAUNCH_TAGS),
               *range(layout.STATE_SLOT_RUNS, layout.STATE_SLOT_RUNS + layout.NUM_LAUNCH_TAGS),
-              layout.STATE_RING_EPOCH, layout.STATE_FORWARD, layout.STATE_DRAINED_TO, layout.STATE_DONE_BLOCKS]
+              layout.STATE_RING_EPOCH, layout.STATE_FORWARD, layout.STATE_DRAINED_TO, layout.STATE_DONE_BLOCKS,
+              layout.STATE_ARRIVALS, layout.STATE_REUSE_GATE]
     assert len(set(header)) == len(header) and max(header) < layout.STATE_HEADER_FIELDS  # disjoint, in the header
