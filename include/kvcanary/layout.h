@@ -122,6 +122,18 @@ constexpr int64_t kReasonWritePosition = int64_t{1} << 4;
 constexpr int64_t kReasonVerifyToken = int64_t{1} << 5;
 constexpr int64_t kReasonSlotOutOfRange = int64_t{1} << 6;
 
+// ---------------------------------------------------------------- token-table staging (kvcanary+)
+// canary_token_update reads one int64 staging buffer per batch of expected-token updates (pinned host memory on
+// CUDA, read by the kernel in place): a header of kTokenUpdateFields runs of num_updates values, field-major (field
+// f of update u at f * num_updates + u, so the host writes each field as one run), then the updates' tokens packed
+// one after the other. The offset is absolute: a staging index >= kTokenUpdateFields * num_updates.
+constexpr int32_t kTokenUpdateFieldRow = 0;       // expected_tokens row
+constexpr int32_t kTokenUpdateFieldStart = 1;     // first position written
+constexpr int32_t kTokenUpdateFieldCount = 2;     // tokens written, already clipped at the table width
+constexpr int32_t kTokenUpdateFieldValidLen = 3;  // the row's new valid length
+constexpr int32_t kTokenUpdateFieldOffset = 4;    // staging index of the update's first token
+constexpr int32_t kTokenUpdateFields = 5;
+
 /*! \brief (name, value) pairs exported to Python by canary_layout_constants(). */
 struct LayoutConstant {
   const char* name;
@@ -202,6 +214,12 @@ constexpr LayoutConstant kLayoutConstantTable[] = {
     {"REASON_WRITE_POSITION", kReasonWritePosition},
     {"REASON_VERIFY_TOKEN", kReasonVerifyToken},
     {"REASON_SLOT_OUT_OF_RANGE", kReasonSlotOutOfRange},
+    {"TOKEN_UPDATE_FIELD_ROW", kTokenUpdateFieldRow},
+    {"TOKEN_UPDATE_FIELD_START", kTokenUpdateFieldStart},
+    {"TOKEN_UPDATE_FIELD_COUNT", kTokenUpdateFieldCount},
+    {"TOKEN_UPDATE_FIELD_VALID_LEN", kTokenUpdateFieldValidLen},
+    {"TOKEN_UPDATE_FIELD_OFFSET", kTokenUpdateFieldOffset},
+    {"TOKEN_UPDATE_FIELDS", kTokenUpdateFields},
 };
 
 }  // namespace kvcanary

@@ -110,6 +110,15 @@ STATE_ARRIVALS = STATE_DONE_BLOCKS + 1
 STATE_REUSE_GATE = STATE_ARRIVALS + 1
 STATE_HEADER_FIELDS = 16
 
+# token-table staging (canary_token_update): int64, a field-major header (field f of update u at f * num_updates + u)
+# of TOKEN_UPDATE_FIELDS runs, then the updates' tokens packed; the offset is an absolute staging index
+TOKEN_UPDATE_FIELD_ROW = 0  # expected_tokens row
+TOKEN_UPDATE_FIELD_START = 1  # first position written
+TOKEN_UPDATE_FIELD_COUNT = 2  # tokens written, already clipped at the table width
+TOKEN_UPDATE_FIELD_VALID_LEN = 3  # the row's new valid length
+TOKEN_UPDATE_FIELD_OFFSET = 4  # staging index of the update's first token
+TOKEN_UPDATE_FIELDS = 5
+
 
 class FailReason(enum.IntFlag):
     """Bits of a violation row's fail_reason_bits column."""
