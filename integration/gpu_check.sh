@@ -9,11 +9,12 @@
 #   gpu-tests pytest tests/gpu (CUDA graph capture + replay vs the CPU backend)
 #   kernels   pytest tests/kernels -m "not slow" (differential CPU / ref / CUDA, out-of-range, ...)
 #   memcheck  compute-sanitizer memcheck over the CUDA out-of-range tests + 2 differential chunks + 2 chunks of
-#             the attribution tests (violation metadata, writer attribution)
+#             the attribution tests (violation metadata, writer attribution) + 2 chunks of the fused check
 #             (override the -k expression with GPU_CHECK_MEMCHECK_K)
 #             (reported as UNAVAILABLE, not FAIL, when the sanitizer cannot run on this machine)
 #   bench     benchmarks/bench_kernels.py (--quick when little time is left)
 #   bench-manager  benchmarks/bench_manager.py (per-forward canary cost, decode with CUDA graphs)
+#   bench-host  benchmarks/bench_host.py (host time of the manager's per-forward calls and of each export alone)
 #   bench-attribution  benchmarks/bench_attribution.py (write / verify with and without writer attribution)
 # Output: $OUT/gpu_check.md (summary table, also printed last), $OUT/<step>.log, $OUT/bench.json;
 # $OUT defaults to ./gpu_check_out. Exit status: 0 only if no step failed.
@@ -209,7 +210,8 @@ for cand in "$(command -v compute-sanitizer 2>/dev/null)" "$CUDA_HOME/bin/comput
   if [[ -n "$cand" && -x "$cand" ]]; then SANITIZER="$cand"; break; fi
 done
 MEMCHECK_TESTS=()
-for f in tests/kernels/test_differential.py tests/kernels/test_out_of_range.py tests/kernels/test_kernel_attribution.py; do
+for f in tests/kernels/test_differential.py tests/kernels/test_out_of_range.py tests/kernels/test_kernel_attribution.py \
+         tests/kernels/test_check.py; do
   [[ -f "$f" ]] && MEMCHECK_TESTS+=("$f")
 done
 if [[ -z "$SANITIZER" ]]; then
@@ -252,6 +254,10 @@ record bench "$(status_of $STEP_RC)" "$STEP_S" "${bench_note:-see bench.log}"
 run_step bench-manager 150 "$PY" benchmarks/bench_manager.py --json "$OUT_DIR/bench_manager.json"
 record bench-manager "$(status_of $STEP_RC)" "$STEP_S" "decode 1/64/256 x 4096 with graphs; see the table below"
 
+# ------------------------------------------------------------------------------------------------ bench-host
+run_step bench-host 90 "$PY" benchmarks/bench_host.py --iters 500
+record bench-host "$(status_of $STEP_RC)" "$STEP_S" "host us per manager call and per export; see the table below"
+
 # ------------------------------------------------------------------------------------------------ bench-attribution
 attr_args=(--json "$OUT_DIR/bench_attribution.json")
 if (( BUDGET_S - $(elapsed) < 60 )); then attr_args+=(--quick); fi
@@ -276,6 +282,7 @@ record bench-attribution "$(status_of $STEP_RC)" "$STEP_S" "seed vs attributed w
     "$PY" -c 'import json,sys; print(json.load(open(sys.argv[1])).get("markdown", ""))' "$OUT_DIR/bench.json" 2>/dev/null
   fi
   sed -n '/^### canary per-forward cost/,$p' "$OUT_DIR/bench-manager.log" 2>/dev/null
+  sed -n '/^### kvcanary host time per call/,$p' "$OUT_DIR/bench-host.log" 2>/dev/null
   sed -n '/^kvcanary attribution cost/,$p' "$OUT_DIR/bench-attribution.log" 2>/dev/null
 } > "$SUMMARY"
 
