@@ -11,6 +11,7 @@
 #include "canary_check.cuh"
 #include "canary_layout.cuh"
 #include "canary_plan.cuh"
+#include "canary_tokens.cuh"
 #include "canary_verify.cuh"
 #include "canary_write.cuh"
 
@@ -29,5 +30,7 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_verify_step_attributed, kvcanary::host::can
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_plan_step_attributed, kvcanary::host::canary_plan_step_attributed);
 // kvcanary+ (issue 15): plan + verify + the per-forward small ops in one launch.
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_check_step, kvcanary::host::canary_check_step);
+// kvcanary+ (issue 15): the token check's per-forward upload, read in place from pinned host memory.
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_token_update, kvcanary::host::canary_token_update);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_layout_constants, kvcanary::host::canary_layout_constants);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_backend_name, kvcanary::host::canary_backend_name);

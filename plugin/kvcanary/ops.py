@@ -28,8 +28,8 @@ from kvcanary.plan import VerifyPlan, WritePlan
 from kvcanary.real_kv import RealKvSource
 
 __all__ = [
-    "CheckLaunch", "RealKvLaunch", "WriteLaunch", "canary_check_step", "canary_plan_step", "canary_verify_step",
-    "canary_write_step", "load_module", "prepare_real_kv", "real_kv_launch_args",
+    "CheckLaunch", "RealKvLaunch", "WriteLaunch", "canary_check_step", "canary_plan_step", "canary_token_update",
+    "canary_verify_step", "canary_write_step", "load_module", "prepare_real_kv", "real_kv_launch_args",
 ]
 
 _unused_source_cache: dict[torch.device, torch.Tensor] = {}
@@ -421,6 +421,34 @@ def canary_plan_step(
             },
             {"swa_window_size": swa_window_size, "kv_token_id_vs_position_offset": kv_token_id_vs_position_offset,
              "forward_step_value": forward_step_value},
+        )
+
+
+def canary_token_update(
+    *,
+    expected_tokens: torch.Tensor,
+    valid_lens_by_row: torch.Tensor,
+    staging: torch.Tensor,
+    num_updates: int,
+    staged_len: int,
+) -> None:
+    """Apply ``num_updates`` expected-token updates staged in ``staging[:staged_len]`` (see csrc/canary_tokens.cuh).
+
+    ``staging`` (int64, laid out as :data:`~kvcanary.layout.TOKEN_UPDATE_FIELDS` field-major header runs, then the
+    tokens) is host memory: on CUDA it must be pinned, and the kernel reads it in place, so the caller must not
+    rewrite it before the launch has completed (record an event after this call). ``expected_tokens`` int32
+    [rows, width] and ``valid_lens_by_row`` int64 [rows] are updated in batch order (a later update of a row wins).
+    One launch, no copy, no allocation; never synchronises.
+    """
+    try:
+        load_module(_backend_of(expected_tokens.device)).canary_token_update(
+            expected_tokens, valid_lens_by_row, staging, operator.index(num_updates), operator.index(staged_len))
+    except _CALL_ERRORS as exc:
+        _reraise_named(
+            exc, "canary_token_update",
+            {"expected_tokens": (expected_tokens, False), "valid_lens_by_row": (valid_lens_by_row, False),
+             "staging": (staging, False)},
+            {"num_updates": num_updates, "staged_len": staged_len},
         )
 
 

@@ -6,66 +6,187 @@ sglang's own ``req_to_verify_expected_tokens``: half the memory of int64), and a
 the valid length, and verify compares it with the stored token (``verify_token``).
 
 A serving loop sends each row only what it appended since its last update (one token per decode row), and every
-row of a forward in one call: one pinned upload and two scatters, whatever the batch size.
+row of a forward in one call. A call is one launch of ``canary_token_update`` (csrc/canary_tokens.cuh) and no
+allocation: the updates are packed into a staging buffer of int64 (the layout of
+:data:`~kvcanary.layout.TOKEN_UPDATE_FIELDS`), which on CUDA is pinned host memory the kernel reads in place (no
+H2D copy). A launch may still be reading its staging when the host packs the next batch, so the stagings form a
+ring: each is reused only once the event recorded after its last launch has completed (the host waits on that
+event in the rare case the GPU is a whole ring behind).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import ctypes
+import logging
+import operator
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import accumulate, chain
+from typing import Any, Protocol
 
 import torch
 
-from kvcanary import layout
+from kvcanary import layout, ops
+from kvcanary.jit import load_module
 
-# Updates of at most this many tokens per row go into one batched scatter; longer ones (a request's first upload)
-# are copied row by row.
-SCATTER_MAX_TOKENS = 32
+logger = logging.getLogger(__name__)
+
+# Stagings in the ring on CUDA: a launch's staging is rewritten RING_SIZE batches later, by when the GPU has long run
+# the (microsecond) launch unless it is that many forwards behind.
+RING_SIZE = 8
+# int64 values a staging holds at first (32 KiB: a decode batch of 64 rows needs 384); a batch that does not fit
+# grows its staging to the next power of two.
+MIN_STAGING_VALUES = 4096
+
+_FIELDS = layout.TOKEN_UPDATE_FIELDS
+_add = operator.add
+_pack_into = struct.pack_into
+
+
+class StagingEvent(Protocol):
+    """What the ring needs of an event (``torch.cuda.Event`` on CUDA; tests inject their own)."""
+
+    def record(self) -> None: ...
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+@dataclass
+class Staging:
+    """One staging of the ring: the buffer, a writable byte view of it, and the event after its last launch."""
+
+    buffer: torch.Tensor  # int64 [capacity]; pinned on CUDA
+    view: Any  # ctypes byte array over buffer's memory (struct.pack_into writes through it; holds no reference)
+    event: StagingEvent | None
+    in_flight: bool = False  # event recorded after a launch that read buffer, not yet seen complete
+
+
+class StagingRing:
+    """Host stagings that are safe to write: each is handed out again only once the event recorded after its last
+    launch has completed (queried; waited on when the device is a whole ring behind), and a staging too small for a
+    batch is replaced only then, so no buffer the device may still read is ever rewritten or freed.
+
+    ``pinned``: allocate pinned host memory (CUDA). ``event_factory``: None means no events (the launches read the
+    staging before they return, as the CPU build's do).
+    """
+
+    def __init__(self, size: int, *, pinned: bool, event_factory: Callable[[], StagingEvent] | None) -> None:
+        if size < 1:
+            raise ValueError(f"StagingRing: size must be >= 1, got {size}")
+        self._slots: list[Staging | None] = [None] * size
+        self._next = 0
+        self._pinned = pinned
+        self._event_factory = event_factory
+        self.waits = 0  # stagings still read by the device when their turn came (the host waited)
+        self.grows = 0  # stagings replaced by a larger one
+
+    @property
+    def size(self) -> int:
+        return len(self._slots)
+
+    def acquire(self, values: int) -> Staging:
+        """The ring's next staging, no longer read by the device, holding at least ``values`` int64."""
+        index = self._next
+        self._next = index + 1 if index + 1 < len(self._slots) else 0
+        staging = self._slots[index]
+        if staging is not None and staging.in_flight:
+            event = staging.event
+            assert event is not None  # in_flight is only set after recording it
+            if not event.query():  # the device is a whole ring of batches behind: wait, never overwrite its input
+                self.waits += 1
+                event.synchronize()
+            staging.in_flight = False
+        if staging is None or staging.buffer.numel() < values:
+            # the old buffer (if any) is dropped only now: its last launch completed above, or it never had one
+            if staging is not None:
+                self.grows += 1
+            staging = self._slots[index] = self._new(values, staging.event if staging is not None else None)
+        return staging
+
+    def launched(self, staging: Staging) -> None:
+        """Record ``staging``'s event after the launch that reads it (on the launch's stream: the current one)."""
+        if staging.event is not None:
+            staging.event.record()
+            staging.in_flight = True
+
+    def _new(self, values: int, event: StagingEvent | None) -> Staging:
+        capacity = max(MIN_STAGING_VALUES, 1 << (values - 1).bit_length())
+        buffer = torch.empty(capacity, dtype=torch.int64, pin_memory=self._pinned)
+        view = (ctypes.c_char * (capacity * buffer.element_size())).from_address(buffer.data_ptr())
+        if event is None and self._event_factory is not None:
+            event = self._event_factory()
+        logger.debug("token table: staging of %d values (%s)", capacity, "pinned" if self._pinned else "cpu")
+        return Staging(buffer, view, event)
 
 
 class TokenTable:
     """``expected_tokens`` (int32 ``[rows, width]``, :data:`~kvcanary.layout.NO_EXPECTED_TOKEN` where unknown) and
-    ``valid_lens_by_row`` (int64 ``[rows]``) on ``device``; both keep their addresses (graph capture)."""
+    ``valid_lens_by_row`` (int64 ``[rows]``) on ``device``; both keep their addresses (graph capture).
 
-    def __init__(self, rows: int, width: int, device: torch.device) -> None:
+    ``staging`` is the :class:`StagingRing` of the uploads. ``event_factory`` makes its events (default:
+    ``torch.cuda.Event`` on CUDA; on the CPU the kernel has run when the call returns, so there are no events and
+    one staging, unless a factory is given: tests drive the ring with simulated events). ``ring_size`` defaults to
+    :data:`RING_SIZE` with events, 1 without.
+    """
+
+    def __init__(self, rows: int, width: int, device: torch.device, *,
+                 event_factory: Callable[[], StagingEvent] | None = None, ring_size: int | None = None) -> None:
         self.device = device
         self.expected_tokens = torch.full((rows, width), layout.NO_EXPECTED_TOKEN, dtype=torch.int32, device=device)
         self.valid_lens_by_row = torch.zeros(rows, dtype=torch.int64, device=device)
-
-    def _staged(self, values: list[int]) -> torch.Tensor:
-        staged = torch.tensor(values, dtype=torch.int64)
-        # pinned on CUDA: the caching host allocator keeps it until the non-blocking copy has run
-        return staged.pin_memory() if self.device.type == "cuda" else staged
+        self._rows, self._width = rows, width
+        if event_factory is None and device.type == "cuda":
+            event_factory = torch.cuda.Event
+        size = ring_size if ring_size is not None else (RING_SIZE if event_factory is not None else 1)
+        self.staging = StagingRing(size, pinned=device.type == "cuda", event_factory=event_factory)
+        self._launch = load_module("cuda" if device.type == "cuda" else "cpu").canary_token_update
 
     def update(self, updates: Sequence[tuple[int, int, Sequence[int]]]) -> None:
         """For each ``(row, start, tokens)``: the row's expected tokens at positions ``start..`` become ``tokens``
-        (clipped at the table width) and its valid length ``start + len(tokens)`` (earlier positions keep what they
-        hold). Non-blocking; call outside graph capture. Raises ``ValueError`` for a row outside the table or a
-        negative start."""
+        (clipped at the table width) and its valid length ``start + len(tokens)`` (clipped likewise; earlier
+        positions keep what they hold). Updates apply in order: a row updated twice in one call ends as the later
+        update leaves it. Non-blocking; call outside graph capture. Raises ``ValueError`` for a row outside the
+        table or a negative start (before anything is staged)."""
         if not updates:
             return
-        table = self.expected_tokens
-        rows_total, width = table.shape
-        tok_rows: list[int] = []
-        tok_cols: list[int] = []
-        tok_vals: list[int] = []
-        len_rows: list[int] = []
-        len_vals: list[int] = []
-        for row, start, tokens in updates:
+        n = len(updates)
+        # Whole-batch builtins instead of a per-update loop: a decode batch of 64 rows pays a few C loops.
+        rows, starts, tokens = zip(*updates, strict=True)
+        counts = tuple(map(len, tokens))
+        ends = tuple(map(_add, starts, counts))
+        if min(rows) < 0 or max(rows) >= self._rows or min(starts) < 0 or max(ends) > self._width:
+            rows, starts, tokens, counts, ends = self._checked_and_clipped(updates)
+        offsets = tuple(accumulate(counts, initial=_FIELDS * n))
+        staged_len = offsets[-1]
+        staging = self.staging.acquire(staged_len)
+        # the field-major header (layout.TOKEN_UPDATE_FIELD_*: row, start, count, valid length, offset), then tokens
+        _pack_into(f"{staged_len}q", staging.view, 0, *rows, *starts, *counts, *ends, *offsets[:-1],
+                   *chain.from_iterable(tokens))
+        try:
+            self._launch(self.expected_tokens, self.valid_lens_by_row, staging.buffer, n, staged_len)
+        except Exception:
+            # Validation fails before anything is launched: the keyword wrapper names the argument (or re-raises).
+            ops.canary_token_update(expected_tokens=self.expected_tokens, valid_lens_by_row=self.valid_lens_by_row,
+                                    staging=staging.buffer, num_updates=n, staged_len=staged_len)
+            raise
+        self.staging.launched(staging)
+
+    def _checked_and_clipped(self, updates: Sequence[tuple[int, int, Sequence[int]]]) -> tuple[tuple, ...]:
+        """The batch's fields one update at a time: errors for the first bad update, tokens clipped at the width."""
+        rows_total, width = self._rows, self._width
+        rows, starts, tokens, counts, ends = [], [], [], [], []
+        for row, start, toks in updates:
             if not 0 <= row < rows_total:
                 raise ValueError(f"CanaryManager.update_expected_tokens: row {row} outside [0, {rows_total})")
             if start < 0:
                 raise ValueError(f"CanaryManager.update_expected_tokens: start {start} < 0 (row {row})")
-            count = max(0, min(len(tokens), width - start))
-            if count > SCATTER_MAX_TOKENS:  # a whole request: one contiguous copy beats (row, col) index pairs
-                table[row, start : start + count].copy_(self._staged(list(tokens[:count])), non_blocking=True)
-            elif count:
-                tok_rows += [row] * count
-                tok_cols += range(start, start + count)
-                tok_vals += tokens[:count]
-            len_rows.append(row)
-            len_vals.append(min(start + len(tokens), width))
-        n, m = len(tok_vals), len(len_rows)
-        dev = self._staged(tok_rows + tok_cols + tok_vals + len_rows + len_vals).to(self.device, non_blocking=True)
-        if n:  # the staging is int64 (one upload); the table is int32
-            table.index_put_((dev[:n], dev[n : 2 * n]), dev[2 * n : 3 * n].to(torch.int32))
-        self.valid_lens_by_row.index_put_((dev[3 * n : 3 * n + m],), dev[3 * n + m :])
+            count = max(0, min(len(toks), width - start))
+            rows.append(row)
+            starts.append(start)
+            tokens.append(toks[:count] if count < len(toks) else toks)
+            counts.append(count)
+            ends.append(min(start + len(toks), width))
+        return tuple(rows), tuple(starts), tuple(tokens), tuple(counts), tuple(ends)

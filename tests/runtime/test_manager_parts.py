@@ -23,7 +23,7 @@ from kvcanary.drain import ROW_PEEK, CanaryStats, ViolationDrain
 from kvcanary.report import Reporter
 from kvcanary.sweep import Sweeper
 from kvcanary.tags import NUM_LAUNCH_TAGS, LaunchTag
-from kvcanary.token_table import SCATTER_MAX_TOKENS, TokenTable
+from kvcanary.token_table import TokenTable
 from kvcanary.writers import WriterTable
 
 CPU = torch.device("cpu")
@@ -214,11 +214,11 @@ def test_sweeper_cadence_and_arguments() -> None:
 
 
 def test_token_table_long_rows_and_scatters_leave_the_same_table() -> None:
-    long = list(range(1, SCATTER_MAX_TOKENS + 10))
+    long = list(range(1, 42))  # one update of 41 tokens, or two of 20 and 21
     whole, pieces = TokenTable(3, 64, CPU), TokenTable(3, 64, CPU)
-    whole.update([(1, 0, long)])  # one contiguous copy
+    whole.update([(1, 0, long)])
     pieces.update([(1, 0, long[:20])])
-    pieces.update([(1, 20, long[20:])])  # scattered
+    pieces.update([(1, 20, long[20:])])
     assert torch.equal(whole.expected_tokens, pieces.expected_tokens)
     assert int(whole.valid_lens_by_row[1]) == int(pieces.valid_lens_by_row[1]) == len(long)
     assert int(whole.expected_tokens[2, 0]) == layout.NO_EXPECTED_TOKEN

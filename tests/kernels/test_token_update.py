@@ -1,0 +1,426 @@
+"""canary_token_update (csrc/canary_tokens.cuh) and TokenTable's uploads through it.
+
+* Differential: TokenTable.update equals the implementation it replaced (Python lists, a pinned upload and two
+  index_put_ scatters, kept below as the reference) over random batches: decode-like single tokens, whole-row
+  uploads, clipping at the width, and rows repeated in one batch.
+* Repeated rows: the kernel applies a batch in order (the later update wins). The old code was not ordered: its long
+  updates (> 32 tokens) were copied before the short ones were scattered, so a short update beat a later long one,
+  and index_put_ leaves the winner among duplicate indices undefined on CUDA. Batches without that mix agree with
+  the old code; every batch agrees with the old code applied one update at a time.
+* The op on hand-built stagings (layout, int64 -> int32 conversion), its argument errors, each naming the argument.
+* The staging ring with simulated events: a staging is handed out again only after its event completed (the host
+  waits when the device is behind), and is replaced by a larger one only then.
+* GPU (skipped without CUDA): uploads from pinned memory while the device is kept busy, more batches than the ring
+  holds, checked against the reference.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import re
+import weakref
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from kvcanary import layout, ops
+from kvcanary.token_table import MIN_STAGING_VALUES, StagingRing, TokenTable
+
+CPU = torch.device("cpu")
+FIELDS = layout.TOKEN_UPDATE_FIELDS
+Updates = Sequence[tuple[int, int, Sequence[int]]]
+
+# ---------------------------------------------------------------------------------------------- the old code
+
+REFERENCE_SCATTER_MAX_TOKENS = 32
+
+
+def reference_update(table: torch.Tensor, valid_lens: torch.Tensor, updates: Updates) -> None:
+    """TokenTable.update before canary_token_update (CPU, same semantics and errors)."""
+    if not updates:
+        return
+    rows_total, width = table.shape
+    tok_rows: list[int] = []
+    tok_cols: list[int] = []
+    tok_vals: list[int] = []
+    len_rows: list[int] = []
+    len_vals: list[int] = []
+    for row, start, tokens in updates:
+        if not 0 <= row < rows_total:
+            raise ValueError(f"CanaryManager.update_expected_tokens: row {row} outside [0, {rows_total})")
+        if start < 0:
+            raise ValueError(f"CanaryManager.update_expected_tokens: start {start} < 0 (row {row})")
+        count = max(0, min(len(tokens), width - start))
+        if count > REFERENCE_SCATTER_MAX_TOKENS:
+            table[row, start : start + count].copy_(torch.tensor(list(tokens[:count]), dtype=torch.int64))
+        elif count:
+            tok_rows += [row] * count
+            tok_cols += range(start, start + count)
+            tok_vals += tokens[:count]
+        len_rows.append(row)
+        len_vals.append(min(start + len(tokens), width))
+    n, m = len(tok_vals), len(len_rows)
+    dev = torch.tensor(tok_rows + tok_cols + tok_vals + len_rows + len_vals, dtype=torch.int64)
+    if n:
+        table.index_put_((dev[:n], dev[n : 2 * n]), dev[2 * n : 3 * n].to(torch.int32))
+    valid_lens.index_put_((dev[3 * n : 3 * n + m],), dev[3 * n + m :])
+
+
+def reference_tables(rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.full((rows, width), layout.NO_EXPECTED_TOKEN, dtype=torch.int32),
+            torch.zeros(rows, dtype=torch.int64))
+
+
+def assert_same(table: TokenTable, ref: tuple[torch.Tensor, torch.Tensor]) -> None:
+    assert torch.equal(table.expected_tokens, ref[0])
+    assert torch.equal(table.valid_lens_by_row, ref[1])
+
+
+# ---------------------------------------------------------------------------------------------- random batches
+
+ROWS, WIDTH = 24, 96
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(-(1 << 40), 1 << 40) if rng.random() < 0.05 else rng.randrange(200_000) for _ in range(n)]
+
+
+def decode_batch(rng: random.Random) -> list[tuple[int, int, list[int]]]:
+    rows = rng.sample(range(ROWS), rng.randint(1, ROWS))
+    return [(r, rng.randrange(WIDTH), tokens(rng, 1)) for r in rows]
+
+
+def whole_rows_batch(rng: random.Random) -> list[tuple[int, int, list[int]]]:
+    rows = rng.sample(range(ROWS), rng.randint(1, 6))
+    return [(r, 0, tokens(rng, rng.randint(0, WIDTH))) for r in rows]
+
+
+def clipped_batch(rng: random.Random) -> list[tuple[int, int, list[int]]]:
+    rows = rng.sample(range(ROWS), rng.randint(1, 8))
+    return [(r, rng.randint(WIDTH - 40, WIDTH + 5), tokens(rng, rng.randint(0, 60))) for r in rows]
+
+
+def mixed_distinct_batch(rng: random.Random) -> list[tuple[int, int, list[int]]]:
+    rows = rng.sample(range(ROWS), rng.randint(1, ROWS))
+    return [(r, rng.randrange(WIDTH + 3), tokens(rng, rng.choice([0, 1, 2, 5, 33, 70]))) for r in rows]
+
+
+def repeated_short_batch(rng: random.Random) -> list[tuple[int, int, list[int]]]:
+    """Rows repeat; every update <= 32 tokens (the old code scattered them all: the later one won on the CPU)."""
+    n = rng.randint(2, 12)
+    return [(rng.randrange(4), rng.randrange(WIDTH), tokens(rng, rng.randint(0, 32))) for _ in range(n)]
+
+
+def repeated_mixed_batch(rng: random.Random) -> list[tuple[int, int, list[int]]]:
+    """Rows repeat with long and short updates: applied in order (the old code was not)."""
+    return [(rng.randrange(3), rng.randrange(WIDTH // 2), tokens(rng, rng.choice([1, 4, 40, 80])))
+            for _ in range(rng.randint(2, 10))]
+
+
+DISTINCT_OR_SHORT = [decode_batch, whole_rows_batch, clipped_batch, mixed_distinct_batch, repeated_short_batch]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_token_table_equals_the_index_put_implementation(seed: int) -> None:
+    rng = random.Random(seed)
+    table, ref = TokenTable(ROWS, WIDTH, CPU), reference_tables(ROWS, WIDTH)
+    for _ in range(40):
+        batch = rng.choice(DISTINCT_OR_SHORT)(rng)
+        table.update(batch)
+        reference_update(*ref, batch)
+        assert_same(table, ref)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_repeated_rows_apply_in_batch_order(seed: int) -> None:
+    """Every batch equals the old code applied one update at a time (the later update of a row wins)."""
+    rng = random.Random(100 + seed)
+    table, ref = TokenTable(ROWS, WIDTH, CPU), reference_tables(ROWS, WIDTH)
+    for _ in range(30):
+        batch = rng.choice([repeated_mixed_batch, repeated_short_batch, decode_batch])(rng)
+        table.update(batch)
+        for update in batch:
+            reference_update(*ref, [update])
+        assert_same(table, ref)
+
+
+def test_a_later_long_update_wins_over_an_earlier_short_one() -> None:
+    """The case the old code got backwards (long copies first, short scatters after)."""
+    long = list(range(100, 140))
+    table, ref = TokenTable(2, 64, CPU), reference_tables(2, 64)
+    table.update([(1, 0, [7, 8]), (1, 0, long)])
+    assert table.expected_tokens[1, :40].tolist() == long and int(table.valid_lens_by_row[1]) == 40
+    reference_update(*ref, [(1, 0, [7, 8]), (1, 0, long)])
+    assert ref[0][1, :2].tolist() == [7, 8]  # the old order: the earlier short update won
+
+
+def test_update_errors_are_the_old_ones_and_stage_nothing() -> None:
+    table = TokenTable(4, 8, CPU)
+    table.update([(1, 0, [1, 2])])
+    before = (table.expected_tokens.clone(), table.valid_lens_by_row.clone())
+    for bad, message in (([(1, 0, [5]), (4, 0, [1])], "row 4 outside [0, 4)"),
+                         ([(-1, 0, [1])], "row -1 outside [0, 4)"),
+                         ([(2, 0, [5]), (1, -1, [1])], "start -1 < 0 (row 1)")):
+        with pytest.raises(ValueError, match=re.escape(f"CanaryManager.update_expected_tokens: {message}")):
+            table.update(bad)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            reference_update(*reference_tables(4, 8), bad)
+    assert torch.equal(table.expected_tokens, before[0]) and torch.equal(table.valid_lens_by_row, before[1])
+    table.update([])  # nothing to do
+
+
+def test_a_batch_larger_than_the_staging_grows_it() -> None:
+    table, ref = TokenTable(3, 4 * MIN_STAGING_VALUES, CPU), reference_tables(3, 4 * MIN_STAGING_VALUES)
+    batch = [(r, 0, list(range(r, r + 2 * MIN_STAGING_VALUES))) for r in range(3)]
+    table.update(batch)
+    reference_update(*ref, batch)
+    assert_same(table, ref)
+    assert table.staging.grows == 0  # the first staging is sized for its batch
+    table.update(batch * 2)
+    assert table.staging.grows == 1
+    reference_update(*ref, batch)
+    assert_same(table, ref)
+
+
+# ---------------------------------------------------------------------------------------------- the op itself
+
+
+def stage(updates: Sequence[tuple[int, int, int, int, Sequence[int]]], extra: int = 0) -> tuple[torch.Tensor, int]:
+    """A staging from (row, start, count, valid_len, tokens) headers; offsets computed, `extra` spare values."""
+    n = len(updates)
+    header = [[0] * n for _ in range(FIELDS)]
+    packed: list[int] = []
+    for u, (row, start, count, valid_len, toks) in enumerate(updates):
+        for field, value in ((layout.TOKEN_UPDATE_FIELD_ROW, row), (layout.TOKEN_UPDATE_FIELD_START, start),
+                             (layout.TOKEN_UPDATE_FIELD_COUNT, count),
+                             (layout.TOKEN_UPDATE_FIELD_VALID_LEN, valid_len),
+                             (layout.TOKEN_UPDATE_FIELD_OFFSET, FIELDS * n + len(packed))):
+            header[field][u] = value
+        packed += toks
+    values = [v for field in header for v in field] + packed
+    return torch.tensor(values + [0] * extra, dtype=torch.int64), len(values)
+
+
+def op_args(rows: int = 4, width: int = 8, **overrides):
+    staging, staged_len = stage([(1, 2, 3, 5, [10, 11, 12]), (3, 0, 1, 6, [1 << 33 | 9])], extra=4)
+    args = dict(expected_tokens=torch.full((rows, width), -1, dtype=torch.int32),
+                valid_lens_by_row=torch.zeros(rows, dtype=torch.int64), staging=staging, num_updates=2,
+                staged_len=staged_len)
+    args.update(overrides)
+    return args
+
+
+def test_op_applies_a_hand_built_staging() -> None:
+    args = op_args()
+    ops.canary_token_update(**args)
+    assert args["expected_tokens"][1].tolist() == [-1, -1, 10, 11, 12, -1, -1, -1]
+    assert args["expected_tokens"][3].tolist() == [9] + [-1] * 7  # the low 32 bits, like .to(torch.int32)
+    assert args["valid_lens_by_row"].tolist() == [0, 5, 0, 6]
+    assert int(torch.tensor([1 << 33 | 9]).to(torch.int32)) == 9
+
+
+def test_op_with_no_updates_writes_nothing() -> None:
+    args = op_args(num_updates=0, staged_len=0)
+    ops.canary_token_update(**args)
+    assert (args["expected_tokens"] == -1).all() and (args["valid_lens_by_row"] == 0).all()
+
+
+def arg_error(arg: str, text: str) -> str:
+    return "^" + re.escape(f"canary_token_update: {arg}: {text}")
+
+
+ARGUMENT_ERRORS = [
+    ({"expected_tokens": torch.zeros((4, 8), dtype=torch.int64)}, TypeError, "expected_tokens", "expected dtype int32"),
+    ({"expected_tokens": None}, TypeError, "expected_tokens", "expected a torch.Tensor, got None"),
+    ({"valid_lens_by_row": torch.zeros(5, dtype=torch.int64)}, ValueError, "valid_lens_by_row", "expected shape"),
+    ({"valid_lens_by_row": torch.zeros(4, dtype=torch.int32)}, TypeError, "valid_lens_by_row", "expected dtype int64"),
+    ({"staging": torch.zeros(40, dtype=torch.int32)}, TypeError, "staging", "expected dtype int64"),
+    ({"staging": torch.zeros((2, 20), dtype=torch.int64)}, ValueError, "staging", "expected a 1-d tensor"),
+    ({"staging": torch.zeros(40, dtype=torch.int64, device="meta")}, ValueError, "staging", "expected a cpu or cuda"),
+    ({"staging": [0] * 40}, TypeError, "staging", "expected a torch.Tensor, got list"),
+    ({"num_updates": -1}, ValueError, "num_updates", "must be in [0, 2^31), got -1"),
+    ({"num_updates": "2"}, TypeError, "num_updates", "expected an int, got str"),
+    ({"staged_len": 1000}, ValueError, "staged_len", "expected 5 * num_updates = 10 <= staged_len <= staging length"),
+    ({"staged_len": 9}, ValueError, "staged_len", "expected 5 * num_updates = 10 <= staged_len"),
+]
+
+
+@pytest.mark.parametrize(("override", "kind", "arg", "text"), ARGUMENT_ERRORS,
+                         ids=[f"{e[2]}-{i}" for i, e in enumerate(ARGUMENT_ERRORS)])
+def test_op_argument_errors_name_the_argument(override: dict, kind: type, arg: str, text: str) -> None:
+    args = op_args(**override)
+    with pytest.raises(kind, match=arg_error(arg, text)):
+        ops.canary_token_update(**args)
+
+
+HEADER_ERRORS = [
+    ([(1, 0, 1, 1, [5]), (9, 0, 1, 1, [5])], "update 1 (row 9): row outside [0, 4)"),
+    ([(1, -2, 1, 1, [5])], "update 0 (row 1): start -2 < 0"),
+    ([(1, 6, 3, 8, [5, 6, 7])], "update 0 (row 1): count 3 outside [0, 2] (tokens past the width 8 must be clipped)"),
+    ([(1, 9, 1, 8, [5])], "update 0 (row 1): count 1 outside [0, 0]"),
+    ([(1, 0, -1, 0, [])], "update 0 (row 1): count -1 outside [0, 8]"),
+    ([(1, 0, 1, 9, [5])], "update 0 (row 1): valid length 9 outside [0, 8]"),
+]
+
+
+@pytest.mark.parametrize(("headers", "text"), HEADER_ERRORS, ids=[str(i) for i in range(len(HEADER_ERRORS))])
+def test_op_bad_headers_name_the_update_and_write_nothing(headers: list, text: str) -> None:
+    staging, staged_len = stage(headers)
+    args = op_args(staging=staging, num_updates=len(headers), staged_len=staged_len)
+    with pytest.raises(ValueError, match=arg_error("staging", text)):
+        ops.canary_token_update(**args)
+    assert (args["expected_tokens"] == -1).all() and (args["valid_lens_by_row"] == 0).all()
+
+
+def test_op_token_offsets_outside_the_staged_tokens() -> None:
+    staging, staged_len = stage([(1, 0, 2, 2, [5, 6])])
+    staging[layout.TOKEN_UPDATE_FIELD_OFFSET] = 1  # inside the header
+    with pytest.raises(ValueError, match=arg_error("staging", "update 0 (row 1): tokens [1, 3) outside the staged "
+                                                   "tokens [5, 7)")):
+        ops.canary_token_update(**op_args(staging=staging, num_updates=1, staged_len=staged_len))
+    staging[layout.TOKEN_UPDATE_FIELD_OFFSET] = 6  # runs past staged_len
+    with pytest.raises(ValueError, match=re.escape("tokens [6, 8) outside the staged tokens [5, 7)")):
+        ops.canary_token_update(**op_args(staging=staging, num_updates=1, staged_len=staged_len))
+
+
+# ---------------------------------------------------------------------------------------------- the staging ring
+
+
+class FakeEvent:
+    """A simulated CUDA event: recorded, then complete when the test says so (or when the host waits on it)."""
+
+    log: list[str] = []
+
+    def __init__(self) -> None:
+        self.recorded = 0
+        self.done = True
+        self.waited = 0
+        self.name = f"e{len([x for x in FakeEvent.log if x.startswith('new')])}"
+        FakeEvent.log.append(f"new {self.name}")
+
+    def record(self) -> None:
+        self.recorded += 1
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited += 1
+        FakeEvent.log.append(f"wait {self.name}")
+        self.done = True
+
+
+@pytest.fixture
+def fake_events():
+    FakeEvent.log = []
+    yield FakeEvent
+    FakeEvent.log = []
+
+
+def test_ring_hands_a_staging_out_again_only_after_its_event_completed(fake_events) -> None:
+    ring = StagingRing(3, pinned=False, event_factory=fake_events)
+    handed: list = []
+    for i in range(9):
+        staging = ring.acquire(10)
+        # whatever the ring hands out is not read by the device any more: its last launch's event is complete
+        assert staging.event is not None and staging.event.query()
+        staging.buffer[0] = i
+        ring.launched(staging)
+        handed.append(staging)
+        if i % 2:  # the device finishes every other launch by itself; the others are waited for
+            staging.event.done = True
+    assert [h.buffer.data_ptr() for h in handed[:3]] * 3 == [h.buffer.data_ptr() for h in handed]  # round robin
+    assert len({id(h.event) for h in handed}) == 3  # an event per staging, made once
+    assert ring.waits == sum(h.event.waited for h in handed[:3]) == 3  # for launches 0, 2 and 4
+    assert ring.grows == 0
+
+
+def test_ring_grows_a_staging_only_after_its_launch_completed(fake_events) -> None:
+    ring = StagingRing(2, pinned=False, event_factory=fake_events)
+    first = ring.acquire(10)
+    ring.launched(first)
+    old = weakref.ref(first.buffer)
+    event = first.event
+    second = ring.acquire(10)
+    ring.launched(second)
+    del first
+    gc.collect()
+    assert old() is not None  # pending: the ring still holds it
+    grown = ring.acquire(3 * MIN_STAGING_VALUES)  # the first staging's turn, too small
+    assert event is not None and event.waited == 1 and event.query()  # waited for before it was replaced
+    assert grown.event is event and grown.buffer.numel() == 4 * MIN_STAGING_VALUES
+    gc.collect()
+    assert old() is None  # dropped once complete
+    assert ring.grows == 1 and ring.waits == 1
+
+
+def test_token_table_with_simulated_events_waits_when_the_device_is_a_ring_behind(fake_events) -> None:
+    table = TokenTable(ROWS, WIDTH, CPU, event_factory=fake_events, ring_size=4)
+    ref = reference_tables(ROWS, WIDTH)
+    rng = random.Random(7)
+    for _ in range(10):
+        batch = decode_batch(rng)
+        table.update(batch)
+        reference_update(*ref, batch)
+    assert_same(table, ref)
+    assert table.staging.size == 4 and table.staging.waits == 10 - 4  # no event ever completed by itself
+    assert FakeEvent.log[:4] == ["new e0", "new e1", "new e2", "new e3"]
+    assert FakeEvent.log[4:7] == ["wait e0", "wait e1", "wait e2"]
+
+
+def test_cpu_table_without_events_reuses_one_staging() -> None:
+    table = TokenTable(4, 8, CPU)
+    table.update([(1, 0, [1])])
+    table.update([(2, 0, [2])])
+    assert table.staging.size == 1 and table.staging.waits == 0
+
+
+def test_ring_size_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="size must be >= 1, got 0"):
+        TokenTable(4, 8, CPU, ring_size=0)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_uploads_from_pinned_memory_while_the_device_is_busy() -> None:
+    dev = torch.device("cuda")
+    rows, width = 64, 2048
+    table, ref = TokenTable(rows, width, dev), reference_tables(rows, width)
+    rng = random.Random(3)
+    batches = []
+    for step in range(5 * table.staging.size):
+        if step % 7 == 0:
+            batches.append([(r, 0, tokens(rng, rng.randint(1, 1500))) for r in rng.sample(range(rows), 16)])
+        else:
+            batches.append([(r, rng.randrange(width), tokens(rng, 1)) for r in range(rows)])
+    batches.append([(5, 0, [1, 2, 3]), (5, 1, [9]), (5, 0, list(range(50)))])  # a repeated row: one ordered block
+    torch.cuda.synchronize()
+    for batch in batches:
+        torch.cuda._sleep(2_000_000)  # keep the device behind the host: stagings are still being read
+        table.update(batch)
+        for update in batch:  # in order, like the kernel (the same as the whole batch for distinct rows)
+            reference_update(*ref, [update])
+    torch.cuda.synchronize()
+    assert table.staging.waits > 0  # the ring came round while its launches were pending
+    assert torch.equal(table.expected_tokens.cpu(), ref[0])
+    assert torch.equal(table.valid_lens_by_row.cpu(), ref[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_refuses_a_staging_that_is_not_pinned() -> None:
+    args = op_args()
+    args["expected_tokens"] = args["expected_tokens"].cuda()
+    args["valid_lens_by_row"] = args["valid_lens_by_row"].cuda()
+    with pytest.raises(ValueError, match=arg_error("staging", "expected pinned host memory")):
+        ops.canary_token_update(**args)
+    with pytest.raises(ValueError, match=arg_error("staging", "expected host memory")):
+        ops.canary_token_update(**{**args, "staging": args["staging"].cuda()})
+    ops.canary_token_update(**{**args, "staging": args["staging"].pin_memory()})
+    assert args["valid_lens_by_row"].tolist() == [0, 5, 0, 6]
