@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from kvcanary import ops
+from kvcanary import layout, ops
 from kvcanary.batch import BatchView, ForwardKind
 from kvcanary.config import Config, Mode
 from kvcanary.manager import CanaryManager
@@ -67,6 +67,22 @@ def export_rows(mgr: CanaryManager, batch: BatchView, iters: int, sync) -> list[
         out.append((f"{name}: the export alone, {len(call_args)} arguments prebuilt",
                     timed(functools.partial(fn, *call_args), iters, sync)))
     return out
+
+
+def decode_staging(seqs: dict[int, list[int]], dev: torch.device) -> tuple[torch.Tensor, int, int]:
+    """(staging, num_updates, staged_len) of each row's last token, laid out as TokenTable stages it (pinned on
+    CUDA); its values never change, so relaunching it needs no ring."""
+    n = len(seqs)
+    fields = [0] * layout.TOKEN_UPDATE_FIELDS
+    fields[layout.TOKEN_UPDATE_FIELD_ROW] = list(seqs)
+    fields[layout.TOKEN_UPDATE_FIELD_START] = [len(t) - 1 for t in seqs.values()]
+    fields[layout.TOKEN_UPDATE_FIELD_COUNT] = [1] * n
+    fields[layout.TOKEN_UPDATE_FIELD_VALID_LEN] = [len(t) for t in seqs.values()]
+    first_token = layout.TOKEN_UPDATE_FIELDS * n
+    fields[layout.TOKEN_UPDATE_FIELD_OFFSET] = list(range(first_token, first_token + n))
+    values = [v for field in fields for v in field] + [t[-1] for t in seqs.values()]
+    staging = torch.tensor(values, dtype=torch.int64)
+    return (staging.pin_memory() if dev.type == "cuda" else staging), n, len(values)
 
 
 def main() -> None:
@@ -131,6 +147,12 @@ def main() -> None:
         ("token table, 64 rows' new token in one update (update_expected_tokens)",
          timed(lambda: tok.update_expected_tokens([(r, len(t) - 1, t[-1:]) for r, t in seqs.items()]),
                args.iters, sync)),
+        ("token table, 64 rows' first ~1000 tokens in one update (a prefill batch's upload)",
+         timed(lambda: tok.update_expected_tokens([(r, 0, t) for r, t in seqs.items()]),
+               max(args.iters // 50, 5), sync)),
+        ("canary_token_update: the export alone, the decode update's staging prebuilt",
+         timed(functools.partial(ops.load_module(dev.type).canary_token_update, tok.token_table.expected_tokens,
+                                 tok.token_table.valid_lens_by_row, *decode_staging(seqs, dev)), args.iters, sync)),
     ]
     mgr.flush()
     if mgr.reporter.total_reported:

@@ -17,6 +17,7 @@ event in the rare case the GPU is a whole ring behind).
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import operator
 import struct
@@ -45,13 +46,31 @@ _pack_into = struct.pack_into
 
 
 class StagingEvent(Protocol):
-    """What the ring needs of an event (``torch.cuda.Event`` on CUDA; tests inject their own)."""
+    """What the ring needs of an event (:class:`CudaStagingEvent` on CUDA; tests inject their own)."""
 
     def record(self) -> None: ...
 
     def query(self) -> bool: ...
 
     def synchronize(self) -> None: ...
+
+
+class CudaStagingEvent:
+    """A ``torch.cuda.Event`` recorded on ``device``'s current stream: the stream tvm-ffi launches on for the table's
+    tensors, whichever device is current (a tensor-parallel rank may call with another one current)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._event = torch.cuda.Event()
+
+    def record(self) -> None:
+        self._event.record(torch.cuda.current_stream(self._device))
+
+    def query(self) -> bool:
+        return self._event.query()
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
 
 
 @dataclass
@@ -127,7 +146,7 @@ class TokenTable:
     ``valid_lens_by_row`` (int64 ``[rows]``) on ``device``; both keep their addresses (graph capture).
 
     ``staging`` is the :class:`StagingRing` of the uploads. ``event_factory`` makes its events (default:
-    ``torch.cuda.Event`` on CUDA; on the CPU the kernel has run when the call returns, so there are no events and
+    :class:`CudaStagingEvent` on CUDA; on the CPU the kernel has run when the call returns, so there are no events and
     one staging, unless a factory is given: tests drive the ring with simulated events). ``ring_size`` defaults to
     :data:`RING_SIZE` with events, 1 without.
     """
@@ -139,7 +158,7 @@ class TokenTable:
         self.valid_lens_by_row = torch.zeros(rows, dtype=torch.int64, device=device)
         self._rows, self._width = rows, width
         if event_factory is None and device.type == "cuda":
-            event_factory = torch.cuda.Event
+            event_factory = functools.partial(CudaStagingEvent, device)
         size = ring_size if ring_size is not None else (RING_SIZE if event_factory is not None else 1)
         self.staging = StagingRing(size, pinned=device.type == "cuda", event_factory=event_factory)
         self._launch = load_module("cuda" if device.type == "cuda" else "cpu").canary_token_update
