@@ -62,7 +62,7 @@ LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 64
 PAGE_SIZE = 1
 
 _ENV_KEYS = ("KVCANARY_MODE", "KVCANARY_REAL_KV", "KVCANARY_VERIFY_TOKENS", "KVCANARY_SWEEP_INTERVAL",
-             "KVCANARY_FAULT", "KVCANARY_REPORT")
+             "KVCANARY_HEALTH_WINDOW", "KVCANARY_FAULT", "KVCANARY_REPORT")
 
 
 # ------------------------------------------------------------------------------------------------ engine stand-ins
@@ -365,31 +365,37 @@ class Pieces:
         return timed
 
 
-KERNELS = ("canary_plan_step", "canary_verify_step", "canary_write_step")
+def null_export(*args) -> None:
+    """``--kernels null``: a kernel export that does nothing (the health window is lifted for such runs)."""
 
 
-def null_kernel(*args, kernel_run_counter=None, **kwargs) -> None:
-    """``--kernels null``: a verify or write launch that only counts itself (the health check sees it run)."""
-    if kernel_run_counter is not None:
-        kernel_run_counter.add_(1)
+class KernelModule:
+    """The kernel module ``ops.load_module`` returns, with every ``canary_*`` export timed (``kernels``) and, with
+    ``null``, replaced by :func:`null_export`. Everything else passes through."""
 
+    def __init__(self, module, pieces: Pieces, null: bool) -> None:
+        self._module, self._pieces, self._null = module, pieces, null
 
-def null_plan(*args, verify_plan=None, **kwargs) -> None:
-    """``--kernels null``: a plan launch that only enables the verify (else the manager counts an overflow)."""
-    if verify_plan is not None:
-        verify_plan.verify_enable.fill_(1)
+    def __getattr__(self, name: str):
+        fn = getattr(self._module, name)
+        if name.startswith("canary_") and callable(fn):
+            return self._pieces.wrap("kernels", null_export if self._null else fn)
+        return fn
 
 
 def patch_kernels(pieces: Pieces, null: bool) -> Callable[[], None]:
-    """Time every kernel launch (``kernels``), optionally replacing them; returns the undo."""
-    saved = {name: getattr(ops, name) for name in KERNELS}
-    for name, fn in saved.items():
-        stand_in = null_plan if name == "canary_plan_step" else null_kernel
-        setattr(ops, name, pieces.wrap("kernels", stand_in if null else fn))
+    """Route every kernel export the runtime binds (``kvcanary.ops`` fetches them through ``load_module``, also
+    for the launches it binds once per manager) through :class:`KernelModule`; returns the undo."""
+    saved = ops.load_module
+
+    @functools.wraps(saved)
+    def load_module(*args, **kwargs):
+        return KernelModule(saved(*args, **kwargs), pieces, null)
+
+    ops.load_module = load_module
 
     def undo() -> None:
-        for name, fn in saved.items():
-            setattr(ops, name, fn)
+        ops.load_module = saved
 
     return undo
 
@@ -439,8 +445,10 @@ def host_diff(after: HostTime, before: HostTime) -> dict[str, int]:
 def run_case(case: Case, args, device: torch.device) -> dict:
     env = {"KVCANARY_MODE": "raise", "KVCANARY_REAL_KV": case.real_kv,
            "KVCANARY_VERIFY_TOKENS": "1" if case.tokens else "0", "KVCANARY_SWEEP_INTERVAL": str(case.sweep)}
+    if args.kernels == "null":  # no kernel counts its runs: the health check would stop the run
+        env["KVCANARY_HEALTH_WINDOW"] = str(1 << 30)
     saved_env = {k: os.environ.get(k) for k in _ENV_KEYS}
-    for k in ("KVCANARY_FAULT", "KVCANARY_REPORT"):
+    for k in _ENV_KEYS:
         os.environ.pop(k, None)
     os.environ.update(env)
     pieces = Pieces()

@@ -22,7 +22,8 @@ def i64(t: torch.Tensor) -> torch.Tensor:
 def mode_name(fb) -> str:
     """The name of a ForwardBatch's forward mode (``ForwardMode.DECODE`` -> ``"DECODE"``)."""
     mode = fb.forward_mode
-    return getattr(mode, "name", str(mode))
+    name = getattr(mode, "name", None)  # (not getattr(mode, "name", str(mode)): that formats the enum every call)
+    return name if name is not None else str(mode)
 
 
 def unsupported_mode(name: str, forward_modes: Mapping[str, ForwardKind], sglang_version: str) -> NotImplementedError:
@@ -35,10 +36,10 @@ def unsupported_mode(name: str, forward_modes: Mapping[str, ForwardKind], sglang
 def batch_view(fb, input_ids: torch.Tensor, positions: torch.Tensor, ones: torch.Tensor, empty: torch.Tensor,
                forward_modes: Mapping[str, ForwardKind], sglang_version: str) -> BatchView:
     """One ForwardBatch as a BatchView; a mode missing from ``forward_modes`` raises NotImplementedError naming it."""
-    mode = fb.forward_mode
-    kind = forward_modes.get(getattr(mode, "name", str(mode)))
+    name = mode_name(fb)
+    kind = forward_modes.get(name)
     if kind is None:
-        raise unsupported_mode(getattr(mode, "name", mode), forward_modes, sglang_version)
+        raise unsupported_mode(name, forward_modes, sglang_version)
     if kind is ForwardKind.IDLE:
         rows = fb.req_pool_indices if fb.req_pool_indices is not None else empty
         rows = i64(rows)
@@ -49,7 +50,9 @@ def batch_view(fb, input_ids: torch.Tensor, positions: torch.Tensor, ones: torch
     rows = i64(fb.req_pool_indices)
     if kind is ForwardKind.DECODE:
         bs = rows.shape[0]
-        prefix = i64(positions)[:bs]
+        prefix = i64(positions)
+        if prefix.shape[0] != bs:  # (an eager decode has one position per row: no slice, a torch op of host time)
+            prefix = prefix[:bs]
         extend = ones[:bs]
     else:
         prefix = i64(fb.extend_prefix_lens)

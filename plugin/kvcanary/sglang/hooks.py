@@ -36,8 +36,8 @@ from kvcanary.sglang.tokens import expected_token_updates
 
 logger = logging.getLogger(__name__)
 
-# Most verify-plan entries per forward the adapter allocates beyond 3 x the pool's slots (64 MiB of plan).
-VERIFY_CAPACITY_CAP = 1 << 21
+# Forward modes whose batch gives no row a new request (the batch hook skips writer attribution for them).
+_NO_NEW_REQUESTS = frozenset({"DECODE", "IDLE"})
 
 # The attribute of a ModelRunner that holds its Installation.
 INSTALL_ATTR = "_kvcanary"
@@ -85,11 +85,6 @@ class AdapterHooks:
             rank = role.rank(rank)
         groups = []
         for spec in specs:
-            # Σ prefix over a batch can exceed the pool many times over when rows share a cached prefix (radix
-            # hits): size the verify plan for every row's full context, up to VERIFY_CAPACITY_CAP entries (32 B
-            # each; the verify grid is sized from the SM count, so capacity costs memory only).
-            rows, ctx = int(r2t.shape[0]), int(r2t.shape[1])
-            vcap = max(3 * spec.num_slots, min(rows * ctx, VERIFY_CAPACITY_CAP))
             manager = CanaryManager(
                 config,
                 num_slots=spec.num_slots,
@@ -97,7 +92,6 @@ class AdapterHooks:
                 device=device,
                 max_batch_size=max_bs,
                 max_tokens_per_forward=max(spec.num_slots, max_tokens),
-                verify_capacity=vcap,
                 real_kv_sources=spec.sources,
                 swa_window_size=spec.swa_window_size,
                 full_to_swa_index_mapping=spec.full_to_swa_index_mapping,
@@ -235,14 +229,13 @@ class AdapterHooks:
     def _batch_init(self, inst: Installation, batch) -> None:
         """The per-batch host work: writer attribution for new requests, the fault injector's request facts,
         token-table uploads."""
-        if mode_name(batch) not in ("DECODE", "IDLE"):  # writer attribution: a row gets a new request in a prefill
-            rows = [(int(r.req_pool_idx), r.rid) for r in self.version.batch_requests(batch)
-                    if getattr(r, "req_pool_idx", None) is not None and getattr(r, "rid", None) is not None]
+        reqs = self.version.batch_requests(batch)
+        if mode_name(batch) not in _NO_NEW_REQUESTS:  # writer attribution: a row gets a new request in a prefill
+            rows = [(int(row), rid) for r in reqs
+                    if (row := getattr(r, "req_pool_idx", None)) is not None
+                    and (rid := getattr(r, "rid", None)) is not None]
             for group in inst.groups:
                 group.manager.assign_requests(rows)
-        if not inst.verify_tokens and inst.fault_plan is None:
-            return
-        reqs = self.version.batch_requests(batch)
         if inst.fault_plan is not None:
             inst.batch_reqs = list(reqs)
             inst.row_remaining = rows_remaining(reqs)

@@ -49,34 +49,42 @@ def radix_sweep_source(tree, producer_stream: Callable[[], torch.cuda.Stream | N
     def gather() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # Node values are int64 slot tensors on the KV device: gather them there (one cat), never read them on
         # the host (a .tolist() per node would be one device sync per node). Only depths and lengths, host
-        # facts of the tree, build the positions.
-        slot_parts: list[torch.Tensor] = []
-        prev_parts: list[torch.Tensor] = []
+        # facts of the tree, build the positions and the predecessors' indices. A fixed number of torch ops
+        # whatever the node count (two slices per node, as before, cost a few µs of host time per node).
+        parts: list[torch.Tensor] = []
         depths: list[int] = []
         lengths: list[int] = []
-        last: dict[int, torch.Tensor] = {}  # id(node) -> its last slot, a 1-element view (the children's prev)
-        head = None  # [-1] on the values' device: the predecessor of a first-level node
+        starts: list[int] = []
+        before: list[int] = []  # per node: index (in the gathered slots) of the slot before its first, or -1
+        last: dict[int, int] = {}  # id(node) -> index of its last slot
+        total = 0
         for node, depth, parent in cached_nodes(tree):
             value = node.value if node.value.dtype == torch.int64 else node.value.to(torch.int64)
-            if parent is None:
-                if head is None or head.device != value.device:
-                    head = torch.full((1,), -1, dtype=torch.int64, device=value.device)
-                prev = head
-            else:
-                prev = last[id(parent)]
-            last[id(node)] = value[-1:]
-            slot_parts.append(value)
-            prev_parts += [prev, value[:-1]]
+            n = int(value.shape[0])
+            parts.append(value)
             depths.append(depth)
-            lengths.append(int(value.shape[0]))
-        if not slot_parts:
+            lengths.append(n)
+            starts.append(total)
+            before.append(-1 if parent is None else last[id(parent)])
+            total += n
+            last[id(node)] = total - 1
+        if not parts:
             empty = torch.zeros(0, dtype=torch.int64)
             return empty, empty, empty
-        lens = torch.tensor(lengths, dtype=torch.int64)
-        starts = torch.cumsum(lens, 0) - lens
-        positions = torch.arange(sum(lengths), dtype=torch.int64) + torch.repeat_interleave(
-            torch.tensor(depths, dtype=torch.int64) - starts, lens)
-        return torch.cat(slot_parts), torch.cat(prev_parts), positions
+        slots = torch.cat(parts)
+        # one upload of the host facts; everything else on the slots' device, with sizes known on the host (no
+        # device -> host read, no sync; on a GPU no host-side buffer of the sweep's size either)
+        k = len(starts)
+        meta = torch.tensor(starts + before + depths + lengths, dtype=torch.int64).to(slots.device, non_blocking=True)
+        firsts, parents, node_depths, lens = meta[:k], meta[k : 2 * k], meta[2 * k : 3 * k], meta[3 * k :]
+        # prev of an entry: the entry before it in its node, or the parent's last slot (-1 under the root)
+        prevs = torch.empty_like(slots)
+        prevs[1:] = slots[:-1]
+        prevs[firsts] = torch.where(parents >= 0, slots[parents.clamp(min=0)], -1)
+        # position of an entry: its node's depth + its index in the node
+        positions = torch.repeat_interleave(node_depths - firsts, lens, output_size=total)
+        positions += torch.arange(total, dtype=torch.int64, device=slots.device)
+        return slots, prevs, positions
 
     def source() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         producer = producer_stream() if producer_stream is not None else None
