@@ -34,7 +34,7 @@ import hooks_state  # noqa: E402
 import sgl_engine  # noqa: E402
 import sglang  # noqa: E402,F401  (installed but broken must fail, not skip)
 
-from kvcanary import layout, ops  # noqa: E402
+from kvcanary import layout  # noqa: E402
 from kvcanary.batch import BatchView, ForwardKind  # noqa: E402
 from kvcanary.config import Config, Mode  # noqa: E402
 from kvcanary.installation import Group, GroupSpec, HostTime, Installation, WrapperCall  # noqa: E402
@@ -246,8 +246,8 @@ def test_piecewise_forwards_are_counted_apart_in_the_host_time(piecewise_run, ea
 
 # --------------------------------------------------------------------------------------------- order, capture, trace
 def test_canary_launches_run_before_and_after_the_replayed_layer_stack(piecewise_run, monkeypatch) -> None:
-    """Stream order on the forward's stream: the replay's copies into the static buffers, then plan + verify
-    (the snapshot of ids/positions/slots), then the layer stack (the pieces), then write."""
+    """Stream order on the forward's stream: the replay's copies into the static buffers, then the check launch
+    (plan + verify + the snapshot of ids/positions/slots), then the layer stack (the pieces), then write."""
     run, events = piecewise_run, []
 
     def record(name, fn):
@@ -256,8 +256,9 @@ def test_canary_launches_run_before_and_after_the_replayed_layer_stack(piecewise
             return fn(*args, **kwargs)
         return call
 
-    for name in ("canary_plan_step", "canary_verify_step", "canary_write_step"):
-        monkeypatch.setattr(ops, name, record(name.split("_")[1], getattr(ops, name)))
+    device_state = run.inst.manager.device_state  # every launch of the runtime goes through its two methods
+    monkeypatch.setattr(device_state, "before_forward", record("check", device_state.before_forward))
+    monkeypatch.setattr(device_state, "after_forward", record("write", device_state.after_forward))
     monkeypatch.setattr(run.pcg, "replay_prepare", record("replay_prepare", run.pcg.replay_prepare))
     layers = run.mr.model.model
     monkeypatch.setattr(layers, "forward", record("layers", layers.forward))
@@ -265,7 +266,7 @@ def test_canary_launches_run_before_and_after_the_replayed_layer_stack(piecewise
     sched.add([random.Random(9).randrange(3, 2000) for _ in range(21)], 3)
     mode = sched.step()
     assert mode == "EXTEND" and run.replays[-1] == (21, "EXTEND")
-    assert events == ["replay_prepare", "plan", "verify", "layers", "write"], events
+    assert events == ["replay_prepare", "check", "layers", "write"], events
     manager = run.inst.manager
     snapshot = manager.device_state.positions_snapshot
     assert torch.equal(snapshot[:32], run.pcg.buffers.positions[:32])  # the snapshot is the static batch
