@@ -422,5 +422,7 @@ def test_cuda_refuses_a_staging_that_is_not_pinned() -> None:
         ops.canary_token_update(**args)
     with pytest.raises(ValueError, match=arg_error("staging", "expected host memory")):
         ops.canary_token_update(**{**args, "staging": args["staging"].cuda()})
-    ops.canary_token_update(**{**args, "staging": args["staging"].pin_memory()})
+    pinned = args["staging"].pin_memory()  # kept until the launch has run (tolist synchronises)
+    ops.canary_token_update(**{**args, "staging": pinned})
     assert args["valid_lens_by_row"].tolist() == [0, 5, 0, 6]
+    assert args["expected_tokens"][1].tolist() == [-1, -1, 10, 11, 12, -1, -1, -1]
