@@ -49,24 +49,23 @@ class _Recorder:
         return lambda *a: self.calls.append((name, a))
 
 
-def export_rows(mgr: CanaryManager, batch: BatchView, iters: int, sync) -> list[tuple[str, float]]:
-    """Where a launch's host time goes: the tvm-ffi export called with the arguments the manager's launch passes,
-    prebuilt (argument conversion + C++ checks + the CUDA launch), against the whole manager call."""
+def export_rows(make_manager, batch: BatchView, iters: int, sync) -> list[tuple[str, float]]:
+    """Where a launch's host time goes: each tvm-ffi export called with the arguments the manager's launches pass,
+    prebuilt (argument conversion + C++ checks + the CUDA launch), to set against the whole manager call. The
+    manager's launches bind their export when it is built, so a second manager is built against a recorder."""
     recorder = _Recorder()
     saved = ops.load_module
     ops.load_module = lambda backend: recorder  # type: ignore[assignment]
     try:
+        mgr = make_manager()
         mgr.before_forward(batch)
         mgr.after_forward(batch)
     finally:
         ops.load_module = saved
     module = saved(batch.input_ids.device.type)
-    out = []
-    for name, call_args in recorder.calls:
-        fn = getattr(module, name)
-        out.append((f"{name}: the export alone, {len(call_args)} arguments prebuilt",
-                    timed(functools.partial(fn, *call_args), iters, sync)))
-    return out
+    return [(f"{name}: the export alone, {len(call_args)} arguments prebuilt",
+             timed(functools.partial(getattr(module, name), *call_args), iters, sync))
+            for name, call_args in recorder.calls]
 
 
 def decode_staging(seqs: dict[int, list[int]], dev: torch.device) -> tuple[torch.Tensor, int, int]:
@@ -98,9 +97,11 @@ def main() -> None:
     kv = [torch.zeros((slots, 256), dtype=torch.uint8, device=dev) for _ in range(4)]
     # step() is timed without forwards: a window that never ends keeps health errors out of the step rows
     config = Config(mode=Mode.LOG, stats_every=0, health_window=1 << 30)
-    mgr = CanaryManager(config, num_slots=slots, req_to_token=r2t, device=dev,
-                        max_batch_size=rows, max_tokens_per_forward=8192,
-                        real_kv_sources=[RealKvSource(k, 1, 256, 256) for k in kv])
+    def make_manager() -> CanaryManager:
+        return CanaryManager(config, num_slots=slots, req_to_token=r2t, device=dev, max_batch_size=rows,
+                             max_tokens_per_forward=8192, real_kv_sources=[RealKvSource(k, 1, 256, 256) for k in kv])
+
+    mgr = make_manager()
     mgr.mark_init_finished()
     t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
     decode = BatchView(ForwardKind.DECODE, t([7]), t([64]), t([65]), t([1]), t([64]), t([1]))
@@ -128,7 +129,7 @@ def main() -> None:
         ("before_forward (decode bs=1: one check launch)",
          timed(lambda: mgr.before_forward(decode), args.iters, sync)),
         ("after_forward (decode bs=1: write)", timed(lambda: mgr.after_forward(decode), args.iters, sync)),
-        *export_rows(mgr, decode, args.iters, sync),
+        *export_rows(make_manager, decode, args.iters, sync),
         ("before_forward (extend 256)", timed(lambda: mgr.before_forward(extend), args.iters, sync)),
         ("after_forward (extend 256)", timed(lambda: mgr.after_forward(extend), args.iters, sync)),
         ("step, device idle (reads + restarts the status copy)", timed(step_idle, args.iters, sync) - sync_us),
