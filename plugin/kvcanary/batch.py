@@ -25,14 +25,17 @@ class BatchView:
     ``req_pool_indices == 0``); tokens are the forward's flattened token axis (``num_tokens``,
     padding included: padded tokens write slot 0 or a skipped slot < 0).
 
+    Every tensor is int64 or int32 (each on its own: sglang hands its lengths as int32, and the check launch reads
+    either, so an adapter converts nothing per forward).
+
     Attributes:
         kind: the forward mode.
-        input_ids: int64 [num_tokens] token ids written into the KV cache by this forward.
-        positions: int64 [num_tokens] their sequence positions.
-        out_cache_loc: int64 [num_tokens] the KV slot each token is written to (< 0: skipped).
-        req_pool_indices: int64 [bs] the req_to_token row of each batch row (0: padding row).
-        prefix_lens: int64 [bs] tokens of the row already in the KV cache before this forward.
-        extend_lens: int64 [bs] tokens this forward writes for the row (its slice of the token axis,
+        input_ids: [num_tokens] token ids written into the KV cache by this forward.
+        positions: [num_tokens] their sequence positions.
+        out_cache_loc: [num_tokens] the KV slot each token is written to (< 0: skipped).
+        req_pool_indices: [bs] the req_to_token row of each batch row (0: padding row).
+        prefix_lens: [bs] tokens of the row already in the KV cache before this forward.
+        extend_lens: [bs] tokens this forward writes for the row (its slice of the token axis,
             rows laid out in order).
     """
 
@@ -62,9 +65,9 @@ class BatchView:
             tokens, batch = ids.shape, rows.shape
             return (
                 self.kind.__class__ is ForwardKind and len(tokens) == 1 and len(batch) == 1
-                and ids.dtype is _I64 and rows.dtype is _I64 and self.positions.dtype is _I64
-                and self.out_cache_loc.dtype is _I64 and self.prefix_lens.dtype is _I64
-                and self.extend_lens.dtype is _I64 and self.positions.shape == tokens
+                and ids.dtype in _INT and rows.dtype in _INT and self.positions.dtype in _INT
+                and self.out_cache_loc.dtype in _INT and self.prefix_lens.dtype in _INT
+                and self.extend_lens.dtype in _INT and self.positions.shape == tokens
                 and self.out_cache_loc.shape == tokens and self.prefix_lens.shape == batch
                 and self.extend_lens.shape == batch
             )
@@ -80,7 +83,7 @@ class BatchView:
         device = ids.device if isinstance(ids, torch.Tensor) else None
         for name in _TENSOR_FIELDS:
             t = getattr(self, name)
-            if not isinstance(t, torch.Tensor) or t.dtype is not torch.int64 or t.dim() != 1 or t.device != device:
+            if not isinstance(t, torch.Tensor) or t.dtype not in _INT or t.dim() != 1 or t.device != device:
                 _explain_field(name, t, device)
         n, bs = ids.shape[0], self.req_pool_indices.shape[0]
         for name, want, of in (("positions", n, "num_tokens of input_ids"),
@@ -92,7 +95,7 @@ class BatchView:
                 raise ValueError(f"BatchView: {name}: expected {want} entries ({of}), got {got}")
 
 
-_I64 = torch.int64
+_INT = (torch.int64, torch.int32)  # the dtypes a BatchView tensor may have
 _TENSOR_FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "prefix_lens", "extend_lens")
 
 
@@ -100,8 +103,8 @@ def _explain_field(name: str, t: object, device: torch.device | None) -> None:
     """Raise the error for a BatchView tensor field that failed the fast check."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"BatchView: {name}: expected torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.int64:
-        raise TypeError(f"BatchView: {name}: expected dtype int64, got {t.dtype}")
+    if t.dtype not in _INT:
+        raise TypeError(f"BatchView: {name}: expected dtype int64 or int32, got {t.dtype}")
     if t.dim() != 1:
         raise ValueError(f"BatchView: {name}: expected a 1-d tensor, got shape {list(t.shape)}")
     raise ValueError(f"BatchView: {name}: expected device {device} (of input_ids), got {t.device}")

@@ -245,8 +245,9 @@ class CanaryManager:
         and its valid length ``start + len(tokens)`` (earlier positions keep what they hold).
 
         A serving loop sends each row only what it appended since its last update (one token per decode row),
-        and every row of a forward in one call: one pinned upload and two scatters, whatever the batch size.
-        Non-blocking; call outside graph capture.
+        and every row of a forward in one call: one launch reading a pinned staging in place, whatever the batch size
+        (:mod:`kvcanary.token_table`); a later update of a row in the same call wins. Non-blocking; call outside graph
+        capture.
         """
         if self.token_table is None:
             raise RuntimeError("CanaryManager: update_expected_tokens needs config.verify_tokens")

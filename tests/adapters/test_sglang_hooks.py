@@ -347,7 +347,9 @@ def test_forward_modes_map_to_batch_views() -> None:
                                 extend_prefix_lens=torch.tensor([3, 0], dtype=torch.int32),
                                 extend_seq_lens=torch.tensor([1, 2], dtype=torch.int32))
     v = v0_5_12.batch_view(ext, _i64(1, 2, 3), _i64(3, 0, 1), ones, empty)
-    assert v.prefix_lens.dtype == torch.int64 and v.prefix_lens.tolist() == [3, 0] and v.extend_lens.tolist() == [1, 2]
+    # sglang's int32 lengths are handed on as they are (the check launch reads int32 or int64: no conversion)
+    assert v.prefix_lens is ext.extend_prefix_lens and v.extend_lens is ext.extend_seq_lens
+    assert v.prefix_lens.tolist() == [3, 0] and v.extend_lens.tolist() == [1, 2]
     v.validate()
     mixed = types.SimpleNamespace(**{**vars(ext), "forward_mode": ForwardMode.MIXED})
     assert v0_5_12.batch_view(mixed, _i64(1, 2, 3), _i64(3, 0, 1), ones, empty).kind.name == "MIXED"

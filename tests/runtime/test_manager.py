@@ -307,3 +307,26 @@ def test_sweep_takes_tensors_and_checks_them() -> None:
     assert {(v.slot, v.reasons) for v in swept} == {(int(slots[2]), ("verify_real_kv_hash",))}
     with pytest.raises(ValueError, match="positions: expected a 1-D int64 tensor"):
         eng.mgr.sweep(slots, prevs, torch.arange(4, dtype=torch.int32))
+
+
+def test_int32_batch_arrays_give_the_same_records_and_checks_as_int64() -> None:
+    """sglang hands extend_prefix_lens / extend_seq_lens as int32: a BatchView takes int32 or int64 per field, and the
+    runtime records and checks exactly the same either way (no conversion per forward)."""
+    results = []
+    for dtype in (torch.int64, torch.int32):
+        req = torch.zeros((3, 16), dtype=torch.int32)
+        req[1, :6] = torch.arange(1, 7, dtype=torch.int32)
+        mgr = CanaryManager(Config(mode=Mode.LOG), num_slots=32, req_to_token=req, device="cpu", max_batch_size=2,
+                            max_tokens_per_forward=16)
+        t = lambda v, d=dtype: torch.tensor(v, dtype=d)  # noqa: E731
+        for prefix, extend in ((0, 4), (4, 2)):  # a prefill chunk, then the rest on a cached prefix
+            ids = [7 + p for p in range(prefix, prefix + extend)]
+            batch = BatchView(ForwardKind.EXTEND, t(ids), t(list(range(prefix, prefix + extend))),
+                              t(list(range(prefix + 1, prefix + extend + 1))), t([1]), t([prefix]), t([extend]))
+            mgr.before_forward(batch)
+            mgr.after_forward(batch)
+            mgr.step()
+        mgr.flush()
+        results.append((mgr.canary_buf.clone(), mgr.stats.slot_runs, len(mgr.violations)))
+    assert torch.equal(results[0][0], results[1][0]) and results[0][1:] == results[1][1:]
+    assert results[0][1][LaunchTag.VERIFY] == 4 and results[0][2] == 0

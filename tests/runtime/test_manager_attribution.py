@@ -306,8 +306,9 @@ def test_health_window_counts_steps_when_draining_every_8() -> None:
 @pytest.mark.parametrize(
     ("change", "exc", "pattern"),
     [
-        ({"input_ids": torch.tensor([5], dtype=torch.int32)}, TypeError, r"^BatchView: input_ids: expected dtype int"),
-        ({"req_pool_indices": torch.tensor([1], dtype=torch.int32)}, TypeError, r"^BatchView: req_pool_indices: "),
+        ({"input_ids": torch.tensor([5], dtype=torch.int16)}, TypeError,
+         r"^BatchView: input_ids: expected dtype int64 or int32, got torch.int16"),
+        ({"req_pool_indices": torch.tensor([1.0])}, TypeError, r"^BatchView: req_pool_indices: "),
         ({"kind": "decode"}, TypeError, r"^BatchView: kind: expected ForwardKind, got str"),
         ({"positions": torch.zeros(0, dtype=torch.int64)}, ValueError, r"^BatchView: positions: expected 1 entries"),
         ({"extend_lens": torch.ones(2, dtype=torch.int64)}, ValueError, r"^BatchView: extend_lens: expected 1 entries"),

@@ -55,8 +55,8 @@ def batch_view(fb, input_ids: torch.Tensor, positions: torch.Tensor, ones: torch
             prefix = prefix[:bs]
         extend = ones[:bs]
     else:
-        prefix = i64(fb.extend_prefix_lens)
-        extend = i64(fb.extend_seq_lens)
+        prefix = fb.extend_prefix_lens  # int32 in sglang: the check launch reads it as it is (no conversion)
+        extend = fb.extend_seq_lens
     return BatchView(kind, i64(input_ids), i64(positions), i64(fb.out_cache_loc), rows, prefix, extend)
 
 
