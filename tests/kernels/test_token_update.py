@@ -400,12 +400,16 @@ def test_cuda_uploads_from_pinned_memory_while_the_device_is_busy() -> None:
         else:
             batches.append([(r, rng.randrange(width), tokens(rng, 1)) for r in range(rows)])
     batches.append([(5, 0, [1, 2, 3]), (5, 1, [9]), (5, 0, list(range(50)))])  # a repeated row: one ordered block
-    torch.cuda.synchronize()
     for batch in batches:
-        torch.cuda._sleep(2_000_000)  # keep the device behind the host: stagings are still being read
-        table.update(batch)
         for update in batch:  # in order, like the kernel (the same as the whole batch for distinct rows)
             reference_update(*ref, [update])
+    torch.cuda.synchronize()
+    # ~0.5 s of device time queued first: the host issues every batch long before the device reads the first
+    # staging, so the ring must come round while its launches are pending (a per-batch sleep raced the host's own
+    # pace: the H200 run of 2026-11-30 saw no wait)
+    torch.cuda._sleep(1_000_000_000)
+    for batch in batches:
+        table.update(batch)
     torch.cuda.synchronize()
     assert table.staging.waits > 0  # the ring came round while its launches were pending
     assert torch.equal(table.expected_tokens.cpu(), ref[0])
