@@ -60,6 +60,7 @@ STATE_SLOT_RUNS = layout.STATE_SLOT_RUNS
 STATE_RING_EPOCH = layout.STATE_RING_EPOCH
 STATE_FORWARD = layout.STATE_FORWARD
 STATE_DRAINED_TO = layout.STATE_DRAINED_TO
+_MAX_CACHED_SEGMENTS = 64  # status-copy source views kept (one per (first, peek_end) the drain asks for)
 
 
 class StateHeader(NamedTuple):
@@ -162,6 +163,7 @@ class DeviceState:
             self._expected_tokens = token_table.expected_tokens
             self._expected_valid_lens_by_row = token_table.valid_lens_by_row
         self._counter_views_by_tag = {tag: self._build_counter_views(tag) for tag in LaunchTag}
+        self._status_segments: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # The two per-forward launches, their fixed arguments bound once (a forward's host time is the product's cost)
         self._check = ops.CheckLaunch(
             state=self.state, canary_buf=self.canary_buf, write_plan=self.write_plan, req_to_token=req_to_token,
@@ -243,8 +245,14 @@ class DeviceState:
     def status_segments(self, first: int, peek_end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The status copy's sources: the state prefix up to ring row ``peek_end`` (header included), and the
         metadata of ring rows ``first..peek_end``, both flat."""
-        numel = STATE_HEADER + peek_end * layout.VIOLATION_FIELDS
-        return self.state[:numel], self.violation_meta[first:peek_end].view(-1)
+        key = (first, peek_end)
+        segments = self._status_segments.get(key)
+        if segments is None:  # views built once per range (a clean run uses one): slicing costs host time per drain
+            if len(self._status_segments) >= _MAX_CACHED_SEGMENTS:
+                self._status_segments.clear()
+            numel = STATE_HEADER + peek_end * layout.VIOLATION_FIELDS
+            segments = self._status_segments[key] = (self.state[:numel], self.violation_meta[first:peek_end].view(-1))
+        return segments
 
     def ring_segments(self, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Ring rows ``first..end`` and their metadata rows, both flat."""

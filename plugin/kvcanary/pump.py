@@ -24,6 +24,7 @@ class PinnedChannel:
         self.step = 0
         self.meta: dict[str, int] = {}
         self.busy = False
+        self._views: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}
 
     @property
     def count(self) -> int:
@@ -38,19 +39,29 @@ class PinnedChannel:
             raise ValueError(f"PinnedChannel: {sum(counts)} elements do not fit the {self.host.numel()}-element buffer")
         self.counts, self.step, self.meta, self.busy = counts, step, meta, True
         if self.stream is None:
-            at = 0
-            for src, n in zip(srcs, counts, strict=True):
-                self.host[at : at + n].copy_(src)
-                at += n
+            for dst, src in zip(self._host_views(counts), srcs, strict=True):
+                dst.copy_(src)
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            at = 0
-            for src, n in zip(srcs, counts, strict=True):
-                self.host[at : at + n].copy_(src, non_blocking=True)
-                at += n
+            for dst, src in zip(self._host_views(counts), srcs, strict=True):
+                dst.copy_(src, non_blocking=True)
             assert self.event is not None
             self.event.record(self.stream)
+
+    def _host_views(self, counts: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        """The host buffer's back-to-back slices for segments of ``counts`` elements (built once per layout: a
+        drain reuses one or two layouts, and slicing costs host time)."""
+        views = self._views.get(counts)
+        if views is None:
+            if len(self._views) >= 64:
+                self._views.clear()
+            out, at = [], 0
+            for n in counts:
+                out.append(self.host[at : at + n])
+                at += n
+            views = self._views[counts] = tuple(out)
+        return views
 
     def ready(self) -> bool:
         return self.busy and (self.event is None or self.event.query())
