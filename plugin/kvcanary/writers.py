@@ -32,20 +32,23 @@ class WriterTable:
         """
         rows: list[int] = []
         serials: list[int] = []
-        for row, request_id in requests:
-            rid = str(request_id)
-            if self._row_requests.get(row) == rid:
-                continue
-            if not 0 <= row < self.rows:
-                raise ValueError(f"CanaryManager.assign_requests: row {row} outside [0, {self.rows})")
-            serial = self._next_serial
-            self._next_serial += 1
-            self._row_requests[row] = rid
-            self._writer_ids[serial] = rid
-            if len(self._writer_ids) > MAX_WRITER_IDS:
-                self._writer_ids.popitem(last=False)
-            rows.append(row)
-            serials.append(serial)
+        row_requests, writer_ids, limit = self._row_requests, self._writer_ids, self.rows
+        try:
+            for row, request_id in requests:  # (a prefill batch's new requests: the batch hook's per-row cost)
+                rid = request_id if type(request_id) is str else str(request_id)
+                if row_requests.get(row) == rid:
+                    continue
+                if not 0 <= row < limit:
+                    raise ValueError(f"CanaryManager.assign_requests: row {row} outside [0, {limit})")
+                serial = self._next_serial
+                self._next_serial = serial + 1
+                row_requests[row] = rid
+                writer_ids[serial] = rid
+                rows.append(row)
+                serials.append(serial)
+        finally:  # the oldest ids go once per call, also when a bad row stopped it
+            while len(writer_ids) > MAX_WRITER_IDS:
+                writer_ids.popitem(last=False)
         return rows, serials
 
     def writer_id(self, serial: int) -> str | None:
