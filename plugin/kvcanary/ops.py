@@ -496,43 +496,38 @@ def canary_check_step(
         if not isinstance(write_plan, WritePlan):
             raise TypeError(f"canary_check_step: write_plan: expected WritePlan, got {type(write_plan).__name__}")
         module: Any = load_module(_backend_of(canary_buf.device))
-        launch = prepare_real_kv(real_kv_sources, canary_buf.device)
-        module.canary_check_step(
-            state,
-            violation_meta,
-            slot_attribution,
-            canary_buf,
-            write_plan.write_offsets,
-            write_plan.write_seed_slot_indices,
-            write_plan.write_num_valid_reqs,
-            write_plan.write_request_rows,
-            req_pool_indices,
-            prefix_lens,
-            extend_lens,
-            req_to_token,
-            int(swa_window_size),
-            full_to_swa_index_mapping,
-            expected_tokens,
-            expected_valid_lens_by_row,
-            int(kv_token_id_vs_position_offset),
-            input_ids,
-            positions,
-            out_cache_loc,
-            input_ids_out,
-            positions_out,
-            out_cache_loc_out,
-            *launch.buffers,
-            launch.params,
-            launch.num_sources,
-            int(real_kv_hash_mode),
-            int(check_tokens),
-            int(new_forward),
-            int(forward_step_value),
+        head, mid, tail = _check_parts(
+            state=state, violation_meta=violation_meta, slot_attribution=slot_attribution, canary_buf=canary_buf,
+            write_plan=write_plan, req_to_token=req_to_token, swa_window_size=swa_window_size,
+            full_to_swa_index_mapping=full_to_swa_index_mapping, expected_tokens=expected_tokens,
+            expected_valid_lens_by_row=expected_valid_lens_by_row,
+            kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, input_ids_out=input_ids_out,
+            positions_out=positions_out, out_cache_loc_out=out_cache_loc_out, real_kv_sources=real_kv_sources,
+            real_kv_hash_mode=real_kv_hash_mode, check_tokens=check_tokens,
         )
+        module.canary_check_step(*head, req_pool_indices, prefix_lens, extend_lens, *mid, input_ids, positions,
+                                 out_cache_loc, *tail, int(new_forward), int(forward_step_value))
     except _CALL_ERRORS as exc:
         if not isinstance(write_plan, WritePlan):
             raise
         _raise_check_error(exc, **{k: v for k, v in locals().items() if k in _CHECK_ARGS})
+
+
+def _check_parts(*, state, violation_meta, slot_attribution, canary_buf, write_plan, req_to_token, swa_window_size,
+                 full_to_swa_index_mapping, expected_tokens, expected_valid_lens_by_row,
+                 kv_token_id_vs_position_offset, input_ids_out, positions_out, out_cache_loc_out, real_kv_sources,
+                 real_kv_hash_mode, check_tokens) -> tuple[tuple, tuple, tuple]:
+    """The export's arguments that stay fixed across forwards, as the three runs around the per-forward ones (the one
+    place their order is written): a call is ``fn(*head, req_pool_indices, prefix_lens, extend_lens, *mid,
+    input_ids, positions, out_cache_loc, *tail, new_forward, forward_step_value)``."""
+    launch = prepare_real_kv(real_kv_sources, canary_buf.device)
+    head = (state, violation_meta, slot_attribution, canary_buf, write_plan.write_offsets,
+            write_plan.write_seed_slot_indices, write_plan.write_num_valid_reqs, write_plan.write_request_rows)
+    mid = (req_to_token, int(swa_window_size), full_to_swa_index_mapping, expected_tokens, expected_valid_lens_by_row,
+           int(kv_token_id_vs_position_offset))
+    tail = (input_ids_out, positions_out, out_cache_loc_out, *launch.buffers, launch.params, launch.num_sources,
+            int(real_kv_hash_mode), int(check_tokens))
+    return head, mid, tail
 
 
 _CHECK_ARGS = (
@@ -598,25 +593,19 @@ class CheckLaunch:
                  real_kv_hash_mode: int = layout.REAL_KV_HASH_MODE_NONE, check_tokens: bool = False) -> None:
         if not isinstance(write_plan, WritePlan):
             raise TypeError(f"canary_check_step: write_plan: expected WritePlan, got {type(write_plan).__name__}")
-        launch = prepare_real_kv(real_kv_sources, canary_buf.device)
         self._fixed = dict(
             state=state, canary_buf=canary_buf, write_plan=write_plan, req_to_token=req_to_token,
             input_ids_out=input_ids_out, positions_out=positions_out, out_cache_loc_out=out_cache_loc_out,
             violation_meta=violation_meta, slot_attribution=slot_attribution, swa_window_size=swa_window_size,
             full_to_swa_index_mapping=full_to_swa_index_mapping, expected_tokens=expected_tokens,
             expected_valid_lens_by_row=expected_valid_lens_by_row,
-            kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, real_kv_sources=launch,
-            real_kv_hash_mode=real_kv_hash_mode, check_tokens=check_tokens,
+            kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+            real_kv_sources=prepare_real_kv(real_kv_sources, canary_buf.device), real_kv_hash_mode=real_kv_hash_mode,
+            check_tokens=check_tokens,
         )
         module: Any = load_module(_backend_of(canary_buf.device))
         self._fn = module.canary_check_step
-        self._head = (state, violation_meta, slot_attribution, canary_buf, write_plan.write_offsets,
-                      write_plan.write_seed_slot_indices, write_plan.write_num_valid_reqs,
-                      write_plan.write_request_rows)
-        self._mid = (req_to_token, int(swa_window_size), full_to_swa_index_mapping, expected_tokens,
-                     expected_valid_lens_by_row, int(kv_token_id_vs_position_offset))
-        self._tail = (input_ids_out, positions_out, out_cache_loc_out, *launch.buffers, launch.params,
-                      launch.num_sources, int(real_kv_hash_mode), int(check_tokens))
+        self._head, self._mid, self._tail = _check_parts(**self._fixed)
 
     def __call__(self, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
                  input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor, *,
