@@ -162,7 +162,7 @@ class DeviceState:
         if token_table is not None:
             self._expected_tokens = token_table.expected_tokens
             self._expected_valid_lens_by_row = token_table.valid_lens_by_row
-        self._counter_views_by_tag = {tag: self._build_counter_views(tag) for tag in LaunchTag}
+        self._sweep_views = self._build_counter_views(LaunchTag.SWEEP)  # (verify-tag launches: the check's state)
         self._status_segments: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # The two per-forward launches, their fixed arguments bound once (a forward's host time is the product's cost)
         self._check = ops.CheckLaunch(
@@ -178,7 +178,7 @@ class DeviceState:
         self._write = ops.WriteLaunch(
             canary_buf=self.canary_buf, write_plan=self.write_plan, input_ids=self.input_ids_snapshot,
             positions=self.positions_snapshot, out_cache_loc=self.out_cache_loc_snapshot, kernel_kind=LaunchTag.WRITE,
-            **self._counter_views_by_tag[LaunchTag.WRITE],
+            **self._build_counter_views(LaunchTag.WRITE),
             enable_chain_position_assert=self.enable_chain_position_assert, real_kv_sources=self._real_kv_launch,
             real_kv_hash_mode=real_kv_mode,
         )
@@ -219,7 +219,7 @@ class DeviceState:
             canary_buf=self.canary_buf,
             **plan.kernel_args(),
             kernel_kind=LaunchTag.SWEEP,
-            **self._counter_views_by_tag[LaunchTag.SWEEP],
+            **self._sweep_views,
             real_kv_sources=self._real_kv_launch,
             real_kv_hash_mode=self.real_kv_mode,
             check_tokens=False,
