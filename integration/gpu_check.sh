@@ -18,6 +18,7 @@
 #   bench-manager  benchmarks/bench_manager.py (per-forward canary cost, decode with CUDA graphs)
 #   bench-host  benchmarks/bench_host.py (host time of the manager's per-forward calls and of each export alone)
 #   bench-attribution  benchmarks/bench_attribution.py (write / verify with and without writer attribution)
+#   bench-forward-path  benchmarks/bench_forward_path.py (kvcanary host us per eager forward, sglang's call sequence)
 # Output: $OUT/gpu_check.md (summary table, also printed last), $OUT/<step>.log, $OUT/bench.json;
 # $OUT defaults to ./gpu_check_out. Exit status: 0 only if no step failed.
 # Total wall time is capped by GPU_CHECK_BUDGET_S (default 480 s): each step's timeout is cut to what is left.
@@ -266,6 +267,10 @@ if (( BUDGET_S - $(elapsed) < 60 )); then attr_args+=(--quick); fi
 run_step bench-attribution 90 "$PY" benchmarks/bench_attribution.py "${attr_args[@]}"
 record bench-attribution "$(status_of $STEP_RC)" "$STEP_S" "seed vs attributed write/verify; see the table below"
 
+# ------------------------------------------------------------------------------------------------ bench-forward-path
+run_step bench-forward-path 120 "$PY" benchmarks/bench_forward_path.py --device cuda --forwards 30 --rounds 3
+record bench-forward-path "$(status_of $STEP_RC)" "$STEP_S" "host us per eager forward, engine call sequence; see below"
+
 # ------------------------------------------------------------------------------------------------ summary
 {
   echo "## kvcanary GPU check"
@@ -286,6 +291,7 @@ record bench-attribution "$(status_of $STEP_RC)" "$STEP_S" "seed vs attributed w
   sed -n '/^### canary per-forward cost/,$p' "$OUT_DIR/bench-manager.log" 2>/dev/null
   sed -n '/^### kvcanary host time per call/,$p' "$OUT_DIR/bench-host.log" 2>/dev/null
   sed -n '/^kvcanary attribution cost/,$p' "$OUT_DIR/bench-attribution.log" 2>/dev/null
+  sed -n '/^### kvcanary host µs per eager forward/,$p' "$OUT_DIR/bench-forward-path.log" 2>/dev/null
 } > "$SUMMARY"
 
 # Show the end of each failing step's log, then the table (last, so it survives output truncation).
