@@ -40,9 +40,36 @@ RING_SIZE = 8
 # grows its staging to the next power of two.
 MIN_STAGING_VALUES = 4096
 
+# Tokens from which an update's tokens are packed by a call of their own (see _pack_tokens).
+LONG_UPDATE_TOKENS = 32
+
 _FIELDS = layout.TOKEN_UPDATE_FIELDS
+_VALUE_BYTES = 8  # int64 staging values
 _add = operator.add
 _pack_into = struct.pack_into
+
+
+def _pack_tokens(view: Any, tokens: Sequence[Sequence[int]], counts: Sequence[int], offsets: Sequence[int]) -> None:
+    """Pack each update's tokens at its staging offset (the offsets are contiguous, in update order).
+
+    Why not one ``pack_into(*chain.from_iterable(tokens))`` for the batch: unpacking a chain walks a generic iterator
+    per token (an extend batch of 64 new 1k-token requests: ~1.3 ms on the CPU, the same on CUDA, where the staging is
+    pinned host memory written the same way). ``*tokens[i]`` of a list or tuple copies its item array in C, so a long
+    update gets a call of its own; a run of short ones (decode rows between extend rows) shares one call, so a row
+    costs at most one call.
+    """
+    run_begin = 0  # the first update of the current run of short updates
+    for i, count in enumerate(counts):
+        if count < LONG_UPDATE_TOKENS:
+            continue
+        if run_begin < i:
+            _pack_into(f"{offsets[i] - offsets[run_begin]}q", view, offsets[run_begin] * _VALUE_BYTES,
+                       *chain.from_iterable(tokens[run_begin:i]))
+        _pack_into(f"{count}q", view, offsets[i] * _VALUE_BYTES, *tokens[i])
+        run_begin = i + 1
+    if run_begin < len(counts):
+        _pack_into(f"{offsets[-1] - offsets[run_begin]}q", view, offsets[run_begin] * _VALUE_BYTES,
+                   *chain.from_iterable(tokens[run_begin:]))
 
 
 class StagingEvent(Protocol):
@@ -182,8 +209,12 @@ class TokenTable:
         staged_len = offsets[-1]
         staging = self.staging.acquire(staged_len)
         # the field-major header (layout.TOKEN_UPDATE_FIELD_*: row, start, count, valid length, offset), then tokens
-        _pack_into(f"{staged_len}q", staging.view, 0, *rows, *starts, *counts, *ends, *offsets[:-1],
-                   *chain.from_iterable(tokens))
+        if max(counts) < LONG_UPDATE_TOKENS:  # a decode batch: header and tokens in one call
+            _pack_into(f"{staged_len}q", staging.view, 0, *rows, *starts, *counts, *ends, *offsets[:-1],
+                       *chain.from_iterable(tokens))
+        else:
+            _pack_into(f"{_FIELDS * n}q", staging.view, 0, *rows, *starts, *counts, *ends, *offsets[:-1])
+            _pack_tokens(staging.view, tokens, counts, offsets)
         try:
             self._launch(self.expected_tokens, self.valid_lens_by_row, staging.buffer, n, staged_len)
         except Exception:
