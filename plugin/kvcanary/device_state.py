@@ -236,10 +236,14 @@ class DeviceState:
         self.positions_snapshot[index] = position
 
     def upload_row_serials(self, rows: list[int], serials: list[int]) -> None:
-        """``row_serials[rows[i]] = serials[i]``: one batched, non-blocking upload."""
-        dev = _staged(rows + serials, self.device).to(self.device, non_blocking=True)
-        m = len(rows)
-        self.row_serials.index_put_((dev[:m],), dev[m:])
+        """``row_serials[rows[i]] = serials[i]``: one batched, non-blocking upload (a reused staging, one copy, one
+        scatter: :class:`kvcanary.serial_upload.RowSerialUpload`)."""
+        upload = getattr(self, "_row_serial_upload", None)
+        if upload is None:  # made on first use: a canary that never gets a new request holds no stagings
+            from kvcanary.serial_upload import RowSerialUpload
+
+            upload = self._row_serial_upload = RowSerialUpload(self.row_serials)
+        upload(rows, serials)
 
     # ------------------------------------------------------------------------------------------ what the drain reads
     def status_segments(self, first: int, peek_end: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,11 +5,14 @@ on the device, see :mod:`kvcanary.device_state`); a violation on that slot later
 module is the host side: a row gets a new serial whenever it gets a new request, and the table remembers serial →
 ``str(request_id)`` for the last :data:`MAX_WRITER_IDS` requests, so a violation names the request that last wrote
 its slot (``writer_rid``). Pure host logic: the caller uploads the changed serials.
+
+Host cost: :meth:`WriterTable.assign` runs in every prefill's batch hook, once per new request, so a row costs a few
+list operations and no dict churn: the rows' requests are a list indexed by row, and serials (handed out
+consecutively) index a ring of request ids, so dropping the oldest id is free (it is overwritten).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable
 
 MAX_WRITER_IDS = 1 << 16  # request ids kept for writer attribution (serial -> rid), oldest dropped first
@@ -20,37 +23,51 @@ class WriterTable:
 
     def __init__(self, rows: int) -> None:
         self.rows = rows
-        self._row_requests: dict[int, str] = {}  # the request id each row holds
-        self._writer_ids: OrderedDict[int, str] = OrderedDict()  # serial -> request id, oldest first
+        self._row_requests: list[str | None] = [None] * rows  # the request id each row holds
+        # serial s -> its request id at s % len: the last MAX_WRITER_IDS serials (as set now) are kept
+        self._writer_ids: list[str | None] = [None] * MAX_WRITER_IDS
         self._next_serial = 1
 
     def assign(self, requests: Iterable[tuple[int, object]]) -> tuple[list[int], list[int]]:
         """For each ``(row, request_id)``: the row now holds that request. Returns the rows whose request changed and
-        their new serials (empty lists when none did: a row that keeps its request costs one dict lookup).
+        their new serials (empty lists when none did: a row that keeps its request costs one list lookup).
 
         Raises ``ValueError`` for a row outside ``[0, rows)``; the rows before it in ``requests`` are assigned.
         """
         rows: list[int] = []
-        serials: list[int] = []
-        row_requests, writer_ids, limit = self._row_requests, self._writer_ids, self.rows
+        rids: list[str] = []
+        row_requests, limit = self._row_requests, self.rows
         try:
             for row, request_id in requests:  # (a prefill batch's new requests: the batch hook's per-row cost)
                 rid = request_id if type(request_id) is str else str(request_id)
-                if row_requests.get(row) == rid:
-                    continue
                 if not 0 <= row < limit:
                     raise ValueError(f"CanaryManager.assign_requests: row {row} outside [0, {limit})")
-                serial = self._next_serial
-                self._next_serial = serial + 1
-                row_requests[row] = rid
-                writer_ids[serial] = rid
-                rows.append(row)
-                serials.append(serial)
-        finally:  # the oldest ids go once per call, also when a bad row stopped it
-            while len(writer_ids) > MAX_WRITER_IDS:
-                writer_ids.popitem(last=False)
+                if row_requests[row] != rid:
+                    row_requests[row] = rid
+                    rows.append(row)
+                    rids.append(rid)
+        finally:  # serials for the rows assigned, also when a bad row stopped the loop
+            serials = self._remember(rids)
         return rows, serials
+
+    def _remember(self, rids: list[str]) -> list[int]:
+        """Hand out the next ``len(rids)`` serials, remembering each one's request id (two slice stores at most)."""
+        first = self._next_serial
+        self._next_serial = first + len(rids)
+        ring = self._writer_ids
+        size = len(ring)
+        for chunk_begin in range(0, len(rids), size):  # one chunk unless a call brings more than the ring holds
+            chunk = rids[chunk_begin : chunk_begin + size]
+            begin = (first + chunk_begin) % size
+            split = min(len(chunk), size - begin)
+            ring[begin : begin + split] = chunk[:split]
+            ring[: len(chunk) - split] = chunk[split:]
+        return list(range(first, self._next_serial))
 
     def writer_id(self, serial: int) -> str | None:
         """The request id of a writer serial (None: unknown, or older than the last MAX_WRITER_IDS requests)."""
-        return self._writer_ids.get(serial) if serial > 0 else None
+        ring = self._writer_ids
+        kept = min(MAX_WRITER_IDS, len(ring))
+        if not 0 < serial < self._next_serial or serial < self._next_serial - kept:
+            return None
+        return ring[serial % len(ring)]

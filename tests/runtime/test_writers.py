@@ -1,0 +1,68 @@
+"""WriterTable (serials per new request, the ring of request ids) and RowSerialUpload (the device upload)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcanary import writers
+from kvcanary.serial_upload import RowSerialUpload
+from kvcanary.token_table import MIN_STAGING_VALUES
+from kvcanary.writers import WriterTable
+
+
+def test_writer_ids_wrap_around_the_ring(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serials index a ring of MAX_WRITER_IDS ids: the last MAX_WRITER_IDS are kept across the wrap, older say None."""
+    monkeypatch.setattr(writers, "MAX_WRITER_IDS", 4)
+    table = WriterTable(rows=8)
+    assert table.assign([(r, f"a{r}") for r in range(3)]) == ([0, 1, 2], [1, 2, 3])
+    assert table.assign([(r, f"b{r}") for r in range(3)]) == ([0, 1, 2], [4, 5, 6])  # wraps: serial 4 at index 0
+    assert [table.writer_id(s) for s in range(1, 8)] == [None, None, "a2", "b0", "b1", "b2", None]
+    # one call bringing more requests than the ring holds: the last four are kept
+    rows, serials = table.assign([(r, f"c{r}") for r in range(7)])
+    assert rows == list(range(7)) and serials == list(range(7, 14))
+    assert [table.writer_id(s) for s in range(6, 14)] == [None, None, None, None, "c3", "c4", "c5", "c6"]
+
+
+def test_a_bad_row_keeps_the_rows_before_it_and_their_serials() -> None:
+    table = WriterTable(rows=4)
+    with pytest.raises(ValueError, match=r"row -1 outside \[0, 4\)"):
+        table.assign([(1, "a"), (-1, "b")])  # a negative row is not an index from the end
+    assert table.assign([(1, "a")]) == ([], [])  # row 1 was assigned before the bad row
+    assert table.writer_id(1) == "a" and table.assign([(2, "b")]) == ([2], [2])
+
+
+def test_row_serial_upload_scatters_and_grows_its_staging() -> None:
+    row_serials = torch.full((3 * MIN_STAGING_VALUES,), -1, dtype=torch.int64)
+    upload = RowSerialUpload(row_serials)
+    upload([2, 0], [7, 8])
+    assert row_serials[:3].tolist() == [8, -1, 7]
+    upload([], [])  # nothing to do
+    rows = list(range(MIN_STAGING_VALUES))  # 2 * rows values: more than a first staging holds
+    upload(rows, [r + 100 for r in rows])
+    assert torch.equal(row_serials[: len(rows)], torch.arange(100, 100 + len(rows)))
+    assert upload.staging.grows == 1
+    upload([5, 5], [1, 2])  # a row twice: the later one (index_put_ on the CPU), as before
+    assert int(row_serials[5]) == 2
+    with pytest.raises(ValueError, match="2 rows but 1 serials"):
+        upload([1, 2], [3])
+
+
+def test_row_serial_upload_records_an_event_after_each_copy() -> None:
+    recorded: list[int] = []
+
+    class Event:
+        def record(self) -> None:
+            recorded.append(1)
+
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None:
+            pass
+
+    row_serials = torch.zeros(4, dtype=torch.int64)
+    upload = RowSerialUpload(row_serials, event_factory=Event)
+    for i in range(6):
+        upload([i % 4], [i])
+    assert len(recorded) == 6 and upload.staging.size > 1 and row_serials.tolist() == [4, 5, 2, 3]
