@@ -98,6 +98,12 @@ class ViolationDrain:
         self._last_index = 0
         # host step = device forward counter - _step_offset (as of the last drained snapshot)
         self._step_offset = 0
+        # The step count at which on_step next has work (the cadence, or every step while a rows copy is in
+        # flight): the steps before it cost the caller one integer compare (see :meth:`on_step`).
+        self.next_due = 1
+        # Bumped before every status or rows read: whatever this drain updates (stats, violations, the reporter's
+        # totals) can only have changed when it moved (kvcanary.metrics need not look otherwise).
+        self.reads = 0
 
     @property
     def busy(self) -> bool:
@@ -106,27 +112,45 @@ class ViolationDrain:
 
     def on_step(self, steps: int) -> list[Violation]:
         """The drain of the step that made the step count ``steps``, on the ``drain_every`` cadence (a burst of rows
-        in flight is read every step). Returns the violations reported now."""
+        in flight is read every step). Returns the violations reported now.
+
+        A step before ``next_due`` has nothing to do here: a caller may skip the call after comparing the two."""
+        if steps < self.next_due:
+            return []
         every = self._drain_every
         if every > 1 and not self._rows_channel.busy:
             phase = steps % every
             if phase == every - 1:  # (a stale snapshot still unread, e.g. after a flush, is read first)
                 return self.drain(steps, restart=True)  # starts the snapshot the next step reads
-            return self.drain(steps, restart=False) if phase == 0 else []
+            return self.drain(steps, restart=False) if phase == 0 else self._schedule(steps)
         return self.drain(steps)
 
     def drain(self, steps: int, restart: bool = True) -> list[Violation]:
         """Read whatever copies are ready; ``restart``: start the next status copy at once. ``steps``: the host
         step count now."""
         reported: list[Violation] = []
-        for _ in range(2):  # the second pass reads a snapshot that is ready at once (CPU, idle GPU)
-            if self._rows_channel.ready():
-                reported += self._read_rows()
-            if self._status_channel.ready():
-                reported += self._read_status(steps)
-            if restart and not self._status_channel.busy:
-                self._start_status(steps)
+        try:
+            for _ in range(2):  # the second pass reads a snapshot that is ready at once (CPU, idle GPU)
+                if self._rows_channel.ready():
+                    reported += self._read_rows()
+                if self._status_channel.ready():
+                    reported += self._read_status(steps)
+                if restart and not self._status_channel.busy:
+                    self._start_status(steps)
+        finally:  # (raise mode raises from a read: the cadence must still move on)
+            self._schedule(steps)
         return reported
+
+    def _schedule(self, steps: int) -> list[Violation]:
+        """Set ``next_due`` after a drain at step count ``steps``: the next step while a rows copy is in flight (or
+        ``drain_every`` is 1), else the next step of the cadence (phase ``drain_every - 1`` or 0). Returns ``[]``."""
+        every = self._drain_every
+        if every <= 1 or self._rows_channel.busy:
+            self.next_due = steps + 1
+        else:
+            phase = steps % every  # the next step with phase every - 1, or 0 when that comes first
+            self.next_due = steps + (every - 1 - phase if phase < every - 1 else 1)
+        return []
 
     def flush(self, steps: int) -> list[Violation]:
         """Synchronise and drain everything (shutdown / tests only: this blocks)."""
@@ -153,12 +177,12 @@ class ViolationDrain:
 
     def _read_status(self, steps: int) -> list[Violation]:
         self.status_reads += 1
+        self.reads += 1
         channel = self._status_channel
         step, first, peek_end = channel.step, channel.meta["first"], channel.meta["peek_end"]
         flat, peek_meta = channel.take_segments()
         header = parse_header(flat)
         fields = layout.VIOLATION_FIELDS
-        peek = flat[STATE_HEADER + first * fields : STATE_HEADER + peek_end * fields]
         index = header.write_index
         # The snapshot was taken after forward `step` (stream order), when the device counter read
         # header.forward: forwards the host never stepped (warm-up, capture) are the difference.
@@ -178,6 +202,7 @@ class ViolationDrain:
         lost_total = max(0, index - capacity) if index >= 0 else 0
         reported: list[Violation] = []
         if not self._rows_channel.busy and kept > self._rows_requested:
+            peek = flat[STATE_HEADER + first * fields : STATE_HEADER + peek_end * fields]  # (sliced only when read)
             have = min(kept, first + len(peek) // fields)
             peeked: list[list[int]] = []
             metas: list[list[int]] = []
@@ -198,6 +223,7 @@ class ViolationDrain:
         return reported
 
     def _read_rows(self) -> list[Violation]:
+        self.reads += 1
         channel = self._rows_channel
         step, lost_total, offset = channel.step, channel.meta["lost"], channel.meta["offset"]
         flat, flat_meta = channel.take_segments()

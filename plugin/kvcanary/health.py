@@ -54,13 +54,13 @@ class HealthMonitor:
 
     def observe(self, step: int, kernel_run_counts: Sequence[int]) -> list[int]:
         """Feed one step's counters; returns the stalled expected tags (empty except at a failing check)."""
+        if self.expected and self.expected[-1] >= len(kernel_run_counts):
+            raise ValueError(f"kernel_run_counts has {len(kernel_run_counts)} entries; expected tags {self.expected}")
+        if self._baseline is not None and step - self._baseline_step < self.window:
+            return []  # inside the window (most drains): nothing to copy or compare
         counts = [int(c) for c in kernel_run_counts]
-        if self.expected and self.expected[-1] >= len(counts):
-            raise ValueError(f"kernel_run_counts has {len(counts)} entries; expected tags {self.expected}")
         if self._baseline is None:
             self._baseline, self._baseline_step = counts, step
-            return []
-        if step - self._baseline_step < self.window:
             return []
         stalled = [t for t in self.expected if counts[t] <= self._baseline[t]]
         self._baseline, self._baseline_step = counts, step
@@ -85,10 +85,12 @@ class StatsLogger:
         self.every = every
         self._log = logger if logger is not None else _MODULE_LOGGER
         self._last_logged_step = 0
+        # The first step at which ``due`` holds (never when ``every`` is 0): a caller's per-step test is one compare.
+        self.next_due: float = every if every > 0 else float("inf")
 
     def due(self, step: int) -> bool:
         """Whether ``maybe_log`` at ``step`` would log (lets the manager skip gathering the numbers)."""
-        return self.every > 0 and step - self._last_logged_step >= self.every
+        return step >= self.next_due
 
     def maybe_log(
         self,
@@ -109,6 +111,7 @@ class StatsLogger:
         if not self.due(step):
             return None
         self._last_logged_step = step
+        self.next_due = step + self.every
         line = (
             f"{STATS_PREFIX} step={step} forwards={forwards} tokens_written={tokens_written} "
             f"entries_verified={entries_verified} entries_swept={entries_swept} violations={violations} lost={lost}"

@@ -130,6 +130,9 @@ class Installation:
     # Prometheus counters (kvcanary.metrics), built on the first host_after; model_name is their label when known.
     metrics: CanaryMetrics | NoMetrics | None = None
     model_name: str | None = None
+    # What the metrics were last fed from: that object and the sum of the managers' drain reads then (the counts
+    # metrics read move only when a drain reads; an unchanged sum means nothing to add).
+    _metrics_fed: tuple[object, int] | None = None
 
     @property
     def manager(self) -> CanaryManager:
@@ -239,9 +242,16 @@ class Installation:
             metrics = self.metrics
             if metrics is None:
                 metrics = self.metrics = metrics_for(self.manager.rank, self.model_name)
-            # deltas of the managers' counts, every forward: ~1 µs when nothing moved (they move only when a manager
-            # drains), and a violation counted at once; never raises
-            metrics.observe([g.manager for g in self.groups])
+            # deltas of the managers' counts, fed after every drain read (a violation is counted at once, raise
+            # mode included: the drain counts a read before it reports); a forward without one adds an integer sum
+            # and a compare. observe never raises.
+            reads = 0
+            for group in self.groups:
+                reads += group.manager.violation_drain.reads
+            fed = self._metrics_fed
+            if fed is None or fed[0] is not metrics or fed[1] != reads:
+                metrics.observe([g.manager for g in self.groups])
+                self._metrics_fed = (metrics, reads)
 
     def mark_init_finished(self) -> None:
         for group in self.groups:

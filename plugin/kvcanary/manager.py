@@ -188,12 +188,16 @@ class CanaryManager:
         current value), e.g. an adapter rewriting records of a forward that ``step()`` already counted.
         Raises ``TypeError`` / ``ValueError`` naming the BatchView field for a malformed batch.
         """
-        self._validate(batch)
-        bs = batch.batch_size
-        self._check_tokens_fit(batch.num_tokens)
+        # (attribute reads and compares inline, no helper calls: this runs on every forward)
+        if batch is not self._validated_batch:
+            self._validate(batch)
+        bs = batch.req_pool_indices.shape[0]
+        n = batch.input_ids.shape[0]
+        if n > self.max_tokens_per_forward:
+            self._check_tokens_fit(n)
         if bs > self._max_batch_size:
             raise ValueError(f"CanaryManager: batch has {bs} rows, more than max_batch_size={self._max_batch_size}")
-        capturing = self._cuda and torch.cuda.is_current_stream_capturing()  # (inline: this runs every forward)
+        capturing = self._cuda and torch.cuda.is_current_stream_capturing()
         self.device_state.before_forward(
             batch,
             count_forward=new_forward,
@@ -202,9 +206,11 @@ class CanaryManager:
 
     def after_forward(self, batch: BatchView) -> None:
         """Write the new records (after the model wrote KV). Graph-capturable; never synchronises."""
-        self._validate(batch)
-        n = batch.num_tokens
-        self._check_tokens_fit(n)
+        if batch is not self._validated_batch:
+            self._validate(batch)
+        n = batch.input_ids.shape[0]
+        if n > self.max_tokens_per_forward:
+            self._check_tokens_fit(n)
         self.device_state.after_forward(n)
 
     def mark_init_finished(self) -> None:
@@ -286,12 +292,14 @@ class CanaryManager:
         """
         if _is_capturing(self.device) if capturing is None else capturing:
             return []
-        self._steps += 1
+        self._steps = steps = self._steps + 1
+        # Most steps have nothing due: each part is one integer compare (or attribute read) here, no call.
         sweeper = self.sweeper
-        if sweeper.source is not None and sweeper.due(self._steps):  # (no call at all while the sweep is off)
+        if sweeper.source is not None and sweeper.due(steps):  # (no call at all while the sweep is off)
             self.sweep(*sweeper.source())
-        reported = self.violation_drain.on_step(self._steps)
-        if self.stats_logger.due(self._steps):
+        drain = self.violation_drain
+        reported = drain.on_step(steps) if steps >= drain.next_due else []
+        if steps >= self.stats_logger.next_due:
             self._log_stats()
         return reported
 
