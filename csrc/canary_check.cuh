@@ -22,8 +22,10 @@
  *     drained_to <= 0: nothing acknowledged (a zeroed header is a valid initial state).
  * State: the manager's flat int64 buffer as ONE argument: the kState* header of kvcanary/layout.h, then the
  *   ring [ring_capacity, kViolationFields], ring_capacity = (length - kStateHeaderFields) / kViolationFields.
- * Grid:  CUDA: min(SMs x min(occupancy, kCheckMaxBlocksPerSm), ceil(write_capacity x (max_context + 2) /
- *        kCheckThreads)) blocks, at least 1: from the SM count and capacities, never from data (capturable).
+ * Grid:  CUDA: min(SMs x min(occupancy, kCheckMaxBlocksPerSm), ceil(batch_rows x (max_context + 2) /
+ *        kCheckThreads)) blocks, at least 1: from the SM count, the batch's row count (a shape, fixed in a
+ *        captured graph) and max_context, never from data (capturable): a small decode runs a few blocks, not a
+ *        wave sized by the write capacity (every block scans the rows and counts itself done).
  *        Every block scans the rows in chunks of kCheckThreads (block-wide prefix sums in shared memory; any
  *        bs up to the write capacity), then the grid strides over the chunk's entries (entry e -> thread e mod
  *        grid size), each finding its row by binary search over the chunk's row starts in shared memory. Block
@@ -534,8 +536,9 @@ inline void canary_check_step(
   const DLDevice dev = device.value();
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
   const cudaStream_t stream = current_stream(dev);
-  // 4. launch: one wave at most, fewer blocks when the capacities bound the entries (never sized from data).
-  const int64_t most_entries = q.write_capacity * (q.max_context + 2);
+  // 4. launch: one wave at most, fewer blocks when the batch's rows bound the entries (a shape, never data: a
+  // graph captured at batch size bs replays with the grid of bs).
+  const int64_t most_entries = q.batch_rows * (q.max_context + 2);
   const int64_t wanted = ceil_div(most_entries > 0 ? most_entries : 1, kCheckThreads);
   const int64_t resident = check_resident_blocks(dev.device_id);
   const int64_t blocks = wanted < resident ? wanted : resident;
