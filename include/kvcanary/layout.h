@@ -98,7 +98,7 @@ constexpr int32_t kNumLaunchTags = 3;
 // ([ring_capacity, kViolationFields]), so that one copy drains the header and the first rows. Offsets are in
 // int64 elements. canary_check_step takes the whole buffer as one tensor.
 constexpr int32_t kStateWriteIndex = 0;  // the ring's int32 write index, in the low half (little-endian)
-constexpr int32_t kStateOverflows = 1;   // forwards whose verify plan overflowed (canary_plan_step callers)
+constexpr int32_t kStateReserved1 = 1;   // unused (no kernel writes it): keeps the fields after it where they are
 constexpr int32_t kStateKernelRuns = 2;  // [kNumLaunchTags] launches per tag
 constexpr int32_t kStateSlotRuns = kStateKernelRuns + kNumLaunchTags;  // [kNumLaunchTags] entries per tag
 constexpr int32_t kStateRingEpoch = kStateSlotRuns + kNumLaunchTags;   // times the drained ring was emptied
@@ -197,7 +197,7 @@ constexpr LayoutConstant kLayoutConstantTable[] = {
     {"LAUNCH_TAG_SWEEP", kLaunchTagSweep},
     {"NUM_LAUNCH_TAGS", kNumLaunchTags},
     {"STATE_WRITE_INDEX", kStateWriteIndex},
-    {"STATE_OVERFLOWS", kStateOverflows},
+    {"STATE_RESERVED_1", kStateReserved1},
     {"STATE_KERNEL_RUNS", kStateKernelRuns},
     {"STATE_SLOT_RUNS", kStateSlotRuns},
     {"STATE_RING_EPOCH", kStateRingEpoch},

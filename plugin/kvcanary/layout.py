@@ -97,7 +97,7 @@ NUM_LAUNCH_TAGS = 3
 # The manager's flat int64 state buffer: a header of STATE_HEADER_FIELDS elements, then the violation ring
 # [ring_capacity, VIOLATION_FIELDS]. Offsets in int64 elements; canary_check_step takes the whole buffer.
 STATE_WRITE_INDEX = 0  # the ring's int32 write index, in the low half
-STATE_OVERFLOWS = 1  # forwards whose verify plan overflowed
+STATE_RESERVED_1 = 1  # unused (no kernel writes it): keeps the fields after it where they are
 STATE_KERNEL_RUNS = 2  # [NUM_LAUNCH_TAGS] launches per tag
 STATE_SLOT_RUNS = STATE_KERNEL_RUNS + NUM_LAUNCH_TAGS  # [NUM_LAUNCH_TAGS] entries per tag
 STATE_RING_EPOCH = STATE_SLOT_RUNS + NUM_LAUNCH_TAGS  # times the drained ring was emptied

@@ -429,7 +429,7 @@ def test_hand_built_decode(backend: str) -> None:
     header = out["header"].tolist()
     assert header[layout.STATE_KERNEL_RUNS + V] == 1 and header[layout.STATE_SLOT_RUNS + V] == 4
     assert header[layout.STATE_FORWARD] == 42 and header[layout.STATE_WRITE_INDEX] == 0
-    assert header[layout.STATE_DONE_BLOCKS] == 0 and header[layout.STATE_OVERFLOWS] == 0
+    assert header[layout.STATE_DONE_BLOCKS] == 0 and header[layout.STATE_RESERVED_1] == 0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

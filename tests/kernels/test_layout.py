@@ -29,7 +29,7 @@ def test_launch_tags_and_state_header_agree_with_the_python_names() -> None:
     assert (LaunchTag.VERIFY, LaunchTag.WRITE, LaunchTag.SWEEP) == (
         layout.LAUNCH_TAG_VERIFY, layout.LAUNCH_TAG_WRITE, layout.LAUNCH_TAG_SWEEP)
     assert NUM_LAUNCH_TAGS == layout.NUM_LAUNCH_TAGS
-    header = [layout.STATE_WRITE_INDEX, layout.STATE_OVERFLOWS,
+    header = [layout.STATE_WRITE_INDEX, layout.STATE_RESERVED_1,
               *range(layout.STATE_KERNEL_RUNS, layout.STATE_KERNEL_RUNS + layout.NUM_LAUNCH_TAGS),
               *range(layout.STATE_SLOT_RUNS, layout.STATE_SLOT_RUNS + layout.NUM_LAUNCH_TAGS),
               layout.STATE_RING_EPOCH, layout.STATE_FORWARD, layout.STATE_DRAINED_TO, layout.STATE_DONE_BLOCKS,
