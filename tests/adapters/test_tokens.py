@@ -28,3 +28,12 @@ def test_the_mirror_does_not_keep_a_finished_request_alive() -> None:
     assert finished() is None  # the old mirror held the request until row 1 got another one
     # row 1's next request, whatever its tokens: the whole row again
     assert expected_token_updates(mirror, [Req(1, [5, 6, 7, 8], [])]) == [(1, 0, [5, 6, 7, 8])]
+
+
+def test_rows_of_new_and_empty_requests() -> None:
+    mirror: dict = {}
+    assert expected_token_updates(mirror, [Req(2, [], [])]) == [(2, 0, [])]  # a row seen first: its length, 0
+    assert expected_token_updates(mirror, [Req(2, [4], [5])]) == [(2, 0, [4, 5])]
+    assert expected_token_updates(mirror, [Req(2, [], [])]) == []  # an empty request on a used row: nothing to send
+    req = Req(3, [1, 2], [])
+    assert expected_token_updates(mirror, [req, req]) == [(3, 0, [1, 2])]  # twice in a batch: sent once

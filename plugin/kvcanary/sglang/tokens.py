@@ -21,7 +21,7 @@ def _ref_of(req: object) -> Callable[[], object]:
 
 def expected_token_updates(mirror: dict, reqs) -> list[tuple[int, int, list[int]]]:
     """``(row, start, tokens)`` for what each request's row gained since its last upload (``mirror`` is updated:
-    row -> (a weak reference to the request, tokens sent, the last token sent)).
+    row -> [a weak reference to the request, tokens sent, the last token sent]).
 
     A row's expected tokens are the request's ``origin_input_ids + output_ids``; a decode row gains one token
     per forward, a chunked prefill none. The whole row is sent again when the row holds another request, or
@@ -33,11 +33,13 @@ def expected_token_updates(mirror: dict, reqs) -> list[tuple[int, int, list[int]
     them (:meth:`kvcanary.token_table.TokenTable.update` packs them before it returns).
     """
     updates = []
+    append = updates.append
     for req in reqs:
         row = getattr(req, "req_pool_idx", None)
         if row is None:
             continue
-        row = int(row)
+        if row.__class__ is not int:
+            row = int(row)
         origin, output = req.origin_input_ids, req.output_ids
         if origin.__class__ is not list:  # sglang keeps lists; anything else is copied once
             origin = list(origin)
@@ -46,15 +48,15 @@ def expected_token_updates(mirror: dict, reqs) -> list[tuple[int, int, list[int]
         n_origin = len(origin)
         total = n_origin + len(output)
         start = 0
-        prev = mirror.get(row)
-        same_request = prev is not None and prev[0]() is req
+        entry = mirror.get(row)
+        same_request = entry is not None and entry[0]() is req
         if same_request:
-            sent = prev[1]
+            sent = entry[1]
             if 0 < sent <= total:
                 last = sent - 1
-                if (origin[last] if last < n_origin else output[last - n_origin]) == prev[2]:
+                if (origin[last] if last < n_origin else output[last - n_origin]) == entry[2]:
                     start = sent
-        if start == total and prev is not None:
+        if start == total and entry is not None:
             continue  # nothing new (a chunked prefill, a row whose output lags)
         if start >= n_origin:
             new = output[start - n_origin :]
@@ -62,7 +64,11 @@ def expected_token_updates(mirror: dict, reqs) -> list[tuple[int, int, list[int]
             new = origin[start:] + output
         else:
             new = origin if start == 0 else origin[start:]  # a new prompt: no copy of ~1k tokens per row
-        updates.append((row, start, new))
-        last_token = (output[-1] if output else origin[-1]) if total else None
-        mirror[row] = (prev[0] if same_request else _ref_of(req), total, last_token)
+        append((row, start, new))
+        if entry is None:
+            entry = mirror[row] = [None, 0, None]
+        if not same_request:
+            entry[0] = _ref_of(req)
+        entry[1] = total  # updated in place: a decode row allocates no new entry per forward
+        entry[2] = (output[-1] if output else origin[-1]) if total else None
     return updates
