@@ -248,7 +248,7 @@ def test_without_prometheus_client_one_info_line(monkeypatch: pytest.MonkeyPatch
     assert lines == ["kvcanary: metrics are off (prometheus_client is not installed; pip install 'kvcanary[metrics]')"]
 
 
-def _installation(mode: str):
+def _installation(mode: str, drain_every: int = 1):
     """A real CPU manager inside an Installation (the adapter's per-runner glue), with one 6-token request."""
     import torch
 
@@ -257,7 +257,7 @@ def _installation(mode: str):
     from kvcanary.installation import Group, GroupSpec, Installation
     from kvcanary.manager import CanaryManager
 
-    config = Config(mode=Mode(mode), stats_every=0, drain_every=1)
+    config = Config(mode=Mode(mode), stats_every=0, drain_every=drain_every)
     r2t = torch.zeros((2, 16), dtype=torch.int32)
     mgr = CanaryManager(config, num_slots=32, req_to_token=r2t, device="cpu", max_batch_size=1,
                         max_tokens_per_forward=8, rank={"tp_rank": 3})
@@ -301,6 +301,29 @@ def test_installation_host_after_feeds_the_metrics(monkeypatch: pytest.MonkeyPat
     assert s[(metrics.PREFIX + "forwards_total", labels)] == mgr.stats.forwards == 5
     assert s[(metrics.PREFIX + "tokens_written_total", labels)] == mgr.stats.slot_runs[LaunchTag.WRITE] == 8
     assert s[(metrics.PREFIX + "entries_verified_total", labels)] == mgr.stats.slot_runs[LaunchTag.VERIFY] > 0
+
+
+def test_host_after_feeds_the_metrics_only_after_a_drain_read() -> None:
+    """The counts the metrics read move only when a manager's drain reads: host_after skips observe otherwise, and
+    feeds a new metrics object at once."""
+    registry = CollectorRegistry()
+    inst, mgr, _, forward = _installation("log", drain_every=4)
+    fed_at = []
+
+    class Counting(metrics.CanaryMetrics):
+        def observe(self, managers) -> None:  # noqa: ANN001
+            fed_at.append(mgr.steps)
+            super().observe(managers)
+
+    inst.metrics = Counting({"tp_rank": "3"}, registry)
+    forward(0, 4)
+    for pos in range(4, 12):
+        forward(pos, 1)
+    assert fed_at == [1, 3, 4, 7, 8]  # the first host_after, then the steps whose drain read a status copy
+    assert scrape(registry)[(metrics.PREFIX + "forwards_total", (("tp_rank", "3"),))] == mgr.stats.forwards == 8
+    inst.metrics = Counting({"tp_rank": "3"}, CollectorRegistry())
+    forward(12, 1)
+    assert fed_at[-1] == 10
 
 
 def test_raise_mode_counts_the_violation_before_the_error_propagates() -> None:

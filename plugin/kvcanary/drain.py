@@ -40,6 +40,33 @@ MAX_STATUS_ROWS = 1024  # the status copy is the state prefix up to the peeked r
 _META = layout.VIOLATION_META_FIELDS
 
 
+class StatusChannel(PinnedChannel):
+    """The status copy's channel: its header can be read alone. Most status reads find no new ring row, and
+    converting the peeked rows to Python ints (``take_segments``: hundreds of values) was most of a read's host
+    time; they are converted only when a read uses them."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, stream: torch.cuda.Stream | None,
+                 header: int) -> None:
+        super().__init__(numel, dtype, device, stream)
+        self._header_view = self.host[:header]  # (a slice is a torch op: built once)
+
+    def take_header(self) -> list[int]:
+        """The first ``header`` copied values (call once ``ready()``); frees the channel. The rest stays readable
+        with :meth:`copied_segments` until the next ``start``."""
+        self.busy = False
+        return self._header_view.tolist()
+
+    def copied_segments(self) -> list[list[int]]:
+        """The values of the last copy, one list per segment given to ``start`` (after :meth:`take_header`, before
+        the next ``start``)."""
+        flat = self.host[: self.count].tolist()
+        out, at = [], 0
+        for n in self.counts:
+            out.append(flat[at : at + n])
+            at += n
+        return out
+
+
 @dataclass
 class CanaryStats:
     """Host view of the device counters (as of the last drained snapshot)."""
@@ -84,8 +111,8 @@ class ViolationDrain:
         self._capacity = capacity = state.ring_capacity
         stream = side_stream(state.device)
         status_rows = min(capacity, MAX_STATUS_ROWS)
-        self._status_channel = PinnedChannel(STATE_HEADER + status_rows * layout.VIOLATION_FIELDS + ROW_PEEK * _META,
-                                             torch.int64, state.device, stream)
+        self._status_channel = StatusChannel(STATE_HEADER + status_rows * layout.VIOLATION_FIELDS + ROW_PEEK * _META,
+                                             torch.int64, state.device, stream, header=STATE_HEADER)
         self._rows_channel = PinnedChannel(capacity * (layout.VIOLATION_FIELDS + _META), torch.int64, state.device,
                                            stream)
         self.violations: list[Violation] = []
@@ -180,8 +207,7 @@ class ViolationDrain:
         self.reads += 1
         channel = self._status_channel
         step, first, peek_end = channel.step, channel.meta["first"], channel.meta["peek_end"]
-        flat, peek_meta = channel.take_segments()
-        header = parse_header(flat)
+        header = parse_header(channel.take_header())  # the rows it peeked are converted below, only when read
         fields = layout.VIOLATION_FIELDS
         index = header.write_index
         # The snapshot was taken after forward `step` (stream order), when the device counter read
@@ -202,7 +228,8 @@ class ViolationDrain:
         lost_total = max(0, index - capacity) if index >= 0 else 0
         reported: list[Violation] = []
         if not self._rows_channel.busy and kept > self._rows_requested:
-            peek = flat[STATE_HEADER + first * fields : STATE_HEADER + peek_end * fields]  # (sliced only when read)
+            flat, peek_meta = channel.copied_segments()  # (nothing started the channel since take_header)
+            peek = flat[STATE_HEADER + first * fields : STATE_HEADER + peek_end * fields]
             have = min(kept, first + len(peek) // fields)
             peeked: list[list[int]] = []
             metas: list[list[int]] = []

@@ -162,6 +162,57 @@ def test_drain_cadence_reads_on_the_last_two_steps_of_each_period(every: int) ->
     assert reads == (list(range(1, 13)) if every == 1 else [3, 4, 7, 8, 11, 12])
 
 
+@pytest.mark.parametrize("every", [1, 4])
+def test_drain_next_due_is_the_next_step_with_work(every: int) -> None:
+    """``next_due`` (what the manager compares before calling on_step) is the next cadence step, or the next step
+    while a rows copy is in flight; a step before it would have done nothing."""
+    h = HandDrain(ring_capacity=ROW_PEEK + 10, drain_every=every)
+    skipped_quiet = []
+    for step in range(1, 14):
+        if step == 5:
+            for j in range(ROW_PEEK + 5):  # a burst beyond the peek: the rows copy follows the status read
+                h.append(j, found_at=step)
+        due = step >= h.drain.next_due
+        before = (h.drain.status_reads, h.drain.reads, h.drain.busy, len(h.drain.violations))
+        h.drain.on_step(step)
+        after = (h.drain.status_reads, h.drain.reads, h.drain.busy, len(h.drain.violations))
+        if not due:
+            skipped_quiet.append(before == after)
+        assert h.drain.next_due > step
+        if every > 1:  # the next step (rows in flight, or phase 0 next), else the next phase every - 1
+            assert h.drain.next_due == step + 1 or h.drain.next_due % every == every - 1
+    assert all(skipped_quiet) and (every == 1) == (not skipped_quiet)
+    assert [v.slot for v in h.drain.violations] == list(range(ROW_PEEK + 5))
+    assert h.drain.reads >= h.drain.status_reads > 0
+
+
+def test_status_read_converts_the_peeked_rows_only_when_there_are_new_ones() -> None:
+    h = HandDrain()
+    channel = h.drain._status_channel  # noqa: SLF001 - the test counts the conversions of its copy
+    converted = []
+    copied_segments = channel.copied_segments
+    channel.copied_segments = lambda: converted.append(1) or copied_segments()  # type: ignore[method-assign]
+    h.drain.drain(steps=1)
+    assert converted == [] and h.drain.status_reads >= 1  # a clean read: the header alone
+    h.append(5, found_at=2)
+    got = h.drain.drain(steps=2)
+    assert [v.slot for v in got] == [5] and converted == [1]
+
+
+def test_manager_step_calls_the_drain_only_when_due() -> None:
+    from one_request import OneRequest
+
+    eng = OneRequest(Mode.LOG, drain_every=8)
+    drain = eng.mgr.violation_drain
+    called = []
+    on_step = drain.on_step
+    drain.on_step = lambda steps: called.append(steps) or on_step(steps)  # type: ignore[method-assign]
+    for _ in range(17):
+        eng.forward(1)
+    assert called == [1, 7, 8, 15, 16]  # the first step, then the cadence's last two steps of each period
+    assert eng.mgr.stats.forwards == 16
+
+
 def test_acknowledged_ring_is_emptied_by_the_next_forward() -> None:
     """The device half of the protocol: the check launch empties the ring only when the index still equals the
     acknowledged one."""
