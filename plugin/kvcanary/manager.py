@@ -191,8 +191,8 @@ class CanaryManager:
         # (attribute reads and compares inline, no helper calls: this runs on every forward)
         if batch is not self._validated_batch:
             self._validate(batch)
-        bs = batch.req_pool_indices.shape[0]
-        n = batch.input_ids.shape[0]
+        bs = batch.req_pool_indices.numel()  # (1-d, validated: numel() is the length and cheaper than .shape[0])
+        n = batch.input_ids.numel()
         if n > self.max_tokens_per_forward:
             self._check_tokens_fit(n)
         if bs > self._max_batch_size:
@@ -208,7 +208,7 @@ class CanaryManager:
         """Write the new records (after the model wrote KV). Graph-capturable; never synchronises."""
         if batch is not self._validated_batch:
             self._validate(batch)
-        n = batch.input_ids.shape[0]
+        n = batch.input_ids.numel()
         if n > self.max_tokens_per_forward:
             self._check_tokens_fit(n)
         self.device_state.after_forward(n)

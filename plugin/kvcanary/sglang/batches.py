@@ -87,9 +87,12 @@ class BatchConverter:
         self.view = view
         self.ones = torch.ones(max_batch_size, dtype=torch.int64, device=device)
         self.empty = torch.zeros(0, dtype=torch.int64, device=device)
+        self._all_full = all(g.loc != "swa" for g in self.groups)  # every group takes the batch's own view
 
     def __call__(self, fb, input_ids: torch.Tensor, positions: torch.Tensor) -> list[BatchView]:
         base = self.view(fb, input_ids, positions, self.ones, self.empty)
+        if self._all_full:
+            return [base] * len(self.groups)
         views = []
         for g in self.groups:
             if g.loc == "swa":
