@@ -47,6 +47,21 @@ class BatchView:
     prefix_lens: torch.Tensor
     extend_lens: torch.Tensor
 
+    def __init__(self, kind: ForwardKind, input_ids: torch.Tensor, positions: torch.Tensor,
+                 out_cache_loc: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
+                 extend_lens: torch.Tensor) -> None:
+        # The generated frozen __init__ stores each field through object.__setattr__ (~1.3 µs for seven); an adapter
+        # builds a view per group per forward, so the fields go straight into the instance dict (~0.4 µs). The
+        # class stays frozen: assignment after construction still raises FrozenInstanceError.
+        fields = self.__dict__
+        fields["kind"] = kind
+        fields["input_ids"] = input_ids
+        fields["positions"] = positions
+        fields["out_cache_loc"] = out_cache_loc
+        fields["req_pool_indices"] = req_pool_indices
+        fields["prefix_lens"] = prefix_lens
+        fields["extend_lens"] = extend_lens
+
     @property
     def batch_size(self) -> int:
         return int(self.req_pool_indices.shape[0])

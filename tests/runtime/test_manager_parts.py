@@ -277,3 +277,26 @@ def test_token_table_long_rows_and_scatters_leave_the_same_table() -> None:
     assert whole.expected_tokens[2, 62:].tolist() == [7, 8] and int(whole.valid_lens_by_row[2]) == 64
     with pytest.raises(ValueError, match="start -1 < 0"):
         whole.update([(1, -1, [1])])
+
+
+# ---------------------------------------------------------------------------------------------- batch view
+
+
+def test_batch_view_stays_a_frozen_dataclass_with_its_own_constructor() -> None:
+    import dataclasses
+
+    ids, rows = torch.tensor([5, 6]), torch.tensor([1], dtype=torch.int32)
+    by_position = BatchView(ForwardKind.DECODE, ids, ids, ids, rows, rows, rows)
+    by_name = BatchView(kind=ForwardKind.DECODE, input_ids=ids, positions=ids, out_cache_loc=ids,
+                        req_pool_indices=rows, prefix_lens=rows, extend_lens=rows)
+    for v in (by_position, by_name):
+        assert (v.kind, v.input_ids, v.req_pool_indices, v.extend_lens) == (ForwardKind.DECODE, ids, rows, rows)
+        assert (v.batch_size, v.num_tokens) == (1, 2) and v.well_formed()
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            v.kind = ForwardKind.EXTEND  # type: ignore[misc]
+    replaced = dataclasses.replace(by_name, kind=ForwardKind.EXTEND)
+    assert replaced.kind is ForwardKind.EXTEND and replaced.positions is ids
+    assert [f.name for f in dataclasses.fields(BatchView)] == [
+        "kind", "input_ids", "positions", "out_cache_loc", "req_pool_indices", "prefix_lens", "extend_lens"]
+    with pytest.raises(TypeError):
+        BatchView(ForwardKind.DECODE, ids, ids, ids, rows, rows)  # type: ignore[call-arg]
