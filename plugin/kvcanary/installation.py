@@ -63,7 +63,9 @@ class HostTime:
     forwards: int = 0
     eager_forwards: int = 0  # forwards whose wrapper launched eagerly, not served by a piecewise graph runner
     forward_ns: int = 0  # around ModelRunner.forward, canary included (launch time: nothing waits for the GPU)
-    hook_ns: int = 0  # host_before + host_after (fault injection, drain, health, stats, sweep)
+    # host_before + host_after (fault injection, drain, health, stats, sweep), and the adapter's hooks that run inside
+    # the forward (sglang 0.5.12: zeroing a decode graph's padded input rows before the replay)
+    hook_ns: int = 0
     in_forward_ns: int = 0  # the wrapper's plan/verify/write launches (eager and piecewise-served forwards)
     piecewise_forwards: int = 0  # real forwards a piecewise (prefill) graph runner served, the wrapper around it
     piecewise_launch_ns: int = 0  # the wrapper's launches in those forwards (part of in_forward_ns)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
 import logging
 import types
 
@@ -403,6 +404,33 @@ def test_populate_hook_zeroes_padded_rows(hooks, monkeypatch) -> None:
     assert bufs.req_pool_indices.tolist() == [1, 2, 0, 0]
     assert bufs.positions.tolist() == [20, 21, 0, 0]
     assert bufs.out_cache_loc.tolist() == [1, 2, 0, 0]
+
+
+def test_graph_input_zeroing_counts_as_the_forwards_canary_time(monkeypatch) -> None:
+    """after_populate runs inside ModelRunner.forward (before a decode graph's replay): its launches are the canary's
+    host time of that forward (hook time), not the forward's own."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    ah = adapter_hooks.AdapterHooks(v0_5_12)
+    recorded: dict[str, int] = {}
+    inst = types.SimpleNamespace(
+        req_to_token=torch.zeros(1, 1, dtype=torch.int32), fault_plan=None, serving=0, pending_repairs=[],
+        host_after=lambda: None, account_forward=lambda forward_ns, hook_ns: recorded.update(f=forward_ns, h=hook_ns))
+    runner = types.SimpleNamespace(_kvcanary=inst)
+    bufs = types.SimpleNamespace(req_pool_indices=torch.arange(1, 5), positions=torch.arange(1, 5))
+    fb = types.SimpleNamespace(forward_mode=ForwardMode.DECODE)
+
+    def forward(runner, forward_batch):  # ModelRunner.forward: fills a bs-4 graph's buffers for 2 rows, replays
+        ah.after_populate(None, bufs, forward_batch=forward_batch, raw_bs=2, raw_num_token=2, bs=4)
+
+    clock = itertools.count(0, 1000)  # every clock read is 1 us after the one before
+    monkeypatch.setattr(adapter_hooks.time, "perf_counter_ns", lambda: next(clock))
+    ah.around_forward(forward, runner, fb)
+    assert bufs.req_pool_indices.tolist() == [1, 2, 0, 0] and bufs.positions.tolist() == [1, 2, 0, 0]
+    # reads: t0=0, t1=1000, populate 2000..3000, t2=4000, t3=5000: hooks 1000 + 1000, populate 1000
+    assert recorded == {"f": 5000, "h": 3000}
+    ah.around_forward(lambda runner, forward_batch: None, runner, fb)  # a forward without a graph replay
+    assert recorded["h"] == 2000  # the last forward's populate time is not carried over
 
 
 def test_fault_injection_can_be_limited_to_one_rank(monkeypatch) -> None:

@@ -53,6 +53,9 @@ class AdapterHooks:
 
     def __init__(self, version: VersionModule) -> None:
         self.version = version
+        # Host time of after_populate during the forward in progress: it runs inside ModelRunner.forward (a decode
+        # graph's input buffers are filled before the replay), so around_forward adds it to the forward's canary time.
+        self.graph_input_ns = 0
         # Bound once: HookRegistry's duplicate check (targets.register_hooks) compares hooks by identity.
         self.table: tuple[tuple[Target, Callable], ...] = tuple(
             (target, getattr(self, name)) for name, target in version.HOOK_TARGETS.items()
@@ -146,6 +149,7 @@ class AdapterHooks:
         if inst.fault_plan is not None:
             inst.host_before(lambda i, step, cls: inject_fault(i, step, forward_batch, cls, self.version))
         t1 = time.perf_counter_ns()
+        self.graph_input_ns = 0
         inst.serving += 1  # a piecewise replay inside is a real forward's (capture-time ones run outside)
         try:
             out = original(runner, forward_batch, *args, **kwargs)
@@ -157,7 +161,7 @@ class AdapterHooks:
         inst.host_after()
         speculative.after_forward(runner, forward_batch)  # EAGLE: spec counters and their stats line
         t3 = time.perf_counter_ns()
-        inst.account_forward(t3 - t0, t1 - t0 + t3 - t2)
+        inst.account_forward(t3 - t0, t1 - t0 + t3 - t2 + self.graph_input_ns)
         return out
 
     def after_populate(self, result, buffers, *args, forward_batch=None, raw_bs=None, raw_num_token=None, bs=None,
@@ -165,12 +169,14 @@ class AdapterHooks:
         """Zero the padded rows' req_pool_indices and positions a version leaves stale (row 0 is the padding row).
 
         Only the padding the graph of ``bs`` reads, and nothing when the batch fills its graph: every replay pays
-        these launches in host time."""
+        these launches in host time, counted as the forward's canary hook time (``graph_input_ns``)."""
         if raw_bs is None or bs is None or bs <= raw_bs:
             return result
+        t0 = time.perf_counter_ns()
         buffers.req_pool_indices[raw_bs:bs].zero_()
         if raw_num_token is not None:
             buffers.positions[raw_num_token : bs * int(num_tokens_per_bs or 1)].zero_()
+        self.graph_input_ns += time.perf_counter_ns() - t0
         return result
 
     # EAGLE (kvcanary.sglang.speculative): the draft CUDA-graph replays' host half, the verify verdicts.
