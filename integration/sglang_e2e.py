@@ -722,7 +722,9 @@ def overhead_pairs(summary: dict, pdir: str, results: dict) -> bool:
 def render_piecewise(summary: dict) -> list[str]:
     """The piecewise table: per phase, prefill forwards the piecewise runner served and the canary's host time on
     them; the overhead pairs' median and range."""
-    rows = [s for s in summary["phases"] if s.get("piecewise_requested") or s.get("piecewise")]
+    # a phase without --piecewise still parses piecewise=0 from its host-time lines: no table for it
+    rows = [s for s in summary["phases"]
+            if s.get("piecewise_requested") or (s.get("piecewise") or {}).get("piecewise")]
     lines: list[str] = []
     if rows:
         lines += ["", "| phase (piecewise CUDA graphs on) | prefill forwards served by the piecewise runner | "

@@ -185,3 +185,15 @@ def test_the_adapters_host_time_line_parses_with_its_piecewise_count(e2e, caplog
     assert e2e.parse_piecewise(text) == {"forwards": 2, "piecewise": 1, "launch_us": 160.0, "canary_us": 200.0}
     assert e2e.parse_host_time(text) == {"forwards": 2, "eager": 1, "canary_us": 175.0, "hooks_us": 50.0,
                                          "launch_us": 90.0, "forward_us": 2500.0, "batch_init_us": 0.0}
+
+
+def test_no_piecewise_table_for_phases_that_ran_without_piecewise_graphs(e2e) -> None:
+    """A phase without --piecewise still parses piecewise=0 from its host-time lines: the piecewise table (headed
+    'piecewise CUDA graphs on') is for phases that asked for the graphs or were served by them."""
+    off = {"phase": "2 graph", "piecewise": {"piecewise": 0, "forwards": 2160, "canary_us": 0.0, "launch_us": 0.0}}
+    assert e2e.render_piecewise({"phases": [off]}) == []
+    served = {**off, "phase": "2 graph", "piecewise": {**off["piecewise"], "piecewise": 5}}
+    asked = {**off, "phase": "3 faults", "piecewise_requested": True}
+    lines = e2e.render_piecewise({"phases": [off, served, asked]})
+    assert [line.split(" |")[0] for line in lines if line.startswith("| 2 ") or line.startswith("| 3 ")] == [
+        "| 2 graph", "| 3 faults"]
