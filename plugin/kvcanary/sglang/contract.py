@@ -46,6 +46,21 @@ class RunnerParts:
     sliding_window_size: int | None
     model: torch.nn.Module  # whose instance ``forward`` is wrapped
 
+    @classmethod
+    def of_runner(cls, runner, *, cuda_graph_max_bs: int) -> RunnerParts:
+        """The parts every supported version keeps under the same ModelRunner attributes (``token_to_kv_pool``,
+        ``req_to_token_pool``, ``sliding_window_size``, ``model``); where the largest decode-graph batch comes from
+        differs by version, so the version module passes it."""
+        r2t_pool = runner.req_to_token_pool
+        return cls(
+            kv_pool=runner.token_to_kv_pool,
+            req_to_token=r2t_pool.req_to_token,
+            max_running_requests=int(r2t_pool.size),
+            cuda_graph_max_bs=cuda_graph_max_bs,
+            sliding_window_size=getattr(runner, "sliding_window_size", None),
+            model=runner.model,
+        )
+
 
 class VersionModule(Protocol):
     """One sglang version range's adapter module (functions are module-level: no ``self`` in the module)."""

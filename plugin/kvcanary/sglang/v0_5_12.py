@@ -93,15 +93,9 @@ def server_args_of(runner):
 
 
 def runner_parts(runner) -> RunnerParts:
-    r2t_pool = runner.req_to_token_pool
-    return RunnerParts(
-        kv_pool=runner.token_to_kv_pool,
-        req_to_token=r2t_pool.req_to_token,
-        max_running_requests=int(r2t_pool.size),
-        cuda_graph_max_bs=int(getattr(runner.server_args, "cuda_graph_max_bs", 0) or 0),
-        sliding_window_size=getattr(runner, "sliding_window_size", None),
-        model=runner.model,
-    )
+    """0.5.12 names the largest decode-graph batch in its server arguments (``cuda_graph_max_bs``)."""
+    max_bs = int(getattr(runner.server_args, "cuda_graph_max_bs", 0) or 0)
+    return RunnerParts.of_runner(runner, cuda_graph_max_bs=max_bs)
 
 
 def pool_groups(pool, config: Config, *, sliding_window_size: int | None = None,

@@ -186,15 +186,7 @@ def runner_parts(runner) -> RunnerParts:
     translator = getattr(runner, "kv_index_translator", None)
     if translator is not None and getattr(translator, "is_translating", False):
         raise UnsupportedSetupError(_unified_pool_reason())
-    r2t_pool = runner.req_to_token_pool
-    return RunnerParts(
-        kv_pool=runner.token_to_kv_pool,
-        req_to_token=r2t_pool.req_to_token,
-        max_running_requests=int(r2t_pool.size),
-        cuda_graph_max_bs=_decode_graph_max_bs(),
-        sliding_window_size=getattr(runner, "sliding_window_size", None),
-        model=runner.model,
-    )
+    return RunnerParts.of_runner(runner, cuda_graph_max_bs=_decode_graph_max_bs())
 
 
 def runner_ranks(runner) -> tuple[dict[str, int], int]:
