@@ -46,6 +46,7 @@ from kvcanary import layout, ops
 from kvcanary.batch import BatchView
 from kvcanary.plan import VerifyPlan, WritePlan
 from kvcanary.real_kv import RealKvSource
+from kvcanary.serial_upload import RowSerialUpload
 from kvcanary.tags import NUM_LAUNCH_TAGS, LaunchTag
 from kvcanary.token_table import TokenTable
 
@@ -146,6 +147,8 @@ class DeviceState:
         self.violation_meta = torch.full((ring_capacity, meta), layout.META_UNKNOWN, **i64)
         self.slot_attribution = torch.full((num_slots, layout.SLOT_ATTRIBUTION_FIELDS), layout.META_UNKNOWN, **i64)
         self.row_serials = torch.full((req_to_token.shape[0],), layout.META_UNKNOWN, **i64)
+        # (its stagings are allocated on the first upload: a canary that never gets a new request holds none)
+        self._row_serial_upload = RowSerialUpload(self.row_serials)
         # Ring index up to which the host has read every row (<= 0: none acknowledged): the check launch of the
         # next forward empties the ring if nothing was appended since (csrc/canary_check.cuh).
         self._ring_drained_to = state[STATE_DRAINED_TO : STATE_DRAINED_TO + 1]
@@ -238,12 +241,7 @@ class DeviceState:
     def upload_row_serials(self, rows: list[int], serials: list[int]) -> None:
         """``row_serials[rows[i]] = serials[i]``: one batched, non-blocking upload (a reused staging, one copy, one
         scatter: :class:`kvcanary.serial_upload.RowSerialUpload`)."""
-        upload = getattr(self, "_row_serial_upload", None)
-        if upload is None:  # made on first use: a canary that never gets a new request holds no stagings
-            from kvcanary.serial_upload import RowSerialUpload
-
-            upload = self._row_serial_upload = RowSerialUpload(self.row_serials)
-        upload(rows, serials)
+        self._row_serial_upload(rows, serials)
 
     # ------------------------------------------------------------------------------------------ what the drain reads
     def status_segments(self, first: int, peek_end: int) -> tuple[torch.Tensor, torch.Tensor]:
