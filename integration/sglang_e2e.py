@@ -61,6 +61,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import loop_probe  # noqa: E402  (integration/loop_probe.py: --loop-probe)
+
 # ---------------------------------------------------------------------------------------------------- facts
 # The fault classes a live engine can take through KVCANARY_FAULT, and the reason names kvcanary reports for
 # each (must equal kvcanary.faults.EXPECTED_REASONS; tests/integration checks it, this file does not import it).
@@ -489,6 +492,7 @@ def render(summary: dict) -> str:
                          f"forward |")
     lines += render_eagle(summary.get("eagle") or [])
     lines += render_piecewise(summary)
+    lines += loop_probe.render([tuple(r) for r in (ov or {}).get("probe") or []])
     notes = [f"{s['phase']}: {w}" for s in summary["phases"] for w in s.get("why", [])]
     if notes:
         lines += ["", "notes: " + "; ".join(notes)]
@@ -683,6 +687,7 @@ def overhead_pairs(summary: dict, pdir: str, results: dict) -> bool:
         ratios.append(ov["ratio"])
     ov["pairs"] = {"ratios": ratios, "median": statistics.median(ratios) if ratios else None,
                    "min": min(ratios) if ratios else None, "max": max(ratios) if ratios else None}
+    ov["probe"] = probe_rows(pdir)
     requested = any(r.get("piecewise") for k, r in results.items() if k.startswith("4"))
     if not requested:
         return True
@@ -717,6 +722,22 @@ def overhead_pairs(summary: dict, pdir: str, results: dict) -> bool:
                 row["why"] = row.get("why", []) + [f"{len(ratios)} off/log pair(s) measured, "
                                                    f"< {PIECEWISE_OVERHEAD_ROUNDS}"]
     return ok
+
+
+def probe_rows(pdir: str) -> list[tuple[str, dict]]:
+    """--loop-probe: each overhead Engine's µs per scheduler-loop iteration in its measured workload, in start
+    order, labelled ``off-1``, ``log-1`` ... (empty without probe lines)."""
+    log_text = _read(os.path.join(pdir, "worker.log"))
+    for sub in os.listdir(pdir) if os.path.isdir(pdir) else []:
+        log_text += _read(os.path.join(pdir, sub, "worker.log"))
+    rows, seen = [], collections.Counter()
+    for mode, text in engine_sections(log_text):
+        window = loop_probe.parse_window(text)
+        if window is None or not window["iters"]:
+            continue
+        seen[mode] += 1
+        rows.append((f"{mode}-{seen[mode]}", loop_probe.per_iteration(window)))
+    return rows
 
 
 def render_piecewise(summary: dict) -> list[str]:
@@ -1256,7 +1277,22 @@ def engine_kwargs(phase: Phase, model: str, args) -> dict:
     if getattr(args, "tp_size", 1) > 1:
         kw.update(tp_size=args.tp_size)  # one kvcanary manager per TP rank, reports kvc-<rank>.jsonl
     kw.update(dict(phase.engine))
+    kw.update(parse_engine_args(getattr(args, "engine_arg", None) or []))
     return eagle_engine_kwargs(piecewise_engine_kwargs(kw, getattr(args, "piecewise", False)), phase, args)
+
+
+def parse_engine_args(items: list[str]) -> dict:
+    """``--engine-arg KEY=VALUE`` items as Engine kwargs: VALUE read as JSON (true, 8, 0.5, "x"), else a string."""
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--engine-arg: expected KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
 
 
 def ensure_model(args) -> str:
@@ -1329,6 +1365,8 @@ def run_phases(args, runner=run_worker) -> dict:
         print(f"[e2e] phase {label}: timeout {timeout:.0f} s", flush=True)
         t = time.monotonic()
         env = eagle_env(phase_env(phase, pdir, fault_rank=getattr(args, "fault_rank", None)), phase, pdir)
+        if getattr(args, "loop_probe", False):
+            env = loop_probe.probe_env(env, os.path.join(pdir, "loop-probe-plugin"))
         rc = runner(cmd, env, os.path.join(pdir, "worker.log"), timeout)
         for sub in subs:
             res = load_result(os.path.join(pdir, f"result{sub and '-' + sub}.json")) or {"status": "NO_RESULT"}
@@ -1580,6 +1618,7 @@ def run_engine(Engine, spec: dict, groups: list[list[Request]], res: dict, res_p
         out_tok = in_tok = cached = retract = 0
         wall = 0.0
         print(MEASURED_MARKER, flush=True)  # the parent counts the canary's forwards from here
+        print(f"{loop_probe.WINDOW_START}{time.time():.3f}", flush=True)  # --loop-probe's window
         for gi, group in enumerate(groups):
             if time.time() > spec["deadline"]:
                 res["status"] = "TRUNCATED"
@@ -1608,6 +1647,7 @@ def run_engine(Engine, spec: dict, groups: list[list[Request]], res: dict, res_p
             _write_json(res_path, res)  # partial results survive a kill
             print(f"[e2e-worker] group {gi}: {len(group)} req, {wall:.2f} s so far, cached={cached} "
                   f"retractions={retract}", flush=True)
+        print(f"{loop_probe.WINDOW_END}{time.time():.3f}", flush=True)
         if res["status"] == "RUNNING":
             res["status"] = "OK"
     finally:
@@ -1646,6 +1686,11 @@ def parse_args(argv=None):
                     "deployment pays per forward")
     ap.add_argument("--piecewise", action="store_true",
                     help="keep sglang's default piecewise CUDA graphs for prefill (no disable_piecewise_cuda_graph)")
+    ap.add_argument("--loop-probe", action="store_true",
+                    help="time sglang's scheduler loop per iteration, off vs log (integration/loop_probe.py)")
+    ap.add_argument("--engine-arg", action="append", metavar="KEY=VALUE",
+                    help="an extra Engine kwarg for every phase (VALUE as JSON, else a string); repeatable, e.g. "
+                    "--engine-arg disable_overlap_schedule=true")
     ap.add_argument("--tp-size", type=int, default=1, help="tensor parallel ranks (one canary per rank)")
     ap.add_argument("--fault-rank", type=int, default=None, help="phase 3: inject on this rank only")
     ap.add_argument("--dry-run", action="store_true", help="no sglang/GPU: synthesize reports, parse, print")

@@ -1,0 +1,294 @@
+"""Where a forward's wall time goes in sglang's scheduler loop (test-only; ``sglang_e2e.py --loop-probe``).
+
+kvcanary's own ``kvcanary host time`` lines count the host time of its hooks. When the off/log tokens/s ratio of
+the overhead phase is lower than that accounting predicts, the rest went somewhere the hooks cannot see: host
+time in sglang caused by the canary, the host waiting for the GPU (the canary's device work on the critical path
+of the overlap scheduler: its write sits between the logits and the delayed sampling), or driver contention. This
+probe answers which, off vs log, per scheduler-loop iteration:
+
+* host time of each step of ``Scheduler.event_loop_overlap`` (``recv_requests`` + ``process_input_requests``,
+  ``get_next_batch_to_run``, ``run_batch`` with its ``forward_batch_generation`` and ``ForwardBatch.init_new``,
+  ``process_batch_result``, ``launch_batch_sample_if_needed``);
+* host time blocked in ``torch.cuda.Event.synchronize`` (sglang waits there for the sampled tokens' copy) and in
+  ``torch.cuda.synchronize`` / ``Stream.synchronize``, anywhere in the scheduler process;
+* the GPU's time per forward on the forward stream (CUDA events recorded at ``run_batch`` entry and after the
+  delayed sampling's launch, read once complete, never waited for) and the GPU's idle gap between forwards.
+
+It is a sglang plugin written into the phase folder (like the EAGLE test plugin) that patches the Scheduler class
+in every sglang process when ``E2E_LOOP_PROBE=1``; it never imports kvcanary. Its cost (a few perf_counter reads,
+two event records per iteration) is the same in off and log Engines. Every ``EVERY`` loop iterations the scheduler
+prints one cumulative ``[e2e-probe]`` line; :func:`parse_window` takes the difference between the last line before
+the measured workload and the last line of the Engine, so warm-up is excluded.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections import deque
+
+PROBE_ENV = "E2E_LOOP_PROBE"
+PROBE_FILE_ENV = "E2E_LOOP_PROBE_FILE"  # this file: the plugin loads it in the scheduler process
+PLUGIN = "kvcanary_e2e_loop_probe"
+EVERY = 25  # iterations between two cumulative lines
+LINE_RE = re.compile(r"\[e2e-probe\] (?P<fields>t=[\d.]+ .*)")
+WINDOW_START = "[e2e-worker] measured workload t="
+WINDOW_END = "[e2e-worker] measured workload ends t="
+
+# cumulative counters of one scheduler process: *_ns host time, *_n calls
+FIELDS = ("iters", "decode_n", "extend_n", "loop_ns", "recv_ns", "next_ns", "run_ns", "fbg_ns", "init_ns",
+          "result_ns", "sample_ns", "evsync_ns", "evsync_n", "sync_ns", "sync_n", "gpu_ns", "gpu_n", "gap_ns")
+
+
+class Probe:
+    """The counters and the pending CUDA event pairs of one scheduler process."""
+
+    def __init__(self) -> None:
+        self.c = dict.fromkeys(FIELDS, 0)
+        self.last_iter_t = None
+        self.pending: deque = deque()  # (start event, end event) not yet complete
+        self.last_end = None  # the end event of the last completed forward (for the idle gap)
+        self.open_start = None  # start event of the forward whose sampling is not launched yet
+
+    def add(self, key: str, ns: int) -> None:
+        self.c[key] += ns
+
+    def iteration(self) -> None:
+        now = time.perf_counter_ns()
+        if self.last_iter_t is not None:
+            self.c["loop_ns"] += now - self.last_iter_t
+        self.last_iter_t = now
+        self.c["iters"] += 1
+        self.collect()
+        if self.c["iters"] % EVERY == 0:
+            self.print()
+
+    def collect(self) -> None:
+        """Read the event pairs that completed (``query``: never waits)."""
+        while self.pending and self.pending[0][1].query():
+            start, end = self.pending.popleft()
+            self.c["gpu_ns"] += int(start.elapsed_time(end) * 1e6)
+            self.c["gpu_n"] += 1
+            if self.last_end is not None:
+                gap = self.last_end.elapsed_time(start)
+                if gap > 0:
+                    self.c["gap_ns"] += int(gap * 1e6)
+            self.last_end = end
+
+    def print(self) -> None:
+        fields = " ".join(f"{k}={v}" for k, v in self.c.items())
+        print(f"[e2e-probe] t={time.time():.3f} pid={os.getpid()} {fields}", flush=True)
+
+
+PROBE = Probe()
+
+
+def _timed(fn, key: str):
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter_ns()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            PROBE.add(key, time.perf_counter_ns() - t)
+
+    wrapper.__wrapped__ = fn
+    wrapper.e2e_probe = key
+    return wrapper
+
+
+def _stream_of(sched):
+    import torch
+
+    return getattr(sched, "forward_stream", None) or torch.cuda.current_stream()
+
+
+def _close_forward(sched) -> None:
+    """Record the end event of the forward whose start ``run_batch`` recorded (its GPU work is all launched)."""
+    import torch
+
+    if PROBE.open_start is None:
+        return
+    end = torch.cuda.Event(enable_timing=True)
+    end.record(_stream_of(sched))
+    PROBE.pending.append((PROBE.open_start, end))
+    PROBE.open_start = None
+
+
+def install() -> None:
+    """Patch sglang's Scheduler, TpModelWorker, ForwardBatch and torch's synchronize calls (once per process)."""
+    import torch
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.tp_worker import TpModelWorker
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    if getattr(Scheduler.run_batch, "e2e_probe", None):
+        return
+    Scheduler.recv_requests = _timed(Scheduler.recv_requests, "recv_ns")
+    Scheduler.process_input_requests = _timed(Scheduler.process_input_requests, "recv_ns")
+    Scheduler.get_next_batch_to_run = _timed(Scheduler.get_next_batch_to_run, "next_ns")
+    Scheduler.process_batch_result = _timed(Scheduler.process_batch_result, "result_ns")
+    TpModelWorker.forward_batch_generation = _timed(TpModelWorker.forward_batch_generation, "fbg_ns")
+    init_new = ForwardBatch.init_new.__func__
+    ForwardBatch.init_new = classmethod(_timed(init_new, "init_ns"))
+    run_batch = Scheduler.run_batch
+
+    def probed_run_batch(self, batch, *args, **kwargs):
+        PROBE.iteration()
+        mode = getattr(getattr(batch, "forward_mode", None), "name", "")
+        PROBE.c["decode_n" if mode == "DECODE" else "extend_n"] += 1
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(_stream_of(self))
+        PROBE.open_start = start
+        t = time.perf_counter_ns()
+        try:
+            return run_batch(self, batch, *args, **kwargs)
+        finally:
+            PROBE.add("run_ns", time.perf_counter_ns() - t)
+            if not getattr(self, "enable_overlap", False):  # sampled inside the forward: its GPU work ends here
+                _close_forward(self)
+
+    probed_run_batch.e2e_probe = "run_ns"
+    Scheduler.run_batch = probed_run_batch
+    sample = Scheduler.launch_batch_sample_if_needed
+
+    def probed_sample(self, batch_result, *args, **kwargs):
+        t = time.perf_counter_ns()
+        try:
+            return sample(self, batch_result, *args, **kwargs)
+        finally:
+            PROBE.add("sample_ns", time.perf_counter_ns() - t)
+            if batch_result is not None:
+                _close_forward(self)
+
+    Scheduler.launch_batch_sample_if_needed = probed_sample
+    ev_sync = torch.cuda.Event.synchronize
+
+    def event_synchronize(self):
+        t = time.perf_counter_ns()
+        try:
+            return ev_sync(self)
+        finally:
+            PROBE.add("evsync_ns", time.perf_counter_ns() - t)
+            PROBE.c["evsync_n"] += 1
+
+    torch.cuda.Event.synchronize = event_synchronize
+    for owner, name in ((torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize")):
+        fn = getattr(owner, name)
+
+        def synchronize(*args, _fn=fn, **kwargs):
+            t = time.perf_counter_ns()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                PROBE.add("sync_ns", time.perf_counter_ns() - t)
+                PROBE.c["sync_n"] += 1
+
+        setattr(owner, name, synchronize)
+    print(f"[e2e-probe] installed pid={os.getpid()}", flush=True)
+
+
+def write_plugin(root: str) -> str:
+    """The sglang plugin (module + dist-info, found by importlib.metadata on PYTHONPATH) that calls :func:`install`
+    in every sglang process where ``E2E_LOOP_PROBE=1``. Returns ``root``."""
+    dist = os.path.join(root, f"{PLUGIN}-0.0.0.dist-info")
+    os.makedirs(dist, exist_ok=True)
+    with open(os.path.join(dist, "METADATA"), "w") as f:
+        f.write(f"Metadata-Version: 2.1\nName: {PLUGIN}\nVersion: 0.0.0\n")
+    with open(os.path.join(dist, "entry_points.txt"), "w") as f:
+        f.write(f"[sglang.srt.plugins]\n{PLUGIN} = {PLUGIN}:register\n")
+    with open(os.path.join(root, f"{PLUGIN}.py"), "w") as f:
+        f.write(f'''"""Test-only sglang plugin of integration/loop_probe.py; never part of kvcanary."""
+import importlib.util
+import os
+import sys
+
+
+def register():
+    if os.environ.get("{PROBE_ENV}") != "1":
+        return
+    name = "_kvcanary_e2e_loop_probe"
+    mod = sys.modules.get(name)
+    if mod is None:
+        spec = importlib.util.spec_from_file_location(name, os.environ["{PROBE_FILE_ENV}"])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    mod.install()
+''')
+    return root
+
+
+def probe_env(env: dict, root: str) -> dict:
+    """``env`` with the plugin on PYTHONPATH (and in SGLANG_PLUGINS when the caller restricts plugins)."""
+    write_plugin(root)
+    env = dict(env)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env[PROBE_ENV] = "1"
+    env[PROBE_FILE_ENV] = os.path.abspath(__file__)
+    if env.get("SGLANG_PLUGINS"):
+        env["SGLANG_PLUGINS"] += f",{PLUGIN}"
+    return env
+
+
+# ---------------------------------------------------------------------------------------------------- parsing
+def _lines(text: str) -> list[dict]:
+    out = []
+    for m in LINE_RE.finditer(text):
+        fields = dict(kv.split("=", 1) for kv in m.group("fields").split())
+        out.append({k: float(v) if k == "t" else int(v) for k, v in fields.items()})
+    return out
+
+
+def _stamp(text: str, marker: str) -> float | None:
+    at = text.rfind(marker)
+    if at < 0:
+        return None
+    return float(re.match(r"[\d.]+", text[at + len(marker):]).group(0))
+
+
+def parse_window(section: str) -> dict | None:
+    """Counters of one Engine's measured workload (one worker-log section): the last probe line at or after the
+    workload's end minus the last line before its start (per scheduler pid; tp ranks summed). None without lines."""
+    lines = _lines(section)
+    t0, t1 = _stamp(section, WINDOW_START), _stamp(section, WINDOW_END)
+    if not lines or t0 is None:
+        return None
+    total = dict.fromkeys(FIELDS, 0)
+    for pid in sorted({ln["pid"] for ln in lines}):
+        mine = [ln for ln in lines if ln["pid"] == pid]
+        before = [ln for ln in mine if ln["t"] <= t0]
+        after = [ln for ln in mine if t1 is None or ln["t"] <= t1 + 0.5] or mine
+        base, last = (before[-1] if before else dict.fromkeys(FIELDS, 0)), after[-1]
+        for k in FIELDS:
+            total[k] += last.get(k, 0) - base.get(k, 0)
+    return total
+
+
+def per_iteration(c: dict) -> dict:
+    """µs per loop iteration (forward) of each host piece, the GPU's µs per forward and idle gap per forward."""
+    n = max(c["iters"], 1)
+    out = {k[:-3] + "_us": c[k] / n / 1e3 for k in FIELDS if k.endswith("_ns") and k not in ("gpu_ns", "gap_ns")}
+    out["gpu_us"] = c["gpu_ns"] / max(c["gpu_n"], 1) / 1e3
+    out["gap_us"] = c["gap_ns"] / max(c["gpu_n"], 1) / 1e3
+    out.update(iters=c["iters"], decode_n=c["decode_n"], extend_n=c["extend_n"], evsync_n=c["evsync_n"],
+               sync_n=c["sync_n"])
+    return out
+
+
+COLUMNS = (("loop_us", "loop"), ("recv_us", "recv"), ("next_us", "next batch"), ("run_us", "run_batch"),
+           ("fbg_us", "of it forward"), ("init_us", "of it init_new"), ("result_us", "process result"),
+           ("evsync_us", "of it event wait"), ("sample_us", "sample launch"), ("sync_us", "other syncs"),
+           ("gpu_us", "GPU per forward"), ("gap_us", "GPU idle gap"))
+
+
+def render(rows: list[tuple[str, dict]]) -> list[str]:
+    """One markdown table: µs per scheduler-loop iteration, one row per Engine (label, per_iteration dict)."""
+    if not rows:
+        return []
+    lines = ["", "| loop probe, µs per iteration | iters (decode) | " + " | ".join(h for _, h in COLUMNS) + " |",
+             "|---|---|" + "---|" * len(COLUMNS)]
+    for label, p in rows:
+        lines.append(f"| {label} | {p['iters']} ({p['decode_n']}) | "
+                     + " | ".join(f"{p[k]:.1f}" for k, _ in COLUMNS) + " |")
+    return lines

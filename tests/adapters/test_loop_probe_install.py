@@ -1,0 +1,39 @@
+"""integration/loop_probe.py's patches of sglang 0.5.12's classes (the driver's --loop-probe), on CPU: in a
+subprocess, because they are global (the other probe tests are in tests/integration/test_loop_probe.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+PROBE = HERE.parents[1] / "integration" / "loop_probe.py"
+
+
+@pytest.mark.skipif(not version("sglang").startswith("0.5.12"), reason="the probe patches sglang 0.5.12's loop")
+def test_install_patches_sglang_classes_once() -> None:
+    code = f"""
+import importlib.util, sys, torch
+sys.path.insert(0, {str(HERE)!r})
+import _sglang_cpu_shims; _sglang_cpu_shims.apply()
+spec = importlib.util.spec_from_file_location("lp", {str(PROBE)!r})
+lp = importlib.util.module_from_spec(spec); spec.loader.exec_module(lp)
+from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.managers.tp_worker import TpModelWorker
+lp.install(); first = Scheduler.run_batch; lp.install()
+assert Scheduler.run_batch is first and first.e2e_probe == "run_ns"
+assert TpModelWorker.forward_batch_generation.e2e_probe == "fbg_ns"
+assert Scheduler.process_batch_result.e2e_probe == "result_ns"
+assert Scheduler.launch_batch_sample_if_needed.__name__ == "probed_sample"
+assert torch.cuda.Event.synchronize.__name__ == "event_synchronize"
+print("ok")
+"""
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ok" in out.stdout

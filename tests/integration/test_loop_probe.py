@@ -1,0 +1,75 @@
+"""integration/loop_probe.py (the driver's --loop-probe) without a GPU: the measured window, the per-iteration
+table, the plugin it writes, and its patches of sglang 0.5.12's classes (in a subprocess: they are global)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PROBE = ROOT / "integration" / "loop_probe.py"
+
+
+@pytest.fixture(scope="module")
+def probe():
+    spec = importlib.util.spec_from_file_location("loop_probe_under_test", PROBE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _line(probe, t: float, pid: int, **counts) -> str:
+    c = dict.fromkeys(probe.FIELDS, 0)
+    c.update(counts)
+    return f"[e2e-probe] t={t:.3f} pid={pid} " + " ".join(f"{k}={v}" for k, v in c.items())
+
+
+def test_window_is_the_difference_across_the_measured_workload_per_scheduler(probe) -> None:
+    text = "\n".join([
+        _line(probe, 10.0, 7, iters=25, run_ns=1000),  # warm-up
+        _line(probe, 11.0, 7, iters=50, run_ns=3000),  # last before the start: the base
+        f"{probe.WINDOW_START}11.500",
+        _line(probe, 12.0, 7, iters=75, run_ns=6000),
+        _line(probe, 13.0, 7, iters=100, run_ns=9000, evsync_ns=400, evsync_n=2),
+        _line(probe, 12.5, 8, iters=25, run_ns=100),  # a second rank (tp): no line before the start
+        f"{probe.WINDOW_END}13.200",
+        _line(probe, 20.0, 7, iters=125, run_ns=99999),  # after the workload (next warm-up): not counted
+    ])
+    w = probe.parse_window(text)
+    assert w["iters"] == 50 + 25 and w["run_ns"] == 6000 + 100 and w["evsync_n"] == 2
+    per = probe.per_iteration(w)
+    assert per["run_us"] == pytest.approx(6100 / 75 / 1e3)
+    assert per["iters"] == 75
+
+
+def test_no_window_without_lines_or_start(probe) -> None:
+    assert probe.parse_window("nothing here") is None
+    assert probe.parse_window(_line(probe, 1.0, 1, iters=25)) is None  # no measured-workload stamp
+
+
+def test_render_one_row_per_engine(probe) -> None:
+    w = dict.fromkeys(probe.FIELDS, 0)
+    w.update(iters=10, decode_n=8, loop_ns=25_000_000, gpu_ns=1_000_000, gpu_n=10)
+    lines = probe.render([("off-1", probe.per_iteration(w)), ("log-1", probe.per_iteration(w))])
+    rows = [ln for ln in lines if ln.startswith("| off-1") or ln.startswith("| log-1")]
+    assert len(rows) == 2
+    assert "| 10 (8) | 2500.0 |" in rows[0] and "| 100.0 |" in rows[0]  # loop µs, GPU µs per forward
+    assert probe.render([]) == []
+
+
+def test_plugin_env_and_entry_point(probe, tmp_path) -> None:
+    env = probe.probe_env({"PYTHONPATH": "/x", "SGLANG_PLUGINS": "kvcanary"}, str(tmp_path / "p"))
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path / "p"), "/x"]
+    assert env[probe.PROBE_ENV] == "1" and env["SGLANG_PLUGINS"] == f"kvcanary,{probe.PLUGIN}"
+    ep = (tmp_path / "p" / f"{probe.PLUGIN}-0.0.0.dist-info" / "entry_points.txt").read_text()
+    assert f"{probe.PLUGIN} = {probe.PLUGIN}:register" in ep
+
+
+def test_driver_engine_args(e2e) -> None:
+    assert e2e.parse_engine_args(["disable_overlap_schedule=true", "cuda_graph_max_bs=8", "x=abc"]) == {
+        "disable_overlap_schedule": True, "cuda_graph_max_bs": 8, "x": "abc"}
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        e2e.parse_engine_args(["novalue"])
