@@ -282,8 +282,42 @@ COLUMNS = (("loop_us", "loop"), ("recv_us", "recv"), ("next_us", "next batch"), 
            ("gpu_us", "GPU per forward"), ("gap_us", "GPU idle gap"))
 
 
+# The loop's steps kvcanary never runs in (without EAGLE): receiving requests, scheduling the next batch,
+# processing the last batch's results, launching the delayed sampling.
+CANARY_FREE = ("recv_us", "next_us", "result_us", "sample_us")
+
+
+def normalized_pair(off: dict, log: dict) -> dict:
+    """One off/log pair with the Engines' own host speed divided out.
+
+    Two identical Engines differ by up to ±35 % in tokens/s on these machines, and a probe shows why: every step
+    of the loop, also those kvcanary never runs in, is slower or faster together (the process's host speed).
+    ``speed`` = the canary-free steps' time of the log Engine over the off Engine's; then ``ratio`` = the off
+    loop scaled by ``speed`` over the log loop (what tokens/s log/off would be at equal host speed), and
+    ``canary_us`` = what the log Engine's run_batch spends beyond the off Engine's scaled by ``speed`` (to
+    compare with kvcanary's own host-time accounting). An effect of the canary on the canary-free steps (caches,
+    allocator) would be divided out too: the raw ratios stay beside these."""
+    free_off, free_log = sum(off[k] for k in CANARY_FREE), sum(log[k] for k in CANARY_FREE)
+    speed = free_log / free_off if free_off else float("nan")
+    return {"speed": speed, "ratio": off["loop_us"] * speed / log["loop_us"] if log["loop_us"] else float("nan"),
+            "raw_ratio": off["loop_us"] / log["loop_us"] if log["loop_us"] else float("nan"),
+            "canary_us": log["run_us"] - off["run_us"] * speed}
+
+
+def pairs_of(rows: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    """(pair label, normalized_pair) of each ``off-i``/``log-i`` pair of rows, in order."""
+    by = dict(rows)
+    out = []
+    i = 1
+    while f"off-{i}" in by and f"log-{i}" in by:
+        out.append((str(i), normalized_pair(by[f"off-{i}"], by[f"log-{i}"])))
+        i += 1
+    return out
+
+
 def render(rows: list[tuple[str, dict]]) -> list[str]:
-    """One markdown table: µs per scheduler-loop iteration, one row per Engine (label, per_iteration dict)."""
+    """Markdown: µs per scheduler-loop iteration, one row per Engine (label, per_iteration dict); then each
+    off/log pair with the Engines' host speed divided out (:func:`normalized_pair`) and their median."""
     if not rows:
         return []
     lines = ["", "| loop probe, µs per iteration | iters (decode) | " + " | ".join(h for _, h in COLUMNS) + " |",
@@ -291,4 +325,14 @@ def render(rows: list[tuple[str, dict]]) -> list[str]:
     for label, p in rows:
         lines.append(f"| {label} | {p['iters']} ({p['decode_n']}) | "
                      + " | ".join(f"{p[k]:.1f}" for k, _ in COLUMNS) + " |")
+    pairs = pairs_of(rows)
+    if pairs:
+        lines += ["", "| pair | log Engine's host speed (canary-free loop steps, log/off) | loop ratio off/log, raw | "
+                      "at equal host speed | canary µs per iteration in run_batch |", "|---|---|---|---|---|"]
+        for label, n in pairs:
+            lines.append(f"| {label} | {n['speed']:.3f} | {n['raw_ratio']:.4f} | **{n['ratio']:.4f}** | "
+                         f"{n['canary_us']:.1f} |")
+        ratios = sorted(n["ratio"] for _, n in pairs)
+        mid = ratios[len(ratios) // 2] if len(ratios) % 2 else sum(ratios[len(ratios) // 2 - 1:][:2]) / 2
+        lines.append(f"| median (min–max) | | | **{mid:.4f}** ({ratios[0]:.4f}–{ratios[-1]:.4f}) | |")
     return lines

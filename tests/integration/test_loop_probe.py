@@ -73,3 +73,26 @@ def test_driver_engine_args(e2e) -> None:
         "disable_overlap_schedule": True, "cuda_graph_max_bs": 8, "x": "abc"}
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         e2e.parse_engine_args(["novalue"])
+
+
+def test_pairs_divide_out_the_engines_host_speed(probe) -> None:
+    """A log Engine on a host 20 % slower in every canary-free step, plus 100 µs of canary per iteration in
+    run_batch: the raw ratio mixes both, the normalized one shows only the canary."""
+    off = {"recv_us": 100.0, "next_us": 600.0, "result_us": 450.0, "sample_us": 2.0, "run_us": 1300.0,
+           "loop_us": 2452.0}
+    log = {k: v * 1.2 for k, v in off.items()}
+    log["run_us"] += 100.0
+    log["loop_us"] += 100.0
+    n = probe.normalized_pair(off, log)
+    assert n["speed"] == pytest.approx(1.2)
+    assert n["canary_us"] == pytest.approx(100.0)
+    assert n["ratio"] == pytest.approx(2452.0 * 1.2 / (2452.0 * 1.2 + 100.0))
+    assert n["raw_ratio"] < n["ratio"]
+    lines = probe.render([("off-1", {**off, **_counts()}), ("log-1", {**log, **_counts()})])
+    assert any(ln.startswith("| 1 | 1.200 |") for ln in lines)
+    assert any(ln.startswith("| median (min–max) |") for ln in lines)
+
+
+def _counts() -> dict:
+    return dict(iters=10, decode_n=8, evsync_n=0, sync_n=0, fbg_us=0.0, init_us=0.0, evsync_us=0.0, sync_us=0.0,
+                gpu_us=0.0, gap_us=0.0)
