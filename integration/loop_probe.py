@@ -38,7 +38,26 @@ WINDOW_END = "[e2e-worker] measured workload ends t="
 
 # cumulative counters of one scheduler process: *_ns host time, *_n calls
 FIELDS = ("iters", "decode_n", "extend_n", "loop_ns", "recv_ns", "next_ns", "run_ns", "fbg_ns", "init_ns",
-          "result_ns", "sample_ns", "evsync_ns", "evsync_n", "sync_ns", "sync_n", "gpu_ns", "gpu_n", "gap_ns")
+          "result_ns", "sample_ns", "evsync_ns", "evsync_n", "sync_ns", "sync_n", "gpu_ns", "gpu_n", "gap_ns",
+          "replay_ns", "kvc_views_ns", "kvc_launch_ns", "kvc_before_ns", "kvc_after_ns", "kvc_step_ns",
+          "kvc_drain_ns", "kvc_drain_n", "kvc_stats_ns", "kvc_metrics_ns", "kvc_account_ns", "kvc_batch_ns")
+
+# kvcanary's own pieces, timed where they are looked up at call time (so the plugins' load order does not
+# matter): (module, class, method, counter). A name a version of kvcanary lacks is skipped. Pieces nest: step
+# inside after, drain and stats inside step; views and launch inside the forward (eager / piecewise only).
+KVCANARY_PIECES = (
+    ("kvcanary.sglang.batches", "BatchConverter", "__call__", "kvc_views_ns"),
+    ("kvcanary.manager", "CanaryManager", "before_forward", "kvc_launch_ns"),
+    ("kvcanary.manager", "CanaryManager", "after_forward", "kvc_launch_ns"),
+    ("kvcanary.installation", "Installation", "host_before", "kvc_before_ns"),
+    ("kvcanary.installation", "Installation", "host_after", "kvc_after_ns"),
+    ("kvcanary.manager", "CanaryManager", "step", "kvc_step_ns"),
+    ("kvcanary.drain", "ViolationDrain", "drain", "kvc_drain_ns"),
+    ("kvcanary.manager", "CanaryManager", "_log_stats", "kvc_stats_ns"),
+    ("kvcanary.metrics", "CanaryMetrics", "observe", "kvc_metrics_ns"),
+    ("kvcanary.installation", "Installation", "account_forward", "kvc_account_ns"),
+    ("kvcanary.sglang.hooks", "AdapterHooks", "_batch_init", "kvc_batch_ns"),
+)
 
 
 class Probe:
@@ -84,13 +103,15 @@ class Probe:
 PROBE = Probe()
 
 
-def _timed(fn, key: str):
+def _timed(fn, key: str, count: str | None = None):
     def wrapper(*args, **kwargs):
         t = time.perf_counter_ns()
         try:
             return fn(*args, **kwargs)
         finally:
             PROBE.add(key, time.perf_counter_ns() - t)
+            if count is not None:
+                PROBE.c[count] += 1
 
     wrapper.__wrapped__ = fn
     wrapper.e2e_probe = key
@@ -185,7 +206,30 @@ def install() -> None:
                 PROBE.c["sync_n"] += 1
 
         setattr(owner, name, synchronize)
-    print(f"[e2e-probe] installed pid={os.getpid()}", flush=True)
+    from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
+
+    CudaGraphRunner.replay = _timed(CudaGraphRunner.replay, "replay_ns")
+    patched = install_kvcanary_pieces()
+    print(f"[e2e-probe] installed pid={os.getpid()} kvcanary pieces={patched}", flush=True)
+
+
+def install_kvcanary_pieces() -> int:
+    """Time kvcanary's pieces (KVCANARY_PIECES) where it is installed; returns how many were patched."""
+    import importlib
+
+    patched = 0
+    for module, cls_name, name, key in KVCANARY_PIECES:
+        try:
+            cls = getattr(importlib.import_module(module), cls_name)
+        except (ImportError, AttributeError):
+            continue
+        fn = cls.__dict__.get(name)
+        if fn is None or getattr(fn, "e2e_probe", None):
+            continue
+        count = key[:-3] + "_n" if key[:-3] + "_n" in FIELDS else None
+        setattr(cls, name, _timed(fn, key, count))
+        patched += 1
+    return patched
 
 
 def write_plugin(root: str) -> str:
@@ -272,14 +316,19 @@ def per_iteration(c: dict) -> dict:
     out["gpu_us"] = c["gpu_ns"] / max(c["gpu_n"], 1) / 1e3
     out["gap_us"] = c["gap_ns"] / max(c["gpu_n"], 1) / 1e3
     out.update(iters=c["iters"], decode_n=c["decode_n"], extend_n=c["extend_n"], evsync_n=c["evsync_n"],
-               sync_n=c["sync_n"])
+               sync_n=c["sync_n"], kvc_drain_n=c.get("kvc_drain_n", 0))
     return out
 
 
 COLUMNS = (("loop_us", "loop"), ("recv_us", "recv"), ("next_us", "next batch"), ("run_us", "run_batch"),
-           ("fbg_us", "of it forward"), ("init_us", "of it init_new"), ("result_us", "process result"),
-           ("evsync_us", "of it event wait"), ("sample_us", "sample launch"), ("sync_us", "other syncs"),
-           ("gpu_us", "GPU per forward"), ("gap_us", "GPU idle gap"))
+           ("fbg_us", "of it forward"), ("init_us", "of it init_new"), ("replay_us", "of it graph replay"),
+           ("result_us", "process result"), ("evsync_us", "of it event wait"), ("sample_us", "sample launch"),
+           ("sync_us", "other syncs"), ("gpu_us", "GPU span per forward"), ("gap_us", "GPU idle gap"))
+# kvcanary's pieces per iteration (log Engines; nested as KVCANARY_PIECES says)
+KVC_COLUMNS = (("kvc_batch_us", "batch hook"), ("kvc_views_us", "views"), ("kvc_launch_us", "launches"),
+               ("kvc_before_us", "host_before"), ("kvc_after_us", "host_after"), ("kvc_step_us", "of it step"),
+               ("kvc_drain_us", "of it drain"), ("kvc_stats_us", "of it stats"), ("kvc_metrics_us", "metrics"),
+               ("kvc_account_us", "account_forward"))
 
 
 # The loop's steps kvcanary never runs in (without EAGLE): receiving requests, scheduling the next batch,
@@ -324,7 +373,14 @@ def render(rows: list[tuple[str, dict]]) -> list[str]:
              "|---|---|" + "---|" * len(COLUMNS)]
     for label, p in rows:
         lines.append(f"| {label} | {p['iters']} ({p['decode_n']}) | "
-                     + " | ".join(f"{p[k]:.1f}" for k, _ in COLUMNS) + " |")
+                     + " | ".join(f"{p.get(k, 0.0):.1f}" for k, _ in COLUMNS) + " |")
+    kvc = [(label, p) for label, p in rows if any(p.get(k) for k, _ in KVC_COLUMNS)]
+    if kvc:
+        lines += ["", "| kvcanary pieces, µs per iteration | " + " | ".join(h for _, h in KVC_COLUMNS)
+                  + " | drains per 100 iterations |", "|---|" + "---|" * (len(KVC_COLUMNS) + 1)]
+        for label, p in kvc:
+            lines.append(f"| {label} | " + " | ".join(f"{p.get(k, 0.0):.1f}" for k, _ in KVC_COLUMNS)
+                         + f" | {100.0 * p.get('kvc_drain_n', 0) / max(p['iters'], 1):.1f} |")
     pairs = pairs_of(rows)
     if pairs:
         lines += ["", "| pair | log Engine's host speed (canary-free loop steps, log/off) | loop ratio off/log, raw | "

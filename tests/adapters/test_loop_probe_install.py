@@ -31,9 +31,20 @@ assert TpModelWorker.forward_batch_generation.e2e_probe == "fbg_ns"
 assert Scheduler.process_batch_result.e2e_probe == "result_ns"
 assert Scheduler.launch_batch_sample_if_needed.__name__ == "probed_sample"
 assert torch.cuda.Event.synchronize.__name__ == "event_synchronize"
+from kvcanary.manager import CanaryManager
+from kvcanary.drain import ViolationDrain
+assert CanaryManager.step.e2e_probe == "kvc_step_ns" and ViolationDrain.drain.e2e_probe == "kvc_drain_ns"
+assert lp.install_kvcanary_pieces() == 0  # once
+import importlib
+def timed(module, cls, name):
+    return getattr(getattr(importlib.import_module(module), cls).__dict__.get(name), "e2e_probe", None)
+missing = [p for p in lp.KVCANARY_PIECES if not timed(*p[:3])]
+assert not missing, missing  # every piece the probe names exists in this kvcanary
 print("ok")
 """
-    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1")
+    plugin = str(HERE.parents[1] / "plugin")  # this checkout's kvcanary
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1",
+               PYTHONPATH=plugin + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ok" in out.stdout
