@@ -123,7 +123,8 @@ def main() -> None:
         mgr.step()
 
     sync_us = timed(sync, args.iters, sync)
-    channel = PinnedChannel(272, torch.int64, dev, side_stream(dev))
+    channel = PinnedChannel(272, torch.int64, dev)  # the drain's: copies on the compute stream
+    side = PinnedChannel(272, torch.int64, dev, side_stream(dev))  # before 2026-11-30: fence + side stream
     rows_out = [
         ("one torch launch (x.add_(1))", timed(lambda: x.add_(1), args.iters, sync)),
         ("before_forward (decode bs=1: one check launch)",
@@ -134,8 +135,11 @@ def main() -> None:
         ("after_forward (extend 256)", timed(lambda: mgr.after_forward(extend), args.iters, sync)),
         ("step, device idle (reads + restarts the status copy)", timed(step_idle, args.iters, sync) - sync_us),
         ("step, device busy (back to back)", timed(mgr.step, args.iters, sync)),
-        ("status copy start (PinnedChannel.start, 2 KiB)",
+        ("status copy start (PinnedChannel.start, 2 KiB, compute stream)",
          timed(lambda: (channel.start(mgr.device_state.state[:272], step=0), setattr(channel, "busy", False)),
+               args.iters, sync)),
+        ("status copy start on a side stream (fence + stream switch)",
+         timed(lambda: (side.start(mgr.device_state.state[:272], step=0), setattr(side, "busy", False)),
                args.iters, sync)),
     ]
     # token check (KVCANARY_VERIFY_TOKENS): a decode forward of 64 rows with ~1000-token requests

@@ -1,10 +1,16 @@
-"""Device → host copies that never block the forward: preallocated pinned buffers, a side stream, events.
+"""Device → host copies that never block the host: preallocated pinned buffers, stream-ordered copies, events.
 
-A ``PinnedChannel`` copies one or more (prefixes of) device tensors into its own pinned host buffer once
-the work enqueued so far on the compute stream has run: the side stream waits on the compute stream,
-copies each segment and records one event. A later step checks the event with a non-blocking query and
-only then reads the host copy. Buffers, streams and events are allocated once, so a step costs a few
-microseconds of host time. On the CPU the copy is immediate.
+A ``PinnedChannel`` copies one or more (prefixes of) device tensors into its own pinned host buffer once the work
+enqueued so far has run. A later step checks the channel's event with a non-blocking query and only then reads the
+host copy. Buffers and events are allocated once. On the CPU the copy is immediate.
+
+Which stream copies. By default (``stream=None``) the stream current when the copy starts: the engine's compute
+stream, where the copy is ordered after the forward's kernels with nothing else to arrange. Each start is one
+``copy_`` per segment and one event record. With a side stream the copy also needs a fence (an event recorded on
+the compute stream that the side stream waits for) and two stream switches: about three more driver calls. On the
+H200 host one call costs 7-11 µs, and inside sglang's scheduler process a drain measured ~120 µs of host time
+(2026-11-30, the e2e loop probe). What the side stream buys is little: the copy is a few KiB, ~2-3 µs of device
+time once per drain period, which the compute stream now spends in line.
 """
 
 from __future__ import annotations
@@ -13,13 +19,22 @@ import torch
 
 
 class PinnedChannel:
-    """One reusable device → host copy of up to ``numel`` elements of ``dtype`` in all."""
+    """One reusable device → host copy of up to ``numel`` elements of ``dtype`` in all.
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, stream: torch.cuda.Stream | None) -> None:
+    ``stream``: the CUDA stream the copies run on, after a fence on the stream current at ``start``; ``None``
+    (the default): the current stream itself (see the module docstring). Ignored on the CPU.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device,
+                 stream: torch.cuda.Stream | None = None) -> None:
         self.device = device
-        self.stream = stream
-        self.host = torch.zeros(max(numel, 1), dtype=dtype, pin_memory=device.type == "cuda")
-        self.event = torch.cuda.Event() if device.type == "cuda" else None
+        cuda = device.type == "cuda"
+        self.stream = stream if cuda else None
+        self.host = torch.zeros(max(numel, 1), dtype=dtype, pin_memory=cuda)
+        self.event = torch.cuda.Event() if cuda else None
+        # the side stream's wait on the compute stream: one event, recorded again at every start (wait_stream
+        # would create a new event object per call)
+        self._fence = torch.cuda.Event() if self.stream is not None else None
         self.counts: tuple[int, ...] = ()
         self.step = 0
         self.meta: dict[str, int] = {}
@@ -38,16 +53,26 @@ class PinnedChannel:
         if sum(counts) > self.host.numel():
             raise ValueError(f"PinnedChannel: {sum(counts)} elements do not fit the {self.host.numel()}-element buffer")
         self.counts, self.step, self.meta, self.busy = counts, step, meta, True
-        if self.stream is None:
-            for dst, src in zip(self._host_views(counts), srcs, strict=True):
+        views = self._host_views(counts)
+        event = self.event
+        if event is None:  # CPU: the copy is done when copy_ returns
+            for dst, src in zip(views, srcs, strict=True):
                 dst.copy_(src)
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            for dst, src in zip(self._host_views(counts), srcs, strict=True):
+        stream = self.stream
+        if stream is None:  # the current (compute) stream: ordered after everything enqueued on it so far
+            for dst, src in zip(views, srcs, strict=True):
                 dst.copy_(src, non_blocking=True)
-            assert self.event is not None
-            self.event.record(self.stream)
+            event.record()
+            return
+        fence = self._fence
+        assert fence is not None
+        fence.record()
+        stream.wait_event(fence)
+        with torch.cuda.stream(stream):
+            for dst, src in zip(views, srcs, strict=True):
+                dst.copy_(src, non_blocking=True)
+            event.record(stream)
 
     def _host_views(self, counts: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
         """The host buffer's back-to-back slices for segments of ``counts`` elements (built once per layout: a
@@ -82,5 +107,6 @@ class PinnedChannel:
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """The stream device → host copies run on (None on the CPU)."""
+    """A side stream for device → host copies (None on the CPU); a PinnedChannel uses the compute stream without
+    one."""
     return torch.cuda.Stream(device=device) if device.type == "cuda" else None
