@@ -40,7 +40,9 @@ WINDOW_END = "[e2e-worker] measured workload ends t="
 FIELDS = ("iters", "decode_n", "extend_n", "loop_ns", "recv_ns", "next_ns", "run_ns", "fbg_ns", "init_ns",
           "result_ns", "sample_ns", "evsync_ns", "evsync_n", "sync_ns", "sync_n", "gpu_ns", "gpu_n", "gap_ns",
           "replay_ns", "kvc_views_ns", "kvc_launch_ns", "kvc_before_ns", "kvc_after_ns", "kvc_step_ns",
-          "kvc_drain_ns", "kvc_drain_n", "kvc_stats_ns", "kvc_metrics_ns", "kvc_account_ns", "kvc_batch_ns")
+          "kvc_drain_ns", "kvc_drain_n", "kvc_stats_ns", "kvc_metrics_ns", "kvc_account_ns", "kvc_batch_ns",
+          "unit_ns", "unit_n")
+UNIT_LAUNCHES = 5  # `x.add_(1)` launches timed every EVERY iterations: this process's cost of one torch launch
 
 # kvcanary's own pieces, timed where they are looked up at call time (so the plugins' load order does not
 # matter): (module, class, method, counter). A name a version of kvcanary lacks is skipped. Pieces nest: step
@@ -69,6 +71,7 @@ class Probe:
         self.pending: deque = deque()  # (start event, end event) not yet complete
         self.last_end = None  # the end event of the last completed forward (for the idle gap)
         self.open_start = None  # start event of the forward whose sampling is not launched yet
+        self.unit_tensor = None
 
     def add(self, key: str, ns: int) -> None:
         self.c[key] += ns
@@ -81,7 +84,25 @@ class Probe:
         self.c["iters"] += 1
         self.collect()
         if self.c["iters"] % EVERY == 0:
+            self.time_unit()
             self.print()
+
+    def time_unit(self) -> None:
+        """Host time of one small torch launch in this process (the benchmarks' unit), on the current stream."""
+        import torch
+
+        if self.unit_tensor is None:
+            self.unit_tensor = torch.zeros(1, device="cuda")
+            import threading
+
+            print(f"[e2e-probe] threads pid={os.getpid()}: "
+                  + ", ".join(sorted(t.name for t in threading.enumerate())), flush=True)
+        x = self.unit_tensor
+        t = time.perf_counter_ns()
+        for _ in range(UNIT_LAUNCHES):
+            x.add_(1)
+        self.c["unit_ns"] += time.perf_counter_ns() - t
+        self.c["unit_n"] += UNIT_LAUNCHES
 
     def collect(self) -> None:
         """Read the event pairs that completed (``query``: never waits)."""
@@ -315,6 +336,7 @@ def per_iteration(c: dict) -> dict:
     out = {k[:-3] + "_us": c[k] / n / 1e3 for k in FIELDS if k.endswith("_ns") and k not in ("gpu_ns", "gap_ns")}
     out["gpu_us"] = c["gpu_ns"] / max(c["gpu_n"], 1) / 1e3
     out["gap_us"] = c["gap_ns"] / max(c["gpu_n"], 1) / 1e3
+    out["unit_us"] = c.get("unit_ns", 0) / max(c.get("unit_n", 0), 1) / 1e3
     out.update(iters=c["iters"], decode_n=c["decode_n"], extend_n=c["extend_n"], evsync_n=c["evsync_n"],
                sync_n=c["sync_n"], kvc_drain_n=c.get("kvc_drain_n", 0))
     return out
@@ -323,7 +345,8 @@ def per_iteration(c: dict) -> dict:
 COLUMNS = (("loop_us", "loop"), ("recv_us", "recv"), ("next_us", "next batch"), ("run_us", "run_batch"),
            ("fbg_us", "of it forward"), ("init_us", "of it init_new"), ("replay_us", "of it graph replay"),
            ("result_us", "process result"), ("evsync_us", "of it event wait"), ("sample_us", "sample launch"),
-           ("sync_us", "other syncs"), ("gpu_us", "GPU span per forward"), ("gap_us", "GPU idle gap"))
+           ("sync_us", "other syncs"), ("gpu_us", "GPU span per forward"), ("gap_us", "GPU idle gap"),
+           ("unit_us", "one torch launch"))
 # kvcanary's pieces per iteration (log Engines; nested as KVCANARY_PIECES says)
 KVC_COLUMNS = (("kvc_batch_us", "batch hook"), ("kvc_views_us", "views"), ("kvc_launch_us", "launches"),
                ("kvc_before_us", "host_before"), ("kvc_after_us", "host_after"), ("kvc_step_us", "of it step"),
