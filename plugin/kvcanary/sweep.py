@@ -72,7 +72,7 @@ class Sweeper:
         plan = self._plan
         if plan is None or plan.capacity < n:
             plan = self._plan = self._allocate(max(n, 2 * (plan.capacity if plan else 0), MIN_SWEEP_PLAN))
-        cuda = plan.verify_slot_indices.device.type == "cuda"
+        cuda = self._state.device.type == "cuda"
         for dst, src, name in ((plan.verify_slot_indices, slots, "slots"),
                                (plan.verify_prev_slot_indices, prevs, "prevs"),
                                (plan.verify_expected_positions, positions, "positions")):
