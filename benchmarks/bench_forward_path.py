@@ -47,7 +47,7 @@ from kvcanary.installation import HostTime, Installation, WrapperCall
 from kvcanary.sglang import hooks as hooks_module
 from kvcanary.sglang import piecewise, pools, v0_5_12
 from kvcanary.sglang.hooks import AdapterHooks, installation_of
-from kvcanary.sglang.radix import radix_sweep_source
+from kvcanary.sglang.radix import mutation_counter, radix_sweep_source
 
 BS = 64
 CONTEXT = 1000  # decode rows' context when a round starts
@@ -173,6 +173,20 @@ class Node:
         self.lock_ref = 0
 
 
+class StandInRadixCache:
+    """A RadixCache as the sweep reads it: ``root_node`` and the mutators whose calls the adapter counts
+    (``kvcanary.sglang.radix.mutation_counter``; the bench's tree never changes, so every sweep after the first
+    re-verifies the plan of the first)."""
+
+    def __init__(self, root: Node) -> None:
+        self.root_node = root
+
+    def insert(self, *args, **kwargs) -> None:
+        raise NotImplementedError("the bench's prefix cache never changes")
+
+    evict = reset = insert
+
+
 def bench_version() -> types.ModuleType:
     """The 0.5.12 version module with the stand-in pool classes and the piecewise gate's flags off (no sglang)."""
     v = types.ModuleType("kvcanary_bench_v0_5_12")
@@ -252,7 +266,7 @@ class Workload:
             r2t[r, SHARED_PREFIX : SHARED_PREFIX + EXTEND] = torch.arange(
                 self.extend_base + (r - 1) * EXTEND, self.extend_base + r * EXTEND, dtype=torch.int32)
 
-    def sweep_tree(self) -> types.SimpleNamespace:
+    def sweep_tree(self) -> StandInRadixCache:
         """A RadixCache-shaped tree: the shared prefix, and each decode row's first SWEEP_TOKENS_PER_ROW slots in
         SWEEP_NODES_PER_ROW chained nodes (~52k entries; slots on the KV device, as sglang keeps node values)."""
         root = Node(None)
@@ -266,7 +280,7 @@ class Workload:
                 node = Node(torch.arange(start, start + step, **i64))
                 parent.children[(r, k)] = node
                 parent = node
-        return types.SimpleNamespace(root_node=root)
+        return StandInRadixCache(root)
 
     def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
         # the engine builds its batch tensors on the host and copies them over (non-blocking), as here
@@ -475,7 +489,7 @@ def _run_case(case: Case, args, device: torch.device, pieces: Pieces) -> dict:
     assert inst is not None and inst.wrapper_call() is WrapperCall.EAGER
     if case.sweep:
         tree = work.sweep_tree()
-        inst.set_sweep_source(radix_sweep_source(tree))
+        inst.set_sweep_source(radix_sweep_source(tree, changes=mutation_counter(tree, StandInRadixCache)))
         inst.prefix_cache = tree
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 

@@ -261,7 +261,8 @@ class CanaryManager:
 
     # ------------------------------------------------------------------------------------------ sweep
     def set_sweep_source(self, source: SweepSource | None) -> None:
-        """`source()` returns (slots, prevs, positions) of every slot the prefix cache holds."""
+        """`source()` returns (slots, prevs, positions) of every slot the prefix cache holds (the very tensors of its
+        previous call when the cache has not changed since: see :meth:`sweep`)."""
         self.sweeper.source = source
         self.health.set_expected(self._expected_tags())
 
@@ -276,8 +277,9 @@ class CanaryManager:
         """Verify the given entries (slot, predecessor slot or -1, position) with real-KV, tag SWEEP.
 
         Each argument is an int sequence or a 1-D int64 tensor on any device (a prefix cache that keeps its slots
-        on the GPU hands them over without a device -> host copy). Host-called, outside graph capture; the copies
-        are non-blocking.
+        on the GPU hands them over without a device -> host copy). The very tensors of the previous sweep (the same
+        objects, never changed in place) are not copied again: their entries are verified from the plan that holds
+        them. Host-called, outside graph capture; the copies are non-blocking.
         """
         self.sweeper.run(slots, prevs, positions)
         self.stats.sweeps += 1

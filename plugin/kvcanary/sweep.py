@@ -5,6 +5,14 @@ holds, each with its predecessor slot (or -1 for a first token) and position; :m
 into a verify plan of its own (non-blocking; the lists may be device tensors) and launches verify over them with
 tag SWEEP and real-KV on, through :meth:`kvcanary.device_state.DeviceState.sweep`. This catches what no running
 request reads: K/V of a cached but idle prefix that went bad.
+
+Host cost per sweep (issue 15). A source may hand back the very tensors of its previous call to say that the
+cache holds the same entries (:func:`kvcanary.sglang.radix.radix_sweep_source` does while the RadixCache has not
+changed): the plan already holds them, so :meth:`Sweeper.run` only launches verify again (it reads the KV bytes as
+they are now). A tensor once handed over must therefore never be changed in place. Otherwise the entries are
+copied into the plan, and the plan's entry count is set by a device-side fill (no pinned host buffer to allocate,
+and none that a later sweep could overwrite before the copy ran); the expected tokens (none) and the enable flag
+are set once, when the plan is allocated (no kernel writes a plan).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ class Sweeper:
         self.interval = interval
         self.source: SweepSource | None = None
         self._plan: VerifyPlan | None = None
+        self._planned: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # what the plan was copied from
 
     def due(self, steps: int) -> bool:
         """Whether the step that makes the step count ``steps`` runs the sweep: a source is set, the interval is
@@ -42,20 +51,28 @@ class Sweeper:
     def run(self, slots: _Ints, prevs: _Ints, positions: _Ints) -> None:
         """Verify the given entries (slot, predecessor slot or -1, position) with real-KV, tag SWEEP.
 
-        Each argument is an int sequence or a 1-D int64 tensor on any device. Host-called, outside graph capture;
+        Each argument is an int sequence or a 1-D int64 tensor on any device. The very tensors of the last call
+        (the same objects) are not copied again: the plan still holds them. Host-called, outside graph capture;
         the copies are non-blocking. Raises ``ValueError`` for lengths that differ or a tensor of another dtype or
         rank.
         """
+        planned = self._planned
+        if planned is None or slots is not planned[0] or prevs is not planned[1] or positions is not planned[2]:
+            self._fill(slots, prevs, positions)
+        self._state.sweep(self._plan)
+
+    def _fill(self, slots: _Ints, prevs: _Ints, positions: _Ints) -> None:
+        """Copy the entries into the plan (growing it first when they do not fit) and set its entry count."""
         n = len(slots)
         if len(prevs) != n or len(positions) != n:
             raise ValueError(
                 f"CanaryManager.sweep: slots/prevs/positions lengths differ: {n}/{len(prevs)}/{len(positions)}"
             )
-        device = self._state.device
+        self._planned = None  # (until the copies are enqueued)
         plan = self._plan
         if plan is None or plan.capacity < n:
-            plan = self._plan = VerifyPlan.allocate(max(n, 2 * (plan.capacity if plan else 0), MIN_SWEEP_PLAN), device)
-        cuda = device.type == "cuda"
+            plan = self._plan = self._allocate(max(n, 2 * (plan.capacity if plan else 0), MIN_SWEEP_PLAN))
+        cuda = self._state.device.type == "cuda"
         for dst, src, name in ((plan.verify_slot_indices, slots, "slots"),
                                (plan.verify_prev_slot_indices, prevs, "prevs"),
                                (plan.verify_expected_positions, positions, "positions")):
@@ -70,10 +87,13 @@ class Sweeper:
                 if cuda:
                     src = src.pin_memory()
             dst[:n].copy_(src, non_blocking=True)
-        counts = torch.tensor([n, 1], dtype=torch.int32)
-        if cuda:
-            counts = counts.pin_memory()
-        plan.verify_expected_tokens[:n].fill_(layout.NO_EXPECTED_TOKEN)
-        plan.verify_num_valid.copy_(counts[0:1], non_blocking=True)
-        plan.verify_enable.copy_(counts[1:2], non_blocking=True)
-        self._state.sweep(plan)
+        plan.verify_num_valid.fill_(n)  # a fill on the plan's device: stream-ordered after the copies, no host buffer
+        if isinstance(slots, torch.Tensor) and isinstance(prevs, torch.Tensor) and isinstance(positions, torch.Tensor):
+            self._planned = (slots, prevs, positions)
+
+    def _allocate(self, capacity: int) -> VerifyPlan:
+        """A sweep plan: no expected tokens (verify compares none) and enabled, once for all its sweeps."""
+        plan = VerifyPlan.allocate(capacity, self._state.device)
+        plan.verify_expected_tokens.fill_(layout.NO_EXPECTED_TOKEN)
+        plan.verify_enable.fill_(1)
+        return plan

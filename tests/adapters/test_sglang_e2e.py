@@ -201,6 +201,8 @@ def test_radix_sweep_source_never_reads_slots_on_the_host(engine, monkeypatch) -
 
 
 def test_sweep_gathers_on_the_scheduler_stream(engine, monkeypatch) -> None:
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
     """Regression (issue 11, tp=2 false positives): the RadixCache's node values live on sglang's scheduler stream,
     which frees and reuses them; the sweep must gather them there (``run_on_producer_stream`` with the scheduler's
     ``schedule_stream``), not on the forward stream it is called from. The race itself is reproduced on a GPU by
@@ -236,8 +238,10 @@ def test_sweep_gathers_on_the_scheduler_stream(engine, monkeypatch) -> None:
     hooks.hooks_for(v0_5_12).after_init_cache(None, scheduler)
     inst = hooks.installation_of(engine.mr)
     source = inst.manager.sweeper.source
-    source()
+    first = source()
     assert seen == [None]  # the event loop has not started: no scheduler stream yet
+    assert source() is first and seen == [None]  # an unchanged tree is not walked (nor read) again
     scheduler.schedule_stream = stream  # created when the event loop starts (after the cache)
+    engine.tree.evict(EvictParams(num_tokens=0))  # a mutator's call: the next sweep walks the tree again
     slots, prevs, positions = source()
     assert seen == [None, stream] and len(slots) == len(prevs) == len(positions) > 0

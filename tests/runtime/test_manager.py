@@ -309,6 +309,28 @@ def test_sweep_takes_tensors_and_checks_them() -> None:
         eng.mgr.sweep(slots, prevs, torch.arange(4, dtype=torch.int32))
 
 
+def test_a_source_that_hands_back_the_same_tensors_is_still_verified_every_sweep() -> None:
+    """A source hands back the very tensors of its previous call while its cache is unchanged (the sweep then
+    re-launches verify on the plan it holds, no copy): a slot corrupted after the first sweep is still found by the
+    next, and no sweep before or after the corruption reports anything else."""
+    eng = TinyEngine(mode=Mode.LOG, sweep_interval=2)
+    eng.forward([1], [4])
+    slots = eng.req_to_token[1, :4].to(torch.int64)
+    entries = (slots, torch.cat([torch.tensor([-1]), slots[:-1]]), torch.arange(4))
+    eng.mgr.set_sweep_source(lambda: entries)
+    for _ in range(4):
+        eng.forward([2], [1])  # two clean sweeps of the same tensors
+    eng.mgr.flush()
+    assert eng.mgr.violations == [] and eng.mgr.stats.sweeps == 2
+    eng.kv[int(slots[1]), 3] ^= 1
+    eng.forward([2], [1])
+    eng.forward([2], [1])  # the third sweep
+    eng.mgr.flush()
+    swept = [v for v in eng.mgr.violations if v.tag_name == "sweep"]
+    assert [(v.slot, v.reasons) for v in swept] == [(int(slots[1]), ("verify_real_kv_hash",))]
+    assert eng.mgr.stats.slot_runs[LaunchTag.SWEEP] == 3 * 4
+
+
 def test_int32_batch_arrays_give_the_same_records_and_checks_as_int64() -> None:
     """sglang hands extend_prefix_lens / extend_seq_lens as int32: a BatchView takes int32 or int64 per field, and the
     runtime records and checks exactly the same either way (no conversion per forward)."""

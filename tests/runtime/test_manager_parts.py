@@ -261,6 +261,33 @@ def test_sweeper_cadence_and_arguments() -> None:
         sweeper.run([1, 2], [-1], [0, 1])
 
 
+def test_sweeper_copies_new_entries_and_reuses_its_plan_for_the_very_same_tensors() -> None:
+    """The very tensors of the last sweep are not copied again (a source hands them back while its cache has not
+    changed); other tensors or lists are, and the plan's count follows them. The plan never expects tokens."""
+    state = device_state()
+    seen: list[tuple[list[int], list[int], list[int], int, int, list[int]]] = []
+
+    def launched(plan) -> None:
+        n = int(plan.verify_num_valid)
+        seen.append((plan.verify_slot_indices[:n].tolist(), plan.verify_prev_slot_indices[:n].tolist(),
+                     plan.verify_expected_positions[:n].tolist(), n, int(plan.verify_enable),
+                     plan.verify_expected_tokens[:n].tolist()))
+
+    state.sweep = launched
+    sweeper = Sweeper(state, interval=1)
+    slots, prevs, positions = torch.tensor([5, 6, 7]), torch.tensor([-1, 5, 6]), torch.arange(3)
+    sweeper.run(slots, prevs, positions)
+    slots[0] = 9  # (a source never does this: here it shows whether the second sweep copied again)
+    sweeper.run(slots, prevs, positions)
+    sweeper.run(slots.clone(), prevs, positions)
+    sweeper.run([3], [-1], [0])
+    sweeper.run(slots, prevs, positions)  # the plan holds [3] now: copied again
+    none = [layout.NO_EXPECTED_TOKEN] * 3
+    assert seen == [([5, 6, 7], [-1, 5, 6], [0, 1, 2], 3, 1, none), ([5, 6, 7], [-1, 5, 6], [0, 1, 2], 3, 1, none),
+                    ([9, 6, 7], [-1, 5, 6], [0, 1, 2], 3, 1, none), ([3], [-1], [0], 1, 1, none[:1]),
+                    ([9, 6, 7], [-1, 5, 6], [0, 1, 2], 3, 1, none)]
+
+
 # ---------------------------------------------------------------------------------------------- token table
 
 

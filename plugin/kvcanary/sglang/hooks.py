@@ -16,6 +16,7 @@ version's targets with the bound hook (built once, so ``HookRegistry`` sees the 
 from __future__ import annotations
 
 import logging
+import pkgutil
 import time
 from collections.abc import Callable
 from types import ModuleType
@@ -30,7 +31,7 @@ from kvcanary.sglang import piecewise, speculative
 from kvcanary.sglang.batches import BatchConverter, mode_name, unsupported_mode
 from kvcanary.sglang.contract import VersionModule
 from kvcanary.sglang.fault_injection import fault_plan_for_rank, inject_fault, repair_token_swaps, rows_remaining
-from kvcanary.sglang.radix import radix_sweep_source
+from kvcanary.sglang.radix import mutation_counter, radix_sweep_source
 from kvcanary.sglang.targets import Target
 from kvcanary.sglang.tokens import expected_token_updates
 
@@ -208,15 +209,20 @@ class AdapterHooks:
 
     def _sweep_source(self, tree, scheduler):
         """The sweep source over ``tree``: the version's own ``sweep_source`` accessor when it has one (a prefix
-        cache other than RadixCache), else the shared RadixCache walker over ``radix_cache(tree)``; None when the
-        cache cannot be walked."""
+        cache other than RadixCache), else the shared RadixCache walker over ``radix_cache(tree)``, which reuses
+        its last walk while the cache's mutation counter stands still (exactly the version's RadixCache class:
+        :func:`kvcanary.sglang.radix.mutation_counter`); None when the cache cannot be walked."""
         v = self.version
         stream = v.scheduler_stream_of(scheduler)
         own = getattr(v, "sweep_source", None)
         if own is not None:
             return own(tree, stream)
         radix = v.radix_cache(tree)
-        return radix_sweep_source(radix, stream) if radix is not None else None
+        if radix is None:
+            return None
+        radix_class = getattr(v, "RADIX_CACHE_CLASS", None)  # (0.5.12, 0.5.23: the dotted name of RadixCache)
+        changes = mutation_counter(radix, pkgutil.resolve_name(radix_class)) if radix_class else None
+        return radix_sweep_source(radix, stream, changes)
 
     def after_forward_batch_init(self, result, cls, batch, model_runner, *args, **kwargs):
         t0 = time.perf_counter_ns()
