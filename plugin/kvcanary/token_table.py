@@ -6,12 +6,13 @@ sglang's own ``req_to_verify_expected_tokens``: half the memory of int64), and a
 the valid length, and verify compares it with the stored token (``verify_token``).
 
 A serving loop sends each row only what it appended since its last update (one token per decode row), and every
-row of a forward in one call. A call is one launch of ``canary_token_update`` (csrc/canary_tokens.cuh) and no
-allocation: the updates are packed into a staging buffer of int64 (the layout of
-:data:`~kvcanary.layout.TOKEN_UPDATE_FIELDS`), which on CUDA is pinned host memory the kernel reads in place (no
-H2D copy). A launch may still be reading its staging when the host packs the next batch, so the stagings form a
-ring: each is reused only once the event recorded after its last launch has completed (the host waits on that
-event in the rare case the GPU is a whole ring behind).
+row of a forward in one call, best as :class:`TokenColumns` (rows, starts, counts, and every update's tokens back to
+back: what :func:`kvcanary.sglang.tokens.expected_token_updates` builds). A call is one launch of
+``canary_token_update`` (csrc/canary_tokens.cuh) and no device or pinned allocation: the columns are packed by one
+``struct.pack_into`` into a staging buffer of int64 (the layout of :data:`~kvcanary.layout.TOKEN_UPDATE_FIELDS`),
+which on CUDA is pinned host memory the kernel reads in place (no H2D copy). A launch may still be reading its
+staging when the host packs the next batch, so the stagings form a ring: each is reused only once the event recorded
+after its last launch has completed (the host waits on that event in the rare case the GPU is a whole ring behind).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import operator
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, chain
+from itertools import accumulate
 from typing import Any, Protocol
 
 import torch
@@ -40,36 +41,62 @@ RING_SIZE = 8
 # grows its staging to the next power of two.
 MIN_STAGING_VALUES = 4096
 
-# Tokens from which an update's tokens are packed by a call of their own (see _pack_tokens).
-LONG_UPDATE_TOKENS = 32
-
 _FIELDS = layout.TOKEN_UPDATE_FIELDS
 _VALUE_BYTES = 8  # int64 staging values
+_ERROR_PREFIX = "CanaryManager.update_expected_tokens"
 _add = operator.add
 _pack_into = struct.pack_into
 
 
-def _pack_tokens(view: Any, tokens: Sequence[Sequence[int]], counts: Sequence[int], offsets: Sequence[int]) -> None:
-    """Pack each update's tokens at its staging offset (the offsets are contiguous, in update order).
+@dataclass(eq=False, slots=True)
+class TokenColumns(Sequence):
+    """A batch of expected-token updates as columns: update ``i`` writes the next ``counts[i]`` values of ``tokens``
+    (every update's tokens back to back, in update order) into row ``rows[i]`` from position ``starts[i]``.
 
-    Why not one ``pack_into(*chain.from_iterable(tokens))`` for the batch: unpacking a chain walks a generic iterator
-    per token (an extend batch of 64 new 1k-token requests: ~1.3 ms on the CPU, the same on CUDA, where the staging is
-    pinned host memory written the same way). ``*tokens[i]`` of a list or tuple copies its item array in C, so a long
-    update gets a call of its own; a run of short ones (decode rows between extend rows) shares one call, so a row
-    costs at most one call.
+    The form :meth:`TokenTable.update` stages in bulk (a few whole-column calls, no per-update Python), which a
+    serving loop can build directly (:func:`kvcanary.sglang.tokens.expected_token_updates`). It is also a sequence
+    of the ``(row, start, tokens)`` updates it holds, so it goes wherever a list of them does.
     """
-    run_begin = 0  # the first update of the current run of short updates
-    for i, count in enumerate(counts):
-        if count < LONG_UPDATE_TOKENS:
-            continue
-        if run_begin < i:
-            _pack_into(f"{offsets[i] - offsets[run_begin]}q", view, offsets[run_begin] * _VALUE_BYTES,
-                       *chain.from_iterable(tokens[run_begin:i]))
-        _pack_into(f"{count}q", view, offsets[i] * _VALUE_BYTES, *tokens[i])
-        run_begin = i + 1
-    if run_begin < len(counts):
-        _pack_into(f"{offsets[-1] - offsets[run_begin]}q", view, offsets[run_begin] * _VALUE_BYTES,
-                   *chain.from_iterable(tokens[run_begin:]))
+
+    rows: Sequence[int]
+    starts: Sequence[int]
+    counts: Sequence[int]
+    tokens: Sequence[int]
+
+    @classmethod
+    def of(cls, updates: Sequence[tuple[int, int, Sequence[int]]]) -> TokenColumns:
+        """The columns of ``(row, start, tokens)`` updates."""
+        if not updates:
+            return cls((), (), (), ())
+        rows, starts, per_update = zip(*updates, strict=True)
+        flat: list[int] = []
+        for update_tokens in per_update:  # a list extend per update: a prompt's ~1k tokens are one C copy
+            flat += update_tokens
+        return cls(rows, starts, tuple(map(len, per_update)), flat)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index):  # an update (row, start, tokens); a slice gives a list of them
+        if isinstance(index, slice):
+            return list(self)[index]
+        row = self.rows[index]  # IndexError (the sequence's end) before anything else
+        index = operator.index(index) % len(self.rows)
+        offset = sum(self.counts[:index])
+        return row, self.starts[index], list(self.tokens[offset : offset + self.counts[index]])
+
+    def __eq__(self, other: object) -> bool:  # the same updates in the same order, in whatever sequence
+        if not isinstance(other, Sequence) or isinstance(other, str | bytes):
+            return NotImplemented
+        return list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]  # equal to mutable sequences
+
+    def __iter__(self):
+        offset = 0
+        for row, start, count in zip(self.rows, self.starts, self.counts, strict=True):
+            yield row, start, list(self.tokens[offset : offset + count])
+            offset += count
 
 
 class StagingEvent(Protocol):
@@ -195,26 +222,41 @@ class TokenTable:
         (clipped at the table width) and its valid length ``start + len(tokens)`` (clipped likewise; earlier
         positions keep what they hold). Updates apply in order: a row updated twice in one call ends as the later
         update leaves it. Non-blocking; call outside graph capture. Raises ``ValueError`` for a row outside the
-        table or a negative start (before anything is staged)."""
-        if not updates:
+        table or a negative start (before anything is staged).
+
+        ``updates`` may be :class:`TokenColumns` (staged as they are: the serving loop's form) or any sequence of
+        tuples (turned into columns first)."""
+        columns = updates if updates.__class__ is TokenColumns else TokenColumns.of(updates)
+        self.update_columns(columns.rows, columns.starts, columns.counts, columns.tokens)
+
+    def update_columns(self, rows: Sequence[int], starts: Sequence[int], counts: Sequence[int],
+                       tokens: Sequence[int]) -> None:
+        """:meth:`update` of the updates in columns (see :class:`TokenColumns`): update ``i`` writes the next
+        ``counts[i]`` values of ``tokens`` into row ``rows[i]`` from position ``starts[i]``. One launch; the
+        staging is written by one pack of all the columns. Raises ``ValueError`` naming the column (and the update)
+        for a row outside the table, a negative start or count, columns of different lengths, or ``tokens`` of
+        another length than ``counts`` add up to (before anything is staged)."""
+        n = len(rows)
+        if len(starts) != n or len(counts) != n:
+            raise ValueError(f"{_ERROR_PREFIX}: rows, starts and counts have {n}, {len(starts)} and {len(counts)} "
+                             "values (one per update each)")
+        if not n:
+            if tokens:
+                raise ValueError(f"{_ERROR_PREFIX}: tokens has {len(tokens)} values, counts add up to 0")
             return
-        n = len(updates)
-        # Whole-batch builtins instead of a per-update loop: a decode batch of 64 rows pays a few C loops.
-        rows, starts, tokens = zip(*updates, strict=True)
-        counts = tuple(map(len, tokens))
-        ends = tuple(map(_add, starts, counts))
-        if min(rows) < 0 or max(rows) >= self._rows or min(starts) < 0 or max(ends) > self._width:
-            rows, starts, tokens, counts, ends = self._checked_and_clipped(updates)
-        offsets = tuple(accumulate(counts, initial=_FIELDS * n))
-        staged_len = offsets[-1]
+        # Whole-column builtins, no per-update loop: a decode batch of 64 rows pays a few C loops.
+        ends = list(map(_add, starts, counts))  # valid lengths
+        if (min(rows) < 0 or max(rows) >= self._rows or min(starts) < 0 or min(counts) < 0
+                or max(ends) > self._width):
+            rows, starts, counts, ends, tokens = self._checked_and_clipped(rows, starts, counts, tokens)
+        offsets = list(accumulate(counts, initial=_FIELDS * n))  # each update's first token in the staging
+        staged_len = offsets.pop()
+        if staged_len - _FIELDS * n != len(tokens):
+            raise ValueError(f"{_ERROR_PREFIX}: tokens has {len(tokens)} values, counts add up to "
+                             f"{staged_len - _FIELDS * n}")
         staging = self.staging.acquire(staged_len)
         # the field-major header (layout.TOKEN_UPDATE_FIELD_*: row, start, count, valid length, offset), then tokens
-        if max(counts) < LONG_UPDATE_TOKENS:  # a decode batch: header and tokens in one call
-            _pack_into(f"{staged_len}q", staging.view, 0, *rows, *starts, *counts, *ends, *offsets[:-1],
-                       *chain.from_iterable(tokens))
-        else:
-            _pack_into(f"{_FIELDS * n}q", staging.view, 0, *rows, *starts, *counts, *ends, *offsets[:-1])
-            _pack_tokens(staging.view, tokens, counts, offsets)
+        _pack_into(f"{staged_len}q", staging.view, 0, *rows, *starts, *counts, *ends, *offsets, *tokens)
         try:
             self._launch(self.expected_tokens, self.valid_lens_by_row, staging.buffer, n, staged_len)
         except Exception:
@@ -224,19 +266,25 @@ class TokenTable:
             raise
         self.staging.launched(staging)
 
-    def _checked_and_clipped(self, updates: Sequence[tuple[int, int, Sequence[int]]]) -> tuple[tuple, ...]:
-        """The batch's fields one update at a time: errors for the first bad update, tokens clipped at the width."""
+    def _checked_and_clipped(self, rows: Sequence[int], starts: Sequence[int], counts: Sequence[int],
+                             tokens: Sequence[int]) -> tuple[list[int], ...]:
+        """The columns one update at a time: an error for the first bad update, each update's tokens clipped at the
+        width (its valid length too); returns rows, starts, counts, valid lengths and tokens."""
         rows_total, width = self._rows, self._width
-        rows, starts, tokens, counts, ends = [], [], [], [], []
-        for row, start, toks in updates:
+        clipped_counts, ends, kept = [], [], []
+        offset = 0
+        for i, (row, start, count) in enumerate(zip(rows, starts, counts, strict=True)):
             if not 0 <= row < rows_total:
-                raise ValueError(f"CanaryManager.update_expected_tokens: row {row} outside [0, {rows_total})")
+                raise ValueError(f"{_ERROR_PREFIX}: row {row} outside [0, {rows_total}): rows[{i}]")
             if start < 0:
-                raise ValueError(f"CanaryManager.update_expected_tokens: start {start} < 0 (row {row})")
-            count = max(0, min(len(toks), width - start))
-            rows.append(row)
-            starts.append(start)
-            tokens.append(toks[:count] if count < len(toks) else toks)
-            counts.append(count)
-            ends.append(min(start + len(toks), width))
-        return tuple(rows), tuple(starts), tuple(tokens), tuple(counts), tuple(ends)
+                raise ValueError(f"{_ERROR_PREFIX}: start {start} < 0 (row {row}): starts[{i}]")
+            if count < 0:
+                raise ValueError(f"{_ERROR_PREFIX}: count {count} < 0 (row {row}): counts[{i}]")
+            fits = max(0, min(count, width - start))
+            clipped_counts.append(fits)
+            ends.append(min(start + count, width))
+            kept += tokens[offset : offset + fits]
+            offset += count
+        if offset != len(tokens):
+            raise ValueError(f"{_ERROR_PREFIX}: tokens has {len(tokens)} values, counts add up to {offset}")
+        return list(rows), list(starts), clipped_counts, ends, kept
