@@ -58,7 +58,7 @@ def test_updates_come_as_columns() -> None:
     columns = expected_token_updates(mirror, [a, new, b, chunked, Req(None, [1], [])])
     assert isinstance(columns, TokenColumns)
     assert (columns.rows, columns.starts, columns.counts) == ([1, 3, 2], [3, 0, 3], [1, 3, 1])
-    assert columns.tokens == [13, 30, 31, 32, 23]
+    assert columns.token_runs == [[13, 30, 31, 32, 23]]  # short updates: one run
     assert mirror[1][1:] == [4, 13] and mirror[2][1:] == [4, 23] and mirror[3][1:] == [3, 32]
 
 

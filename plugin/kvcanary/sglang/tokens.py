@@ -6,7 +6,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 
-from kvcanary.token_table import TokenColumns
+from kvcanary.token_table import LONG_UPDATE_TOKENS, TokenColumns
 
 
 def _ref_of(req: object) -> Callable[[], object]:
@@ -37,45 +37,59 @@ def expected_token_updates(mirror: dict, reqs) -> TokenColumns:
     """
     rows: list[int] = []
     starts: list[int] = []
-    counts: list[int] = []
-    tokens: list[int] = []
-    add_row, add_start, add_count, add_token = rows.append, starts.append, counts.append, tokens.append
+    runs: list[list[int]] = []  # the tokens back to back: runs of short updates' tokens, and each prompt's own list
+    run: list[int] = []  # the current run of short updates' tokens (a decode row's one token goes here)
+    add_row, add_start, add_token = rows.append, starts.append, run.append
+    not_one = []  # (column index, count) of the updates that are not one token (all are, in a decode batch)
     mirror_entry = mirror.get
     for req in reqs:
         try:
             row = req.req_pool_idx
-        except AttributeError:
-            continue  # not a request holding a row
-        entry = mirror_entry(row)  # None for a row seen first, and for a row that is not an int (converted below)
-        if entry is not None:
-            sent_by, sent, last = entry
-            output = req.output_ids
-            total = len(req.origin_input_ids) + len(output)
-            # output[-2] is the token at position sent - 1 when output holds 2+ tokens and total == sent + 1
-            if total == sent + 1 and sent_by() is req and len(output) > 1 and output[-2] == last:
-                token = output[-1]
-                add_row(row)
-                add_start(sent)
-                add_count(1)
-                add_token(token)
-                entry[1] = total  # updated in place: a decode row allocates no new entry per forward
-                entry[2] = token
-                continue
-        update = _row_update(mirror, req, row)
-        if update is not None:
-            row, start, new = update
-            add_row(row)
-            add_start(start)
-            add_count(len(new))
-            tokens += new
-    return TokenColumns(rows, starts, counts, tokens)
+            entry = mirror_entry(row)  # None for a row seen first, and for a row that is not an int
+            if entry is not None:
+                sent_by, sent, last = entry
+                output = req.output_ids
+                total = len(req.origin_input_ids) + len(output)
+                # one token more than sent, the one before it (output[-2]) the last one sent, the same request
+                if total == sent + 1 and output[-2] == last and sent_by() is req:
+                    token = output[-1]
+                    add_row(row)
+                    add_start(sent)
+                    add_token(token)
+                    entry[1] = total  # updated in place: a decode row allocates no new entry per forward
+                    entry[2] = token
+                    continue
+        except (AttributeError, IndexError):  # no row attribute; an output of one token (output[-2] raised)
+            pass
+        update = _row_update(mirror, req)
+        if update is None:
+            continue
+        row, start, new = update
+        not_one.append((len(rows), len(new)))
+        add_row(row)
+        add_start(start)
+        if len(new) < LONG_UPDATE_TOKENS:
+            run += new
+            continue
+        if run:  # a prompt: a run of its own, the request's own list (packed as it is, not copied)
+            runs.append(run)
+            run = []
+            add_token = run.append
+        runs.append(new)
+    if run or not runs:
+        runs.append(run)
+    counts = [1] * len(rows)
+    for index, count in not_one:
+        counts[index] = count
+    return TokenColumns(rows, starts, counts, runs)
 
 
-def _row_update(mirror: dict, req, row) -> tuple[int, int, list[int]] | None:
+def _row_update(mirror: dict, req) -> tuple[int, int, list[int]] | None:
     """``(row, start, tokens)`` of what ``req``'s row gained since its last upload, None for nothing (the rule of
-    :func:`expected_token_updates` for any row; ``mirror`` is updated). Slices at most once; a new prompt (a row
-    sent whole from a request without output) is the request's own ``origin_input_ids`` list: the caller copies
-    it into its columns and never changes or keeps it."""
+    :func:`expected_token_updates` for any request; ``mirror`` is updated). Slices at most once; a new prompt (a
+    row sent whole from a request without output) is the request's own ``origin_input_ids`` list, not a copy: the
+    columns hold it as a run of its own, staged before the request changes, never changed or kept."""
+    row = getattr(req, "req_pool_idx", None)
     if row is None:
         return None
     if row.__class__ is not int:
