@@ -60,10 +60,10 @@ class TokenColumns(Sequence):
     into runs anywhere: a prompt is best a run of its own (its request's own list, never copied), short updates
     share one (a decode batch: one run of a token per row).
 
-    The form :meth:`TokenTable.update` stages in bulk (a few whole-column calls, no per-update Python), which a
-    serving loop can build directly (:func:`kvcanary.sglang.tokens.expected_token_updates`). It is also the sequence
-    of the ``(row, start, tokens)`` updates it holds, so it goes wherever a list of them does. Runs may be the
-    caller's own lists: stage the columns before those change.
+    The form :meth:`TokenTable.update` stages in bulk (whole-column calls and one per run, no per-update Python),
+    which a serving loop can build directly (:func:`kvcanary.sglang.tokens.expected_token_updates`). It is also the
+    sequence of the ``(row, start, tokens)`` updates it holds, so it goes wherever a list of them does. Runs may be
+    the caller's own lists: stage the columns before those change.
     """
 
     rows: Sequence[int]
