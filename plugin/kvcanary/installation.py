@@ -285,6 +285,8 @@ class Installation:
         self.manager.set_sweep_source(source)
 
     def update_expected_tokens(self, updates: Sequence[tuple[int, int, Sequence[int]]]) -> None:
+        """The token check's uploads (see :meth:`CanaryManager.update_expected_tokens`), the same ``updates`` for
+        every group's table (:class:`~kvcanary.token_table.TokenColumns` are read, never changed)."""
         for group in self.groups:
             group.manager.update_expected_tokens(updates)
 

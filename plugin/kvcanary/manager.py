@@ -252,8 +252,10 @@ class CanaryManager:
 
         A serving loop sends each row only what it appended since its last update (one token per decode row),
         and every row of a forward in one call: one launch reading a pinned staging in place, whatever the batch size
-        (:mod:`kvcanary.token_table`); a later update of a row in the same call wins. Non-blocking; call outside graph
-        capture.
+        (:mod:`kvcanary.token_table`); a later update of a row in the same call wins. ``updates`` as
+        :class:`~kvcanary.token_table.TokenColumns` (what the sglang adapter builds) are staged as they are, with no
+        per-update Python; any other sequence of tuples is turned into columns first. Non-blocking; call outside
+        graph capture.
         """
         if self.token_table is None:
             raise RuntimeError("CanaryManager: update_expected_tokens needs config.verify_tokens")

@@ -6,8 +6,10 @@ sglang's own ``req_to_verify_expected_tokens``: half the memory of int64), and a
 the valid length, and verify compares it with the stored token (``verify_token``).
 
 A serving loop sends each row only what it appended since its last update (one token per decode row), and every
-row of a forward in one call. A call is one launch of ``canary_token_update`` (csrc/canary_tokens.cuh) and no
-allocation: the updates are packed into a staging buffer of int64 (the layout of
+row of a forward in one call, best as :class:`TokenColumns` (rows, starts, counts, and the updates' tokens back to
+back: what :func:`kvcanary.sglang.tokens.expected_token_updates` builds). A call is one launch of
+``canary_token_update`` (csrc/canary_tokens.cuh) and no device or pinned allocation: the columns are packed by one
+``struct.pack_into`` (plus one per prompt) into a staging buffer of int64 (the layout of
 :data:`~kvcanary.layout.TOKEN_UPDATE_FIELDS`), which on CUDA is pinned host memory the kernel reads in place (no
 H2D copy). A launch may still be reading its staging when the host packs the next batch, so the stagings form a
 ring: each is reused only once the event recorded after its last launch has completed (the host waits on that
@@ -21,7 +23,7 @@ import functools
 import logging
 import operator
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain
 from typing import Any, Protocol
@@ -40,36 +42,82 @@ RING_SIZE = 8
 # grows its staging to the next power of two.
 MIN_STAGING_VALUES = 4096
 
-# Tokens from which an update's tokens are packed by a call of their own (see _pack_tokens).
+# Tokens from which an update's tokens are a run of their own in TokenColumns (packed by a call of their own, never
+# copied); shorter updates (a decode row's one token) share a run, so a row costs at most one pack call.
 LONG_UPDATE_TOKENS = 32
 
 _FIELDS = layout.TOKEN_UPDATE_FIELDS
 _VALUE_BYTES = 8  # int64 staging values
+_ERROR_PREFIX = "CanaryManager.update_expected_tokens"
 _add = operator.add
 _pack_into = struct.pack_into
 
 
-def _pack_tokens(view: Any, tokens: Sequence[Sequence[int]], counts: Sequence[int], offsets: Sequence[int]) -> None:
-    """Pack each update's tokens at its staging offset (the offsets are contiguous, in update order).
+@dataclass(eq=False, slots=True)
+class TokenColumns(Sequence):
+    """A batch of expected-token updates as columns: update ``i`` writes its ``counts[i]`` tokens into row ``rows[i]``
+    from position ``starts[i]``. The updates' tokens, back to back in update order, are held in ``token_runs``, split
+    into runs anywhere: a prompt is best a run of its own (its request's own list, never copied), short updates
+    share one (a decode batch: one run of a token per row).
 
-    Why not one ``pack_into(*chain.from_iterable(tokens))`` for the batch: unpacking a chain walks a generic iterator
-    per token (an extend batch of 64 new 1k-token requests: ~1.3 ms on the CPU, the same on CUDA, where the staging is
-    pinned host memory written the same way). ``*tokens[i]`` of a list or tuple copies its item array in C, so a long
-    update gets a call of its own; a run of short ones (decode rows between extend rows) shares one call, so a row
-    costs at most one call.
+    The form :meth:`TokenTable.update` stages in bulk (whole-column calls and one per run, no per-update Python),
+    which a serving loop can build directly (:func:`kvcanary.sglang.tokens.expected_token_updates`). It is also the
+    sequence of the ``(row, start, tokens)`` updates it holds, so it goes wherever a list of them does. Runs may be
+    the caller's own lists: stage the columns before those change.
     """
-    run_begin = 0  # the first update of the current run of short updates
-    for i, count in enumerate(counts):
-        if count < LONG_UPDATE_TOKENS:
-            continue
-        if run_begin < i:
-            _pack_into(f"{offsets[i] - offsets[run_begin]}q", view, offsets[run_begin] * _VALUE_BYTES,
-                       *chain.from_iterable(tokens[run_begin:i]))
-        _pack_into(f"{count}q", view, offsets[i] * _VALUE_BYTES, *tokens[i])
-        run_begin = i + 1
-    if run_begin < len(counts):
-        _pack_into(f"{offsets[-1] - offsets[run_begin]}q", view, offsets[run_begin] * _VALUE_BYTES,
-                   *chain.from_iterable(tokens[run_begin:]))
+
+    rows: Sequence[int]
+    starts: Sequence[int]
+    counts: Sequence[int]
+    token_runs: Sequence[Sequence[int]]
+
+    @classmethod
+    def of(cls, updates: Sequence[tuple[int, int, Sequence[int]]]) -> TokenColumns:
+        """The columns of ``(row, start, tokens)`` updates (long updates' tokens are runs of their own, not copies)."""
+        if not updates:
+            return cls((), (), (), ())
+        rows, starts, per_update = zip(*updates, strict=True)
+        counts = tuple(map(len, per_update))
+        if max(counts) < LONG_UPDATE_TOKENS:  # a decode batch: one run
+            return cls(rows, starts, counts, [list(chain.from_iterable(per_update))])
+        runs: list[Sequence[int]] = []
+        short: list[int] = []
+        for update_tokens, count in zip(per_update, counts, strict=True):
+            if count < LONG_UPDATE_TOKENS:
+                short += update_tokens
+                continue
+            if short:
+                runs.append(short)
+                short = []
+            runs.append(update_tokens)
+        if short:
+            runs.append(short)
+        return cls(rows, starts, counts, runs)
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every update's tokens back to back (a copy of the runs, joined)."""
+        return list(chain.from_iterable(self.token_runs))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index):  # an update (row, start, tokens); a slice gives a list of them
+        return list(self)[index]
+
+    def __eq__(self, other: object) -> bool:  # the same updates in the same order, in whatever sequence
+        if not isinstance(other, Sequence) or isinstance(other, str | bytes):
+            return NotImplemented
+        return list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]  # equal to mutable sequences
+
+    def __iter__(self):
+        tokens = self.tokens
+        offset = 0
+        for row, start, count in zip(self.rows, self.starts, self.counts, strict=True):
+            yield row, start, tokens[offset : offset + count]
+            offset += count
 
 
 class StagingEvent(Protocol):
@@ -195,26 +243,62 @@ class TokenTable:
         (clipped at the table width) and its valid length ``start + len(tokens)`` (clipped likewise; earlier
         positions keep what they hold). Updates apply in order: a row updated twice in one call ends as the later
         update leaves it. Non-blocking; call outside graph capture. Raises ``ValueError`` for a row outside the
-        table or a negative start (before anything is staged)."""
-        if not updates:
+        table or a negative start (nothing is written to the table).
+
+        ``updates`` may be :class:`TokenColumns` (staged as they are: the serving loop's form) or any sequence of
+        tuples (turned into columns first)."""
+        columns = updates if updates.__class__ is TokenColumns else TokenColumns.of(updates)
+        self.update_columns(columns.rows, columns.starts, columns.counts, columns.token_runs)
+
+    def update_columns(self, rows: Sequence[int], starts: Sequence[int], counts: Sequence[int],
+                       token_runs: Sequence[Sequence[int]]) -> None:
+        """:meth:`update` of the updates in columns (see :class:`TokenColumns`): update ``i`` writes its ``counts[i]``
+        tokens (the next ones of ``token_runs``, joined) into row ``rows[i]`` from position ``starts[i]``. One
+        launch; the staging is written by one pack of all the columns, plus one per further run. Raises
+        ``ValueError`` naming the column (and the update) for a row outside the table, a negative start or count,
+        columns of different lengths, or runs of another length than ``counts`` add up to (nothing is written to
+        the table)."""
+        n = len(rows)
+        if len(starts) != n or len(counts) != n:
+            raise ValueError(f"{_ERROR_PREFIX}: rows, starts and counts have {n}, {len(starts)} and {len(counts)} "
+                             "values (one per update each)")
+        if not n and not any(token_runs):
             return
-        n = len(updates)
-        # Whole-batch builtins instead of a per-update loop: a decode batch of 64 rows pays a few C loops.
-        rows, starts, tokens = zip(*updates, strict=True)
-        counts = tuple(map(len, tokens))
-        ends = tuple(map(_add, starts, counts))
-        if min(rows) < 0 or max(rows) >= self._rows or min(starts) < 0 or max(ends) > self._width:
-            rows, starts, tokens, counts, ends = self._checked_and_clipped(updates)
-        offsets = tuple(accumulate(counts, initial=_FIELDS * n))
-        staged_len = offsets[-1]
+        try:
+            self._stage_and_launch(rows, starts, counts, map(_add, starts, counts), token_runs)
+        except Exception:
+            # Nothing was written: the pack refuses runs that do not add up, and the launch checks every header on
+            # the host before it writes (csrc/canary_tokens.cuh), so the columns are checked here only when refused
+            # (a decode batch pays no Python loop over them): the first bad one is named, or updates past the width
+            # are staged again clipped.
+            clipped = self._checked_and_clipped(rows, starts, counts, token_runs)
+            if clipped is None:  # the columns are fine: the launch refused something else, its error stands
+                raise
+            self._stage_and_launch(*clipped)
+
+    def _stage_and_launch(self, rows: Sequence[int], starts: Sequence[int], counts: Sequence[int],
+                          ends: Iterable[int], token_runs: Sequence[Sequence[int]]) -> None:
+        """Pack the columns into the ring's next staging (the field-major header of layout.TOKEN_UPDATE_FIELD_*:
+        row, start, count, valid length ``ends``, offset; then the tokens) and launch the update. Raises (before the
+        launch) if the runs do not hold the tokens ``counts`` add up to."""
+        n = len(rows)
+        header_len = _FIELDS * n
+        offsets = list(accumulate(counts, initial=header_len))  # each update's first token in the staging
+        staged_len = offsets.pop()
         staging = self.staging.acquire(staged_len)
-        # the field-major header (layout.TOKEN_UPDATE_FIELD_*: row, start, count, valid length, offset), then tokens
-        if max(counts) < LONG_UPDATE_TOKENS:  # a decode batch: header and tokens in one call
-            _pack_into(f"{staged_len}q", staging.view, 0, *rows, *starts, *counts, *ends, *offsets[:-1],
-                       *chain.from_iterable(tokens))
+        view = staging.view
+        if len(token_runs) == 1:  # a decode batch: header and tokens in one call
+            _pack_into(f"{staged_len}q", view, 0, *rows, *starts, *counts, *ends, *offsets, *token_runs[0])
         else:
-            _pack_into(f"{_FIELDS * n}q", staging.view, 0, *rows, *starts, *counts, *ends, *offsets[:-1])
-            _pack_tokens(staging.view, tokens, counts, offsets)
+            # ``*run`` of a list or tuple copies its item array in C: a prompt's run is one call, no per-token Python
+            _pack_into(f"{header_len}q", view, 0, *rows, *starts, *counts, *ends, *offsets)
+            at = header_len
+            for run in token_runs:
+                _pack_into(f"{len(run)}q", view, at * _VALUE_BYTES, *run)
+                at += len(run)
+            if at != staged_len:
+                raise ValueError(f"{_ERROR_PREFIX}: token_runs hold {at - header_len} tokens, counts add up to "
+                                 f"{staged_len - header_len}")
         try:
             self._launch(self.expected_tokens, self.valid_lens_by_row, staging.buffer, n, staged_len)
         except Exception:
@@ -224,19 +308,29 @@ class TokenTable:
             raise
         self.staging.launched(staging)
 
-    def _checked_and_clipped(self, updates: Sequence[tuple[int, int, Sequence[int]]]) -> tuple[tuple, ...]:
-        """The batch's fields one update at a time: errors for the first bad update, tokens clipped at the width."""
+    def _checked_and_clipped(self, rows: Sequence[int], starts: Sequence[int], counts: Sequence[int],
+                             token_runs: Sequence[Sequence[int]]) -> tuple[list, ...] | None:
+        """The columns one update at a time: an error for the first bad update; None if no update reaches past the
+        width, else the columns with each update's tokens clipped at the width (its valid length too): rows, starts,
+        counts, valid lengths and the tokens as one run."""
         rows_total, width = self._rows, self._width
-        rows, starts, tokens, counts, ends = [], [], [], [], []
-        for row, start, toks in updates:
+        tokens = list(chain.from_iterable(token_runs))
+        clipped_counts, ends, kept = [], [], []
+        offset = 0
+        past_the_width = False
+        for i, (row, start, count) in enumerate(zip(rows, starts, counts, strict=True)):
             if not 0 <= row < rows_total:
-                raise ValueError(f"CanaryManager.update_expected_tokens: row {row} outside [0, {rows_total})")
+                raise ValueError(f"{_ERROR_PREFIX}: row {row} outside [0, {rows_total}): rows[{i}]")
             if start < 0:
-                raise ValueError(f"CanaryManager.update_expected_tokens: start {start} < 0 (row {row})")
-            count = max(0, min(len(toks), width - start))
-            rows.append(row)
-            starts.append(start)
-            tokens.append(toks[:count] if count < len(toks) else toks)
-            counts.append(count)
-            ends.append(min(start + len(toks), width))
-        return tuple(rows), tuple(starts), tuple(tokens), tuple(counts), tuple(ends)
+                raise ValueError(f"{_ERROR_PREFIX}: start {start} < 0 (row {row}): starts[{i}]")
+            if count < 0:
+                raise ValueError(f"{_ERROR_PREFIX}: count {count} < 0 (row {row}): counts[{i}]")
+            past_the_width = past_the_width or start + count > width
+            fits = max(0, min(count, width - start))
+            clipped_counts.append(fits)
+            ends.append(min(start + count, width))
+            kept += tokens[offset : offset + fits]
+            offset += count
+        if offset != len(tokens):
+            raise ValueError(f"{_ERROR_PREFIX}: token_runs hold {len(tokens)} tokens, counts add up to {offset}")
+        return (list(rows), list(starts), clipped_counts, ends, [kept]) if past_the_width else None

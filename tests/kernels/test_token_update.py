@@ -156,7 +156,7 @@ def test_a_later_long_update_wins_over_an_earlier_short_one() -> None:
     assert ref[0][1, :2].tolist() == [7, 8]  # the old order: the earlier short update won
 
 
-def test_update_errors_are_the_old_ones_and_stage_nothing() -> None:
+def test_update_errors_are_the_old_ones_and_write_nothing() -> None:
     table = TokenTable(4, 8, CPU)
     table.update([(1, 0, [1, 2])])
     before = (table.expected_tokens.clone(), table.valid_lens_by_row.clone())

@@ -6,6 +6,8 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 
+from kvcanary.token_table import LONG_UPDATE_TOKENS, TokenColumns
+
 
 def _ref_of(req: object) -> Callable[[], object]:
     """A weak reference to ``req`` (a strong one for objects without weak references, e.g. test doubles).
@@ -19,56 +21,107 @@ def _ref_of(req: object) -> Callable[[], object]:
         return lambda: req
 
 
-def expected_token_updates(mirror: dict, reqs) -> list[tuple[int, int, list[int]]]:
-    """``(row, start, tokens)`` for what each request's row gained since its last upload (``mirror`` is updated:
-    row -> [a weak reference to the request, tokens sent, the last token sent]).
+def expected_token_updates(mirror: dict, reqs) -> TokenColumns:
+    """What each request's row gained since its last upload, as :class:`~kvcanary.token_table.TokenColumns` (its
+    updates are ``(row, start, tokens)``; ``mirror`` is updated: row -> [a weak reference to the request, tokens sent,
+    the last token sent]).
 
     A row's expected tokens are the request's ``origin_input_ids + output_ids``; a decode row gains one token
     per forward, a chunked prefill none. The whole row is sent again when the row holds another request, or
     when the last token sent no longer matches (the request's tokens were rewritten, e.g. by a retraction).
 
-    Runs once per batch for every request in it (host time of every forward): per-row work only, at most one
-    slice per row. A row sent whole from a request without output (a new request's prefill: its whole prompt) sends
-    the request's own ``origin_input_ids`` list, not a copy: the caller reads ``tokens`` and never changes or keeps
-    them (:meth:`kvcanary.token_table.TokenTable.update` packs them before it returns).
+    Runs once per batch for every request in it (host time of every forward). A decode row (the same request, one
+    token more than sent, the token before it the last one sent) takes a few reads and appends to the columns;
+    every other row takes :func:`_row_update`, which applies the same rule in full. The tokens always come from the
+    request's own lists, never from the batch's input tensors (which the KV records are written from).
     """
-    updates = []
-    append = updates.append
+    rows: list[int] = []
+    starts: list[int] = []
+    runs: list[list[int]] = []  # the tokens back to back: runs of short updates' tokens, and each prompt's own list
+    run: list[int] = []  # the current run of short updates' tokens (a decode row's one token goes here)
+    add_row, add_start, add_token = rows.append, starts.append, run.append
+    not_one = []  # (column index, count) of the updates that are not one token (all are, in a decode batch)
+    mirror_entry = mirror.get
     for req in reqs:
-        row = getattr(req, "req_pool_idx", None)
-        if row is None:
+        try:
+            row = req.req_pool_idx
+            entry = mirror_entry(row)  # None for a row seen first, and for a row that is not an int
+            if entry is not None:
+                sent_by, sent, last = entry
+                output = req.output_ids
+                total = len(req.origin_input_ids) + len(output)
+                # one token more than sent, the one before it (output[-2]) the last one sent, the same request
+                if total == sent + 1 and output[-2] == last and sent_by() is req:
+                    token = output[-1]
+                    add_row(row)
+                    add_start(sent)
+                    add_token(token)
+                    entry[1] = total  # updated in place: a decode row allocates no new entry per forward
+                    entry[2] = token
+                    continue
+        except (AttributeError, IndexError):  # no row attribute; an output of one token (output[-2] raised)
+            pass
+        update = _row_update(mirror, req)
+        if update is None:
             continue
-        if row.__class__ is not int:
-            row = int(row)
-        origin, output = req.origin_input_ids, req.output_ids
-        if origin.__class__ is not list:  # sglang keeps lists; anything else is copied once
-            origin = list(origin)
-        if output.__class__ is not list:
-            output = list(output)
-        n_origin = len(origin)
-        total = n_origin + len(output)
-        start = 0
-        entry = mirror.get(row)
-        same_request = entry is not None and entry[0]() is req
-        if same_request:
-            sent = entry[1]
-            if 0 < sent <= total:
-                last = sent - 1
-                if (origin[last] if last < n_origin else output[last - n_origin]) == entry[2]:
-                    start = sent
-        if start == total and entry is not None:
-            continue  # nothing new (a chunked prefill, a row whose output lags)
-        if start >= n_origin:
-            new = output[start - n_origin :]
-        elif output:
-            new = origin[start:] + output
-        else:
-            new = origin if start == 0 else origin[start:]  # a new prompt: no copy of ~1k tokens per row
-        append((row, start, new))
-        if entry is None:
-            entry = mirror[row] = [None, 0, None]
-        if not same_request:
-            entry[0] = _ref_of(req)
-        entry[1] = total  # updated in place: a decode row allocates no new entry per forward
-        entry[2] = (output[-1] if output else origin[-1]) if total else None
-    return updates
+        row, start, new = update
+        not_one.append((len(rows), len(new)))
+        add_row(row)
+        add_start(start)
+        if len(new) < LONG_UPDATE_TOKENS:
+            run += new
+            continue
+        if run:  # a prompt: a run of its own, the request's own list (packed as it is, not copied)
+            runs.append(run)
+            run = []
+            add_token = run.append
+        runs.append(new)
+    if run or not runs:
+        runs.append(run)
+    counts = [1] * len(rows)
+    for index, count in not_one:
+        counts[index] = count
+    return TokenColumns(rows, starts, counts, runs)
+
+
+def _row_update(mirror: dict, req) -> tuple[int, int, list[int]] | None:
+    """``(row, start, tokens)`` of what ``req``'s row gained since its last upload, None for nothing (the rule of
+    :func:`expected_token_updates` for any request; ``mirror`` is updated). Slices at most once; a new prompt (a
+    row sent whole from a request without output) is the request's own ``origin_input_ids`` list, not a copy: the
+    columns hold it as a run of its own, staged before the request changes, never changed or kept."""
+    row = getattr(req, "req_pool_idx", None)
+    if row is None:
+        return None
+    if row.__class__ is not int:
+        row = int(row)
+    origin, output = req.origin_input_ids, req.output_ids
+    if origin.__class__ is not list:  # sglang keeps lists; anything else is copied once
+        origin = list(origin)
+    if output.__class__ is not list:
+        output = list(output)
+    n_origin = len(origin)
+    total = n_origin + len(output)
+    start = 0
+    entry = mirror.get(row)
+    same_request = entry is not None and entry[0]() is req
+    if same_request:
+        sent = entry[1]
+        if 0 < sent <= total:
+            last = sent - 1
+            if (origin[last] if last < n_origin else output[last - n_origin]) == entry[2]:
+                start = sent
+    if start == total and entry is not None:
+        return None  # nothing new (a chunked prefill, a row whose output lags)
+    if start >= n_origin:
+        new = output[start - n_origin :]
+    elif output:
+        new = origin[start:] + output
+    else:
+        new = origin if start == 0 else origin[start:]  # a new prompt: no copy of ~1k tokens per row here
+    if entry is None:
+        entry = mirror[row] = [None, 0, None]
+    if not same_request:
+        entry[0] = _ref_of(req)
+    entry[1] = total
+    entry[2] = (output[-1] if output else origin[-1]) if total else None
+    return row, start, new
