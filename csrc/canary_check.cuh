@@ -340,23 +340,6 @@ inline void canary_check_cpu(const CheckParams& p) {
 
 namespace host {
 
-/*! \brief dtype check of a tensor that may be int32 or int64; returns whether it is int32. */
-inline bool int32_or_int64(const char* fn, const TensorView& t, const char* arg) {
-  const DLDataType dtype = t.dtype();
-  const bool i32 = same_dtype(dtype, dtype_of<int32_t>());
-  KVCANARY_CHECK_ARG(i32 || same_dtype(dtype, dtype_of<int64_t>()), TypeError, fn, arg)
-      << "expected dtype int32 or int64, got " << dtype;
-  return i32;
-}
-
-/*! \brief Validate a batch or snapshot array of `size` int32/int64 elements and wrap it. */
-inline IntArray int_array(const char* fn, SymbolicSize& size, SymbolicDevice& device, const TensorView& t,
-                          const char* arg) {
-  const bool i32 = int32_or_int64(fn, t, arg);
-  TensorMatcher(fn, {size}).device(device).verify(t, arg);
-  return IntArray{data_of<const void>(t), i32};
-}
-
 /*! \brief Validate an int64 snapshot destination of at least num_tokens elements. */
 inline int64_t* snapshot_out(const char* fn, const SymbolicSize& num_tokens, SymbolicDevice& device,
                              const TensorView& t, const char* arg) {
@@ -381,7 +364,7 @@ inline void canary_check_step(
     TensorView real_kv_buf_2, TensorView real_kv_buf_3, TensorView real_kv_source_params, int64_t num_sources,
     int64_t real_kv_hash_mode, int64_t check_tokens, int64_t new_forward, int64_t forward_step_value) {
   constexpr const char* kFn = "canary_check_step";
-  // 1. validate
+  // 1. validate and extract the plan's parameters (this order decides the error a call with several bad arguments gets)
   SymbolicDevice device(KVCANARY_DEVICE_BUILD ? kDLCUDA : kDLCPU);
   SymbolicSize state_len("state_len");
   TensorMatcher(kFn, {state_len}).dtype<int64_t>().device(device).verify(state, "state");
@@ -403,69 +386,19 @@ inline void canary_check_step(
   const int64_t* attribution = pack_violation_meta(kFn, device, ring_capacity, num_slots, violation_meta,
                                                    std::nullopt, slot_attribution, meta_sink);
 
-  SymbolicSize offsets_len("write_offsets_len");
-  SymbolicSize write_capacity("write_capacity");
-  TensorMatcher(kFn, {offsets_len}).dtype<int64_t>().device(device).verify(write_offsets, "write_offsets");
-  TensorMatcher(kFn, {write_capacity})
-      .dtype<int64_t>()
-      .device(device)
-      .verify(write_seed_slot_indices, "write_seed_slot_indices");
-  TensorMatcher(kFn, {1}).dtype<int32_t>().device(device).verify(write_num_valid_reqs, "write_num_valid_reqs");
-  if (write_request_rows.has_value()) {
-    TensorMatcher(kFn, {write_capacity})
-        .dtype<int64_t>()
-        .device(device)
-        .verify(write_request_rows.value(), "write_request_rows");
-  }
-  KVCANARY_CHECK_ARG(offsets_len.value() == write_capacity.value() + 1, ValueError, kFn, "write_offsets")
-      << "expected length write_capacity + 1 = " << write_capacity.value() + 1
-      << " (write_capacity bound by write_seed_slot_indices), got " << offsets_len.value();
-  KVCANARY_CHECK_ARG(write_capacity.value() < INT32_MAX, ValueError, kFn, "write_seed_slot_indices")
-      << "write_capacity must be < 2^31, got " << write_capacity.value();
-
-  SymbolicSize batch_rows("batch_rows");
-  const IntArray rps = int_array(kFn, batch_rows, device, req_pool_indices, "req_pool_indices");
-  const IntArray prefixes = int_array(kFn, batch_rows, device, prefix_lens, "prefix_lens");
-  const IntArray extends = int_array(kFn, batch_rows, device, extend_lens, "extend_lens");
-  KVCANARY_CHECK_ARG(batch_rows.value() <= write_capacity.value(), ValueError, kFn, "req_pool_indices")
-      << "batch has " << batch_rows.value() << " rows, more than the write plan's capacity "
-      << write_capacity.value();
-  SymbolicSize req_rows("req_rows");
-  SymbolicSize max_context("max_context_len");
-  TensorMatcher(kFn, {req_rows, max_context})
-      .dtype<int32_t>()
-      .device(device)
-      .inner_contiguous()
-      .verify(req_to_token, "req_to_token");
-  KVCANARY_CHECK_ARG(swa_window_size >= 0, ValueError, kFn, "swa_window_size")
-      << "must be >= 0 (0: no sliding window), got " << swa_window_size;
-  SymbolicSize lut_len("lut_len");
-  if (full_to_swa_index_mapping.has_value()) {
-    TensorMatcher(kFn, {lut_len})
-        .dtype<int64_t>()
-        .device(device)
-        .verify(full_to_swa_index_mapping.value(), "full_to_swa_index_mapping");
-  }
-  KVCANARY_CHECK_ARG(expected_tokens.has_value() == expected_valid_lens_by_row.has_value(), ValueError, kFn,
-                     expected_tokens.has_value() ? "expected_valid_lens_by_row" : "expected_tokens")
-      << "expected_tokens and expected_valid_lens_by_row must be given together";
-  SymbolicSize exp_rows("expected_rows");
-  SymbolicSize exp_cols("expected_cols");
-  SymbolicSize valid_rows("valid_lens_rows");
-  bool expected_i32 = false;
-  if (expected_tokens.has_value()) {
-    expected_i32 = int32_or_int64(kFn, expected_tokens.value(), "expected_tokens");
-    TensorMatcher(kFn, {exp_rows, exp_cols})
-        .device(device)
-        .inner_contiguous()
-        .verify(expected_tokens.value(), "expected_tokens");
-    TensorMatcher(kFn, {valid_rows})
-        .dtype<int64_t>()
-        .device(device)
-        .verify(expected_valid_lens_by_row.value(), "expected_valid_lens_by_row");
-    KVCANARY_CHECK_ARG(valid_rows.value() >= 1, ValueError, kFn, "expected_valid_lens_by_row")
-        << "needs at least one row (one per req_to_token row), got 0";
-  }
+  CheckParams p{};
+  PlanParams& q = p.plan;  // the write plan and the tables, as canary_plan_step binds them (canary_plan.cuh)
+  WritePlanSizes sizes;
+  bind_write_plan(kFn, device, sizes, write_offsets, std::nullopt, write_seed_slot_indices, write_num_valid_reqs, q);
+  bind_write_request_rows(kFn, device, sizes, write_request_rows, q);
+  check_write_offsets_len(kFn, sizes);
+  check_write_capacity(kFn, sizes);
+  bind_batch_rows(kFn, device, sizes, BatchDtypes::kInt32OrInt64, req_pool_indices, prefix_lens, extend_lens, q);
+  check_batch_fits(kFn, sizes);
+  bind_req_to_token(kFn, device, req_to_token, q);
+  bind_swa(kFn, device, swa_window_size, full_to_swa_index_mapping, q);
+  bind_expected_tokens(kFn, device, sizes.batch_rows, expected_tokens, expected_valid_lens_by_row,
+                       ValidLensArg{"expected_valid_lens_by_row", true}, kv_token_id_vs_position_offset, q);
 
   SymbolicSize num_tokens("num_tokens");
   const IntArray ids = int_array(kFn, num_tokens, device, input_ids, "input_ids");
@@ -483,33 +416,7 @@ inline void canary_check_step(
   KVCANARY_CHECK_ARG(new_forward == 0 || new_forward == 1, ValueError, kFn, "new_forward")
       << "must be 0 or 1, got " << new_forward;
 
-  // 2. extract parameters
-  CheckParams p{};
-  PlanParams& q = p.plan;
-  q.req_pool_indices = rps;
-  q.prefix_lens = prefixes;
-  q.extend_lens = extends;
-  q.batch_rows = batch_rows.value();
-  q.req_to_token = data_of<const int32_t>(req_to_token);
-  q.req_rows = req_rows.value();
-  q.max_context = max_context.value();
-  q.req_to_token_row_stride = q.req_rows > 1 ? stride_of(req_to_token, 0) : q.max_context;
-  q.swa_window = swa_window_size;
-  q.lut = optional_data_of<const int64_t>(full_to_swa_index_mapping);
-  q.lut_len = full_to_swa_index_mapping.has_value() ? lut_len.value() : 0;
-  q.expected_tokens = optional_data_of<const void>(expected_tokens);
-  q.expected_tokens_i32 = expected_i32;
-  q.exp_rows = expected_tokens.has_value() ? exp_rows.value() : 0;
-  q.exp_cols = expected_tokens.has_value() ? exp_cols.value() : 0;
-  q.exp_row_stride = expected_tokens.has_value() && q.exp_rows > 1 ? stride_of(expected_tokens.value(), 0) : q.exp_cols;
-  q.expected_valid_lens = optional_data_of<const int64_t>(expected_valid_lens_by_row);
-  q.valid_lens_rows = expected_valid_lens_by_row.has_value() ? valid_rows.value() : 0;
-  q.token_offset = kv_token_id_vs_position_offset;
-  q.write_offsets = data_of<int64_t>(write_offsets);
-  q.write_seeds = data_of<int64_t>(write_seed_slot_indices);
-  q.write_num_valid = data_of<int32_t>(write_num_valid_reqs);
-  q.write_capacity = write_capacity.value();
-  q.write_request_rows = optional_data_of<int64_t>(write_request_rows);
+  // 2. extract the check's own parameters
   p.check.canary_buf = data_of<const uint8_t>(canary_buf);
   p.check.slot_stride_bytes = slot_stride.value();
   p.check.num_slots = num_slots.value();

@@ -44,6 +44,7 @@
 #include "kvcanary/layout.h"
 #include "kvcanary/macros.h"
 #include "kvcanary/tensor_check.h"
+#include "meta_args.cuh"
 
 namespace kvcanary {
 
@@ -382,6 +383,198 @@ inline void canary_plan_cpu(const PlanParams& p) {
 
 namespace host {
 
+// Argument validation shared by canary_plan_step_attributed and canary_check_step (both bind a write plan, the batch
+// rows and the tables a plan reads). Each helper validates one group and points PlanParams at it; each wrapper calls
+// them in its own order, which decides the error a call with several bad arguments gets. Errors name `fn`.
+
+/*! \brief The sizes a write plan's arguments bind (the names the errors print). */
+struct WritePlanSizes {
+  SymbolicSize offsets_len{"write_offsets_len"};
+  SymbolicSize write_capacity{"write_capacity"};
+  SymbolicSize batch_rows{"batch_rows"};
+};
+
+/*! \brief The dtypes a call accepts for its batch arrays (req_pool_indices, prefix_lens, extend_lens). */
+enum class BatchDtypes {
+  kInt64,         // canary_plan_step
+  kInt32OrInt64,  // canary_check_step (sglang keeps some lens in int32)
+};
+
+/*! \brief expected_tokens' valid lengths: the argument's name and which row of it a batch row reads. */
+struct ValidLensArg {
+  const char* name;
+  // false: [batch_rows], batch row r reads row r (canary_plan_step); true: [valid_lens_rows >= 1], one per
+  // req_to_token row, batch row r reads row clamp(rp) (canary_check_step)
+  bool per_request_row;
+};
+
+/*! \brief dtype check of a tensor that may be int32 or int64; returns whether it is int32. */
+inline bool int32_or_int64(const char* fn, const TensorView& t, const char* arg) {
+  const DLDataType dtype = t.dtype();
+  const bool i32 = same_dtype(dtype, dtype_of<int32_t>());
+  KVCANARY_CHECK_ARG(i32 || same_dtype(dtype, dtype_of<int64_t>()), TypeError, fn, arg)
+      << "expected dtype int32 or int64, got " << dtype;
+  return i32;
+}
+
+/*! \brief Validate a batch or snapshot array of `size` int32/int64 elements and wrap it. */
+inline IntArray int_array(const char* fn, SymbolicSize& size, SymbolicDevice& device, const TensorView& t,
+                          const char* arg) {
+  const bool i32 = int32_or_int64(fn, t, arg);
+  TensorMatcher(fn, {size}).device(device).verify(t, arg);
+  return IntArray{data_of<const void>(t), i32};
+}
+
+/*!
+ * \brief write_offsets [write_offsets_len], then `verify_row_offsets` (given by canary_plan_step only: it shares
+ * write_offsets' length), write_seed_slot_indices [write_capacity], write_num_valid_reqs [1]; all on `device`.
+ */
+inline void bind_write_plan(const char* fn, SymbolicDevice& device, WritePlanSizes& sizes,
+                            const TensorView& write_offsets, const tvm::ffi::Optional<TensorView>& verify_row_offsets,
+                            const TensorView& write_seed_slot_indices, const TensorView& write_num_valid_reqs,
+                            PlanParams& p) {
+  TensorMatcher offsets(fn, {sizes.offsets_len});
+  offsets.dtype<int64_t>().device(device).verify(write_offsets, "write_offsets");
+  if (verify_row_offsets.has_value()) {
+    offsets.verify(verify_row_offsets.value(), "verify_row_offsets");
+  }
+  TensorMatcher(fn, {sizes.write_capacity})
+      .dtype<int64_t>()
+      .device(device)
+      .verify(write_seed_slot_indices, "write_seed_slot_indices");
+  TensorMatcher(fn, {1}).dtype<int32_t>().device(device).verify(write_num_valid_reqs, "write_num_valid_reqs");
+  p.write_offsets = data_of<int64_t>(write_offsets);
+  p.verify_row_offsets = optional_data_of<int64_t>(verify_row_offsets);
+  p.write_seeds = data_of<int64_t>(write_seed_slot_indices);
+  p.write_num_valid = data_of<int32_t>(write_num_valid_reqs);
+  p.write_capacity = sizes.write_capacity.value();
+}
+
+/*! \brief write_request_rows [write_capacity] int64 (optional: nullptr leaves the rows unrecorded). */
+inline void bind_write_request_rows(const char* fn, SymbolicDevice& device, WritePlanSizes& sizes,
+                                    const tvm::ffi::Optional<TensorView>& write_request_rows, PlanParams& p) {
+  if (write_request_rows.has_value()) {
+    TensorMatcher(fn, {sizes.write_capacity})
+        .dtype<int64_t>()
+        .device(device)
+        .verify(write_request_rows.value(), "write_request_rows");
+  }
+  p.write_request_rows = optional_data_of<int64_t>(write_request_rows);
+}
+
+/*! \brief write_offsets has one element more than the write plan has rows. */
+inline void check_write_offsets_len(const char* fn, const WritePlanSizes& sizes) {
+  KVCANARY_CHECK_ARG(sizes.offsets_len.value() == sizes.write_capacity.value() + 1, ValueError, fn, "write_offsets")
+      << "expected length write_capacity + 1 = " << sizes.write_capacity.value() + 1
+      << " (write_capacity bound by write_seed_slot_indices), got " << sizes.offsets_len.value();
+}
+
+/*! \brief The write plan's row count fits its int32 num_valid. */
+inline void check_write_capacity(const char* fn, const WritePlanSizes& sizes) {
+  KVCANARY_CHECK_ARG(sizes.write_capacity.value() < INT32_MAX, ValueError, fn, "write_seed_slot_indices")
+      << "write_capacity must be < 2^31, got " << sizes.write_capacity.value();
+}
+
+/*! \brief Every batch row has a write-plan row. */
+inline void check_batch_fits(const char* fn, const WritePlanSizes& sizes) {
+  KVCANARY_CHECK_ARG(sizes.batch_rows.value() <= sizes.write_capacity.value(), ValueError, fn, "req_pool_indices")
+      << "batch has " << sizes.batch_rows.value() << " rows, more than the write plan's capacity "
+      << sizes.write_capacity.value();
+}
+
+/*! \brief req_pool_indices, prefix_lens, extend_lens [batch_rows] of `dtypes`, in that order, on `device`. */
+inline void bind_batch_rows(const char* fn, SymbolicDevice& device, WritePlanSizes& sizes, BatchDtypes dtypes,
+                            const TensorView& req_pool_indices, const TensorView& prefix_lens,
+                            const TensorView& extend_lens, PlanParams& p) {
+  if (dtypes == BatchDtypes::kInt32OrInt64) {
+    p.req_pool_indices = int_array(fn, sizes.batch_rows, device, req_pool_indices, "req_pool_indices");
+    p.prefix_lens = int_array(fn, sizes.batch_rows, device, prefix_lens, "prefix_lens");
+    p.extend_lens = int_array(fn, sizes.batch_rows, device, extend_lens, "extend_lens");
+  } else {
+    TensorMatcher(fn, {sizes.batch_rows})
+        .dtype<int64_t>()
+        .device(device)
+        .verify(req_pool_indices, "req_pool_indices")
+        .verify(prefix_lens, "prefix_lens")
+        .verify(extend_lens, "extend_lens");
+    p.req_pool_indices = IntArray{data_of<const void>(req_pool_indices), false};
+    p.prefix_lens = IntArray{data_of<const void>(prefix_lens), false};
+    p.extend_lens = IntArray{data_of<const void>(extend_lens), false};
+  }
+  p.batch_rows = sizes.batch_rows.value();
+}
+
+/*! \brief req_to_token [req_rows, max_context_len] int32 on `device`, rows may be strided. */
+inline void bind_req_to_token(const char* fn, SymbolicDevice& device, const TensorView& req_to_token, PlanParams& p) {
+  SymbolicSize req_rows("req_rows");
+  SymbolicSize max_context("max_context_len");
+  TensorMatcher(fn, {req_rows, max_context})
+      .dtype<int32_t>()
+      .device(device)
+      .inner_contiguous()
+      .verify(req_to_token, "req_to_token");
+  p.req_to_token = data_of<const int32_t>(req_to_token);
+  p.req_rows = req_rows.value();
+  p.max_context = max_context.value();
+  p.req_to_token_row_stride = p.req_rows > 1 ? stride_of(req_to_token, 0) : p.max_context;
+}
+
+/*! \brief swa_window_size >= 0, then the SWA LUT full_to_swa_index_mapping [lut_len] int64 (optional). */
+inline void bind_swa(const char* fn, SymbolicDevice& device, int64_t swa_window_size,
+                     const tvm::ffi::Optional<TensorView>& full_to_swa_index_mapping, PlanParams& p) {
+  KVCANARY_CHECK_ARG(swa_window_size >= 0, ValueError, fn, "swa_window_size")
+      << "must be >= 0 (0: no sliding window), got " << swa_window_size;
+  SymbolicSize lut_len("lut_len");
+  if (full_to_swa_index_mapping.has_value()) {
+    TensorMatcher(fn, {lut_len})
+        .dtype<int64_t>()
+        .device(device)
+        .verify(full_to_swa_index_mapping.value(), "full_to_swa_index_mapping");
+  }
+  p.swa_window = swa_window_size;
+  p.lut = optional_data_of<const int64_t>(full_to_swa_index_mapping);
+  p.lut_len = full_to_swa_index_mapping.has_value() ? lut_len.value() : 0;
+}
+
+/*!
+ * \brief The expected-token pair (both or neither): expected_tokens [expected_rows, expected_cols] int32 or int64,
+ * rows may be strided, then its valid lengths as `valid_lens_arg` says (int64; per batch row they share batch_rows).
+ */
+inline void bind_expected_tokens(const char* fn, SymbolicDevice& device, SymbolicSize& batch_rows,
+                                 const tvm::ffi::Optional<TensorView>& expected_tokens,
+                                 const tvm::ffi::Optional<TensorView>& valid_lens, ValidLensArg valid_lens_arg,
+                                 int64_t kv_token_id_vs_position_offset, PlanParams& p) {
+  KVCANARY_CHECK_ARG(expected_tokens.has_value() == valid_lens.has_value(), ValueError, fn,
+                     expected_tokens.has_value() ? valid_lens_arg.name : "expected_tokens")
+      << "expected_tokens and " << valid_lens_arg.name << " must be given together";
+  SymbolicSize exp_rows("expected_rows");
+  SymbolicSize exp_cols("expected_cols");
+  SymbolicSize valid_rows("valid_lens_rows");
+  bool expected_i32 = false;
+  if (expected_tokens.has_value()) {
+    expected_i32 = int32_or_int64(fn, expected_tokens.value(), "expected_tokens");
+    TensorMatcher(fn, {exp_rows, exp_cols})
+        .device(device)
+        .inner_contiguous()
+        .verify(expected_tokens.value(), "expected_tokens");
+    TensorMatcher(fn, {valid_lens_arg.per_request_row ? valid_rows : batch_rows})
+        .dtype<int64_t>()
+        .device(device)
+        .verify(valid_lens.value(), valid_lens_arg.name);
+    KVCANARY_CHECK_ARG(!valid_lens_arg.per_request_row || valid_rows.value() >= 1, ValueError, fn,
+                       valid_lens_arg.name)
+        << "needs at least one row (one per req_to_token row), got 0";
+  }
+  p.expected_tokens = optional_data_of<const void>(expected_tokens);
+  p.expected_tokens_i32 = expected_i32;
+  p.exp_rows = expected_tokens.has_value() ? exp_rows.value() : 0;
+  p.exp_cols = expected_tokens.has_value() ? exp_cols.value() : 0;
+  p.exp_row_stride = expected_tokens.has_value() && p.exp_rows > 1 ? stride_of(expected_tokens.value(), 0) : p.exp_cols;
+  p.expected_valid_lens = optional_data_of<const int64_t>(valid_lens);
+  p.valid_lens_rows = valid_lens.has_value() && valid_lens_arg.per_request_row ? valid_rows.value() : 0;
+  p.token_offset = kv_token_id_vs_position_offset;
+}
+
 /*! \brief The arguments of canary_plan_step, then the kvcanary+ ones (see the file comment). */
 inline void canary_plan_step_attributed(
     TensorView write_offsets, TensorView write_seed_slot_indices, TensorView write_num_valid_reqs,
@@ -394,25 +587,13 @@ inline void canary_plan_step_attributed(
     tvm::ffi::Optional<TensorView> verify_request_rows, tvm::ffi::Optional<TensorView> forward_counter,
     int64_t forward_step_value) {
   constexpr const char* kFn = "canary_plan_step";
-  // 1. validate
-  SymbolicSize offsets_len("write_offsets_len");
-  SymbolicSize write_capacity("write_capacity");
-  SymbolicSize verify_capacity("verify_capacity");
-  SymbolicSize batch_rows("batch_rows");
-  SymbolicSize req_rows("req_rows");
-  SymbolicSize max_context("max_context_len");
+  // 1. validate and extract parameters (this order decides the error a call with several bad arguments gets)
   SymbolicDevice device(KVCANARY_DEVICE_BUILD ? kDLCUDA : kDLCPU);
-
-  TensorMatcher(kFn, {offsets_len})
-      .dtype<int64_t>()
-      .device(device)
-      .verify(write_offsets, "write_offsets")
-      .verify(verify_row_offsets, "verify_row_offsets");
-  TensorMatcher(kFn, {write_capacity})
-      .dtype<int64_t>()
-      .device(device)
-      .verify(write_seed_slot_indices, "write_seed_slot_indices");
-  TensorMatcher(kFn, {1}).dtype<int32_t>().device(device).verify(write_num_valid_reqs, "write_num_valid_reqs");
+  WritePlanSizes sizes;
+  SymbolicSize verify_capacity("verify_capacity");
+  PlanParams p{};
+  bind_write_plan(kFn, device, sizes, write_offsets, verify_row_offsets, write_seed_slot_indices,
+                  write_num_valid_reqs, p);
   TensorMatcher(kFn, {verify_capacity})
       .dtype<int64_t>()
       .device(device)
@@ -422,62 +603,17 @@ inline void canary_plan_step_attributed(
       .verify(verify_prev_slot_indices, "verify_prev_slot_indices");
   TensorMatcher(kFn, {1}).dtype<int32_t>().device(device).verify(verify_num_valid, "verify_num_valid");
   TensorMatcher(kFn, {1}).dtype<int32_t>().device(device).verify(verify_enable, "verify_enable");
-  TensorMatcher(kFn, {batch_rows})
-      .dtype<int64_t>()
-      .device(device)
-      .verify(req_pool_indices, "req_pool_indices")
-      .verify(prefix_lens, "prefix_lens")
-      .verify(extend_lens, "extend_lens");
-  TensorMatcher(kFn, {req_rows, max_context})
-      .dtype<int32_t>()
-      .device(device)
-      .inner_contiguous()
-      .verify(req_to_token, "req_to_token");
-  KVCANARY_CHECK_ARG(offsets_len.value() == write_capacity.value() + 1, ValueError, kFn, "write_offsets")
-      << "expected length write_capacity + 1 = " << write_capacity.value() + 1
-      << " (write_capacity bound by write_seed_slot_indices), got " << offsets_len.value();
-  KVCANARY_CHECK_ARG(batch_rows.value() <= write_capacity.value(), ValueError, kFn, "req_pool_indices")
-      << "batch has " << batch_rows.value() << " rows, more than the write plan's capacity "
-      << write_capacity.value();
-  KVCANARY_CHECK_ARG(write_capacity.value() < INT32_MAX, ValueError, kFn, "write_seed_slot_indices")
-      << "write_capacity must be < 2^31, got " << write_capacity.value();
+  bind_batch_rows(kFn, device, sizes, BatchDtypes::kInt64, req_pool_indices, prefix_lens, extend_lens, p);
+  bind_req_to_token(kFn, device, req_to_token, p);
+  check_write_offsets_len(kFn, sizes);
+  check_batch_fits(kFn, sizes);
+  check_write_capacity(kFn, sizes);
   KVCANARY_CHECK_ARG(verify_capacity.value() < INT32_MAX, ValueError, kFn, "verify_slot_indices")
       << "verify_capacity must be < 2^31, got " << verify_capacity.value();
-  KVCANARY_CHECK_ARG(swa_window_size >= 0, ValueError, kFn, "swa_window_size")
-      << "must be >= 0 (0: no sliding window), got " << swa_window_size;
-  SymbolicSize lut_len("lut_len");
-  if (full_to_swa_index_mapping.has_value()) {
-    TensorMatcher(kFn, {lut_len})
-        .dtype<int64_t>()
-        .device(device)
-        .verify(full_to_swa_index_mapping.value(), "full_to_swa_index_mapping");
-  }
-  KVCANARY_CHECK_ARG(expected_tokens.has_value() == expected_tokens_valid_lens.has_value(), ValueError, kFn,
-                     expected_tokens.has_value() ? "expected_tokens_valid_lens" : "expected_tokens")
-      << "expected_tokens and expected_tokens_valid_lens must be given together";
-  SymbolicSize exp_rows("expected_rows");
-  SymbolicSize exp_cols("expected_cols");
-  bool expected_i32 = false;
-  if (expected_tokens.has_value()) {
-    const DLDataType exp_dtype = expected_tokens.value().dtype();
-    expected_i32 = same_dtype(exp_dtype, dtype_of<int32_t>());
-    KVCANARY_CHECK_ARG(expected_i32 || same_dtype(exp_dtype, dtype_of<int64_t>()), TypeError, kFn, "expected_tokens")
-        << "expected dtype int32 or int64, got " << exp_dtype;
-    TensorMatcher(kFn, {exp_rows, exp_cols})
-        .device(device)
-        .inner_contiguous()
-        .verify(expected_tokens.value(), "expected_tokens");
-    TensorMatcher(kFn, {batch_rows})
-        .dtype<int64_t>()
-        .device(device)
-        .verify(expected_tokens_valid_lens.value(), "expected_tokens_valid_lens");
-  }
-  if (write_request_rows.has_value()) {
-    TensorMatcher(kFn, {write_capacity})
-        .dtype<int64_t>()
-        .device(device)
-        .verify(write_request_rows.value(), "write_request_rows");
-  }
+  bind_swa(kFn, device, swa_window_size, full_to_swa_index_mapping, p);
+  bind_expected_tokens(kFn, device, sizes.batch_rows, expected_tokens, expected_tokens_valid_lens,
+                       ValidLensArg{"expected_tokens_valid_lens", false}, kv_token_id_vs_position_offset, p);
+  bind_write_request_rows(kFn, device, sizes, write_request_rows, p);
   if (verify_request_rows.has_value()) {
     TensorMatcher(kFn, {verify_capacity})
         .dtype<int64_t>()
@@ -487,35 +623,6 @@ inline void canary_plan_step_attributed(
   if (forward_counter.has_value()) {
     TensorMatcher(kFn, {1}).dtype<int64_t>().device(device).verify(forward_counter.value(), "forward_counter");
   }
-
-  // 2. extract parameters
-  PlanParams p{};
-  p.req_pool_indices = IntArray{data_of<const void>(req_pool_indices), false};
-  p.prefix_lens = IntArray{data_of<const void>(prefix_lens), false};
-  p.extend_lens = IntArray{data_of<const void>(extend_lens), false};
-  p.batch_rows = batch_rows.value();
-  p.req_to_token = data_of<const int32_t>(req_to_token);
-  p.req_rows = req_rows.value();
-  p.max_context = max_context.value();
-  p.req_to_token_row_stride = p.req_rows > 1 ? stride_of(req_to_token, 0) : p.max_context;
-  p.swa_window = swa_window_size;
-  p.lut = full_to_swa_index_mapping.has_value() ? data_of<const int64_t>(full_to_swa_index_mapping.value()) : nullptr;
-  p.lut_len = full_to_swa_index_mapping.has_value() ? lut_len.value() : 0;
-  p.expected_tokens = expected_tokens.has_value() ? data_of<const void>(expected_tokens.value()) : nullptr;
-  p.expected_tokens_i32 = expected_i32;
-  p.exp_rows = expected_tokens.has_value() ? exp_rows.value() : 0;
-  p.exp_cols = expected_tokens.has_value() ? exp_cols.value() : 0;
-  p.exp_row_stride =
-      expected_tokens.has_value() && p.exp_rows > 1 ? stride_of(expected_tokens.value(), 0) : p.exp_cols;
-  p.expected_valid_lens =
-      expected_tokens_valid_lens.has_value() ? data_of<const int64_t>(expected_tokens_valid_lens.value()) : nullptr;
-  p.valid_lens_rows = 0;  // per batch row
-  p.token_offset = kv_token_id_vs_position_offset;
-  p.write_offsets = data_of<int64_t>(write_offsets);
-  p.write_seeds = data_of<int64_t>(write_seed_slot_indices);
-  p.write_num_valid = data_of<int32_t>(write_num_valid_reqs);
-  p.verify_row_offsets = data_of<int64_t>(verify_row_offsets);
-  p.write_capacity = write_capacity.value();
   p.slots = data_of<int64_t>(verify_slot_indices);
   p.expected_tok = data_of<int64_t>(verify_expected_tokens);
   p.expected_pos = data_of<int64_t>(verify_expected_positions);
@@ -523,17 +630,16 @@ inline void canary_plan_step_attributed(
   p.verify_num_valid = data_of<int32_t>(verify_num_valid);
   p.verify_enable = data_of<int32_t>(verify_enable);
   p.verify_capacity = verify_capacity.value();
-  p.write_request_rows = write_request_rows.has_value() ? data_of<int64_t>(write_request_rows.value()) : nullptr;
-  p.verify_request_rows = verify_request_rows.has_value() ? data_of<int64_t>(verify_request_rows.value()) : nullptr;
-  p.forward_counter = forward_counter.has_value() ? data_of<int64_t>(forward_counter.value()) : nullptr;
+  p.verify_request_rows = optional_data_of<int64_t>(verify_request_rows);
+  p.forward_counter = optional_data_of<int64_t>(forward_counter);
   p.forward_step_value = forward_step_value;
 
 #if KVCANARY_DEVICE_BUILD
-  // 3. device guard + stream
+  // 2. device guard + stream
   const DLDevice dev = device.value();
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
   const cudaStream_t stream = current_stream(dev);
-  // 4. launch: rows (one block), then entries (persistent grid); both sized by capacities only.
+  // 3. launch: rows (one block), then entries (persistent grid); both sized by capacities only.
   launch_kernel(canary_plan_rows_kernel, 1u, kPlanRowThreads, stream, p);
   const int64_t wanted = ceil_div(p.verify_capacity, kPlanEntryThreads);
   const int64_t resident = static_cast<int64_t>(sm_count(dev.device_id)) * kPlanEntryBlocksPerSm;
@@ -541,7 +647,7 @@ inline void canary_plan_step_attributed(
   launch_kernel(canary_plan_entries_kernel, static_cast<uint32_t>(blocks > 0 ? blocks : 1), kPlanEntryThreads,
                 stream, p);
 #else
-  // 3-4. CPU: the same per-row and per-entry semantics in a loop.
+  // 2-3. CPU: the same per-row and per-entry semantics in a loop.
   canary_plan_cpu(p);
 #endif
 }

@@ -206,3 +206,39 @@ def test_plan_index_errors_are_reported_by_verify() -> None:
     assert int(index[0]) == 1
     assert ring[0, layout.VIOLATION_COL_FAIL_REASON_BITS] == layout.REASON_SLOT_OUT_OF_RANGE
     assert layout.decode_plan_index_error(int(ring[0, layout.VIOLATION_COL_SLOT])) == 9
+
+
+def _plan_call_kwargs() -> dict:
+    """A valid canary_plan_step call with expected tokens (batch of 2 rows, write plan of 2)."""
+    return {
+        "write_plan": WritePlan.allocate(2, "cpu"),
+        "verify_plan": VerifyPlan.allocate(8, "cpu"),
+        "req_pool_indices": torch.tensor([1, 0], dtype=torch.int64),
+        "prefix_lens": torch.tensor([2, 0], dtype=torch.int64),
+        "extend_lens": torch.tensor([1, 1], dtype=torch.int64),
+        "req_to_token": torch.zeros((3, 4), dtype=torch.int32),
+        "expected_tokens": torch.zeros((3, 4), dtype=torch.int32),
+        "expected_tokens_valid_lens": torch.tensor([2, 2], dtype=torch.int64),
+    }
+
+
+@pytest.mark.parametrize(("name", "value", "exc", "message"), [
+    # the plan's side of the helpers canary_check_step shares (csrc/canary_plan.cuh): int64-only batch arrays and
+    # valid lengths per batch row, under the plan's own argument name
+    ("prefix_lens", torch.tensor([2, 0], dtype=torch.int32), TypeError,
+     "canary_plan_step: prefix_lens: expected dtype int64, got int32"),
+    ("expected_tokens", None, ValueError,
+     "canary_plan_step: expected_tokens: expected_tokens and expected_tokens_valid_lens must be given together"),
+    ("expected_tokens_valid_lens", None, ValueError,
+     "canary_plan_step: expected_tokens_valid_lens: expected_tokens and expected_tokens_valid_lens must be given "
+     "together"),
+    ("expected_tokens_valid_lens", torch.tensor([2, 2, 2], dtype=torch.int64), ValueError,
+     "canary_plan_step: expected_tokens_valid_lens: expected shape [batch_rows=2], got [3] (batch_rows=2 bound by "
+     "req_pool_indices)"),
+])
+def test_plan_argument_errors_keep_their_text(name: str, value: torch.Tensor | None, exc: type[Exception],
+                                              message: str) -> None:
+    ops.canary_plan_step(**_plan_call_kwargs())
+    with pytest.raises(exc) as info:
+        ops.canary_plan_step(**{**_plan_call_kwargs(), name: value})
+    assert type(info.value) is exc and str(info.value) == message
