@@ -121,6 +121,20 @@ def test_deltas_only_go_up_and_managers_do_not_double_count() -> None:
     assert sample(scrape(registry), "forwards_total") == 25
 
 
+def test_record_counts_that_moved_without_the_forward_count_are_added_too() -> None:
+    """Every count is compared, not only the forward count: records swept or verified by a read of the same step
+    (the forward count unchanged) reach the counters at that update, not one drain later."""
+    registry = CollectorRegistry()
+    m = metrics.CanaryMetrics(LABELS, registry)
+    mgr = FakeManager()
+    mgr.advance(8, 100, 0, 16)
+    m.update(mgr)
+    mgr.advance(0, 0, 40, 0)  # a sweep read at the same step
+    m.update(mgr)
+    s = scrape(registry)
+    assert (sample(s, "forwards_total"), sample(s, "entries_swept_total")) == (8, 40)
+
+
 def test_drafts_rolled_back_only_when_fed() -> None:
     registry = CollectorRegistry()
     m = metrics.CanaryMetrics(LABELS, registry)
