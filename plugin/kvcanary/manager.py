@@ -166,8 +166,9 @@ class CanaryManager:
 
     # ------------------------------------------------------------------------------------------ forward half
     def _validate(self, batch: BatchView) -> None:
-        """Check a BatchView once per object (after_forward usually gets the one before_forward got): the fast
-        ``well_formed`` test, and ``validate`` (errors naming the field) only when it fails."""
+        """Check a BatchView once per object (after_forward usually gets the one before_forward's launch accepted):
+        the fast ``well_formed`` test, and ``validate`` (errors naming the field) only when it fails. before_forward
+        calls it only for a batch that is not a BatchView with a ForwardKind, or one its launch refused."""
         if batch is not self._validated_batch:
             if not isinstance(batch, BatchView):
                 raise TypeError(f"CanaryManager: batch: expected BatchView, got {type(batch).__name__}")
