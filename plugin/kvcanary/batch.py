@@ -72,7 +72,8 @@ class BatchView:
 
     def well_formed(self) -> bool:
         """The fast half of ``validate``: kind, dtypes, ranks and lengths, about a dozen attribute reads (~2 us of
-        host time: the manager runs it on every eager forward, and ``validate`` only when it fails). Devices are
+        host time: the manager runs it on a batch the check launch did not take, e.g. one given to after_forward
+        alone, and ``validate`` only when it fails; the launch checks the same itself). Devices are
         not compared here: a row array on the wrong device is refused by the plan kernel under the same name,
         and the token arrays are copied into the manager's own buffers."""
         try:

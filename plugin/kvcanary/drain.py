@@ -2,9 +2,10 @@
 
 Two :class:`kvcanary.pump.PinnedChannel` copies carry everything: the **status** copy (the state header: ring
 index, overflows, counters, forward counter; plus the next few ring rows and their metadata) taken after step T
-is read at step T+1 on CUDA, at once on the CPU; a burst larger than the peek is fetched by the **rows** copy,
-read one step later. With ``drain_every = N`` the status copy starts on the step before every N-th and is read on
-the N-th (:meth:`ViolationDrain.on_step`).
+is read at step T+1 on CUDA (at step T when already done), at once on the CPU; a burst larger than the peek is
+fetched by the **rows** copy, read one step later. With ``drain_every = N`` one status copy per N steps starts on the
+step before every N-th and is read on that step when it is ready at once (CPU, idle GPU), else on the N-th
+(:meth:`ViolationDrain.on_step`).
 
 Ring epochs. The kernels only append to the ring. Once the host has read every row up to index ``I`` it
 acknowledges ``I`` (:meth:`kvcanary.device_state.DeviceState.acknowledge_ring`); the next forward empties the
@@ -153,30 +154,43 @@ class ViolationDrain:
         return self.drain(steps)
 
     def drain(self, steps: int, restart: bool = True) -> list[Violation]:
-        """Read whatever copies are ready; ``restart``: start the next status copy at once. ``steps``: the host
-        step count now."""
+        """Read whatever copies are ready; ``restart``: start the next status copy at once (at most one per call).
+        ``steps``: the host step count now.
+
+        The second pass reads what the first started when it is ready at once (CPU, idle GPU): the status snapshot
+        is then read on the step that took it, and a rows copy a status read started is read with it. It starts no
+        second status copy: nothing ran on the device since the first, so a second snapshot could only repeat what
+        the first read said (same rows, same counters) one step later, at the price of a copy start (tens of µs of
+        host time on a GPU) and a read."""
         reported: list[Violation] = []
+        started = False
         try:
-            for _ in range(2):  # the second pass reads a snapshot that is ready at once (CPU, idle GPU)
+            for _ in range(2):
                 if self._rows_channel.ready():
                     reported += self._read_rows()
                 if self._status_channel.ready():
                     reported += self._read_status(steps)
-                if restart and not self._status_channel.busy:
+                if restart and not started and not self._status_channel.busy:
                     self._start_status(steps)
+                    started = True
         finally:  # (raise mode raises from a read: the cadence must still move on)
             self._schedule(steps)
         return reported
 
     def _schedule(self, steps: int) -> list[Violation]:
         """Set ``next_due`` after a drain at step count ``steps``: the next step while a rows copy is in flight (or
-        ``drain_every`` is 1), else the next step of the cadence (phase ``drain_every - 1`` or 0). Returns ``[]``."""
+        ``drain_every`` is 1); while a status copy is in flight, the next step of the cadence (phase
+        ``drain_every - 1`` or 0, where it is read); else the next step of phase ``drain_every - 1`` (a snapshot
+        read on the step that took it leaves nothing for phase 0). Returns ``[]``."""
         every = self._drain_every
         if every <= 1 or self._rows_channel.busy:
             self.next_due = steps + 1
         else:
-            phase = steps % every  # the next step with phase every - 1, or 0 when that comes first
-            self.next_due = steps + (every - 1 - phase if phase < every - 1 else 1)
+            phase = steps % every
+            if phase < every - 1:
+                self.next_due = steps + every - 1 - phase
+            else:
+                self.next_due = steps + (1 if self._status_channel.busy else every)
         return []
 
     def flush(self, steps: int) -> list[Violation]:

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from kvcanary import layout
-from kvcanary.batch import BatchView
+from kvcanary.batch import BatchView, ForwardKind
 from kvcanary.config import Config, Mode
 from kvcanary.device_state import DeviceState
 from kvcanary.drain import CanaryStats, ViolationDrain
@@ -166,8 +166,9 @@ class CanaryManager:
 
     # ------------------------------------------------------------------------------------------ forward half
     def _validate(self, batch: BatchView) -> None:
-        """Check a BatchView once per object (after_forward usually gets the one before_forward got): the fast
-        ``well_formed`` test, and ``validate`` (errors naming the field) only when it fails."""
+        """Check a BatchView once per object (after_forward usually gets the one before_forward's launch accepted):
+        the fast ``well_formed`` test, and ``validate`` (errors naming the field) only when it fails. before_forward
+        calls it only for a batch that is not a BatchView with a ForwardKind, or one its launch refused."""
         if batch is not self._validated_batch:
             if not isinstance(batch, BatchView):
                 raise TypeError(f"CanaryManager: batch: expected BatchView, got {type(batch).__name__}")
@@ -188,21 +189,30 @@ class CanaryManager:
         current value), e.g. an adapter rewriting records of a forward that ``step()`` already counted.
         Raises ``TypeError`` / ``ValueError`` naming the BatchView field for a malformed batch.
         """
-        # (attribute reads and compares inline, no helper calls: this runs on every forward)
-        if batch is not self._validated_batch:
-            self._validate(batch)
-        bs = batch.req_pool_indices.numel()  # (1-d, validated: numel() is the length and cheaper than .shape[0])
-        n = batch.input_ids.numel()
-        if n > self.max_tokens_per_forward:
-            self._check_tokens_fit(n)
-        if bs > self._max_batch_size:
-            raise ValueError(f"CanaryManager: batch has {bs} rows, more than max_batch_size={self._max_batch_size}")
-        capturing = self._cuda and torch.cuda.is_current_stream_capturing()
-        self.device_state.before_forward(
-            batch,
-            count_forward=new_forward,
-            forward_step_value=-1 if capturing else self._steps + 1,  # captured: each replay adds 1
-        )
+        # (attribute reads and compares inline, no helper calls: this runs on every forward.) The batch's tensors are
+        # checked by the launch itself, before it enqueues anything: dtype int32/int64, 1-d, the token arrays of one
+        # length, the row arrays of another, the device (csrc canary_check_step). Checking them here first too cost
+        # ~3 us per forward; a launch that refuses the batch is answered with the error naming the BatchView field.
+        try:
+            if batch.__class__ is not BatchView or batch.kind.__class__ is not ForwardKind:
+                self._validate(batch)  # (a subclass passes; anything else raises naming what is wrong)
+            bs = batch.req_pool_indices.numel()
+            n = batch.input_ids.numel()
+            if n > self.max_tokens_per_forward:
+                self._check_tokens_fit(n)
+            if bs > self._max_batch_size:
+                raise ValueError(
+                    f"CanaryManager: batch has {bs} rows, more than max_batch_size={self._max_batch_size}")
+            capturing = self._cuda and torch.cuda.is_current_stream_capturing()
+            self.device_state.before_forward(
+                batch,
+                count_forward=new_forward,
+                forward_step_value=-1 if capturing else self._steps + 1,  # captured: each replay adds 1
+            )
+        except Exception:
+            self._validate(batch)  # a malformed batch: its error names the field (else the original error stands)
+            raise
+        self._validated_batch = batch  # the launch accepted it: after_forward need not check it again
 
     def after_forward(self, batch: BatchView) -> None:
         """Write the new records (after the model wrote KV). Graph-capturable; never synchronises."""

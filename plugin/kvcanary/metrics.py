@@ -60,13 +60,20 @@ COUNTERS: Mapping[str, str] = {
 class _Seen:
     """What one manager had reported at the last update (the deltas are measured from here)."""
 
-    forwards: int = 0
-    verified: int = 0
-    swept: int = 0
-    written: int = 0
+    # forwards, entries verified, entries swept, tokens written, lost rows, health errors (CanaryMetrics._children)
+    counts: tuple[int, ...] = (0, 0, 0, 0, 0, 0)
     violations: int = 0  # len(manager.violations) already counted
-    lost: int = 0
-    health: int = 0
+
+
+_VERIFY, _SWEEP, _WRITE = int(LaunchTag.VERIFY), int(LaunchTag.SWEEP), int(LaunchTag.WRITE)  # (plain int indexes)
+
+
+def _counts_of(manager: Any) -> tuple[int, ...]:
+    """A manager's counts in :class:`_Seen` order, as Python ints."""
+    stats, reporter = manager.stats, manager.reporter
+    runs = stats.slot_runs
+    return (int(stats.forwards), int(runs[_VERIFY]), int(runs[_SWEEP]), int(runs[_WRITE]), int(reporter.total_lost),
+            int(reporter.total_health_errors))
 
 
 class _Families:
@@ -144,6 +151,8 @@ class CanaryMetrics:
         self._written = c["tokens_written_total"].labels(**self.labels)
         self._lost = c["lost_rows_total"].labels(**self.labels)
         self._health = c["health_errors_total"].labels(**self.labels)
+        # in the order of _Seen.counts and _counts_of
+        self._children = (self._forwards, self._verified, self._swept, self._written, self._lost, self._health)
         self._by_reason: dict[str, Any] = {}
         self._drafts: Any = None  # created on the first draft count: absent on engines without speculation
         self._drafts_seen: dict[int, int] = {}
@@ -159,30 +168,22 @@ class CanaryMetrics:
 
     def update(self, manager: Any) -> None:
         """Add what ``manager`` counted since the last update (its ``stats``, its reporter's ``total_lost`` and
-        ``total_health_errors``, the violations it reported). Cheap when nothing changed."""
-        stats, reporter, violations = manager.stats, manager.reporter, manager.violations
+        ``total_health_errors``, the violations it reported). Cheap when nothing changed: integer compares, and a
+        counter is touched only when its count moved (``inc`` takes a lock)."""
+        counts = _counts_of(manager)
+        violations = manager.violations
         seen = self._seen.get(manager)
         # The counters move only when the manager drains (every KVCANARY_DRAIN_EVERY forwards): most calls end here.
-        if (seen is not None and stats.forwards == seen.forwards and len(violations) == seen.violations
-                and reporter.total_lost == seen.lost and reporter.total_health_errors == seen.health):
+        if seen is not None and counts == seen.counts and len(violations) == seen.violations:
             return
         with self._lock:
             seen = self._seen.get(manager)
             if seen is None:
                 seen = self._seen[manager] = _Seen()
-            runs = stats.slot_runs
-            for child, attr, value in (
-                (self._forwards, "forwards", stats.forwards),
-                (self._verified, "verified", runs[LaunchTag.VERIFY]),
-                (self._swept, "swept", runs[LaunchTag.SWEEP]),
-                (self._written, "written", runs[LaunchTag.WRITE]),
-                (self._lost, "lost", reporter.total_lost),
-                (self._health, "health", reporter.total_health_errors),
-            ):
-                value = int(value)
-                if value > getattr(seen, attr):
-                    child.inc(value - getattr(seen, attr))
-                setattr(seen, attr, value)  # (a lower value: the source restarted; count from there)
+            for child, value, old in zip(self._children, counts, seen.counts, strict=True):
+                if value > old:
+                    child.inc(value - old)
+            seen.counts = counts  # (a lower value: the source restarted; count from there)
             if len(violations) < seen.violations:
                 seen.violations = 0
             for v in violations[seen.violations:]:

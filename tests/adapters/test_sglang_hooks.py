@@ -460,3 +460,31 @@ def test_expected_token_updates_send_only_what_each_row_gained() -> None:
     assert tokens.expected_token_updates(mirror, [r2]) == [(2, 0, [9, 4, 30])]
     r2.output_ids[:] = []  # shorter than what was sent: the whole row again
     assert tokens.expected_token_updates(mirror, [r2]) == [(2, 0, [9])]
+
+
+def test_mode_name_reads_an_enum_members_name_once() -> None:
+    """A forward asks for its mode's name three times (forward hook, BatchConverter, batch hook): an enum member's
+    name (a descriptor) is read once and remembered by the member's identity; IntEnum members equal as ints (or
+    an int itself) keep their own names."""
+    import enum
+
+    from kvcanary.sglang.batches import mode_name
+
+    reads: list[str] = []
+
+    class Mode(enum.IntEnum):
+        DECODE = 2
+
+        @property
+        def name(self) -> str:  # type: ignore[override]
+            reads.append(self._name_)
+            return self._name_
+
+    class Other(enum.IntEnum):
+        TARGET_VERIFY = 2
+
+    for _ in range(3):
+        assert mode_name(types.SimpleNamespace(forward_mode=Mode.DECODE)) == "DECODE"
+    assert reads == ["DECODE"]
+    assert mode_name(types.SimpleNamespace(forward_mode=Other.TARGET_VERIFY)) == "TARGET_VERIFY"
+    assert mode_name(types.SimpleNamespace(forward_mode=2)) == "2"

@@ -234,9 +234,9 @@ def test_raise_mode_reports_each_violation_once() -> None:
 
 
 def test_drain_every_reports_within_that_many_forwards_and_reads_nothing_in_between() -> None:
-    """KVCANARY_DRAIN_EVERY=4: the host touches the device status only on steps 3 and 4 of every 4 (snapshot,
-    then read), so a violation found by any forward is reported by the next 4th step, and other steps cost
-    nothing."""
+    """KVCANARY_DRAIN_EVERY=4: the host touches the device status only on steps 3 and 4 of every 4 (snapshot, read
+    at once when ready, else on step 4), so a violation found by any forward is reported by the next 4th step, and
+    other steps cost nothing."""
     eng = TinyEngine(mode=Mode.LOG, drain_every=4)
     eng.mgr.mark_init_finished()
     eng.forward([1], [4])  # step 1
@@ -252,7 +252,7 @@ def test_drain_every_reports_within_that_many_forwards_and_reads_nothing_in_betw
     forward()  # step 2: verify finds the flip
     assert eng.mgr.violations == [] and reads == []
     forward()  # step 3: snapshot (the CPU copy is immediate, so it is read at once)
-    forward()  # step 4: read
+    forward()  # step 4: nothing left to read
     assert {v.reasons for v in eng.mgr.violations} == {("verify_real_kv_hash",)}
     for _ in range(4):
         forward()

@@ -328,6 +328,37 @@ def test_batch_view_errors_name_the_field(change: dict, exc: type[Exception], pa
         h.mgr.before_forward(object())  # type: ignore[arg-type]
 
 
+def test_a_batch_the_launch_accepts_is_not_checked_again_in_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check launch validates the batch's tensors itself before it enqueues anything: a well-formed batch
+    costs no Python-side check (``well_formed`` / ``validate``), in before_forward or in the after_forward of the
+    same batch."""
+    h = Harness()
+    calls: list[str] = []
+    well_formed, validate = BatchView.well_formed, BatchView.validate
+    monkeypatch.setattr(BatchView, "well_formed", lambda self: calls.append("well_formed") or well_formed(self))
+    monkeypatch.setattr(BatchView, "validate", lambda self: calls.append("validate") or validate(self))
+    h.forward({1: h.new_entries(1, 3)})
+    h.decode([1])
+    assert calls == [] and h.steps == 2
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"input_ids": torch.tensor([5], dtype=torch.int16)}, {"positions": torch.zeros(0, dtype=torch.int64)},
+     {"prefix_lens": torch.zeros((1, 1), dtype=torch.int64)}, {"kind": "decode"}],
+)
+def test_a_malformed_batch_launches_nothing(change: dict) -> None:
+    """The launch refuses a malformed batch before it enqueues anything: the forward counter and the launch counts
+    stand still, and the error is the one naming the BatchView field."""
+    h = Harness()
+    h.forward({1: h.new_entries(1, 3)})
+    before = h.mgr.device_state.state.clone()
+    good = h.batch({1: h.new_entries(1, 1)})
+    with pytest.raises((TypeError, ValueError), match="^BatchView: "):
+        h.mgr.before_forward(BatchView(**{**good.__dict__, **change}))
+    assert torch.equal(h.mgr.device_state.state, before)
+
+
 def test_a_burst_beyond_the_status_peek_keeps_its_metadata() -> None:
     """50 rows in one forward: 32 come with the status snapshot, the rest through the rows channel one step later;
     every row still names forward 3 and its request row."""

@@ -150,16 +150,70 @@ def test_drain_fetches_a_burst_beyond_the_peek_through_the_rows_copy() -> None:
     assert h.drain.acknowledged_index == ROW_PEEK + 5
 
 
+class CopyLog:
+    """Counts the status copies a HandDrain starts and the steps that read one; ``ready_next_step``: a copy is
+    ready one step after it started (a GPU still running the forward), not at once (the CPU, an idle GPU)."""
+
+    def __init__(self, h: HandDrain, *, ready_next_step: bool = False) -> None:
+        self.step = 0
+        self.starts: list[int] = []
+        self.reads: list[int] = []
+        self._started_at = 0
+        channel = h.drain._status_channel  # noqa: SLF001 - the test counts the copies of the drain's own channel
+        start, ready = channel.start, channel.ready
+
+        def counted_start(*args, **kwargs):
+            self.starts.append(self.step)
+            self._started_at = self.step
+            return start(*args, **kwargs)
+
+        def delayed_ready() -> bool:
+            return ready() and not (ready_next_step and self._started_at == self.step)
+
+        channel.start = counted_start  # type: ignore[method-assign]
+        channel.ready = delayed_ready  # type: ignore[method-assign]
+        self.h = h
+
+    def run(self, steps: range) -> None:
+        for step in steps:
+            self.step = step
+            before = self.h.drain.status_reads
+            self.h.drain.on_step(step)
+            self.reads += [step] * (self.h.drain.status_reads - before)
+
+
 @pytest.mark.parametrize("every", [1, 4])
-def test_drain_cadence_reads_on_the_last_two_steps_of_each_period(every: int) -> None:
-    h = HandDrain(drain_every=every)
-    reads = []
+def test_drain_cadence_starts_one_status_copy_per_period_and_reads_it_at_once_when_ready(every: int) -> None:
+    """CPU (an idle GPU alike): the copy started on the last step of a period is ready at once and read on that
+    step; no second copy follows it (it would read the same device state again one step later)."""
+    log = CopyLog(HandDrain(drain_every=every))
+    log.run(range(1, 13))
+    expected = list(range(1, 13)) if every == 1 else [3, 7, 11]
+    assert log.starts == expected and log.reads == expected
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_drain_cadence_reads_a_copy_that_is_not_ready_at_once_on_the_next_step(every: int) -> None:
+    """A busy GPU: the copy started on the last step of a period is read on the next one (phase 0), still one copy
+    per period; with ``drain_every`` 1, each step reads the previous step's copy and starts the next."""
+    log = CopyLog(HandDrain(drain_every=every), ready_next_step=True)
+    log.run(range(1, 13))
+    assert log.starts == (list(range(1, 13)) if every == 1 else [3, 7, 11])
+    assert log.reads == (list(range(2, 13)) if every == 1 else [4, 8, 12])
+
+
+def test_drain_cadence_reports_each_violation_at_the_first_read_after_it() -> None:
+    """One copy per period loses nothing and delays nothing: a row the device appended before step ``s`` is
+    reported on the first step >= s of phase ``drain_every - 1``."""
+    h = HandDrain(ring_capacity=32, drain_every=4)
+    log = CopyLog(h)
+    reported_at: dict[int, int] = {}
     for step in range(1, 13):
-        before = h.drain.status_reads
-        h.drain.on_step(step)
-        if h.drain.status_reads > before:
-            reads.append(step)
-    assert reads == (list(range(1, 13)) if every == 1 else [3, 4, 7, 8, 11, 12])
+        h.append(step, found_at=step)
+        log.run(range(step, step + 1))
+        for v in h.drain.violations:
+            reported_at.setdefault(v.slot, step)
+    assert reported_at == {s: s + (3 - s % 4) % 4 for s in range(1, 12)}
 
 
 @pytest.mark.parametrize("every", [1, 4])
@@ -209,8 +263,9 @@ def test_manager_step_calls_the_drain_only_when_due() -> None:
     drain.on_step = lambda steps: called.append(steps) or on_step(steps)  # type: ignore[method-assign]
     for _ in range(17):
         eng.forward(1)
-    assert called == [1, 7, 8, 15, 16]  # the first step, then the cadence's last two steps of each period
-    assert eng.mgr.stats.forwards == 16
+    # the first step, then each period's last step (on the CPU its copy is read at once: nothing left for phase 0)
+    assert called == [1, 7, 15]
+    assert eng.mgr.stats.forwards == 15
 
 
 def test_acknowledged_ring_is_emptied_by_the_next_forward() -> None:

@@ -4,6 +4,7 @@ version module (``FORWARD_MODES``), the ForwardBatch fields read here are ``forw
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -37,11 +38,33 @@ def ones_prefix(ones: torch.Tensor, bs: int) -> torch.Tensor:
     return view
 
 
+# id(enum member) -> its name. An enum's ``name`` is a descriptor (~0.3 µs a read) and a forward asks for its mode
+# three times (the forward hook, the BatchConverter, the batch hook). Keyed by id, not by the member: IntEnum members
+# compare equal to ints and to other IntEnums' members; _KEPT_MODES holds every member named here, so no other object
+# can have its id while the entry exists.
+_MAX_MODE_NAMES = 256
+_ENUM_MODE_NAMES: dict[int, str] = {}
+_KEPT_MODES: list[enum.Enum] = []
+
+
 def mode_name(fb) -> str:
     """The name of a ForwardBatch's forward mode (``ForwardMode.DECODE`` -> ``"DECODE"``)."""
     mode = fb.forward_mode
+    name = _ENUM_MODE_NAMES.get(id(mode))
+    return name if name is not None else _uncached_mode_name(mode)
+
+
+def _uncached_mode_name(mode: object) -> str:
     name = getattr(mode, "name", None)  # (not getattr(mode, "name", str(mode)): that formats the enum every call)
-    return name if name is not None else str(mode)
+    if name is None:
+        return str(mode)
+    if isinstance(mode, enum.Enum):  # (a member's name never changes; another object's might)
+        if len(_KEPT_MODES) >= _MAX_MODE_NAMES:
+            _ENUM_MODE_NAMES.clear()
+            _KEPT_MODES.clear()
+        _KEPT_MODES.append(mode)
+        _ENUM_MODE_NAMES[id(mode)] = name
+    return name
 
 
 def unsupported_mode(name: str, forward_modes: Mapping[str, ForwardKind], sglang_version: str) -> NotImplementedError:
@@ -65,17 +88,27 @@ def batch_view(fb, input_ids: torch.Tensor, positions: torch.Tensor, ones: torch
         return BatchView(kind, empty, empty, empty, rows, zeros, zeros)
     if input_ids is None:
         raise NotImplementedError("kvcanary: forwards without input_ids (input_embeds only) are not supported")
-    rows = i64(fb.req_pool_indices)
+    # (i64 inline: the engine's tensors are int64 already, and a call per field is host time on every forward)
+    rows = fb.req_pool_indices
+    if rows.dtype is not _INT64:
+        rows = rows.to(_INT64)
+    if positions.dtype is not _INT64:
+        positions = positions.to(_INT64)
+    if input_ids.dtype is not _INT64:
+        input_ids = input_ids.to(_INT64)
+    loc = fb.out_cache_loc
+    if loc.dtype is not _INT64:
+        loc = loc.to(_INT64)
     if kind is ForwardKind.DECODE:
-        bs = rows.shape[0]
-        prefix = i64(positions)
-        if prefix.shape[0] != bs:  # (an eager decode has one position per row: no slice, a torch op of host time)
+        bs = rows.numel()  # (a 2-d array is refused by the check launch and named by BatchView.validate)
+        prefix = positions
+        if prefix.numel() != bs:  # (an eager decode has one position per row: no slice, a torch op of host time)
             prefix = prefix[:bs]
         extend = ones_prefix(ones, bs)
     else:
         prefix = fb.extend_prefix_lens  # int32 in sglang: the check launch reads it as it is (no conversion)
         extend = fb.extend_seq_lens
-    return BatchView(kind, i64(input_ids), i64(positions), i64(fb.out_cache_loc), rows, prefix, extend)
+    return BatchView(kind, input_ids, positions, loc, rows, prefix, extend)
 
 
 class BatchConverter:

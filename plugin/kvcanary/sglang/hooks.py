@@ -143,7 +143,9 @@ class AdapterHooks:
         # (is_cuda, not a torch.device built from the tensor: that costs ~1 µs per forward)
         if inst is None or (inst.req_to_token.is_cuda and torch.cuda.is_current_stream_capturing()):
             return original(runner, forward_batch, *args, **kwargs)
-        modes = speculative.forward_modes(runner, self.version.FORWARD_MODES)
+        spec = speculative.spec_of(runner)  # (once: None on every runner but an EAGLE pool's)
+        modes = self.version.FORWARD_MODES if spec is None else speculative.forward_modes(runner,
+                                                                                          self.version.FORWARD_MODES)
         mode = mode_name(forward_batch)
         if mode not in modes:
             raise unsupported_mode(mode, modes, self.version.SGLANG_VERSION)
@@ -160,7 +162,8 @@ class AdapterHooks:
             repair_token_swaps(inst, forward_batch)
         t2 = time.perf_counter_ns()
         inst.host_after()
-        speculative.after_forward(runner, forward_batch)  # EAGLE: spec counters and their stats line
+        if spec is not None:
+            speculative.after_forward(runner, forward_batch)  # EAGLE: spec counters and their stats line
         t3 = time.perf_counter_ns()
         inst.account_forward(t3 - t0, t1 - t0 + t3 - t2 + self.graph_input_ns)
         return out
