@@ -45,6 +45,7 @@
 #include "kvcanary/macros.h"
 #include "kvcanary/tensor_check.h"
 #include "meta_args.cuh"
+#include "verify_plan_args.cuh"
 
 namespace kvcanary {
 
@@ -594,15 +595,8 @@ inline void canary_plan_step_attributed(
   PlanParams p{};
   bind_write_plan(kFn, device, sizes, write_offsets, verify_row_offsets, write_seed_slot_indices,
                   write_num_valid_reqs, p);
-  TensorMatcher(kFn, {verify_capacity})
-      .dtype<int64_t>()
-      .device(device)
-      .verify(verify_slot_indices, "verify_slot_indices")
-      .verify(verify_expected_tokens, "verify_expected_tokens")
-      .verify(verify_expected_positions, "verify_expected_positions")
-      .verify(verify_prev_slot_indices, "verify_prev_slot_indices");
-  TensorMatcher(kFn, {1}).dtype<int32_t>().device(device).verify(verify_num_valid, "verify_num_valid");
-  TensorMatcher(kFn, {1}).dtype<int32_t>().device(device).verify(verify_enable, "verify_enable");
+  check_verify_plan_buffers(kFn, device, verify_capacity, verify_slot_indices, verify_expected_tokens,
+                            verify_expected_positions, verify_prev_slot_indices, verify_num_valid, verify_enable);
   bind_batch_rows(kFn, device, sizes, BatchDtypes::kInt64, req_pool_indices, prefix_lens, extend_lens, p);
   bind_req_to_token(kFn, device, req_to_token, p);
   check_write_offsets_len(kFn, sizes);

@@ -44,6 +44,7 @@
 #include "kvcanary/tensor_check.h"
 #include "kvcanary/violation.h"
 #include "meta_args.cuh"
+#include "verify_plan_args.cuh"
 #include "real_kv_args.cuh"
 
 namespace kvcanary {
@@ -235,15 +236,8 @@ inline void canary_verify_step_attributed(
   SymbolicDevice device(KVCANARY_DEVICE_BUILD ? kDLCUDA : kDLCPU);
 
   TensorMatcher(kFn, {num_slots, slot_stride}).dtype<uint8_t>().device(device).verify(canary_buf, "canary_buf");
-  TensorMatcher(kFn, {capacity})
-      .dtype<int64_t>()
-      .device(device)
-      .verify(verify_slot_indices, "verify_slot_indices")
-      .verify(verify_expected_tokens, "verify_expected_tokens")
-      .verify(verify_expected_positions, "verify_expected_positions")
-      .verify(verify_prev_slot_indices, "verify_prev_slot_indices");
-  TensorMatcher(kFn, {1}).dtype<int32_t>().device(device).verify(verify_num_valid, "verify_num_valid");
-  TensorMatcher(kFn, {1}).dtype<int32_t>().device(device).verify(verify_enable, "verify_enable");
+  check_verify_plan_buffers(kFn, device, capacity, verify_slot_indices, verify_expected_tokens,
+                            verify_expected_positions, verify_prev_slot_indices, verify_num_valid, verify_enable);
   TensorMatcher(kFn, {ring_capacity, kViolationFields})
       .dtype<int64_t>()
       .device(device)
