@@ -25,8 +25,12 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 from collections import deque
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_plugin import write_test_plugin  # noqa: E402
 
 PROBE_ENV = "E2E_LOOP_PROBE"
 PROBE_FILE_ENV = "E2E_LOOP_PROBE_FILE"  # this file: the plugin loads it in the scheduler process
@@ -254,34 +258,15 @@ def install_kvcanary_pieces() -> int:
 
 
 def write_plugin(root: str) -> str:
-    """The sglang plugin (module + dist-info, found by importlib.metadata on PYTHONPATH) that calls :func:`install`
-    in every sglang process where ``E2E_LOOP_PROBE=1``. Returns ``root``."""
-    dist = os.path.join(root, f"{PLUGIN}-0.0.0.dist-info")
-    os.makedirs(dist, exist_ok=True)
-    with open(os.path.join(dist, "METADATA"), "w") as f:
-        f.write(f"Metadata-Version: 2.1\nName: {PLUGIN}\nVersion: 0.0.0\n")
-    with open(os.path.join(dist, "entry_points.txt"), "w") as f:
-        f.write(f"[sglang.srt.plugins]\n{PLUGIN} = {PLUGIN}:register\n")
-    with open(os.path.join(root, f"{PLUGIN}.py"), "w") as f:
-        f.write(f'''"""Test-only sglang plugin of integration/loop_probe.py; never part of kvcanary."""
-import importlib.util
-import os
-import sys
+    """The sglang plugin that calls :func:`install` in every sglang process where ``E2E_LOOP_PROBE=1``
+    (integration/test_plugin.py). Returns ``root``."""
+    return write_test_plugin(root, PLUGIN, about="integration/loop_probe.py", gate_env=PROBE_ENV,
+                             file_env=PROBE_FILE_ENV, module="_kvcanary_e2e_loop_probe", function="plugin_entry")
 
 
-def register():
-    if os.environ.get("{PROBE_ENV}") != "1":
-        return
-    name = "_kvcanary_e2e_loop_probe"
-    mod = sys.modules.get(name)
-    if mod is None:
-        spec = importlib.util.spec_from_file_location(name, os.environ["{PROBE_FILE_ENV}"])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    mod.install()
-''')
-    return root
+def plugin_entry(_gate: str) -> None:
+    """What the plugin calls (with ``E2E_LOOP_PROBE``'s value)."""
+    install()
 
 
 def probe_env(env: dict, root: str) -> dict:

@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import loop_probe  # noqa: E402  (integration/loop_probe.py: --loop-probe)
+from test_plugin import write_test_plugin  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------- facts
 # The fault classes a live engine can take through KVCANARY_FAULT, and the reason names kvcanary reports for
@@ -885,35 +886,11 @@ def eagle_engine_kwargs(kw: dict, phase: Phase, args) -> dict:
 
 
 def write_eagle_plugin(root: str) -> str:
-    """The test-only sglang plugin (a module and a dist-info folder, found by importlib.metadata on PYTHONPATH)
-    that applies ``install_eagle_tail_patch`` of this file in every sglang process. Returns ``root``."""
-    dist = os.path.join(root, f"{EAGLE_PLUGIN}-0.0.0.dist-info")
-    os.makedirs(dist, exist_ok=True)
-    with open(os.path.join(dist, "METADATA"), "w") as f:
-        f.write(f"Metadata-Version: 2.1\nName: {EAGLE_PLUGIN}\nVersion: 0.0.0\n")
-    with open(os.path.join(dist, "entry_points.txt"), "w") as f:
-        f.write(f"[sglang.srt.plugins]\n{EAGLE_PLUGIN} = {EAGLE_PLUGIN}:register\n")
-    with open(os.path.join(root, f"{EAGLE_PLUGIN}.py"), "w") as f:
-        f.write(f'''"""Test-only sglang plugin of integration/sglang_e2e.py (EAGLE phases); never part of kvcanary."""
-import importlib.util
-import os
-import sys
-
-
-def register():
-    mode = os.environ.get("{EAGLE_TAIL_ENV}", "")
-    if not mode:
-        return
-    name = "_kvcanary_e2e_driver"
-    mod = sys.modules.get(name)
-    if mod is None:
-        spec = importlib.util.spec_from_file_location(name, os.environ["{EAGLE_DRIVER_ENV}"])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    mod.install_eagle_tail_patch(mode)
-''')
-    return root
+    """The test-only sglang plugin that applies ``install_eagle_tail_patch`` of this file in every sglang process
+    where ``E2E_EAGLE_TAIL`` is set (integration/test_plugin.py). Returns ``root``."""
+    return write_test_plugin(root, EAGLE_PLUGIN, about="integration/sglang_e2e.py, EAGLE phases",
+                             gate_env=EAGLE_TAIL_ENV, file_env=EAGLE_DRIVER_ENV, module="_kvcanary_e2e_driver",
+                             function="install_eagle_tail_patch")
 
 
 def eagle_env(env: dict, phase: Phase, pdir: str) -> dict:

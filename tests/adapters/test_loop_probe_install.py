@@ -23,9 +23,17 @@ sys.path.insert(0, {str(HERE)!r})
 import _sglang_cpu_shims; _sglang_cpu_shims.apply()
 spec = importlib.util.spec_from_file_location("lp", {str(PROBE)!r})
 lp = importlib.util.module_from_spec(spec); spec.loader.exec_module(lp)
+import os, tempfile
+env = lp.probe_env({{}}, tempfile.mkdtemp())  # the plugin, as the driver writes it
+os.environ.update({{k: v for k, v in env.items() if k != "PYTHONPATH"}})
+sys.path.insert(0, env["PYTHONPATH"])
+import kvcanary_e2e_loop_probe as plugin
+plugin.register()  # loads loop_probe.py as a module of its own and installs
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.managers.tp_worker import TpModelWorker
-lp.install(); first = Scheduler.run_batch; lp.install()
+first = Scheduler.run_batch
+assert first.e2e_probe == "run_ns"
+lp.install(); plugin.register()  # once per process, whichever module asks
 assert Scheduler.run_batch is first and first.e2e_probe == "run_ns"
 assert TpModelWorker.forward_batch_generation.e2e_probe == "fbg_ns"
 assert Scheduler.process_batch_result.e2e_probe == "result_ns"
