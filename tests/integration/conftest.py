@@ -9,15 +9,26 @@ from pathlib import Path
 
 import pytest
 
-DRIVER = Path(__file__).resolve().parents[2] / "integration" / "sglang_e2e.py"
+INTEGRATION = Path(__file__).resolve().parents[2] / "integration"
+DRIVER = INTEGRATION / "sglang_e2e.py"
 
 
-@pytest.fixture(scope="module")
-def e2e():
-    name = "sglang_e2e_driver"
+def _script(name: str, path: Path):
+    """``path`` loaded once as the module ``name`` (a script of integration/, not a package module)."""
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, DRIVER)
+        spec = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
     return sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    return _script("sglang_e2e_driver", DRIVER)
+
+
+@pytest.fixture(scope="module")
+def probe():
+    """integration/loop_probe.py (the driver's --loop-probe)."""
+    return _script("loop_probe_under_test", INTEGRATION / "loop_probe.py")

@@ -1,24 +1,12 @@
 """integration/loop_probe.py (the driver's --loop-probe) without a GPU: the measured window, the per-iteration
-table, the plugin it writes, and its patches of sglang 0.5.12's classes (in a subprocess: they are global)."""
+table, the host-speed normalisation and the plugin it writes (its patches of sglang's classes:
+tests/adapters/test_loop_probe_install.py). The ``probe`` fixture is in conftest.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-PROBE = ROOT / "integration" / "loop_probe.py"
-
-
-@pytest.fixture(scope="module")
-def probe():
-    spec = importlib.util.spec_from_file_location("loop_probe_under_test", PROBE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _line(probe, t: float, pid: int, **counts) -> str:
