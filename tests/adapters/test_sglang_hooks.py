@@ -488,3 +488,26 @@ def test_mode_name_reads_an_enum_members_name_once() -> None:
     assert reads == ["DECODE"]
     assert mode_name(types.SimpleNamespace(forward_mode=Other.TARGET_VERIFY)) == "TARGET_VERIFY"
     assert mode_name(types.SimpleNamespace(forward_mode=2)) == "2"
+
+
+def test_graph_input_zeroing_reuses_its_views_and_zeroes_each_replays_padding() -> None:
+    """The padded rows' views are built once per buffers and shape (a slice is a torch call of host time per
+    replay); each replay still zeroes exactly its own padding, whatever shape came before."""
+    ah = adapter_hooks.AdapterHooks(v0_5_12)
+    bufs = types.SimpleNamespace(req_pool_indices=torch.zeros(8, dtype=torch.int64),
+                                 positions=torch.zeros(16, dtype=torch.int64))
+    for raw_bs, bs, per_bs in ((2, 4, 1), (1, 4, 1), (2, 4, 1), (3, 8, 2), (2, 4, 1)):
+        bufs.req_pool_indices.copy_(torch.arange(1, 9))  # a previous, larger batch left every row stale
+        bufs.positions.copy_(torch.arange(1, 17))
+        ah.after_populate(None, bufs, raw_bs=raw_bs, raw_num_token=raw_bs * per_bs, bs=bs, num_tokens_per_bs=per_bs)
+        rows = list(range(1, 9))
+        rows[raw_bs:bs] = [0] * (bs - raw_bs)
+        tokens = list(range(1, 17))
+        tokens[raw_bs * per_bs : bs * per_bs] = [0] * (bs - raw_bs) * per_bs
+        assert bufs.req_pool_indices.tolist() == rows and bufs.positions.tolist() == tokens
+    first = ah._padding_views(bufs, 2, 4, 2, 1)
+    assert ah._padding_views(bufs, 2, 4, 2, 1) is first  # built once per shape
+    other = types.SimpleNamespace(req_pool_indices=torch.ones(8, dtype=torch.int64),
+                                  positions=torch.ones(16, dtype=torch.int64))
+    ah.after_populate(None, other, raw_bs=2, raw_num_token=2, bs=4)  # another runner's buffers: views of its own
+    assert other.req_pool_indices.tolist() == [1, 1, 0, 0, 1, 1, 1, 1]
