@@ -578,7 +578,23 @@ PIECE_COLUMNS = ("BatchConverter", "before_forward", "after_forward", "step", "s
                  "account_forward", "assign_requests", "expected_token_updates", "token table upload", "kernels")
 
 
-def markdown(results: list[dict], title: str) -> str:
+def launch_unit_us(device: torch.device, n: int = 2000) -> float:
+    """Host µs of one small torch launch (``x.add_(1)``) here, median of 5 runs: the unit that compares this
+    bench with the engine (integration/loop_probe.py times the same launch inside sglang's scheduler process; on
+    the H200 host on 2026-11-30 it cost 9.2-11.5 µs there against 6.2-6.5 µs in this bench's process)."""
+    x = torch.zeros(1, device=device)
+    runs = []
+    for _ in range(5):
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            x.add_(1)
+        runs.append((time.perf_counter_ns() - t0) / n / 1e3)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return sorted(runs)[2]
+
+
+def markdown(results: list[dict], title: str, unit_us: float | None = None) -> str:
     f = lambda x: f"{x:.1f}"  # noqa: E731
     lines = [f"### {title}", "",
              "| case | bench hooks | bench launches | bench batch-init | **bench total** | HostTime hooks | "
@@ -596,6 +612,10 @@ def markdown(results: list[dict], title: str) -> str:
     for r in results:
         p = r["pieces_us"]
         lines.append(f"| {r['case']} | " + " | ".join(f(p[c]) if c in p else "-" for c in PIECE_COLUMNS) + " |")
+    if unit_us:
+        lines += ["", f"One torch launch (`x.add_(1)`) on this host: {unit_us:.1f} µs; bench totals in those units: "
+                  + ", ".join(f"{r['case']} {r['bench_us']['total'] / unit_us:.1f}" for r in results)
+                  + " (the e2e `--loop-probe` reports the engine's own unit)."]
     return "\n".join(lines)
 
 
@@ -637,11 +657,13 @@ def main(argv: list[str] | None = None) -> int:
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     title = (f"kvcanary host µs per eager forward, sglang 0.5.12 call sequence ({dev_name}, torch {torch.__version__}, "
              f"kernels {args.kernels}, {args.stat} of {args.rounds} rounds x {args.forwards} forwards per case)")
-    md = markdown(results, title)
+    unit = launch_unit_us(device)
+    md = markdown(results, title, unit)
     print(md)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"device": dev_name, "torch": torch.__version__, "kernels": args.kernels, "stat": args.stat,
+                       "launch_unit_us": unit,
                        "forwards": args.forwards, "rounds": args.rounds, "cases": results, "markdown": md}, fh,
                       indent=1)
     return 0
