@@ -22,7 +22,7 @@ from kvcanary import layout, ops
 from kvcanary.batch import BatchView, ForwardKind
 from kvcanary.config import Config, Mode
 from kvcanary.manager import CanaryManager
-from kvcanary.pump import PinnedChannel, side_stream
+from kvcanary.pump import PinnedChannel
 from kvcanary.real_kv import RealKvSource
 
 
@@ -123,8 +123,7 @@ def main() -> None:
         mgr.step()
 
     sync_us = timed(sync, args.iters, sync)
-    channel = PinnedChannel(272, torch.int64, dev)  # the drain's: copies on the compute stream
-    side = PinnedChannel(272, torch.int64, dev, side_stream(dev))  # before 2026-11-30: fence + side stream
+    channel = PinnedChannel(272, torch.int64, dev)  # the drain's (copies on the compute stream)
     rows_out = [
         ("one torch launch (x.add_(1))", timed(lambda: x.add_(1), args.iters, sync)),
         ("before_forward (decode bs=1: one check launch)",
@@ -137,9 +136,6 @@ def main() -> None:
         ("step, device busy (back to back)", timed(mgr.step, args.iters, sync)),
         ("status copy start (PinnedChannel.start, 2 KiB, compute stream)",
          timed(lambda: (channel.start(mgr.device_state.state[:272], step=0), setattr(channel, "busy", False)),
-               args.iters, sync)),
-        ("status copy start on a side stream (fence + stream switch)",
-         timed(lambda: (side.start(mgr.device_state.state[:272], step=0), setattr(side, "busy", False)),
                args.iters, sync)),
     ]
     # token check (KVCANARY_VERIFY_TOKENS): a decode forward of 64 rows with ~1000-token requests

@@ -43,29 +43,18 @@ _META = layout.VIOLATION_META_FIELDS
 
 class StatusChannel(PinnedChannel):
     """The status copy's channel: its header can be read alone. Most status reads find no new ring row, and
-    converting the peeked rows to Python ints (``take_segments``: hundreds of values) was most of a read's host
-    time; they are converted only when a read uses them."""
+    converting the peeked rows to Python ints (hundreds of values) was most of a read's host time; they are converted
+    only when a read uses them (:meth:`PinnedChannel.segments`, after :meth:`take_header`)."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, stream: torch.cuda.Stream | None,
-                 header: int) -> None:
-        super().__init__(numel, dtype, device, stream)
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, header: int) -> None:
+        super().__init__(numel, dtype, device)
         self._header_view = self.host[:header]  # (a slice is a torch op: built once)
 
     def take_header(self) -> list[int]:
         """The first ``header`` copied values (call once ``ready()``); frees the channel. The rest stays readable
-        with :meth:`copied_segments` until the next ``start``."""
+        with :meth:`segments` until the next ``start``."""
         self.busy = False
         return self._header_view.tolist()
-
-    def copied_segments(self) -> list[list[int]]:
-        """The values of the last copy, one list per segment given to ``start`` (after :meth:`take_header`, before
-        the next ``start``)."""
-        flat = self.host[: self.count].tolist()
-        out, at = [], 0
-        for n in self.counts:
-            out.append(flat[at : at + n])
-            at += n
-        return out
 
 
 @dataclass
@@ -110,14 +99,11 @@ class ViolationDrain:
         self._stats = stats
         self._on_counters = on_counters
         self._capacity = capacity = state.ring_capacity
-        # Copies on the compute stream (PinnedChannel's default): in sglang's scheduler a side stream's fence and
-        # stream switches made a drain cost ~110 µs of host time; in line, a few KiB cost the device ~2-3 µs.
-        stream = None
+        # (both copy on the forward's stream, behind its kernels: kvcanary.pump says why not on a side stream)
         status_rows = min(capacity, MAX_STATUS_ROWS)
         self._status_channel = StatusChannel(STATE_HEADER + status_rows * layout.VIOLATION_FIELDS + ROW_PEEK * _META,
-                                             torch.int64, state.device, stream, header=STATE_HEADER)
-        self._rows_channel = PinnedChannel(capacity * (layout.VIOLATION_FIELDS + _META), torch.int64, state.device,
-                                           stream)
+                                             torch.int64, state.device, header=STATE_HEADER)
+        self._rows_channel = PinnedChannel(capacity * (layout.VIOLATION_FIELDS + _META), torch.int64, state.device)
         self.violations: list[Violation] = []
         self.acknowledged_index: int | None = None
         self.status_reads = 0
@@ -244,7 +230,7 @@ class ViolationDrain:
         lost_total = max(0, index - capacity) if index >= 0 else 0
         reported: list[Violation] = []
         if not self._rows_channel.busy and kept > self._rows_requested:
-            flat, peek_meta = channel.copied_segments()  # (nothing started the channel since take_header)
+            flat, peek_meta = channel.segments()  # (nothing started the channel since take_header)
             peek = flat[STATE_HEADER + first * fields : STATE_HEADER + peek_end * fields]
             have = min(kept, first + len(peek) // fields)
             peeked: list[list[int]] = []

@@ -244,8 +244,8 @@ def test_status_read_converts_the_peeked_rows_only_when_there_are_new_ones() -> 
     h = HandDrain()
     channel = h.drain._status_channel  # noqa: SLF001 - the test counts the conversions of its copy
     converted = []
-    copied_segments = channel.copied_segments
-    channel.copied_segments = lambda: converted.append(1) or copied_segments()  # type: ignore[method-assign]
+    segments = channel.segments
+    channel.segments = lambda: converted.append(1) or segments()  # type: ignore[method-assign]
     h.drain.drain(steps=1)
     assert converted == [] and h.drain.status_reads >= 1  # a clean read: the header alone
     h.append(5, found_at=2)
