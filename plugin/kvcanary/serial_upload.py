@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvcanary.identity_cache import IdentityCache
 from kvcanary.token_table import CudaStagingEvent, StagingEvent, StagingRing
 
 # Stagings in the ring on CUDA: a staging is rewritten RING_SIZE prefills later (see kvcanary.token_table.RING_SIZE).
@@ -49,8 +50,8 @@ class RowSerialUpload:
         self._copies = device.type != "cpu"  # the scatter reads a device copy of the staging (else the staging)
         self.staging = StagingRing(RING_SIZE if event_factory is not None else 1, pinned=device.type == "cuda",
                                    event_factory=event_factory)
-        # id(staging) -> (staging, its device buffer or None, {m: (host values, device values, rows, serials)})
-        self._views: dict[int, tuple[object, torch.Tensor | None, dict[int, tuple[torch.Tensor, ...]]]] = {}
+        # (staging, None) -> its device buffer; (staging, m) -> (host values, device values, rows, serials)
+        self._views = IdentityCache(1024)
 
     def __call__(self, rows: Sequence[int], serials: Sequence[int]) -> None:
         """Rows repeated in one call: as ``index_put_`` leaves them (the later one on the CPU)."""
@@ -70,16 +71,15 @@ class RowSerialUpload:
     def _views_for(self, staging, m: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """The staging's first ``2m`` values, the device copy's (None on the CPU: the scatter reads the staging),
         and the rows and serials the scatter reads; built once per staging and ``m``."""
-        entry = self._views.get(id(staging))
-        if entry is None or entry[0] is not staging:  # a staging not seen before (first use, or the ring grew)
-            if len(self._views) >= 4 * RING_SIZE:  # replaced stagings' entries pile up only when the ring grows
-                self._views.clear()
-            device = torch.empty_like(staging.buffer, device=self._device) if self._copies else None
-            entry = self._views[id(staging)] = (staging, device, {})
-        views = entry[2].get(m)
+        views = self._views.get(staging, m)
         if views is None:
+            device = None
+            if self._copies:  # the staging's own device buffer (a replaced staging's goes with the cache's restart)
+                device = self._views.get(staging)
+                if device is None:
+                    device = self._views.put(staging, None, torch.empty_like(staging.buffer, device=self._device))
+                device = device[: 2 * m]
             host = staging.buffer[: 2 * m]
-            device = entry[1][: 2 * m] if entry[1] is not None else None
             values = device if device is not None else host
-            views = entry[2][m] = (host, device, values[:m], values[m:])
-        return views  # type: ignore[return-value]
+            views = self._views.put(staging, m, (host, device, values[:m], values[m:]))
+        return views

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from kvcanary.batch import BatchView, ForwardKind
+from kvcanary.identity_cache import IdentityCache
 from kvcanary.installation import GroupSpec
 
 # (forward_batch, input_ids, positions, ones, empty) -> BatchView: a version module's batch_view.
@@ -17,8 +18,10 @@ BatchViewFn = Callable[[object, torch.Tensor, torch.Tensor, torch.Tensor, torch.
 
 
 _INT64 = torch.int64
-_MAX_ONES_PREFIXES = 256  # (ones, bs) views kept: one per batch size a runner sees (its graph sizes and a few more)
-_ones_prefixes: dict[tuple[int, int], torch.Tensor] = {}
+_ONES_PREFIXES = IdentityCache(256)  # (ones, bs) -> ones[:bs]: one per batch size a runner sees
+# ForwardMode member -> its name. An enum's ``name`` is a descriptor (~0.3 µs a read) and a forward asks for its mode
+# three times (the forward hook, the BatchConverter, the batch hook).
+_MODE_NAMES = IdentityCache(256)
 
 
 def i64(t: torch.Tensor) -> torch.Tensor:
@@ -26,31 +29,15 @@ def i64(t: torch.Tensor) -> torch.Tensor:
 
 
 def ones_prefix(ones: torch.Tensor, bs: int) -> torch.Tensor:
-    """``ones[:bs]``, the view built once per (tensor, bs): a slice is a torch op (~1.5 µs of host time per forward).
-
-    The cached view holds ``ones`` alive, so its id names it while the entry exists."""
-    key = (id(ones), bs)
-    view = _ones_prefixes.get(key)
-    if view is None:
-        if len(_ones_prefixes) >= _MAX_ONES_PREFIXES:
-            _ones_prefixes.clear()
-        view = _ones_prefixes[key] = ones[:bs]
-    return view
-
-
-# id(enum member) -> its name. An enum's ``name`` is a descriptor (~0.3 µs a read) and a forward asks for its mode
-# three times (the forward hook, the BatchConverter, the batch hook). Keyed by id, not by the member: IntEnum members
-# compare equal to ints and to other IntEnums' members; _KEPT_MODES holds every member named here, so no other object
-# can have its id while the entry exists.
-_MAX_MODE_NAMES = 256
-_ENUM_MODE_NAMES: dict[int, str] = {}
-_KEPT_MODES: list[enum.Enum] = []
+    """``ones[:bs]``, the view built once per (tensor, bs): a slice is a torch op (~1.5 µs of host time per forward)."""
+    view = _ONES_PREFIXES.get(ones, bs)
+    return view if view is not None else _ONES_PREFIXES.put(ones, bs, ones[:bs])
 
 
 def mode_name(fb) -> str:
     """The name of a ForwardBatch's forward mode (``ForwardMode.DECODE`` -> ``"DECODE"``)."""
     mode = fb.forward_mode
-    name = _ENUM_MODE_NAMES.get(id(mode))
+    name = _MODE_NAMES.get(mode)
     return name if name is not None else _uncached_mode_name(mode)
 
 
@@ -59,11 +46,7 @@ def _uncached_mode_name(mode: object) -> str:
     if name is None:
         return str(mode)
     if isinstance(mode, enum.Enum):  # (a member's name never changes; another object's might)
-        if len(_KEPT_MODES) >= _MAX_MODE_NAMES:
-            _ENUM_MODE_NAMES.clear()
-            _KEPT_MODES.clear()
-        _KEPT_MODES.append(mode)
-        _ENUM_MODE_NAMES[id(mode)] = name
+        _MODE_NAMES.put(mode, None, name)
     return name
 
 

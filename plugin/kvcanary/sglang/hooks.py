@@ -24,6 +24,7 @@ from types import ModuleType
 import torch
 
 from kvcanary.config import Config
+from kvcanary.identity_cache import IdentityCache
 from kvcanary.installation import Group, Installation, installations, remember
 from kvcanary.manager import CanaryManager
 from kvcanary.report import Reporter
@@ -57,8 +58,8 @@ class AdapterHooks:
         # Host time of after_populate during the forward in progress: it runs inside ModelRunner.forward (a decode
         # graph's input buffers are filled before the replay), so around_forward adds it to the forward's canary time.
         self.graph_input_ns = 0
-        # id(buffers) -> (buffers, {(raw_bs, bs, raw_num_token, num_tokens_per_bs): the padded rows' views})
-        self._padding: dict[int, tuple[object, dict[tuple, list[torch.Tensor]]]] = {}
+        # (buffers, (raw_bs, bs, raw_num_token, num_tokens_per_bs)) -> the padded rows' views
+        self._padding = IdentityCache(1024)
         # Bound once: HookRegistry's duplicate check (targets.register_hooks) compares hooks by identity.
         self.table: tuple[tuple[Target, Callable], ...] = tuple(
             (target, getattr(self, name)) for name, target in version.HOOK_TARGETS.items()
@@ -189,18 +190,15 @@ class AdapterHooks:
         built once per buffers object and shape: a slice is a torch call of its own (7-11 µs of host time in
         sglang's scheduler on the H200 host), and the buffers keep their storage for the runner's life. The views
         of one replay are zeroed by one ``_foreach_zero_`` (one call, one launch for the two)."""
-        entry = self._padding.get(id(buffers))
-        if entry is None or entry[0] is not buffers:  # (the entry holds its buffers: an id is never reused here)
-            entry = self._padding[id(buffers)] = (buffers, {})
         key = (raw_bs, bs, raw_num_token, num_tokens_per_bs)
-        views = entry[1].get(key)
+        views = self._padding.get(buffers, key)
         if views is None:
             views = [buffers.req_pool_indices[raw_bs:bs]]
             if raw_num_token is not None:
                 end = bs * int(num_tokens_per_bs or 1)
                 if end > raw_num_token:
                     views.append(buffers.positions[raw_num_token:end])
-            entry[1][key] = views
+            self._padding.put(buffers, key, views)
         return views
 
     # EAGLE (kvcanary.sglang.speculative): the draft CUDA-graph replays' host half, the verify verdicts.
