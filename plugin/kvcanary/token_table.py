@@ -77,22 +77,10 @@ class TokenColumns(Sequence):
         if not updates:
             return cls((), (), (), ())
         rows, starts, per_update = zip(*updates, strict=True)
-        counts = tuple(map(len, per_update))
-        if max(counts) < LONG_UPDATE_TOKENS:  # a decode batch: one run
-            return cls(rows, starts, counts, [list(chain.from_iterable(per_update))])
-        runs: list[Sequence[int]] = []
-        short: list[int] = []
-        for update_tokens, count in zip(per_update, counts, strict=True):
-            if count < LONG_UPDATE_TOKENS:
-                short += update_tokens
-                continue
-            if short:
-                runs.append(short)
-                short = []
-            runs.append(update_tokens)
-        if short:
-            runs.append(short)
-        return cls(rows, starts, counts, runs)
+        runs = TokenRuns()
+        for update_tokens in per_update:
+            runs.add(update_tokens)
+        return cls(rows, starts, tuple(map(len, per_update)), runs.done())
 
     @property
     def tokens(self) -> list[int]:
@@ -118,6 +106,34 @@ class TokenColumns(Sequence):
         for row, start, count in zip(self.rows, self.starts, self.counts, strict=True):
             yield row, start, tokens[offset : offset + count]
             offset += count
+
+
+class TokenRuns:
+    """The updates' tokens of :class:`TokenColumns`, back to back, as they are added: a short update's tokens join
+    the current run (``run``: a caller may append a one-token update to it directly), a long one
+    (:data:`LONG_UPDATE_TOKENS` or more: a prompt) is a run of its own, the caller's list (packed as it is, not
+    copied). ``run`` is a new list after a long update."""
+
+    __slots__ = ("runs", "run")
+
+    def __init__(self) -> None:
+        self.runs: list[Sequence[int]] = []
+        self.run: list[int] = []
+
+    def add(self, tokens: Sequence[int]) -> None:
+        if len(tokens) < LONG_UPDATE_TOKENS:
+            self.run += tokens
+            return
+        if self.run:
+            self.runs.append(self.run)
+            self.run = []
+        self.runs.append(tokens)
+
+    def done(self) -> list[Sequence[int]]:
+        """Every run, in order (at least one, maybe empty)."""
+        if self.run or not self.runs:
+            self.runs.append(self.run)
+        return self.runs
 
 
 class StagingEvent(Protocol):

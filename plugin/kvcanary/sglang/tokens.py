@@ -6,7 +6,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 
-from kvcanary.token_table import LONG_UPDATE_TOKENS, TokenColumns
+from kvcanary.token_table import TokenColumns, TokenRuns
 
 
 def _ref_of(req: object) -> Callable[[], object]:
@@ -37,9 +37,8 @@ def expected_token_updates(mirror: dict, reqs) -> TokenColumns:
     """
     rows: list[int] = []
     starts: list[int] = []
-    runs: list[list[int]] = []  # the tokens back to back: runs of short updates' tokens, and each prompt's own list
-    run: list[int] = []  # the current run of short updates' tokens (a decode row's one token goes here)
-    add_row, add_start, add_token = rows.append, starts.append, run.append
+    runs = TokenRuns()  # the tokens back to back: a decode row's one token goes straight into the current run
+    add_row, add_start, add_token = rows.append, starts.append, runs.run.append
     not_one = []  # (column index, count) of the updates that are not one token (all are, in a decode batch)
     mirror_entry = mirror.get
     for req in reqs:
@@ -68,20 +67,12 @@ def expected_token_updates(mirror: dict, reqs) -> TokenColumns:
         not_one.append((len(rows), len(new)))
         add_row(row)
         add_start(start)
-        if len(new) < LONG_UPDATE_TOKENS:
-            run += new
-            continue
-        if run:  # a prompt: a run of its own, the request's own list (packed as it is, not copied)
-            runs.append(run)
-            run = []
-            add_token = run.append
-        runs.append(new)
-    if run or not runs:
-        runs.append(run)
+        runs.add(new)  # (a prompt: a run of its own, the request's own list, packed as it is, not copied)
+        add_token = runs.run.append
     counts = [1] * len(rows)
     for index, count in not_one:
         counts[index] = count
-    return TokenColumns(rows, starts, counts, runs)
+    return TokenColumns(rows, starts, counts, runs.done())
 
 
 def _row_update(mirror: dict, req) -> tuple[int, int, list[int]] | None:
