@@ -15,6 +15,10 @@ reports violations on slots nobody corrupted (seen on the H200 at tp=2, issue 11
 later free and reuse of those blocks, then makes the consumer stream wait for them and marks the results as
 used by the consumer stream (so the producer's allocator cannot recycle them early either). Host cost: a
 stream switch, one event wait and one ``record_stream`` per result, whatever the number of tensors read.
+
+:func:`current_stream` is ``torch.cuda.current_stream(device)`` at a fraction of its host cost, for the event
+records on the per-forward path (measured on the H200 host, torch 2.11: ``torch.cuda.current_stream(dev)`` 3.0 µs,
+``event.record()`` with no stream 5.0 µs, ``event.record(stream)`` with a stream object at hand 0.8 µs).
 """
 
 from __future__ import annotations
@@ -25,6 +29,39 @@ from typing import TypeVar
 import torch
 
 T = TypeVar("T", bound=Sequence[torch.Tensor])
+
+# (device index, raw cudaStream_t) -> its torch.cuda.Stream. Streams an engine runs on are few and live as long as
+# the process (torch's pool streams are never destroyed), so the cache stays small; it is emptied if it ever grows.
+_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
+_MAX_CACHED_STREAMS = 64
+
+
+def current_stream(device_index: int) -> torch.cuda.Stream:
+    """The current stream of CUDA device ``device_index``, as ``torch.cuda.current_stream(device_index)`` gives it.
+
+    Why: building the Stream object is most of the cost of ``current_stream`` (~3 µs of host time per call, an
+    event record per forward pays it). Here the raw stream handle is read (~0.1 µs) and its Stream object, built
+    once, is reused: an event recorded on it is recorded on that very handle, which is what makes reuse exact (the
+    handle, not the Python object, is what CUDA records on)."""
+    raw = _raw_stream(device_index)
+    key = (device_index, raw)
+    stream = _STREAMS.get(key)
+    if stream is None:
+        stream = torch.cuda.current_stream(device_index)
+        if stream.cuda_stream != raw:  # (never seen: the two reads are of one thread's current stream)
+            return stream
+        if len(_STREAMS) >= _MAX_CACHED_STREAMS:
+            _STREAMS.clear()
+        _STREAMS[key] = stream
+    return stream
+
+
+def _raw_stream_fallback(device_index: int) -> int:
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+# torch's own raw-handle read (what Triton's launcher calls); a torch without it takes the slow path.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _raw_stream_fallback
 
 
 def run_on_producer_stream(producer: torch.cuda.Stream | None, read: Callable[[], T]) -> T:
