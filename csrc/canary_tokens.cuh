@@ -153,27 +153,6 @@ inline bool token_update_check_headers(const char* fn, const int64_t* host_stagi
   return std::adjacent_find(seen_rows.begin(), seen_rows.end()) != seen_rows.end();
 }
 
-#if KVCANARY_DEVICE_BUILD
-/*! \brief The device address of pinned host memory at `host`; throws a ValueError naming `staging` otherwise. */
-inline const int64_t* token_update_device_staging(const char* fn, const int64_t* host) {
-  cudaPointerAttributes attributes{};
-  const cudaError_t status = cudaPointerGetAttributes(&attributes, host);
-  if (status != cudaSuccess) {
-    (void)cudaGetLastError();  // a pointer CUDA does not know: reported below, not left as a sticky error
-  }
-  const bool pinned =
-      status == cudaSuccess && attributes.type == cudaMemoryTypeHost && attributes.devicePointer != nullptr;
-  KVCANARY_CHECK_ARG(pinned, ValueError, fn, "staging")
-      << "expected pinned host memory the device can read (torch pin_memory / cudaHostAlloc), got "
-      << (status != cudaSuccess                       ? "memory CUDA does not know"
-          : attributes.type == cudaMemoryTypeDevice  ? "device memory"
-          : attributes.type == cudaMemoryTypeManaged ? "managed memory"
-          : attributes.type == cudaMemoryTypeHost    ? "pinned memory without a device mapping"
-                                                     : "pageable host memory (not pinned)");
-  return static_cast<const int64_t*>(attributes.devicePointer);
-}
-#endif
-
 /*!
  * \brief Apply `num_updates` updates staged in `staging[0, staged_len)` (see the file comment).
  *   expected_tokens int32 [rows, width] (unit stride in the last dimension), valid_lens_by_row int64 [rows], on
@@ -194,11 +173,7 @@ inline void canary_token_update(TensorView expected_tokens, TensorView valid_len
       .verify(expected_tokens, "expected_tokens");
   TensorMatcher(kFn, {rows}).dtype<int64_t>().device(device).verify(valid_lens_by_row, "valid_lens_by_row");
   TensorMatcher(kFn, {staging_len}).dtype<int64_t>().verify(staging, "staging");
-  const DLDevice staging_device = staging.device();
-  KVCANARY_CHECK_ARG(staging_device.device_type == kDLCPU || staging_device.device_type == kDLCUDAHost, ValueError,
-                     kFn, "staging")
-      << "expected host memory (" << (KVCANARY_DEVICE_BUILD ? "pinned, read by the kernel in place" : "a CPU tensor")
-      << "), got a tensor on " << device_name(staging_device);
+  check_host_memory(kFn, "staging", staging);
   KVCANARY_CHECK_ARG(num_updates >= 0 && num_updates <= INT32_MAX, ValueError, kFn, "num_updates")
       << "must be in [0, 2^31), got " << num_updates;
   const int64_t headers = static_cast<int64_t>(kTokenUpdateFields) * num_updates;
@@ -209,7 +184,7 @@ inline void canary_token_update(TensorView expected_tokens, TensorView valid_len
 #if KVCANARY_DEVICE_BUILD
   const DLDevice dev = device.value();
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
-  const int64_t* device_staging = token_update_device_staging(kFn, host_staging);
+  const int64_t* device_staging = pinned_device_address(kFn, "staging", host_staging);
 #endif
   if (num_updates == 0) {
     return;

@@ -11,6 +11,7 @@
 #include "canary_check.cuh"
 #include "canary_layout.cuh"
 #include "canary_plan.cuh"
+#include "canary_row_serials.cuh"
 #include "canary_tokens.cuh"
 #include "canary_verify.cuh"
 #include "canary_write.cuh"
@@ -34,3 +35,5 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_check_step, kvcanary::host::canary_check_st
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_token_update, kvcanary::host::canary_token_update);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_layout_constants, kvcanary::host::canary_layout_constants);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_backend_name, kvcanary::host::canary_backend_name);
+// kvcanary+ (issue 15): the writer serials' per-prefill upload, read in place from pinned host memory.
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_row_serial_update, kvcanary::host::canary_row_serial_update);

@@ -1,6 +1,7 @@
 /*!
  * \file kvcanary/launch.h
- * \brief CUDA launch helpers: the caller's stream, device guard, SM count, launch error checks.
+ * \brief CUDA launch helpers: the caller's stream, device guard, SM count, launch error checks, the device address
+ *   of pinned host memory (for kernels that read a host staging in place).
  *
  * Compiled only by nvcc (the CPU backend has no launches). Kernels always run on the stream that
  * tvm-ffi reports for the call (torch's current stream), which is what makes them capturable in
@@ -19,6 +20,8 @@
 #include <tvm/ffi/extra/cuda/device_guard.h>
 
 #include <cstdint>
+
+#include "kvcanary/tensor_check.h"
 
 namespace kvcanary {
 namespace host {
@@ -45,6 +48,29 @@ inline int32_t sm_count(int32_t device_id) {
 
 /*! \brief ceil(a / b) for positive b. */
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/*!
+ * \brief The device address of the pinned host memory at `host` (zero-copy: a kernel reads it in place, no H2D copy);
+ *   a ValueError naming `arg` for anything else (pageable, device or managed memory, or memory CUDA does not know).
+ */
+template <typename T>
+inline const T* pinned_device_address(const char* fn, const char* arg, const T* host) {
+  cudaPointerAttributes attributes{};
+  const cudaError_t status = cudaPointerGetAttributes(&attributes, host);
+  if (status != cudaSuccess) {
+    (void)cudaGetLastError();  // a pointer CUDA does not know: reported below, not left as a sticky error
+  }
+  const bool pinned =
+      status == cudaSuccess && attributes.type == cudaMemoryTypeHost && attributes.devicePointer != nullptr;
+  KVCANARY_CHECK_ARG(pinned, ValueError, fn, arg)
+      << "expected pinned host memory the device can read (torch pin_memory / cudaHostAlloc), got "
+      << (status != cudaSuccess                       ? "memory CUDA does not know"
+          : attributes.type == cudaMemoryTypeDevice  ? "device memory"
+          : attributes.type == cudaMemoryTypeManaged ? "managed memory"
+          : attributes.type == cudaMemoryTypeHost    ? "pinned memory without a device mapping"
+                                                     : "pageable host memory (not pinned)");
+  return static_cast<const T*>(attributes.devicePointer);
+}
 
 /*! \brief Launch `kernel<<<grid, block, 0, stream>>>(params)` and turn launch errors into exceptions. */
 template <typename Params>

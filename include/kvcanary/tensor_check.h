@@ -22,6 +22,8 @@
 #include <string>
 #include <vector>
 
+#include "kvcanary/macros.h"
+
 /*!
  * \brief Throw `Kind` with "<fn>: <arg>: " and whatever is streamed after, unless `cond` holds.
  * Usage: KVCANARY_CHECK_ARG(n >= 0, ValueError, kFn, "num_sources") << "must be >= 0, got " << n;
@@ -86,6 +88,18 @@ inline DLDataType dtype_of<uint8_t>() {
 
 inline bool same_dtype(DLDataType a, DLDataType b) {
   return a.code == b.code && a.bits == b.bits && a.lanes == b.lanes;
+}
+
+/*!
+ * \brief Check that `t` is host memory a kernel may read: a CPU tensor, or (CUDA build) pinned host memory, which
+ *   the kernel reads in place; a ValueError naming `arg` otherwise. Whether host memory is pinned is checked by
+ *   launch.h's pinned_device_address (CUDA build only).
+ */
+inline void check_host_memory(const char* fn, const char* arg, const TensorView& t) {
+  const DLDevice device = t.device();
+  KVCANARY_CHECK_ARG(device.device_type == kDLCPU || device.device_type == kDLCUDAHost, ValueError, fn, arg)
+      << "expected host memory (" << (KVCANARY_DEVICE_BUILD ? "pinned, read by the kernel in place" : "a CPU tensor")
+      << "), got a tensor on " << device_name(device);
 }
 
 inline std::string shape_string(const TensorView& t) {

@@ -237,8 +237,8 @@ class DeviceState:
         self.positions_snapshot[index] = position
 
     def upload_row_serials(self, rows: list[int], serials: list[int]) -> None:
-        """``row_serials[rows[i]] = serials[i]``: one batched, non-blocking upload (a reused staging, one copy, one
-        scatter: :class:`kvcanary.serial_upload.RowSerialUpload`)."""
+        """``row_serials[rows[i]] = serials[i]``: one batched, non-blocking upload (a reused staging, one launch that
+        reads it in place: :class:`kvcanary.serial_upload.RowSerialUpload`)."""
         self._row_serial_upload(rows, serials)
 
     # ------------------------------------------------------------------------------------------ what the drain reads

@@ -30,6 +30,7 @@ from kvcanary.real_kv import RealKvSource
 __all__ = [
     "CheckLaunch", "RealKvLaunch", "WriteLaunch", "canary_check_step", "canary_plan_step", "canary_token_update",
     "canary_verify_step", "canary_write_step", "load_module", "prepare_real_kv", "real_kv_launch_args",
+    "canary_row_serial_update",
 ]
 
 _unused_source_cache: dict[torch.device, torch.Tensor] = {}
@@ -668,3 +669,25 @@ class WriteLaunch:
         except _CALL_ERRORS as exc:
             ids, pos, loc = self._buffers
             _raise_write_error(exc, **self._kwargs, input_ids=ids[:n], positions=pos[:n], out_cache_loc=loc[:n])
+
+
+def canary_row_serial_update(*, row_serials: torch.Tensor, staging: torch.Tensor, num_updates: int) -> None:
+    """``row_serials[rows[u]] = serials[u]`` for the ``num_updates`` updates staged in ``staging`` (see
+    csrc/canary_row_serials.cuh): the rows ``staging[:num_updates]``, then the serials
+    ``staging[num_updates:2 * num_updates]``, int64.
+
+    ``staging`` is host memory: on CUDA it must be pinned, and the kernel reads it in place, so the caller must not
+    rewrite it before the launch has completed (record an event after this call). ``row_serials`` int64 [rows] is
+    updated in batch order (a row repeated in one call gets its later serial, on CUDA too). Every row is checked on
+    the host first: a row outside ``row_serials`` raises a ``ValueError`` naming the update, and nothing is written.
+    One launch, no copy, no allocation; never synchronises.
+    """
+    try:
+        load_module(_backend_of(row_serials.device)).canary_row_serial_update(
+            row_serials, staging, operator.index(num_updates))
+    except _CALL_ERRORS as exc:
+        _reraise_named(
+            exc, "canary_row_serial_update",
+            {"row_serials": (row_serials, False), "staging": (staging, False)},
+            {"num_updates": num_updates},
+        )

@@ -1,19 +1,17 @@
 """The upload of writer serials (kvcanary+): ``row_serials[rows[i]] = serials[i]`` on the device, per prefill batch.
 
 :meth:`kvcanary.device_state.DeviceState.upload_row_serials` runs it whenever rows get new requests (the batch hook
-of every prefill). Per call: the rows and serials are packed into a host staging of the token table's
-:class:`~kvcanary.token_table.StagingRing` (pinned on CUDA, reused once the copy that read it has completed), copied
-to the device without blocking, and scattered with one ``index_put_``. What it replaced cost a ``torch.tensor`` of
-the values and, on CUDA, a ``pin_memory()`` copy of it (a pinned allocation per batch) before the same copy and
-scatter.
+of every prefill). Per call: the rows and serials are packed by one ``struct.pack_into`` into a host staging of the
+token table's :class:`~kvcanary.token_table.StagingRing` (pinned on CUDA), and one launch of
+``canary_row_serial_update`` (csrc/canary_row_serials.cuh) writes them: on CUDA the kernel reads the pinned staging
+in place (zero-copy: no H2D copy, no device buffer, no scatter op). A staging is rewritten only when the ring hands
+it out again, i.e. after the event recorded behind the launch that read it has completed, whichever stream the next
+upload runs on.
 
-Host cost: two torch calls per upload (the copy, the scatter) and an event record. Each staging of the ring has its
-own device buffer, and the tensor views an upload of ``m`` rows needs (the staging's and the device buffer's first
-``2m`` values, the rows and the serials) are built once per staging and ``m``: a slice or a ``.to()`` is a torch
-call of its own, 7-11 µs of host time on the H200 host, where the batch hook measured ~110 µs per prefill batch.
-A device buffer is rewritten only when its staging is handed out again, i.e. after the event recorded behind the
-scatter that read it has completed (:class:`~kvcanary.token_table.StagingRing`), whichever stream the next upload
-runs on.
+Host cost: one pack, one export call (its host-side check of every row, then the launch) and an event record. What
+it replaced packed the same staging, then paid two torch calls, a ``copy_`` into a per-staging device buffer
+(5.5 µs on the H200 host) and an ``index_put_`` (7.7 µs), of a 21.6 µs upload of 64 rows. A row repeated in one
+call gets its later serial on both backends (the ``index_put_`` left that undefined on CUDA).
 """
 
 from __future__ import annotations
@@ -24,7 +22,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvcanary.identity_cache import IdentityCache
+from kvcanary import ops
+from kvcanary.jit import load_module
 from kvcanary.token_table import CudaStagingEvent, StagingEvent, StagingRing
 
 # Stagings in the ring on CUDA: a staging is rewritten RING_SIZE prefills later (see kvcanary.token_table.RING_SIZE).
@@ -37,7 +36,8 @@ class RowSerialUpload:
     """``row_serials[rows[i]] = serials[i]`` into ``row_serials`` (int64 ``[rows]``, keeps its address), non-blocking.
 
     ``event_factory`` as in :class:`~kvcanary.token_table.TokenTable` (default: CUDA events on CUDA; on the CPU the
-    scatter has read the staging when the call returns: no events, one staging).
+    launch has read the staging when the call returns: no events, one staging). Call outside graph capture (a
+    captured launch would re-read a staging the ring has since handed out again).
     """
 
     def __init__(self, row_serials: torch.Tensor, *,
@@ -46,40 +46,25 @@ class RowSerialUpload:
         if event_factory is None and device.type == "cuda":
             event_factory = functools.partial(CudaStagingEvent, device)
         self._row_serials = row_serials
-        self._device = device
-        self._copies = device.type != "cpu"  # the scatter reads a device copy of the staging (else the staging)
         self.staging = StagingRing(RING_SIZE if event_factory is not None else 1, pinned=device.type == "cuda",
                                    event_factory=event_factory)
-        # (staging, None) -> its device buffer; (staging, m) -> (host values, device values, rows, serials)
-        self._views = IdentityCache(1024)
+        # the export, bound once: an upload is one call of it (ops.canary_row_serial_update only names a failure)
+        self._launch = load_module("cuda" if device.type == "cuda" else "cpu").canary_row_serial_update
 
     def __call__(self, rows: Sequence[int], serials: Sequence[int]) -> None:
-        """Rows repeated in one call: as ``index_put_`` leaves them (the later one on the CPU)."""
+        """Rows repeated in one call: the later serial wins. Raises ``ValueError`` for lengths that differ or a row
+        outside ``row_serials`` (naming the update; nothing is written)."""
         m = len(rows)
         if m != len(serials):
             raise ValueError(f"upload_row_serials: {m} rows but {len(serials)} serials")
         if not m:
             return
         staging = self.staging.acquire(2 * m)
-        _pack_into(f"{2 * m}q", staging.view, 0, *rows, *serials)
-        host, device, row_view, serial_view = self._views_for(staging, m)
-        if device is not None:
-            device.copy_(host, non_blocking=True)
-        self._row_serials.index_put_((row_view,), serial_view)
-        self.staging.launched(staging)  # after the copy that reads the staging
-
-    def _views_for(self, staging, m: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """The staging's first ``2m`` values, the device copy's (None on the CPU: the scatter reads the staging),
-        and the rows and serials the scatter reads; built once per staging and ``m``."""
-        views = self._views.get(staging, m)
-        if views is None:
-            device = None
-            if self._copies:  # the staging's own device buffer (a replaced staging's goes with the cache's restart)
-                device = self._views.get(staging)
-                if device is None:
-                    device = self._views.put(staging, None, torch.empty_like(staging.buffer, device=self._device))
-                device = device[: 2 * m]
-            host = staging.buffer[: 2 * m]
-            values = device if device is not None else host
-            views = self._views.put(staging, m, (host, device, values[:m], values[m:]))
-        return views
+        _pack_into(f"{2 * m}q", staging.view, 0, *rows, *serials)  # the layout of csrc/canary_row_serials.cuh
+        try:
+            self._launch(self._row_serials, staging.buffer, m)
+        except Exception:
+            # Validation fails before anything is launched: the keyword wrapper names the argument (or re-raises).
+            ops.canary_row_serial_update(row_serials=self._row_serials, staging=staging.buffer, num_updates=m)
+            raise
+        self.staging.launched(staging)  # after the launch that reads the staging
