@@ -24,6 +24,7 @@ from kvcanary.config import Config, Mode
 from kvcanary.manager import CanaryManager
 from kvcanary.pump import PinnedChannel
 from kvcanary.real_kv import RealKvSource
+from kvcanary.serial_upload import RowSerialUpload
 
 
 def timed(fn, iters: int, sync) -> float:
@@ -82,6 +83,13 @@ def decode_staging(seqs: dict[int, list[int]], dev: torch.device) -> tuple[torch
     values = [v for field in fields for v in field] + [t[-1] for t in seqs.values()]
     staging = torch.tensor(values, dtype=torch.int64)
     return (staging.pin_memory() if dev.type == "cuda" else staging), n, len(values)
+
+
+def serial_staging(rows: list[int], serials: list[int], dev: torch.device) -> torch.Tensor:
+    """The rows then the serials, as RowSerialUpload stages them (pinned on CUDA); never rewritten, so relaunching it
+    needs no ring."""
+    staging = torch.tensor(rows + serials, dtype=torch.int64)
+    return staging.pin_memory() if dev.type == "cuda" else staging
 
 
 def main() -> None:
@@ -154,6 +162,18 @@ def main() -> None:
         ("canary_token_update: the export alone, the decode update's staging prebuilt",
          timed(functools.partial(ops.load_module(dev.type).canary_token_update, tok.token_table.expected_tokens,
                                  tok.token_table.valid_lens_by_row, *decode_staging(seqs, dev)), args.iters, sync)),
+    ]
+    # writer attribution: a prefill batch of 64 new requests uploads their rows' serials
+    serial_rows = list(range(1, rows))
+    serials = list(range(1000, 1000 + len(serial_rows)))
+    row_serials = torch.full((rows,), layout.META_UNKNOWN, dtype=torch.int64, device=dev)
+    serial_upload = RowSerialUpload(row_serials)
+    rows_out += [
+        ("row-serial upload, 64 rows (RowSerialUpload: a prefill batch's writer serials)",
+         timed(lambda: serial_upload(serial_rows, serials), args.iters, sync)),
+        ("canary_row_serial_update: the export alone, the 64 rows' staging prebuilt",
+         timed(functools.partial(ops.load_module(dev.type).canary_row_serial_update, row_serials,
+                                 serial_staging(serial_rows, serials, dev), len(serial_rows)), args.iters, sync)),
     ]
     mgr.flush()
     if mgr.reporter.total_reported:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -42,10 +44,23 @@ def test_row_serial_upload_scatters_and_grows_its_staging() -> None:
     upload(rows, [r + 100 for r in rows])
     assert torch.equal(row_serials[: len(rows)], torch.arange(100, 100 + len(rows)))
     assert upload.staging.grows == 1
-    upload([5, 5], [1, 2])  # a row twice: the later one (index_put_ on the CPU), as before
+    upload([5, 5], [1, 2])  # a row twice: the later serial (csrc/canary_row_serials.cuh, on CUDA too)
     assert int(row_serials[5]) == 2
     with pytest.raises(ValueError, match="2 rows but 1 serials"):
         upload([1, 2], [3])
+
+
+def test_row_serial_upload_refuses_a_bad_row_and_writes_nothing() -> None:
+    """The rows are checked on the host before the launch (index_put_ raised an IndexError on the CPU, and on CUDA
+    failed on the device, after the call)."""
+    row_serials = torch.full((4,), -1, dtype=torch.int64)
+    upload = RowSerialUpload(row_serials)
+    with pytest.raises(ValueError, match=re.escape("canary_row_serial_update: staging: update 1 (row 4): row outside "
+                                                   "[0, 4)")):
+        upload([0, 4], [7, 8])
+    assert row_serials.tolist() == [-1] * 4  # update 0 is not applied either
+    upload([3], [9])  # the next upload goes through
+    assert row_serials.tolist() == [-1, -1, -1, 9]
 
 
 def test_row_serial_upload_records_an_event_after_each_copy() -> None:
