@@ -30,7 +30,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <string>
 #include <vector>
 
 #include "kvcanary/launch.h"
