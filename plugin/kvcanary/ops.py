@@ -275,6 +275,7 @@ def _raise_write_bind_error(exc: Exception, fixed: Mapping[str, Any]) -> NoRetur
 
 
 def _without(named: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """``named`` less the entries called ``names``, in order."""
     return {k: v for k, v in named.items() if k not in names}
 
 
