@@ -385,16 +385,19 @@ def null_export(*args) -> None:
 
 class KernelModule:
     """The kernel module ``ops.load_module`` returns, with every ``canary_*`` export timed (``kernels``) and, with
-    ``null``, replaced by :func:`null_export`. Everything else passes through."""
+    ``null``, replaced by :func:`null_export`; a ``*_bind`` export's per-forward launch is the function it returns,
+    so that function is what is timed or replaced. Everything else passes through."""
 
     def __init__(self, module, pieces: Pieces, null: bool) -> None:
         self._module, self._pieces, self._null = module, pieces, null
 
     def __getattr__(self, name: str):
         fn = getattr(self._module, name)
-        if name.startswith("canary_") and callable(fn):
-            return self._pieces.wrap("kernels", null_export if self._null else fn)
-        return fn
+        if not (name.startswith("canary_") and callable(fn)):
+            return fn
+        if name.endswith("_bind"):
+            return lambda *args: self._pieces.wrap("kernels", null_export if self._null else fn(*args))
+        return self._pieces.wrap("kernels", null_export if self._null else fn)
 
 
 def patch_kernels(pieces: Pieces, null: bool) -> Callable[[], None]:

@@ -45,8 +45,12 @@
  */
 #pragma once
 
-#include <cstdint>
+#include <tvm/ffi/function.h>
 
+#include <cstdint>
+#include <utility>
+
+#include "bound_args.cuh"
 #include "canary_plan.cuh"
 #include "canary_verify.cuh"
 #include "kvcanary/atomics.h"
@@ -454,6 +458,100 @@ inline void canary_check_step(
   // 3-4. CPU: the same per-row and per-entry semantics in one loop.
   canary_check_cpu(p);
 #endif
+}
+
+/*! \brief canary_check_step's arguments that stay fixed for a runtime's life, owned by canary_check_bind's function. */
+struct CheckFixedArgs {
+  BoundTensor state;
+  BoundOptionalTensor violation_meta;
+  BoundOptionalTensor slot_attribution;
+  BoundTensor canary_buf;
+  BoundTensor write_offsets;
+  BoundTensor write_seed_slot_indices;
+  BoundTensor write_num_valid_reqs;
+  BoundOptionalTensor write_request_rows;
+  BoundTensor req_to_token;
+  int64_t swa_window_size;
+  BoundOptionalTensor full_to_swa_index_mapping;
+  BoundOptionalTensor expected_tokens;
+  BoundOptionalTensor expected_valid_lens_by_row;
+  int64_t kv_token_id_vs_position_offset;
+  BoundTensor input_ids_out;
+  BoundTensor positions_out;
+  BoundTensor out_cache_loc_out;
+  BoundTensor real_kv_buf_0;
+  BoundTensor real_kv_buf_1;
+  BoundTensor real_kv_buf_2;
+  BoundTensor real_kv_buf_3;
+  BoundTensor real_kv_source_params;
+  int64_t num_sources;
+  int64_t real_kv_hash_mode;
+  int64_t check_tokens;
+};
+
+/*!
+ * \brief canary_check_step with every argument but the forward's own bound once: returns a function of
+ * (req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc, new_forward, forward_step_value)
+ * that runs canary_check_step (same checks, same errors, same launch) with the bound tensors in their places.
+ * Binding checks nothing (the call does, every time); it only takes ownership, so the bound storage lives as long as
+ * the function.
+ * Stream: tvm-ffi sets the env stream a launch reads (launch.h current_stream) from the first CUDA torch tensor of a
+ * call, and the bound ones are no longer passed. The call's first argument, req_pool_indices, is the forward's own
+ * CUDA tensor, and a CUDA launch only runs once canary_check_step has checked that it and the other batch arrays are
+ * on the device, so every launch is on torch's current stream (inside graph capture, the capturing stream: a launch
+ * on another stream would silently drop out of the graph).
+ */
+inline tvm::ffi::Function canary_check_bind(
+    tvm::ffi::Tensor state, tvm::ffi::Optional<tvm::ffi::Tensor> violation_meta,
+    tvm::ffi::Optional<tvm::ffi::Tensor> slot_attribution, tvm::ffi::Tensor canary_buf, tvm::ffi::Tensor write_offsets,
+    tvm::ffi::Tensor write_seed_slot_indices, tvm::ffi::Tensor write_num_valid_reqs,
+    tvm::ffi::Optional<tvm::ffi::Tensor> write_request_rows, tvm::ffi::Tensor req_to_token, int64_t swa_window_size,
+    tvm::ffi::Optional<tvm::ffi::Tensor> full_to_swa_index_mapping, tvm::ffi::Optional<tvm::ffi::Tensor> expected_tokens,
+    tvm::ffi::Optional<tvm::ffi::Tensor> expected_valid_lens_by_row, int64_t kv_token_id_vs_position_offset,
+    tvm::ffi::Tensor input_ids_out, tvm::ffi::Tensor positions_out, tvm::ffi::Tensor out_cache_loc_out,
+    tvm::ffi::Tensor real_kv_buf_0, tvm::ffi::Tensor real_kv_buf_1, tvm::ffi::Tensor real_kv_buf_2,
+    tvm::ffi::Tensor real_kv_buf_3, tvm::ffi::Tensor real_kv_source_params, int64_t num_sources,
+    int64_t real_kv_hash_mode, int64_t check_tokens) {
+  CheckFixedArgs fixed{BoundTensor(std::move(state)),
+                       BoundOptionalTensor(std::move(violation_meta)),
+                       BoundOptionalTensor(std::move(slot_attribution)),
+                       BoundTensor(std::move(canary_buf)),
+                       BoundTensor(std::move(write_offsets)),
+                       BoundTensor(std::move(write_seed_slot_indices)),
+                       BoundTensor(std::move(write_num_valid_reqs)),
+                       BoundOptionalTensor(std::move(write_request_rows)),
+                       BoundTensor(std::move(req_to_token)),
+                       swa_window_size,
+                       BoundOptionalTensor(std::move(full_to_swa_index_mapping)),
+                       BoundOptionalTensor(std::move(expected_tokens)),
+                       BoundOptionalTensor(std::move(expected_valid_lens_by_row)),
+                       kv_token_id_vs_position_offset,
+                       BoundTensor(std::move(input_ids_out)),
+                       BoundTensor(std::move(positions_out)),
+                       BoundTensor(std::move(out_cache_loc_out)),
+                       BoundTensor(std::move(real_kv_buf_0)),
+                       BoundTensor(std::move(real_kv_buf_1)),
+                       BoundTensor(std::move(real_kv_buf_2)),
+                       BoundTensor(std::move(real_kv_buf_3)),
+                       BoundTensor(std::move(real_kv_source_params)),
+                       num_sources,
+                       real_kv_hash_mode,
+                       check_tokens};
+  return tvm::ffi::Function::FromTyped(
+      [f = std::move(fixed)](TensorView req_pool_indices, TensorView prefix_lens, TensorView extend_lens,
+                             TensorView input_ids, TensorView positions, TensorView out_cache_loc, int64_t new_forward,
+                             int64_t forward_step_value) {
+        canary_check_step(f.state.view, f.violation_meta.view, f.slot_attribution.view, f.canary_buf.view,
+                          f.write_offsets.view, f.write_seed_slot_indices.view, f.write_num_valid_reqs.view,
+                          f.write_request_rows.view, req_pool_indices, prefix_lens, extend_lens, f.req_to_token.view,
+                          f.swa_window_size, f.full_to_swa_index_mapping.view, f.expected_tokens.view,
+                          f.expected_valid_lens_by_row.view, f.kv_token_id_vs_position_offset, input_ids, positions,
+                          out_cache_loc, f.input_ids_out.view, f.positions_out.view, f.out_cache_loc_out.view,
+                          f.real_kv_buf_0.view, f.real_kv_buf_1.view, f.real_kv_buf_2.view, f.real_kv_buf_3.view,
+                          f.real_kv_source_params.view, f.num_sources, f.real_kv_hash_mode, f.check_tokens,
+                          new_forward, forward_step_value);
+      },
+      "canary_check_bound");
 }
 
 }  // namespace host

@@ -44,8 +44,12 @@
  */
 #pragma once
 
-#include <cstdint>
+#include <tvm/ffi/function.h>
 
+#include <cstdint>
+#include <utility>
+
+#include "bound_args.cuh"
 #include "kvcanary/atomics.h"
 #include "kvcanary/hash.h"
 #include "kvcanary/launch.h"
@@ -619,6 +623,98 @@ inline void canary_write_step(TensorView canary_buf, TensorView write_offsets, T
                                enable_chain_position_assert, real_kv_buf_0, real_kv_buf_1, real_kv_buf_2,
                                real_kv_buf_3, real_kv_source_params, num_sources, real_kv_hash_mode, std::nullopt,
                                std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+}
+
+/*! \brief canary_write_step_attributed's arguments that stay fixed for a runtime's life, owned by canary_write_bind's
+ * function. */
+struct WriteFixedArgs {
+  BoundTensor canary_buf;
+  BoundTensor write_offsets;
+  BoundTensor write_seed_slot_indices;
+  BoundTensor write_num_valid_reqs;
+  int64_t kernel_kind;
+  int64_t enable_write_input_assert;
+  BoundOptionalTensor expected_input_tokens;
+  BoundOptionalTensor expected_input_positions;
+  BoundTensor violation_ring;
+  BoundTensor violation_write_index;
+  BoundTensor slot_run_counter;
+  BoundTensor kernel_run_counter;
+  BoundTensor enable_chain_position_assert;
+  BoundTensor real_kv_buf_0;
+  BoundTensor real_kv_buf_1;
+  BoundTensor real_kv_buf_2;
+  BoundTensor real_kv_buf_3;
+  BoundTensor real_kv_source_params;
+  int64_t num_sources;
+  int64_t real_kv_hash_mode;
+  BoundOptionalTensor violation_meta;
+  BoundOptionalTensor forward_step;
+  BoundOptionalTensor write_request_rows;
+  BoundOptionalTensor slot_attribution;
+  BoundOptionalTensor row_serials;
+};
+
+/*!
+ * \brief canary_write_step_attributed with every argument but the forward's tokens bound once: returns a function of
+ * (input_ids, positions, out_cache_loc) that runs canary_write_step_attributed (same checks, same errors, same launch)
+ * with the bound tensors in their places; absent optional ones are absent on every call, as in the seed ABI. Binding
+ * checks nothing (the call does, every time); it only takes ownership, so the bound storage lives as long as the
+ * function.
+ * Stream: tvm-ffi sets the env stream a launch reads (launch.h current_stream) from the first CUDA torch tensor of a
+ * call, and the bound ones are no longer passed. The call's first argument, input_ids, is a CUDA tensor whenever the
+ * wrapper launches (it checks the device), so every launch is on torch's current stream (inside graph capture, the
+ * capturing stream: a launch on another stream would silently drop out of the graph).
+ */
+inline tvm::ffi::Function canary_write_bind(
+    tvm::ffi::Tensor canary_buf, tvm::ffi::Tensor write_offsets, tvm::ffi::Tensor write_seed_slot_indices,
+    tvm::ffi::Tensor write_num_valid_reqs, int64_t kernel_kind, int64_t enable_write_input_assert,
+    tvm::ffi::Optional<tvm::ffi::Tensor> expected_input_tokens,
+    tvm::ffi::Optional<tvm::ffi::Tensor> expected_input_positions, tvm::ffi::Tensor violation_ring,
+    tvm::ffi::Tensor violation_write_index, tvm::ffi::Tensor slot_run_counter, tvm::ffi::Tensor kernel_run_counter,
+    tvm::ffi::Tensor enable_chain_position_assert, tvm::ffi::Tensor real_kv_buf_0, tvm::ffi::Tensor real_kv_buf_1,
+    tvm::ffi::Tensor real_kv_buf_2, tvm::ffi::Tensor real_kv_buf_3, tvm::ffi::Tensor real_kv_source_params,
+    int64_t num_sources, int64_t real_kv_hash_mode, tvm::ffi::Optional<tvm::ffi::Tensor> violation_meta,
+    tvm::ffi::Optional<tvm::ffi::Tensor> forward_step, tvm::ffi::Optional<tvm::ffi::Tensor> write_request_rows,
+    tvm::ffi::Optional<tvm::ffi::Tensor> slot_attribution, tvm::ffi::Optional<tvm::ffi::Tensor> row_serials) {
+  WriteFixedArgs fixed{BoundTensor(std::move(canary_buf)),
+                       BoundTensor(std::move(write_offsets)),
+                       BoundTensor(std::move(write_seed_slot_indices)),
+                       BoundTensor(std::move(write_num_valid_reqs)),
+                       kernel_kind,
+                       enable_write_input_assert,
+                       BoundOptionalTensor(std::move(expected_input_tokens)),
+                       BoundOptionalTensor(std::move(expected_input_positions)),
+                       BoundTensor(std::move(violation_ring)),
+                       BoundTensor(std::move(violation_write_index)),
+                       BoundTensor(std::move(slot_run_counter)),
+                       BoundTensor(std::move(kernel_run_counter)),
+                       BoundTensor(std::move(enable_chain_position_assert)),
+                       BoundTensor(std::move(real_kv_buf_0)),
+                       BoundTensor(std::move(real_kv_buf_1)),
+                       BoundTensor(std::move(real_kv_buf_2)),
+                       BoundTensor(std::move(real_kv_buf_3)),
+                       BoundTensor(std::move(real_kv_source_params)),
+                       num_sources,
+                       real_kv_hash_mode,
+                       BoundOptionalTensor(std::move(violation_meta)),
+                       BoundOptionalTensor(std::move(forward_step)),
+                       BoundOptionalTensor(std::move(write_request_rows)),
+                       BoundOptionalTensor(std::move(slot_attribution)),
+                       BoundOptionalTensor(std::move(row_serials))};
+  return tvm::ffi::Function::FromTyped(
+      [f = std::move(fixed)](TensorView input_ids, TensorView positions, TensorView out_cache_loc) {
+        canary_write_step_attributed(f.canary_buf.view, f.write_offsets.view, f.write_seed_slot_indices.view,
+                                     f.write_num_valid_reqs.view, input_ids, positions, out_cache_loc, f.kernel_kind,
+                                     f.enable_write_input_assert, f.expected_input_tokens.view,
+                                     f.expected_input_positions.view, f.violation_ring.view,
+                                     f.violation_write_index.view, f.slot_run_counter.view, f.kernel_run_counter.view,
+                                     f.enable_chain_position_assert.view, f.real_kv_buf_0.view, f.real_kv_buf_1.view,
+                                     f.real_kv_buf_2.view, f.real_kv_buf_3.view, f.real_kv_source_params.view,
+                                     f.num_sources, f.real_kv_hash_mode, f.violation_meta.view, f.forward_step.view,
+                                     f.write_request_rows.view, f.slot_attribution.view, f.row_serials.view);
+      },
+      "canary_write_bound");
 }
 
 }  // namespace host

@@ -31,6 +31,10 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_verify_step_attributed, kvcanary::host::can
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_plan_step_attributed, kvcanary::host::canary_plan_step_attributed);
 // kvcanary+ (issue 15): plan + verify + the per-forward small ops in one launch.
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_check_step, kvcanary::host::canary_check_step);
+// kvcanary+ (issue 15): the per-forward check and write with their fixed arguments bound once; each returns a
+// function of the forward's own arguments only (tvm-ffi converts each tensor argument on every call).
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_check_bind, kvcanary::host::canary_check_bind);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_write_bind, kvcanary::host::canary_write_bind);
 // kvcanary+ (issue 15): the token check's per-forward upload, read in place from pinned host memory.
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_token_update, kvcanary::host::canary_token_update);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_layout_constants, kvcanary::host::canary_layout_constants);

@@ -490,24 +490,59 @@ def test_mode_name_reads_an_enum_members_name_once() -> None:
     assert mode_name(types.SimpleNamespace(forward_mode=2)) == "2"
 
 
-def test_graph_input_zeroing_reuses_its_views_and_zeroes_each_replays_padding() -> None:
-    """The padded rows' views are built once per buffers and shape (a slice is a torch call of host time per
-    replay); each replay still zeroes exactly its own padding, whatever shape came before."""
+def _populate(ah, bufs, raw_bs: int, bs: int, per_bs: int, value: int) -> None:
+    """sglang's fill of a graph's buffers (the real rows, nothing past them), then the hook after it."""
+    bufs.req_pool_indices[:raw_bs] = value
+    bufs.positions[: raw_bs * per_bs] = value
+    ah.after_populate(None, bufs, raw_bs=raw_bs, raw_num_token=raw_bs * per_bs, bs=bs, num_tokens_per_bs=per_bs)
+
+
+def test_graph_input_zeroing_leaves_every_replays_padding_zero() -> None:
+    """Whatever sequence of batch and graph sizes, the padded rows a replay's graph reads are zero (a larger earlier
+    fill's rows, and whatever capture left), and the views are built once per buffers and ranges."""
     ah = adapter_hooks.AdapterHooks(v0_5_12)
-    bufs = types.SimpleNamespace(req_pool_indices=torch.zeros(8, dtype=torch.int64),
-                                 positions=torch.zeros(16, dtype=torch.int64))
-    for raw_bs, bs, per_bs in ((2, 4, 1), (1, 4, 1), (2, 4, 1), (3, 8, 2), (2, 4, 1)):
-        bufs.req_pool_indices.copy_(torch.arange(1, 9))  # a previous, larger batch left every row stale
-        bufs.positions.copy_(torch.arange(1, 17))
-        ah.after_populate(None, bufs, raw_bs=raw_bs, raw_num_token=raw_bs * per_bs, bs=bs, num_tokens_per_bs=per_bs)
-        rows = list(range(1, 9))
-        rows[raw_bs:bs] = [0] * (bs - raw_bs)
-        tokens = list(range(1, 17))
-        tokens[raw_bs * per_bs : bs * per_bs] = [0] * (bs - raw_bs) * per_bs
-        assert bufs.req_pool_indices.tolist() == rows and bufs.positions.tolist() == tokens
-    first = ah._padding_views(bufs, 2, 4, 2, 1)
-    assert ah._padding_views(bufs, 2, 4, 2, 1) is first  # built once per shape
+    bufs = types.SimpleNamespace(req_pool_indices=torch.arange(1, 9), positions=torch.arange(1, 17))  # capture's
+    for step, (raw_bs, bs, per_bs) in enumerate(((2, 4, 1), (4, 4, 1), (1, 4, 1), (2, 4, 1), (3, 8, 2), (8, 8, 2),
+                                                 (2, 4, 1), (2, 8, 1))):
+        _populate(ah, bufs, raw_bs, bs, per_bs, 100 + step)
+        assert bufs.req_pool_indices[raw_bs:bs].tolist() == [0] * (bs - raw_bs), step
+        assert bufs.positions[raw_bs * per_bs : bs * per_bs].tolist() == [0] * ((bs - raw_bs) * per_bs), step
+    first = ah._padding_views(bufs, (2, 4), (2, 4))
+    assert ah._padding_views(bufs, (2, 4), (2, 4)) is first  # built once per ranges
     other = types.SimpleNamespace(req_pool_indices=torch.ones(8, dtype=torch.int64),
                                   positions=torch.ones(16, dtype=torch.int64))
-    ah.after_populate(None, other, raw_bs=2, raw_num_token=2, bs=4)  # another runner's buffers: views of its own
+    ah.after_populate(None, other, raw_bs=2, raw_num_token=2, bs=4)  # another runner's buffers: tracked apart
     assert other.req_pool_indices.tolist() == [1, 1, 0, 0, 1, 1, 1, 1]
+
+
+def test_graph_input_zeroing_launches_only_when_a_larger_fill_left_padding_stale(monkeypatch) -> None:
+    """A decode batch whose size stands still or grows pays no zeroing launch (its padding is zero already); one
+    that shrinks pays one, for the rows the larger fill left."""
+    ah = adapter_hooks.AdapterHooks(v0_5_12)
+    bufs = types.SimpleNamespace(req_pool_indices=torch.arange(1, 9), positions=torch.arange(1, 9))
+    zeroed: list[list[list[int]]] = []
+    real_zero = torch._foreach_zero_
+    monkeypatch.setattr(adapter_hooks.torch, "_foreach_zero_",
+                        lambda views: (zeroed.append([v.tolist() for v in views]), real_zero(views)))
+    for raw_bs in (3, 3, 3, 4, 4, 2, 2):
+        _populate(ah, bufs, raw_bs, 4, 1, 9)
+    # the first replay clears what capture left; the shrink to 2 clears rows 2..3 once
+    assert zeroed == [[[4], [4]], [[9, 9], [9, 9]]]
+    assert bufs.req_pool_indices.tolist()[:4] == [9, 9, 0, 0]
+
+
+def test_with_an_eagle_pool_every_replays_whole_padding_is_zeroed() -> None:
+    """With an EAGLE pool in the process sglang also fills the buffers where after_populate does not see it (a
+    replay that skips the attention backend's init): no tracking, the whole padding of every replay is zeroed."""
+    ah = adapter_hooks.AdapterHooks(v0_5_12)
+    ah.track_stale_padding = False  # (what install sets for an EAGLE pool)
+    bufs = types.SimpleNamespace(req_pool_indices=torch.zeros(8, dtype=torch.int64),
+                                 positions=torch.zeros(8, dtype=torch.int64))
+    for _ in range(2):
+        bufs.req_pool_indices.copy_(torch.arange(1, 9))  # written behind the hook's back
+        bufs.positions.copy_(torch.arange(1, 9))
+        ah.after_populate(None, bufs, raw_bs=2, raw_num_token=2, bs=4)
+        assert bufs.req_pool_indices.tolist() == [1, 2, 0, 0, 5, 6, 7, 8]
+        assert bufs.positions.tolist() == [1, 2, 0, 0, 5, 6, 7, 8]
+
+

@@ -8,7 +8,7 @@ version's targets with the bound hook (built once, so ``HookRegistry`` sees the 
 * ``after_init_memory_pool``: :meth:`AdapterHooks.install`: one manager per KV group, ``model.forward`` wrapped;
 * ``around_forward``: the host half of each real forward (fault injection, drain, health, stats, sweep);
 * ``after_initialize``: init finished (warm-up and graph capture are over): the chain-position assert goes on;
-* ``after_populate``: zero the padded rows of a decode graph's input buffers (0.5.12 leaves them stale);
+* ``after_populate``: zero the padded rows of a decode graph's input buffers that 0.5.12 leaves stale;
 * ``after_init_cache``: the RadixCache becomes the sweep source;
 * ``after_forward_batch_init``: token-table uploads (``KVCANARY_VERIFY_TOKENS``), request facts for the injector.
 """
@@ -35,6 +35,7 @@ from kvcanary.sglang.fault_injection import fault_plan_for_rank, inject_fault, r
 from kvcanary.sglang.radix import mutation_counter, radix_sweep_source
 from kvcanary.sglang.targets import Target
 from kvcanary.sglang.tokens import expected_token_updates
+from kvcanary.stale_rows import StaleRows
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +59,12 @@ class AdapterHooks:
         # Host time of after_populate during the forward in progress: it runs inside ModelRunner.forward (a decode
         # graph's input buffers are filled before the replay), so around_forward adds it to the forward's canary time.
         self.graph_input_ns = 0
-        # (buffers, (raw_bs, bs, raw_num_token, num_tokens_per_bs)) -> the padded rows' views
+        # (buffers, (row range, token range)) -> the views to zero; buffers -> its StaleRows (rows, tokens)
         self._padding = IdentityCache(1024)
+        self._stale = IdentityCache(64)
+        # False once an EAGLE pool is installed in this process: sglang then also fills the graph buffers on paths
+        # after_populate does not see (a replay with skip_attn_backend_init), so its trackers would miss fills
+        self.track_stale_padding = True
         # Bound once: HookRegistry's duplicate check (targets.register_hooks) compares hooks by identity.
         self.table: tuple[tuple[Target, Callable], ...] = tuple(
             (target, getattr(self, name)) for name, target in version.HOOK_TARGETS.items()
@@ -86,6 +91,7 @@ class AdapterHooks:
         role = speculative.pool_role(runner, v.server_args_of(runner))  # EAGLE: target or draft pool (pool=...)
         if role is not None:
             rank = role.rank(rank)
+            self.track_stale_padding = False  # (before any replay: pools are installed at init)
         groups = []
         for spec in specs:
             manager = CanaryManager(
@@ -175,29 +181,49 @@ class AdapterHooks:
                        num_tokens_per_bs=1, **kwargs):
         """Zero the padded rows' req_pool_indices and positions a version leaves stale (row 0 is the padding row).
 
-        Only the padding the graph of ``bs`` reads, and nothing when the batch fills its graph: every replay pays
-        these launches in host time, counted as the forward's canary hook time (``graph_input_ns``)."""
-        if raw_bs is None or bs is None or bs <= raw_bs:
+        Only padding the graph of ``bs`` reads, and of it only rows a larger fill left stale since they were last
+        zeroed (:class:`~kvcanary.stale_rows.StaleRows`: nothing while the batch size stands still or grows); with
+        an EAGLE pool in the process, sglang also fills these buffers where this hook does not see it, so every
+        replay's whole padding is zeroed. The launch is host time of every replay that has one, counted as the
+        forward's canary hook time (``graph_input_ns``)."""
+        if raw_bs is None or bs is None:
             return result
         t0 = time.perf_counter_ns()
-        torch._foreach_zero_(self._padding_views(buffers, raw_bs, bs, raw_num_token, num_tokens_per_bs))
+        end = bs * int(num_tokens_per_bs or 1)
+        if self.track_stale_padding:
+            rows, tokens = self._stale_rows(buffers)
+            row_range = rows.to_clear(raw_bs, bs)
+            token_range = tokens.to_clear(raw_num_token, end) if raw_num_token is not None else None
+        else:
+            row_range = (raw_bs, bs) if bs > raw_bs else None
+            token_range = (raw_num_token, end) if raw_num_token is not None and end > raw_num_token else None
+        if row_range is not None or token_range is not None:
+            torch._foreach_zero_(self._padding_views(buffers, row_range, token_range))
         self.graph_input_ns += time.perf_counter_ns() - t0
         return result
 
-    def _padding_views(self, buffers, raw_bs: int, bs: int, raw_num_token: int | None,
-                       num_tokens_per_bs) -> list[torch.Tensor]:
-        """The padded rows' views of ``buffers`` (req_pool_indices, and positions when ``raw_num_token`` is given),
-        built once per buffers object and shape: a slice is a torch call of its own (7-11 µs of host time in
-        sglang's scheduler on the H200 host), and the buffers keep their storage for the runner's life. The views
-        of one replay are zeroed by one ``_foreach_zero_`` (one call, one launch for the two)."""
-        key = (raw_bs, bs, raw_num_token, num_tokens_per_bs)
+    def _stale_rows(self, buffers) -> tuple[StaleRows, StaleRows]:
+        """The row and token trackers of ``buffers`` (a buffer seen first is stale everywhere)."""
+        trackers = self._stale.get(buffers)
+        if trackers is None:
+            trackers = self._stale.put(buffers, None, (StaleRows(buffers.req_pool_indices.shape[0]),
+                                                       StaleRows(buffers.positions.shape[0])))
+        return trackers
+
+    def _padding_views(self, buffers, row_range: tuple[int, int] | None,
+                       token_range: tuple[int, int] | None) -> list[torch.Tensor]:
+        """The views of ``buffers`` to zero (req_pool_indices rows ``row_range``, positions ``token_range``), built
+        once per buffers object and ranges: a slice is a torch call of its own (7-11 µs of host time in sglang's
+        scheduler on the H200 host), and the buffers keep their storage for the runner's life. The views of one
+        replay are zeroed by one ``_foreach_zero_`` (one call, one launch for the two)."""
+        key = (row_range, token_range)
         views = self._padding.get(buffers, key)
         if views is None:
-            views = [buffers.req_pool_indices[raw_bs:bs]]
-            if raw_num_token is not None:
-                end = bs * int(num_tokens_per_bs or 1)
-                if end > raw_num_token:
-                    views.append(buffers.positions[raw_num_token:end])
+            views = []
+            if row_range is not None:
+                views.append(buffers.req_pool_indices[row_range[0] : row_range[1]])
+            if token_range is not None:
+                views.append(buffers.positions[token_range[0] : token_range[1]])
             self._padding.put(buffers, key, views)
         return views
 

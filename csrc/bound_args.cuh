@@ -1,0 +1,55 @@
+/*!
+ * \file bound_args.cuh
+ * \brief Tensors a bound launch function (canary_check_bind, canary_write_bind) holds for its whole life.
+ *
+ * A bind takes the arguments of a per-forward export that never change for a runtime's life once, as owning
+ * tvm::ffi::Tensor references, so their storage stays alive as long as the returned function does; each call then
+ * hands the existing host wrapper a TensorView of each, made once here, instead of converting the Python tensor
+ * again (tvm-ffi's per-tensor DLPack exchange is most of a wide export's call cost). The wrapper still validates
+ * every view on every call, so a bound call's checks and errors are the unbound export's.
+ */
+#pragma once
+
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/optional.h>
+
+#include <optional>
+#include <utility>
+
+#include "kvcanary/tensor_check.h"
+
+namespace kvcanary {
+namespace host {
+
+/*!
+ * \brief An owned tensor and its view. The view copies the DLTensor, whose shape and strides point into the owner's
+ * object (never into this struct), so a copied or moved BoundTensor's view stays valid while any copy owns it.
+ */
+struct BoundTensor {
+  explicit BoundTensor(tvm::ffi::Tensor tensor) : owner(std::move(tensor)), view(owner) {}
+
+  tvm::ffi::Tensor owner;
+  TensorView view;
+};
+
+/*! \brief An owned optional tensor and its view (absent: both empty). */
+struct BoundOptionalTensor {
+  explicit BoundOptionalTensor(tvm::ffi::Optional<tvm::ffi::Tensor> tensor)
+      : owner(std::move(tensor)), view(view_of(owner)) {}
+
+  tvm::ffi::Optional<tvm::ffi::Tensor> owner;
+  tvm::ffi::Optional<TensorView> view;
+
+ private:
+  static tvm::ffi::Optional<TensorView> view_of(const tvm::ffi::Optional<tvm::ffi::Tensor>& owner) {
+    if (!owner.has_value()) {
+      return std::nullopt;
+    }
+    // value() is a second reference to the owner's object: the view's shape and strides outlive it with the owner.
+    const tvm::ffi::Tensor tensor = owner.value();
+    return TensorView(tensor);
+  }
+};
+
+}  // namespace host
+}  // namespace kvcanary

@@ -1,0 +1,362 @@
+"""The bound launches (``canary_check_bind`` / ``canary_write_bind`` behind ops.CheckLaunch / ops.WriteLaunch) equal
+the keyword exports they stand for.
+
+* Bit-identical results: on random cases (extend, decode, padding rows, corrupted records: violations), a few
+  forwards in a row through the bound function leave exactly what the same forwards through
+  ``ops.canary_check_step`` / ``ops.canary_write_step`` leave (state header, ring, metadata, write plan, snapshots,
+  records, attribution).
+* Errors: a malformed per-forward argument through the bound path raises the same named error as the keyword export;
+  a fixed argument tvm-ffi cannot take is named at binding, as the export would name it.
+* Ownership: the bound function keeps its fixed tensors alive after every Python reference is dropped.
+* CUDA: a captured graph of the bound check + write replays on the capturing stream.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+from typing import Any
+
+import pytest
+import torch
+from canary_cases import random_sources, random_write_launch
+from test_check import assert_same, random_check_case, run_fused
+
+from kvcanary import layout, ops
+from kvcanary.plan import WritePlan
+from kvcanary.real_kv import RealKvSource
+
+SCENARIOS = 60
+H = layout.STATE_HEADER_FIELDS
+CHECK_PER_FORWARD = ("req_pool_indices", "prefix_lens", "extend_lens", "input_ids", "positions", "out_cache_loc")
+CHECK_FLAGS = ("new_forward", "forward_step_value")
+WRITE_PER_FORWARD = ("input_ids", "positions", "out_cache_loc")
+
+
+# ---------------------------------------------------------------------------------------------- check
+
+
+def _decode_batch(kw: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A decode forward over the case's first rows (extend 1 each), as many as its snapshot buffers hold."""
+    rows = min(kw["req_pool_indices"].shape[0], kw["input_ids_out"].shape[0])
+    tokens = torch.arange(100, 100 + rows)
+    return {
+        "req_pool_indices": kw["req_pool_indices"][:rows],
+        "prefix_lens": kw["prefix_lens"][:rows],
+        "extend_lens": torch.ones(rows, dtype=kw["extend_lens"].dtype),
+        "input_ids": tokens.to(kw["input_ids"].dtype),
+        "positions": kw["prefix_lens"][:rows].to(kw["positions"].dtype),
+        "out_cache_loc": (tokens % 7).to(kw["out_cache_loc"].dtype),
+    }
+
+
+def _check_forwards(kw: dict[str, Any]) -> list[tuple[dict[str, torch.Tensor], bool, int]]:
+    """(batch, new_forward, forward_step_value) of three forwards: the case's, a decode, the case's uncounted."""
+    case_batch = {k: kw[k] for k in CHECK_PER_FORWARD}
+    return [(case_batch, kw["new_forward"], kw["forward_step_value"]), (_decode_batch(kw), True, -1),
+            (case_batch, False, -1)]
+
+
+def _check_unbound(**kw: Any) -> None:
+    for batch, new_forward, step in _check_forwards(kw):
+        ops.canary_check_step(**{**kw, **batch, "new_forward": new_forward, "forward_step_value": step})
+
+
+def _check_bound(**kw: Any) -> None:
+    launch = ops.CheckLaunch(**{k: v for k, v in kw.items() if k not in CHECK_PER_FORWARD + CHECK_FLAGS})
+    for batch, new_forward, step in _check_forwards(kw):
+        launch(*(batch[k] for k in CHECK_PER_FORWARD), new_forward=new_forward, forward_step_value=step)
+
+
+def test_bound_check_equals_the_export() -> None:
+    appended = 0
+    for scenario in range(SCENARIOS):
+        case = random_check_case(random.Random(1000 + scenario))
+        want = run_fused(_check_unbound, case, "cpu")
+        got = run_fused(_check_bound, case, "cpu")
+        assert_same(got, want, f"scenario {scenario}", ordered=True)
+        appended += int(torch.count_nonzero(want["ring"][:, 0] != -7))
+    assert appended > 0, "the scenarios must reach violations"
+
+
+# ---------------------------------------------------------------------------------------------- write
+
+
+def _write_case(seed: int) -> dict[str, Any]:
+    """A write launch's keywords (input assert off: WriteLaunch has none) with snapshot buffers longer than the
+    forward's tokens, sometimes with the kvcanary+ attribution arguments."""
+    rng = random.Random(seed)
+    launch = random_write_launch(rng)
+    kw = dict(launch.kwargs, enable_write_input_assert=False, expected_input_tokens=None,
+              expected_input_positions=None, real_kv_sources=tuple(launch.sources))
+    pad = rng.choice([0, 1, 5])
+    for name in WRITE_PER_FORWARD:
+        kw[name] = torch.cat([kw[name], torch.full((pad,), 3, dtype=torch.int64)])
+    kw["num_tokens"] = launch.kwargs["input_ids"].shape[0]
+    cap = kw["write_seed_slot_indices"].shape[0]
+    kw["write_request_rows"] = None
+    if rng.random() < 0.6:
+        serial_rows = rng.randint(1, 6)
+        kw["write_request_rows"] = torch.tensor([rng.randrange(serial_rows) for _ in range(cap)], dtype=torch.int64)
+        kw["row_serials"] = torch.tensor([rng.randint(1, 999) for _ in range(serial_rows)], dtype=torch.int64)
+        kw["violation_meta"] = torch.full((kw["violation_ring"].shape[0], layout.VIOLATION_META_FIELDS), -7,
+                                          dtype=torch.int64)
+        kw["forward_step"] = torch.tensor([rng.randint(0, 99)], dtype=torch.int64)
+        kw["slot_attribution"] = torch.full((kw["canary_buf"].shape[0], layout.SLOT_ATTRIBUTION_FIELDS), -7,
+                                            dtype=torch.int64)
+    return kw
+
+
+def _clone(kw: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    out["real_kv_sources"] = tuple(RealKvSource(s.tensor.clone(), s.page_size, s.num_bytes_per_token, s.read_bytes)
+                                   for s in kw["real_kv_sources"])
+    return out
+
+
+def _token_counts(kw: dict[str, Any]) -> list[int]:
+    """The forward's count twice (the second call reuses the cached slices), then one fewer: a plan entry past
+    the tokens (an out-of-range row) whenever the plan used the last token."""
+    n = kw["num_tokens"]
+    return [n, n, max(n - 1, 0)]
+
+
+def _write_unbound(kw: dict[str, Any]) -> None:
+    args = {k: v for k, v in kw.items() if k != "num_tokens"}
+    for n in _token_counts(kw):
+        ops.canary_write_step(**{**args, **{k: kw[k][:n] for k in WRITE_PER_FORWARD}})
+
+
+def _write_launch(kw: dict[str, Any]) -> ops.WriteLaunch:
+    plan = WritePlan(kw["write_offsets"], kw["write_seed_slot_indices"], kw["write_num_valid_reqs"],
+                     torch.zeros_like(kw["write_offsets"]), kw["write_request_rows"])
+    skip = {"num_tokens", "write_offsets", "write_seed_slot_indices", "write_num_valid_reqs", "write_request_rows",
+            "enable_write_input_assert", "expected_input_tokens", "expected_input_positions"}
+    return ops.WriteLaunch(write_plan=plan, **{k: v for k, v in kw.items() if k not in skip})
+
+
+def _write_bound(kw: dict[str, Any]) -> None:
+    launch = _write_launch(kw)
+    for n in _token_counts(kw):
+        launch(n)
+
+
+WRITE_RESULTS = ("canary_buf", "violation_ring", "violation_write_index", "slot_run_counter", "kernel_run_counter",
+                 "violation_meta", "slot_attribution")
+
+
+def test_bound_write_equals_the_export() -> None:
+    violations = 0
+    for scenario in range(SCENARIOS):
+        case = _write_case(2000 + scenario)
+        want, got = _clone(case), _clone(case)
+        _write_unbound(want)
+        _write_bound(got)
+        for name in WRITE_RESULTS:
+            if name in case:
+                assert torch.equal(got[name], want[name]), f"{name} differs (scenario {scenario})"
+        violations += int(want["violation_write_index"][0]) - int(case["violation_write_index"][0])
+    assert violations > 0, "the scenarios must reach violations"
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+def _small_check_case() -> dict[str, Any]:
+    kw = random_check_case(random.Random(7), bs_max=3)
+    kw["write_plan"] = WritePlan.allocate(kw.pop("write_capacity"), "cpu")
+    kw["real_kv_sources"] = tuple(kw.pop("sources"))
+    return kw
+
+
+def _raised(fn: Any) -> Exception:
+    with pytest.raises(Exception) as info:
+        fn()
+    return info.value
+
+
+def _check_bad_batches() -> list[tuple[str, Any]]:
+    return [("req_pool_indices", None), ("prefix_lens", [0]), ("extend_lens", torch.empty(1, device="meta")),
+            ("input_ids", torch.ones(1, dtype=torch.float32)), ("positions", torch.ones(99, dtype=torch.int64)),
+            ("out_cache_loc", torch.ones(1, dtype=torch.uint8)), ("new_forward", 2), ("forward_step_value", None)]
+
+
+@pytest.mark.parametrize(("name", "value"), _check_bad_batches(), ids=lambda v: v if isinstance(v, str) else "")
+def test_bound_check_names_a_bad_batch_like_the_export(name: str, value: Any) -> None:
+    kw = _small_check_case()
+    want = _raised(lambda: ops.canary_check_step(**{**kw, name: value}))
+    bad = {**kw, name: value}
+    launch = ops.CheckLaunch(**{k: v for k, v in kw.items() if k not in CHECK_PER_FORWARD + CHECK_FLAGS})
+    got = _raised(lambda: launch(*(bad[k] for k in CHECK_PER_FORWARD), new_forward=bad["new_forward"],
+                                 forward_step_value=bad["forward_step_value"]))
+    assert type(got) is type(want) and str(got) == str(want)
+    assert str(got).startswith(f"canary_check_step: {name}: ")
+
+
+@pytest.mark.parametrize("name", ["state", "req_to_token", "input_ids_out", "expected_tokens"])
+@pytest.mark.parametrize("kind", ["list", "meta"])
+def test_bound_check_names_a_bad_fixed_argument_at_binding(name: str, kind: str) -> None:
+    kw = {**_small_check_case(), "expected_tokens": torch.zeros((2, 3), dtype=torch.int32),
+          "expected_valid_lens_by_row": torch.zeros(2, dtype=torch.int64)}
+    value = kw[name].tolist() if kind == "list" else torch.empty(kw[name].shape, device="meta")
+    bad = {**kw, name: value}
+    want = _raised(lambda: ops.canary_check_step(**bad))
+    got = _raised(lambda: ops.CheckLaunch(**{k: v for k, v in bad.items()
+                                             if k not in CHECK_PER_FORWARD + CHECK_FLAGS}))
+    assert type(got) is type(want) and str(got) == str(want)
+    assert str(got).startswith(f"canary_check_step: {name}: ")
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("input_ids", torch.zeros(8, dtype=torch.int32)), ("positions", torch.empty(8, dtype=torch.int64, device="meta")),
+    ("out_cache_loc", torch.zeros((8, 1), dtype=torch.int64)),
+], ids=["dtype", "meta", "shape"])
+def test_bound_write_names_bad_snapshots_like_the_export(name: str, value: torch.Tensor) -> None:
+    kw = _write_case(5)
+    n = kw["num_tokens"]
+    args = {k: v for k, v in kw.items() if k != "num_tokens"}
+    want = _raised(lambda: ops.canary_write_step(**{**args, **{k: kw[k][:n] for k in WRITE_PER_FORWARD},
+                                                    name: value[:n]}))
+    launch = _write_launch({**kw, name: value})
+    got = _raised(lambda: launch(n))
+    assert type(got) is type(want) and str(got) == str(want)
+    assert str(got).startswith(f"canary_write_step: {name}: ")
+
+
+@pytest.mark.parametrize("name", ["write_offsets", "violation_ring", "enable_chain_position_assert", "forward_step"])
+def test_bound_write_names_a_bad_fixed_argument_at_binding(name: str) -> None:
+    kw = _write_case(5)
+    kw.setdefault(name, torch.zeros(1, dtype=torch.int64))
+    meta = torch.empty(kw[name].shape, dtype=kw[name].dtype, device="meta")
+    args = {k: v for k, v in kw.items() if k != "num_tokens"}
+    want = _raised(lambda: ops.canary_write_step(**{**args, name: meta}))
+    got = _raised(lambda: _write_launch({**kw, name: meta}))
+    assert type(got) is type(want) and str(got) == str(want)
+    assert str(got).startswith(f"canary_write_step: {name}: ")
+
+
+# ---------------------------------------------------------------------------------------------- ownership
+
+
+def _overwrite_freed_memory() -> list[torch.Tensor]:
+    """Allocations that reuse what was just freed, filled with garbage (kept alive until the next launch ran)."""
+    return [torch.full((n,), 0x5A, dtype=torch.uint8) for n in (64, 256, 1024, 4096, 16384) for _ in range(8)]
+
+
+# ops.CheckLaunch / ops.WriteLaunch keep Python references to their fixed arguments (to name errors), so these tests
+# call the raw binds, whose returned functions are the only owners once the test drops its references.
+def _check_bind_args(kw: dict[str, Any]) -> tuple:
+    """canary_check_bind's positional arguments (the export's ABI, csrc/canary_check.cuh)."""
+    bufs, params, num_sources = ops.real_kv_launch_args(kw.pop("real_kv_sources"), torch.device("cpu"))
+    plan = kw["write_plan"]
+    # canary_buf: a copy only the bind owns (the results read the case's, which the check never writes)
+    return (kw["state"], kw["violation_meta"], kw["slot_attribution"], kw["canary_buf"].clone(), plan.write_offsets,
+            plan.write_seed_slot_indices, plan.write_num_valid_reqs, plan.write_request_rows, kw.pop("req_to_token"),
+            kw["swa_window_size"], kw.pop("full_to_swa_index_mapping"), kw.pop("expected_tokens"),
+            kw.pop("expected_valid_lens_by_row"), kw["kv_token_id_vs_position_offset"], kw["input_ids_out"],
+            kw["positions_out"], kw["out_cache_loc_out"], *bufs, params, num_sources, kw["real_kv_hash_mode"],
+            int(kw["check_tokens"]))
+
+
+def _check_through_the_raw_bind(**kw: Any) -> None:
+    forwards = _check_forwards(kw)
+    bound = ops.load_module("cpu").canary_check_bind(*_check_bind_args(kw))  # pops the inputs the check only reads
+    gc.collect()
+    garbage = _overwrite_freed_memory()
+    for batch, new_forward, step in forwards:
+        bound(*(batch[k] for k in CHECK_PER_FORWARD), int(new_forward), step)
+    del garbage
+
+
+def test_bound_check_keeps_its_fixed_tensors_alive() -> None:
+    """The inputs the check only reads (records, table, LUT, token table, real-KV bytes) lose every Python
+    reference but the bound function's; it still reads the same bytes."""
+    for scenario in range(8):
+        case = random_check_case(random.Random(3000 + scenario))
+        want = run_fused(_check_unbound, case, "cpu")
+        got = run_fused(_check_through_the_raw_bind, case, "cpu")
+        assert_same(got, want, f"scenario {scenario}", ordered=True)
+
+
+def _write_bind_args(kw: dict[str, Any]) -> tuple:
+    """canary_write_bind's positional arguments (the export's ABI, csrc/canary_write.cuh); pops the inputs the write
+    only reads."""
+    bufs, params, num_sources = ops.real_kv_launch_args(kw.pop("real_kv_sources"), torch.device("cpu"))
+    return (kw["canary_buf"], kw.pop("write_offsets"), kw.pop("write_seed_slot_indices"),
+            kw.pop("write_num_valid_reqs"), kw["kernel_kind"], 0, None, None, kw["violation_ring"],
+            kw["violation_write_index"], kw["slot_run_counter"], kw["kernel_run_counter"],
+            kw.pop("enable_chain_position_assert"), *bufs, params, num_sources, kw["real_kv_hash_mode"],
+            kw.get("violation_meta"), kw.pop("forward_step", None), kw.pop("write_request_rows"),
+            kw.get("slot_attribution"), kw.pop("row_serials", None))
+
+
+def test_bound_write_keeps_its_fixed_tensors_alive() -> None:
+    """The plan, the flags and the real-KV bytes lose every Python reference but the bound function's."""
+    for scenario in range(8):
+        case = _write_case(4000 + scenario)
+        case["real_kv_sources"] = tuple(random_sources(random.Random(scenario), case["canary_buf"].shape[0], 2))
+        want, got = _clone(case), _clone(case)
+        _write_unbound(want)
+        counts = _token_counts(got)
+        bound = ops.load_module("cpu").canary_write_bind(*_write_bind_args(got))
+        gc.collect()
+        garbage = _overwrite_freed_memory()
+        for n in counts:
+            bound(*(got[k][:n] for k in WRITE_PER_FORWARD))
+        del garbage
+        for name in WRITE_RESULTS:
+            if name in case:
+                assert torch.equal(got[name], want[name]), f"{name} differs (scenario {scenario})"
+
+
+# ---------------------------------------------------------------------------------------------- CUDA graph
+
+
+@pytest.mark.gpu
+def test_bound_launches_capture_on_the_current_stream() -> None:
+    """check + write through the bound functions captured once; each replay counts one forward: the launches went
+    to the capturing stream (a launch on another stream would have run at capture time instead)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    dev = "cuda"
+    case = _small_check_case()
+    case.update(expected_tokens=None, expected_valid_lens_by_row=None, check_tokens=False)
+    kw = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+    kw["write_plan"] = WritePlan.allocate(case["write_plan"].capacity, dev)
+    kw["real_kv_sources"] = ()
+    state = kw["state"]
+    state[layout.STATE_DRAINED_TO] = -1
+    check = ops.CheckLaunch(**{k: v for k, v in kw.items() if k not in CHECK_PER_FORWARD + CHECK_FLAGS})
+    write_tag = layout.LAUNCH_TAG_WRITE
+    write = ops.WriteLaunch(
+        canary_buf=kw["canary_buf"], write_plan=kw["write_plan"], input_ids=kw["input_ids_out"],
+        positions=kw["positions_out"], out_cache_loc=kw["out_cache_loc_out"], kernel_kind=write_tag,
+        violation_ring=state[H:].view(-1, layout.VIOLATION_FIELDS),
+        violation_write_index=state[layout.STATE_WRITE_INDEX : layout.STATE_WRITE_INDEX + 1].view(torch.int32)[0:1],
+        slot_run_counter=state[layout.STATE_SLOT_RUNS + write_tag : layout.STATE_SLOT_RUNS + write_tag + 1],
+        kernel_run_counter=state[layout.STATE_KERNEL_RUNS + write_tag : layout.STATE_KERNEL_RUNS + write_tag + 1],
+        enable_chain_position_assert=torch.zeros(1, dtype=torch.int32, device=dev),
+    )
+    n = kw["input_ids"].shape[0]
+
+    def forward() -> None:
+        check(*(kw[k] for k in CHECK_PER_FORWARD), new_forward=True, forward_step_value=-1)
+        write(n)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        forward()  # warm-up
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    torch.cuda.synchronize()
+    before = state[:H].cpu().tolist()
+    for replay in (1, 2):
+        graph.replay()
+        torch.cuda.synchronize()
+        header = state[:H].cpu().tolist()
+        assert header[layout.STATE_FORWARD] == before[layout.STATE_FORWARD] + replay
+        assert header[layout.STATE_KERNEL_RUNS + write_tag] == before[layout.STATE_KERNEL_RUNS + write_tag] + replay
