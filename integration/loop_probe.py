@@ -45,6 +45,7 @@ FIELDS = ("iters", "decode_n", "extend_n", "loop_ns", "recv_ns", "next_ns", "run
           "result_ns", "sample_ns", "evsync_ns", "evsync_n", "sync_ns", "sync_n", "gpu_ns", "gpu_n", "gap_ns",
           "replay_ns", "kvc_views_ns", "kvc_launch_ns", "kvc_before_ns", "kvc_after_ns", "kvc_step_ns",
           "kvc_drain_ns", "kvc_drain_n", "kvc_stats_ns", "kvc_metrics_ns", "kvc_account_ns", "kvc_batch_ns",
+          "kvc_populate_ns",
           "unit_ns", "unit_n")
 UNIT_LAUNCHES = 5  # `x.add_(1)` launches timed every EVERY iterations: this process's cost of one torch launch
 
@@ -63,6 +64,8 @@ KVCANARY_PIECES = (
     ("kvcanary.metrics", "CanaryMetrics", "observe", "kvc_metrics_ns"),
     ("kvcanary.installation", "Installation", "account_forward", "kvc_account_ns"),
     ("kvcanary.sglang.hooks", "AdapterHooks", "_batch_init", "kvc_batch_ns"),
+    # a decode graph's padded rows zeroed before its replay (inside the forward, outside the pieces above)
+    ("kvcanary.sglang.hooks", "AdapterHooks", "zero_stale_padding", "kvc_populate_ns"),
 )
 
 
@@ -336,7 +339,7 @@ COLUMNS = (("loop_us", "loop"), ("recv_us", "recv"), ("next_us", "next batch"), 
 KVC_COLUMNS = (("kvc_batch_us", "batch hook"), ("kvc_views_us", "views"), ("kvc_launch_us", "launches"),
                ("kvc_before_us", "host_before"), ("kvc_after_us", "host_after"), ("kvc_step_us", "of it step"),
                ("kvc_drain_us", "of it drain"), ("kvc_stats_us", "of it stats"), ("kvc_metrics_us", "metrics"),
-               ("kvc_account_us", "account_forward"))
+               ("kvc_account_us", "account_forward"), ("kvc_populate_us", "graph padding"))
 
 
 # The loop's steps kvcanary never runs in (without EAGLE): receiving requests, scheduling the next batch,

@@ -372,7 +372,8 @@ def test_unsupported_forward_modes_are_refused(mode) -> None:
 
 
 def test_populate_hook_zeroes_padded_rows(hooks, monkeypatch) -> None:
-    """0.5.12 leaves stale req_pool_indices/positions in padded rows; the AFTER hook zeroes them."""
+    """0.5.12 leaves stale req_pool_indices in padded rows; the AFTER hook zeroes them (positions stay: the plan gives a
+    row of request row 0 no entries and no write, whatever its position)."""
     from sglang.srt.model_executor.cuda_graph_runner import DecodeInputBuffers
     from sglang.srt.plugins.hook_registry import HookRegistry
 
@@ -402,7 +403,7 @@ def test_populate_hook_zeroes_padded_rows(hooks, monkeypatch) -> None:
     bufs.populate_from_forward_batch(forward_batch=fb([1, 2], [20, 21]), raw_bs=2, raw_num_token=2, bs=4,
                                      **common_kwargs)
     assert bufs.req_pool_indices.tolist() == [1, 2, 0, 0]
-    assert bufs.positions.tolist() == [20, 21, 0, 0]
+    assert bufs.positions.tolist() == [20, 21, 12, 13]
     assert bufs.out_cache_loc.tolist() == [1, 2, 0, 0]
 
 
@@ -426,7 +427,7 @@ def test_graph_input_zeroing_counts_as_the_forwards_canary_time(monkeypatch) -> 
     clock = itertools.count(0, 1000)  # every clock read is 1 us after the one before
     monkeypatch.setattr(adapter_hooks.time, "perf_counter_ns", lambda: next(clock))
     ah.around_forward(forward, runner, fb)
-    assert bufs.req_pool_indices.tolist() == [1, 2, 0, 0] and bufs.positions.tolist() == [1, 2, 0, 0]
+    assert bufs.req_pool_indices.tolist() == [1, 2, 0, 0] and bufs.positions.tolist() == [1, 2, 3, 4]
     # reads: t0=0, t1=1000, populate 2000..3000, t2=4000, t3=5000: hooks 1000 + 1000, populate 1000
     assert recorded == {"f": 5000, "h": 3000}
     ah.around_forward(lambda runner, forward_batch: None, runner, fb)  # a forward without a graph replay
@@ -497,18 +498,16 @@ def _populate(ah, bufs, raw_bs: int, bs: int, per_bs: int, value: int) -> None:
     ah.after_populate(None, bufs, raw_bs=raw_bs, raw_num_token=raw_bs * per_bs, bs=bs, num_tokens_per_bs=per_bs)
 
 
-def test_graph_input_zeroing_leaves_every_replays_padding_zero() -> None:
-    """Whatever sequence of batch and graph sizes, the padded rows a replay's graph reads are zero (a larger earlier
-    fill's rows, and whatever capture left), and the views are built once per buffers and ranges."""
+def test_graph_input_zeroing_leaves_every_replays_padded_rows_zero() -> None:
+    """Whatever sequence of batch and graph sizes, the padded rows' req_pool_indices a replay's graph reads are zero (a
+    larger earlier fill's rows, and whatever capture left), and the views are built once per buffers and rows."""
     ah = adapter_hooks.AdapterHooks(v0_5_12)
     bufs = types.SimpleNamespace(req_pool_indices=torch.arange(1, 9), positions=torch.arange(1, 17))  # capture's
     for step, (raw_bs, bs, per_bs) in enumerate(((2, 4, 1), (4, 4, 1), (1, 4, 1), (2, 4, 1), (3, 8, 2), (8, 8, 2),
                                                  (2, 4, 1), (2, 8, 1))):
         _populate(ah, bufs, raw_bs, bs, per_bs, 100 + step)
         assert bufs.req_pool_indices[raw_bs:bs].tolist() == [0] * (bs - raw_bs), step
-        assert bufs.positions[raw_bs * per_bs : bs * per_bs].tolist() == [0] * ((bs - raw_bs) * per_bs), step
-    first = ah._padding_views(bufs, (2, 4), (2, 4))
-    assert ah._padding_views(bufs, (2, 4), (2, 4)) is first  # built once per ranges
+    assert bufs.positions.tolist() == [107] * 2 + [105] * 14  # never zeroed: the plan skips row 0's rows
     other = types.SimpleNamespace(req_pool_indices=torch.ones(8, dtype=torch.int64),
                                   positions=torch.ones(16, dtype=torch.int64))
     ah.after_populate(None, other, raw_bs=2, raw_num_token=2, bs=4)  # another runner's buffers: tracked apart
@@ -517,17 +516,24 @@ def test_graph_input_zeroing_leaves_every_replays_padding_zero() -> None:
 
 def test_graph_input_zeroing_launches_only_when_a_larger_fill_left_padding_stale(monkeypatch) -> None:
     """A decode batch whose size stands still or grows pays no zeroing launch (its padding is zero already); one
-    that shrinks pays one, for the rows the larger fill left."""
+    that shrinks pays one, for the rows the larger fill left; the view of a range is built once."""
     ah = adapter_hooks.AdapterHooks(v0_5_12)
     bufs = types.SimpleNamespace(req_pool_indices=torch.arange(1, 9), positions=torch.arange(1, 9))
-    zeroed: list[list[list[int]]] = []
-    real_zero = torch._foreach_zero_
-    monkeypatch.setattr(adapter_hooks.torch, "_foreach_zero_",
-                        lambda views: (zeroed.append([v.tolist() for v in views]), real_zero(views)))
-    for raw_bs in (3, 3, 3, 4, 4, 2, 2):
+    zeroed: list[tuple[int, list[int]]] = []
+    real_zero = torch.Tensor.zero_
+
+    def counted_zero(view):
+        zeroed.append((id(view), view.tolist()))
+        return real_zero(view)
+
+    monkeypatch.setattr(torch.Tensor, "zero_", counted_zero)
+    for raw_bs in (3, 3, 3, 4, 4, 2, 2, 3, 2):
         _populate(ah, bufs, raw_bs, 4, 1, 9)
-    # the first replay clears what capture left; the shrink to 2 clears rows 2..3 once
-    assert zeroed == [[[4], [4]], [[9, 9], [9, 9]]]
+    # the first replay clears what capture left in the graph's rows; each shrink to 2 clears rows 2..3 (the second
+    # time row 3 is zero already, but the stale rows are one interval, the hull of row 2 and the rows 4..8 capture
+    # left), through the view built the first time
+    assert [values for _, values in zeroed] == [[4], [9, 9], [9, 0]]
+    assert zeroed[1][0] == zeroed[2][0]
     assert bufs.req_pool_indices.tolist()[:4] == [9, 9, 0, 0]
 
 
@@ -540,9 +546,7 @@ def test_with_an_eagle_pool_every_replays_whole_padding_is_zeroed() -> None:
                                  positions=torch.zeros(8, dtype=torch.int64))
     for _ in range(2):
         bufs.req_pool_indices.copy_(torch.arange(1, 9))  # written behind the hook's back
-        bufs.positions.copy_(torch.arange(1, 9))
         ah.after_populate(None, bufs, raw_bs=2, raw_num_token=2, bs=4)
         assert bufs.req_pool_indices.tolist() == [1, 2, 0, 0, 5, 6, 7, 8]
-        assert bufs.positions.tolist() == [1, 2, 0, 0, 5, 6, 7, 8]
 
 

@@ -8,7 +8,7 @@ version's targets with the bound hook (built once, so ``HookRegistry`` sees the 
 * ``after_init_memory_pool``: :meth:`AdapterHooks.install`: one manager per KV group, ``model.forward`` wrapped;
 * ``around_forward``: the host half of each real forward (fault injection, drain, health, stats, sweep);
 * ``after_initialize``: init finished (warm-up and graph capture are over): the chain-position assert goes on;
-* ``after_populate``: zero the padded rows of a decode graph's input buffers that 0.5.12 leaves stale;
+* ``after_populate``: zero the padded rows' ``req_pool_indices`` of a decode graph that 0.5.12 leaves stale;
 * ``after_init_cache``: the RadixCache becomes the sweep source;
 * ``after_forward_batch_init``: token-table uploads (``KVCANARY_VERIFY_TOKENS``), request facts for the injector.
 """
@@ -59,7 +59,7 @@ class AdapterHooks:
         # Host time of after_populate during the forward in progress: it runs inside ModelRunner.forward (a decode
         # graph's input buffers are filled before the replay), so around_forward adds it to the forward's canary time.
         self.graph_input_ns = 0
-        # (buffers, (row range, token range)) -> the views to zero; buffers -> its StaleRows (rows, tokens)
+        # (buffers, rows) -> the req_pool_indices view to zero; buffers -> its StaleRows
         self._padding = IdentityCache(1024)
         self._stale = IdentityCache(64)
         # False once an EAGLE pool is installed in this process: sglang then also fills the graph buffers on paths
@@ -179,53 +179,38 @@ class AdapterHooks:
 
     def after_populate(self, result, buffers, *args, forward_batch=None, raw_bs=None, raw_num_token=None, bs=None,
                        num_tokens_per_bs=1, **kwargs):
-        """Zero the padded rows' req_pool_indices and positions a version leaves stale (row 0 is the padding row).
-
-        Only padding the graph of ``bs`` reads, and of it only rows a larger fill left stale since they were last
-        zeroed (:class:`~kvcanary.stale_rows.StaleRows`: nothing while the batch size stands still or grows); with
-        an EAGLE pool in the process, sglang also fills these buffers where this hook does not see it, so every
-        replay's whole padding is zeroed. The launch is host time of every replay that has one, counted as the
-        forward's canary hook time (``graph_input_ns``)."""
+        """Zero the padded rows' req_pool_indices a version leaves stale (:meth:`zero_stale_padding`); its host time
+        is the forward's canary hook time (``graph_input_ns``: this runs inside ModelRunner.forward)."""
         if raw_bs is None or bs is None:
             return result
         t0 = time.perf_counter_ns()
-        end = bs * int(num_tokens_per_bs or 1)
-        if self.track_stale_padding:
-            rows, tokens = self._stale_rows(buffers)
-            row_range = rows.to_clear(raw_bs, bs)
-            token_range = tokens.to_clear(raw_num_token, end) if raw_num_token is not None else None
-        else:
-            row_range = (raw_bs, bs) if bs > raw_bs else None
-            token_range = (raw_num_token, end) if raw_num_token is not None and end > raw_num_token else None
-        if row_range is not None or token_range is not None:
-            torch._foreach_zero_(self._padding_views(buffers, row_range, token_range))
+        self.zero_stale_padding(buffers, raw_bs, bs)
         self.graph_input_ns += time.perf_counter_ns() - t0
         return result
 
-    def _stale_rows(self, buffers) -> tuple[StaleRows, StaleRows]:
-        """The row and token trackers of ``buffers`` (a buffer seen first is stale everywhere)."""
-        trackers = self._stale.get(buffers)
-        if trackers is None:
-            trackers = self._stale.put(buffers, None, (StaleRows(buffers.req_pool_indices.shape[0]),
-                                                       StaleRows(buffers.positions.shape[0])))
-        return trackers
+    def zero_stale_padding(self, buffers, raw_bs: int, bs: int) -> None:
+        """After a fill of ``raw_bs`` rows for the graph of ``bs``: zero the padded rows' stale ``req_pool_indices``
+        (row 0 is the padding row: the plan gives a row of request row 0 no entries and no write, whatever its
+        position, so the rows' stale positions need no zeroing).
 
-    def _padding_views(self, buffers, row_range: tuple[int, int] | None,
-                       token_range: tuple[int, int] | None) -> list[torch.Tensor]:
-        """The views of ``buffers`` to zero (req_pool_indices rows ``row_range``, positions ``token_range``), built
-        once per buffers object and ranges: a slice is a torch call of its own (7-11 µs of host time in sglang's
-        scheduler on the H200 host), and the buffers keep their storage for the runner's life. The views of one
-        replay are zeroed by one ``_foreach_zero_`` (one call, one launch for the two)."""
-        key = (row_range, token_range)
-        views = self._padding.get(buffers, key)
-        if views is None:
-            views = []
-            if row_range is not None:
-                views.append(buffers.req_pool_indices[row_range[0] : row_range[1]])
-            if token_range is not None:
-                views.append(buffers.positions[token_range[0] : token_range[1]])
-            self._padding.put(buffers, key, views)
-        return views
+        Only rows a larger fill left stale since they were last zeroed (:class:`~kvcanary.stale_rows.StaleRows`:
+        nothing while the batch size stands still or grows); with an EAGLE pool in the process, sglang also fills
+        these buffers where this hook does not see it, so every replay's whole padding is zeroed. One ``zero_``
+        of a view built once per buffers and rows (a slice is a torch call of its own: 7-11 µs of host time in
+        sglang's scheduler on the H200 host)."""
+        if self.track_stale_padding:
+            trackers = self._stale.get(buffers)
+            if trackers is None:
+                trackers = self._stale.put(buffers, None, StaleRows(buffers.req_pool_indices.shape[0]))
+            rows = trackers.to_clear(raw_bs, bs)
+        else:
+            rows = (raw_bs, bs) if bs > raw_bs else None
+        if rows is None:
+            return
+        view = self._padding.get(buffers, rows)
+        if view is None:
+            view = self._padding.put(buffers, rows, buffers.req_pool_indices[rows[0] : rows[1]])
+        view.zero_()
 
     # EAGLE (kvcanary.sglang.speculative): the draft CUDA-graph replays' host half, the verify verdicts.
     def around_draft_replay(self, original, graph_runner, forward_batch, *args, **kwargs):
