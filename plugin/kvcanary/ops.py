@@ -16,7 +16,7 @@ the ``*_attributed`` export, which takes the same arguments followed by the new 
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, NoReturn
 
@@ -268,11 +268,13 @@ def _raise_write_error(exc: Exception, **args: Any) -> NoReturn:
     _reraise_named(exc, "canary_write_step", *_write_error_args(**args), args["real_kv_sources"])
 
 
-def _raise_write_bind_error(exc: Exception, fixed: Mapping[str, Any]) -> NoReturn:
-    """The named error of a failed ``canary_write_bind``: ``fixed`` holds every argument but the per-forward ones,
-    named as a call with them would name them."""
-    tensors, ints = _write_error_args(**fixed, **dict.fromkeys(_WRITE_PER_FORWARD))
-    _reraise_named(exc, "canary_write_step", _without(tensors, _WRITE_PER_FORWARD), ints, fixed["real_kv_sources"])
+def _raise_bind_error(exc: Exception, fn: str, error_args: Callable[..., tuple[dict, dict]],
+                      fixed: Mapping[str, Any], per_forward: Sequence[str]) -> NoReturn:
+    """The named error of a failed bind of ``fn`` (``canary_check_bind`` / ``canary_write_bind``): ``fixed`` holds
+    every argument but the ``per_forward`` ones, named as a call of ``fn`` with them would name them (``error_args``:
+    the call's ``(tensors, ints)`` naming tables)."""
+    tensors, ints = error_args(**fixed, **dict.fromkeys(per_forward))
+    _reraise_named(exc, fn, _without(tensors, per_forward), _without(ints, per_forward), fixed["real_kv_sources"])
 
 
 def _without(named: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
@@ -611,14 +613,6 @@ def _raise_check_error(exc: Exception, **args: Any) -> NoReturn:
     _reraise_named(exc, "canary_check_step", *_check_error_args(**args), args["real_kv_sources"])
 
 
-def _raise_check_bind_error(exc: Exception, fixed: Mapping[str, Any]) -> NoReturn:
-    """The named error of a failed ``canary_check_bind``: ``fixed`` holds every argument but the per-forward ones,
-    named as a call with them would name them."""
-    tensors, ints = _check_error_args(**fixed, **dict.fromkeys(_CHECK_PER_FORWARD))
-    _reraise_named(exc, "canary_check_step", _without(tensors, _CHECK_PER_FORWARD),
-                   _without(ints, _CHECK_PER_FORWARD), fixed["real_kv_sources"])
-
-
 class CheckLaunch:
     """``canary_check_step`` with everything that stays fixed for a runtime's lifetime bound once.
 
@@ -654,7 +648,7 @@ class CheckLaunch:
             head, mid, tail = _check_parts(**self._fixed)
             self._fn = module.canary_check_bind(*head, *mid, *tail)
         except _CALL_ERRORS as exc:
-            _raise_check_bind_error(exc, self._fixed)
+            _raise_bind_error(exc, "canary_check_step", _check_error_args, self._fixed, _CHECK_PER_FORWARD)
 
     def __call__(self, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
                  input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor, *,
@@ -706,7 +700,7 @@ class WriteLaunch:
             head, tail, attributed = _write_parts(**self._kwargs)
             self._fn = module.canary_write_bind(*head, *tail, *attributed)
         except _CALL_ERRORS as exc:
-            _raise_write_bind_error(exc, self._kwargs)
+            _raise_bind_error(exc, "canary_write_step", _write_error_args, self._kwargs, _WRITE_PER_FORWARD)
         self._by_count: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._max_cached = max_cached
 

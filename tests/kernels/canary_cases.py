@@ -18,6 +18,22 @@ PAGE_SIZES = (1, 2, 16)
 BYTES_PER_TOKEN = (16, 32, 64)
 
 
+def capture_after_warmup(forward: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``forward``, captured after one warm-up run on a side stream (as torch asks: the first call
+    may load modules and allocate), everything synchronised."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    torch.cuda.synchronize()
+    return graph
+
+
 def int64(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from canary_cases import random_sources, random_write_launch
+from canary_cases import capture_after_warmup, random_sources, random_write_launch
 from test_check import assert_same, random_check_case, run_fused
 
 from kvcanary import layout, ops
@@ -343,16 +343,7 @@ def test_bound_launches_capture_on_the_current_stream() -> None:
         check(*(kw[k] for k in CHECK_PER_FORWARD), new_forward=True, forward_step_value=-1)
         write(n)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        forward()  # warm-up
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
-    torch.cuda.synchronize()
+    graph = capture_after_warmup(forward)
     before = state[:H].cpu().tolist()
     for replay in (1, 2):
         graph.replay()

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from canary_cases import capture_after_warmup
 
 from kvcanary import layout, ops, ref
 from kvcanary.plan import VerifyPlan, WritePlan
@@ -570,16 +571,7 @@ def test_graph_replays_count_forwards() -> None:
             slot_attribution=kw["slot_attribution"],
         )
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        forward()  # warm-up (loads the module): forward 42
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
-    torch.cuda.synchronize()
+    graph = capture_after_warmup(forward)  # (the warm-up run loads the module: forward 42)
     before = state[:H].cpu().tolist()
     for replay in (1, 2):
         graph.replay()
