@@ -12,7 +12,11 @@ probe answers which, off vs log, per scheduler-loop iteration:
 * host time blocked in ``torch.cuda.Event.synchronize`` (sglang waits there for the sampled tokens' copy) and in
   ``torch.cuda.synchronize`` / ``Stream.synchronize``, anywhere in the scheduler process;
 * the GPU's time per forward on the forward stream (CUDA events recorded at ``run_batch`` entry and after the
-  delayed sampling's launch, read once complete, never waited for) and the GPU's idle gap between forwards.
+  delayed sampling's launch, read once complete, never waited for), split into decode and prefill forwards, and the
+  GPU's idle gap between forwards;
+* with ``E2E_LOOP_PROBE_KVC_DEVICE=1`` (off by default: it adds two event records per launch), the device time of
+  each of kvcanary's eager launches (the check before a forward, the write after it; inside a captured graph they
+  are not timed).
 
 It is a sglang plugin written into the phase folder (like the EAGLE test plugin) that patches the Scheduler class
 in every sglang process when ``E2E_LOOP_PROBE=1``; it never imports kvcanary. Its cost (a few perf_counter reads,
@@ -45,9 +49,13 @@ FIELDS = ("iters", "decode_n", "extend_n", "loop_ns", "recv_ns", "next_ns", "run
           "result_ns", "sample_ns", "evsync_ns", "evsync_n", "sync_ns", "sync_n", "gpu_ns", "gpu_n", "gap_ns",
           "replay_ns", "kvc_views_ns", "kvc_launch_ns", "kvc_before_ns", "kvc_after_ns", "kvc_step_ns",
           "kvc_drain_ns", "kvc_drain_n", "kvc_stats_ns", "kvc_metrics_ns", "kvc_account_ns", "kvc_batch_ns",
-          "kvc_populate_ns",
+          "kvc_populate_ns", "gpu_decode_ns", "gpu_decode_n", "kvc_gpu_ns", "kvc_gpu_n",
           "unit_ns", "unit_n")
 UNIT_LAUNCHES = 5  # `x.add_(1)` launches timed every EVERY iterations: this process's cost of one torch launch
+# "1": also time the device work of kvcanary's eager launches (the check before a forward, the write after it) with
+# a CUDA event pair each. Off by default: the two event records per launch are host time a log Engine would not pay.
+# Launches inside a captured graph are not timed (the graph replays them without calling Python).
+DEVICE_ENV = "E2E_LOOP_PROBE_KVC_DEVICE"
 
 # kvcanary's own pieces, timed where they are looked up at call time (so the plugins' load order does not
 # matter): (module, class, method, counter). A name a version of kvcanary lacks is skipped. Pieces nest: step
@@ -78,6 +86,8 @@ class Probe:
         self.pending: deque = deque()  # (start event, end event) not yet complete
         self.last_end = None  # the end event of the last completed forward (for the idle gap)
         self.open_start = None  # start event of the forward whose sampling is not launched yet
+        self.open_decode = False  # whether that forward is a decode batch
+        self.kvc_pending: deque = deque()  # (start, end) event pairs around kvcanary's eager launches
         self.unit_tensor = None
 
     def add(self, key: str, ns: int) -> None:
@@ -114,14 +124,22 @@ class Probe:
     def collect(self) -> None:
         """Read the event pairs that completed (``query``: never waits)."""
         while self.pending and self.pending[0][1].query():
-            start, end = self.pending.popleft()
-            self.c["gpu_ns"] += int(start.elapsed_time(end) * 1e6)
+            start, end, decode = self.pending.popleft()
+            span = int(start.elapsed_time(end) * 1e6)
+            self.c["gpu_ns"] += span
             self.c["gpu_n"] += 1
+            if decode:
+                self.c["gpu_decode_ns"] += span
+                self.c["gpu_decode_n"] += 1
             if self.last_end is not None:
                 gap = self.last_end.elapsed_time(start)
                 if gap > 0:
                     self.c["gap_ns"] += int(gap * 1e6)
             self.last_end = end
+        while self.kvc_pending and self.kvc_pending[0][1].query():
+            start, end = self.kvc_pending.popleft()
+            self.c["kvc_gpu_ns"] += int(start.elapsed_time(end) * 1e6)
+            self.c["kvc_gpu_n"] += 1
 
     def print(self) -> None:
         fields = " ".join(f"{k}={v}" for k, v in self.c.items())
@@ -160,7 +178,7 @@ def _close_forward(sched) -> None:
         return
     end = torch.cuda.Event(enable_timing=True)
     end.record(_stream_of(sched))
-    PROBE.pending.append((PROBE.open_start, end))
+    PROBE.pending.append((PROBE.open_start, end, PROBE.open_decode))
     PROBE.open_start = None
 
 
@@ -186,6 +204,7 @@ def install() -> None:
         PROBE.iteration()
         mode = getattr(getattr(batch, "forward_mode", None), "name", "")
         PROBE.c["decode_n" if mode == "DECODE" else "extend_n"] += 1
+        PROBE.open_decode = mode == "DECODE"
         start = torch.cuda.Event(enable_timing=True)
         start.record(_stream_of(self))
         PROBE.open_start = start
@@ -257,7 +276,49 @@ def install_kvcanary_pieces() -> int:
         count = key[:-3] + "_n" if key[:-3] + "_n" in FIELDS else None
         setattr(cls, name, _timed(fn, key, count))
         patched += 1
+    if os.environ.get(DEVICE_ENV) == "1":
+        patched += _time_kvcanary_device()
     return patched
+
+
+def _time_kvcanary_device() -> int:
+    """Wrap CanaryManager.before_forward / after_forward (outside their host timers) in a CUDA event pair each, on
+    the current stream: the device time of each eager canary launch (kvc_gpu_*). Returns how many were wrapped."""
+    import importlib
+
+    try:
+        cls = importlib.import_module("kvcanary.manager").CanaryManager
+    except (ImportError, AttributeError):
+        return 0
+    wrapped = 0
+    for name in ("before_forward", "after_forward"):
+        fn = cls.__dict__.get(name)
+        if fn is None or getattr(fn, "e2e_probe_device", False):
+            continue
+        setattr(cls, name, _device_timed(fn))
+        wrapped += 1
+    return wrapped
+
+
+def _device_timed(fn):
+    def wrapper(*args, **kwargs):
+        import torch
+
+        if torch.cuda.is_current_stream_capturing():  # a capture: its replays never come back here
+            return fn(*args, **kwargs)
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            PROBE.kvc_pending.append((start, end))
+
+    wrapper.__wrapped__ = fn
+    wrapper.e2e_probe_device = True
+    wrapper.e2e_probe = getattr(fn, "e2e_probe", None)  # (still the host timer underneath)
+    return wrapper
 
 
 def write_plugin(root: str) -> str:
@@ -321,9 +382,14 @@ def parse_window(section: str) -> dict | None:
 def per_iteration(c: dict) -> dict:
     """µs per loop iteration (forward) of each host piece, the GPU's µs per forward and idle gap per forward."""
     n = max(c["iters"], 1)
-    out = {k[:-3] + "_us": c[k] / n / 1e3 for k in FIELDS if k.endswith("_ns") and k not in ("gpu_ns", "gap_ns")}
+    per_event = ("gpu_ns", "gap_ns", "gpu_decode_ns", "kvc_gpu_ns")  # averaged over their own counts, below
+    out = {k[:-3] + "_us": c[k] / n / 1e3 for k in FIELDS if k.endswith("_ns") and k not in per_event}
     out["gpu_us"] = c["gpu_ns"] / max(c["gpu_n"], 1) / 1e3
     out["gap_us"] = c["gap_ns"] / max(c["gpu_n"], 1) / 1e3
+    decode_ns, decode_n = c.get("gpu_decode_ns", 0), c.get("gpu_decode_n", 0)
+    out["gpu_decode_us"] = decode_ns / max(decode_n, 1) / 1e3
+    out["gpu_extend_us"] = (c["gpu_ns"] - decode_ns) / max(c["gpu_n"] - decode_n, 1) / 1e3
+    out["kvc_gpu_us"] = c.get("kvc_gpu_ns", 0) / max(c.get("kvc_gpu_n", 0), 1) / 1e3  # per eager canary launch
     out["unit_us"] = c.get("unit_ns", 0) / max(c.get("unit_n", 0), 1) / 1e3
     out.update(iters=c["iters"], decode_n=c["decode_n"], extend_n=c["extend_n"], evsync_n=c["evsync_n"],
                sync_n=c["sync_n"], kvc_drain_n=c.get("kvc_drain_n", 0))
@@ -333,13 +399,14 @@ def per_iteration(c: dict) -> dict:
 COLUMNS = (("loop_us", "loop"), ("recv_us", "recv"), ("next_us", "next batch"), ("run_us", "run_batch"),
            ("fbg_us", "of it forward"), ("init_us", "of it init_new"), ("replay_us", "of it graph replay"),
            ("result_us", "process result"), ("evsync_us", "of it event wait"), ("sample_us", "sample launch"),
-           ("sync_us", "other syncs"), ("gpu_us", "GPU span per forward"), ("gap_us", "GPU idle gap"),
-           ("unit_us", "one torch launch"))
+           ("sync_us", "other syncs"), ("gpu_us", "GPU span per forward"), ("gpu_decode_us", "of a decode"),
+           ("gpu_extend_us", "of a prefill"), ("gap_us", "GPU idle gap"), ("unit_us", "one torch launch"))
 # kvcanary's pieces per iteration (log Engines; nested as KVCANARY_PIECES says)
 KVC_COLUMNS = (("kvc_batch_us", "batch hook"), ("kvc_views_us", "views"), ("kvc_launch_us", "launches"),
                ("kvc_before_us", "host_before"), ("kvc_after_us", "host_after"), ("kvc_step_us", "of it step"),
                ("kvc_drain_us", "of it drain"), ("kvc_stats_us", "of it stats"), ("kvc_metrics_us", "metrics"),
-               ("kvc_account_us", "account_forward"), ("kvc_populate_us", "graph padding"))
+               ("kvc_account_us", "account_forward"), ("kvc_populate_us", "graph padding"),
+               ("kvc_gpu_us", f"device µs per eager launch ({DEVICE_ENV}=1)"))
 
 
 # The loop's steps kvcanary never runs in (without EAGLE): receiving requests, scheduling the next batch,

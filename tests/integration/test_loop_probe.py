@@ -84,3 +84,68 @@ def test_pairs_divide_out_the_engines_host_speed(probe) -> None:
 def _counts() -> dict:
     return dict(iters=10, decode_n=8, evsync_n=0, sync_n=0, fbg_us=0.0, init_us=0.0, evsync_us=0.0, sync_us=0.0,
                 gpu_us=0.0, gap_us=0.0)
+
+
+def test_gpu_spans_split_into_decode_and_prefill_forwards(probe) -> None:
+    w = dict.fromkeys(probe.FIELDS, 0)
+    w.update(iters=10, gpu_ns=10 * 2_000_000 + 0, gpu_n=10, gpu_decode_ns=8 * 1_500_000, gpu_decode_n=8)
+    w["gpu_ns"] = 8 * 1_500_000 + 2 * 4_000_000
+    per = probe.per_iteration(w)
+    assert per["gpu_decode_us"] == pytest.approx(1500.0)
+    assert per["gpu_extend_us"] == pytest.approx(4000.0)
+    assert per["gpu_us"] == pytest.approx(2000.0)
+    old = {k: v for k, v in w.items() if not k.startswith("gpu_decode") and not k.startswith("kvc_gpu")}
+    assert probe.per_iteration(old)["gpu_extend_us"] == pytest.approx(2000.0)  # a line of an older probe
+
+
+class _FakeEvent:
+    """A CUDA event of the fake clock: record() stamps it, elapsed_time() gives ms between two stamps."""
+
+    clock = [0.0]
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.at = None
+
+    def record(self, stream=None) -> None:
+        self.at = self.clock[0]
+
+    def query(self) -> bool:
+        return self.at is not None
+
+    def elapsed_time(self, end) -> float:
+        return end.at - self.at
+
+
+def test_device_timing_of_kvcanarys_eager_launches(probe, monkeypatch) -> None:
+    """With E2E_LOOP_PROBE_KVC_DEVICE=1 each eager before/after_forward is bracketed by an event pair (outside its
+    host timer); calls made during a graph capture are not (their replays never come back to Python)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(probe, "PROBE", probe.Probe())
+
+    def launch(self) -> str:
+        _FakeEvent.clock[0] += 0.25  # the launch's device work: 250 µs of the fake clock
+        return "launched"
+
+    timed = probe._device_timed(launch)
+    assert timed(None) == "launched" and timed.e2e_probe_device
+    capturing[0] = True
+    assert timed(None) == "launched"  # captured: not timed
+    probe.PROBE.collect()
+    assert probe.PROBE.c["kvc_gpu_n"] == 1 and probe.PROBE.c["kvc_gpu_ns"] == 250_000
+    assert probe.per_iteration(dict(probe.PROBE.c, iters=1))["kvc_gpu_us"] == pytest.approx(250.0)
+
+
+def test_device_timing_is_off_by_default(probe, monkeypatch) -> None:
+    monkeypatch.delenv(probe.DEVICE_ENV, raising=False)
+    monkeypatch.setattr(probe, "KVCANARY_PIECES", ())  # (patch no kvcanary class in this process)
+    calls = []
+    monkeypatch.setattr(probe, "_time_kvcanary_device", lambda: calls.append(1) or 0)
+    probe.install_kvcanary_pieces()
+    assert calls == []
+    monkeypatch.setenv(probe.DEVICE_ENV, "1")
+    probe.install_kvcanary_pieces()
+    assert calls == [1]
