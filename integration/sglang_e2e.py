@@ -1229,11 +1229,13 @@ PHASE_NAMES.update({p.name: k for k, p in EAGLE_PHASES.items()})
 
 # ---------------------------------------------------------------------------------------------------- parent
 def phase_env(phase: Phase, report_dir: str, base: dict | None = None, mode: str | None = None,
-              fault_rank: int | None = None) -> dict:
-    """The environment of one phase's worker: the caller's, minus its KVCANARY_* run settings, plus the phase's."""
+              fault_rank: int | None = None, overrides: dict[str, str] | None = None) -> dict:
+    """The environment of one phase's worker: the caller's, minus its KVCANARY_* run settings, plus the phase's, then
+    ``overrides`` (``--kvcanary-env``: e.g. KVCANARY_REAL_KV=none in phase 4, to bisect what costs)."""
     env = {k: v for k, v in (os.environ if base is None else base).items()
            if not k.startswith("KVCANARY_") or k in KVCANARY_KEEP}
     env.update(dict(phase.env))
+    env.update(overrides or {})
     env["KVCANARY_MODE"] = mode or phase.mode
     env["KVCANARY_REPORT"] = os.path.join(report_dir, "kvc-{rank}.jsonl")
     if fault_rank is not None and "KVCANARY_FAULT" in env:
@@ -1259,6 +1261,24 @@ def engine_kwargs(phase: Phase, model: str, args) -> dict:
     kw.update(dict(phase.engine))
     kw.update(parse_engine_args(getattr(args, "engine_arg", None) or []))
     return eagle_engine_kwargs(piecewise_engine_kwargs(kw, getattr(args, "piecewise", False)), phase, args)
+
+
+# Set by the driver per phase and Engine: an override would silently not apply (or break the phase's checks).
+KVCANARY_ENV_FIXED = ("KVCANARY_MODE", "KVCANARY_REPORT", "KVCANARY_FAULT_RANK")
+
+
+def parse_kvcanary_env(items: list[str]) -> dict[str, str]:
+    """``--kvcanary-env KEY=VALUE`` items: KVCANARY_* settings every phase's worker gets after the phase's own."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("KVCANARY_"):
+            raise SystemExit(f"--kvcanary-env: expected KVCANARY_NAME=VALUE, got {item!r}")
+        if key in KVCANARY_ENV_FIXED:
+            raise SystemExit(f"--kvcanary-env: {key} is set by the driver per phase and Engine; "
+                             f"settable: any other KVCANARY_* setting")
+        out[key] = value
+    return out
 
 
 def parse_engine_args(items: list[str]) -> dict:
@@ -1344,7 +1364,9 @@ def run_phases(args, runner=run_worker) -> dict:
         label = f"{key} {phase.name}" + (f" ({'+'.join(subs)})" if any(subs) else "")
         print(f"[e2e] phase {label}: timeout {timeout:.0f} s", flush=True)
         t = time.monotonic()
-        env = eagle_env(phase_env(phase, pdir, fault_rank=getattr(args, "fault_rank", None)), phase, pdir)
+        env = eagle_env(phase_env(phase, pdir, fault_rank=getattr(args, "fault_rank", None),
+                                  overrides=parse_kvcanary_env(getattr(args, "kvcanary_env", None) or [])),
+                        phase, pdir)
         if getattr(args, "loop_probe", False):
             env = loop_probe.probe_env(env, os.path.join(pdir, "loop-probe-plugin"))
         rc = runner(cmd, env, os.path.join(pdir, "worker.log"), timeout)
@@ -1398,7 +1420,9 @@ def main_parent(args) -> int:
     else:
         results = run_phases(args)
     summary = build_summary(args.out, args.phase_list, results, args.budget, time.monotonic() - t0, wl,
-                            env={"mode": "dry-run" if args.dry_run else "engine", "python": sys.version.split()[0]})
+                            env={"mode": "dry-run" if args.dry_run else "engine", "python": sys.version.split()[0],
+                                 **({"kvcanary-env": " ".join(args.kvcanary_env)} if getattr(args, "kvcanary_env", None)
+                                    else {})})
     text = render(summary)
     for s in summary["phases"]:  # the end of a failed phase's log, before the table (which is printed last)
         if s.get("verdict") == "FAIL" and not args.dry_run:
@@ -1671,6 +1695,9 @@ def parse_args(argv=None):
     ap.add_argument("--engine-arg", action="append", metavar="KEY=VALUE",
                     help="an extra Engine kwarg for every phase (VALUE as JSON, else a string); repeatable, e.g. "
                     "--engine-arg disable_overlap_schedule=true")
+    ap.add_argument("--kvcanary-env", action="append", metavar="KVCANARY_NAME=VALUE",
+                    help="a kvcanary setting for every phase's worker, after the phase's own (repeatable), e.g. "
+                    "--kvcanary-env KVCANARY_REAL_KV=none to see what the real-KV fingerprint costs in phase 4")
     ap.add_argument("--tp-size", type=int, default=1, help="tensor parallel ranks (one canary per rank)")
     ap.add_argument("--fault-rank", type=int, default=None, help="phase 3: inject on this rank only")
     ap.add_argument("--dry-run", action="store_true", help="no sglang/GPU: synthesize reports, parse, print")

@@ -241,3 +241,16 @@ def test_overhead_eager_runs_phase_4_without_cuda_graphs(e2e, tmp_path) -> None:
     args = e2e.parse_args(["--out", str(tmp_path), "--phases", "4"])
     kw = e2e.engine_kwargs(e2e.PHASES["4"], "m", args)
     assert "disable_cuda_graph" not in kw and kw["cuda_graph_max_bs"] == 64
+
+
+def test_kvcanary_env_overrides_the_phase_settings(e2e, tmp_path) -> None:
+    """--kvcanary-env: applied after the phase's own settings (phase 4 sets KVCANARY_REAL_KV=partial); the settings
+    the driver sets per phase and Engine are refused by name, as is anything that is not KVCANARY_NAME=VALUE."""
+    overrides = e2e.parse_kvcanary_env(["KVCANARY_REAL_KV=none", "KVCANARY_DRAIN_EVERY=16"])
+    env = e2e.phase_env(e2e.PHASES["4"], str(tmp_path), base={}, overrides=overrides)
+    assert env["KVCANARY_REAL_KV"] == "none" and env["KVCANARY_DRAIN_EVERY"] == "16"
+    assert e2e.phase_env(e2e.PHASES["4"], str(tmp_path), base={})["KVCANARY_REAL_KV"] == "partial"
+    for bad, why in (("KVCANARY_MODE=off", "set by the driver"), ("REAL_KV=none", "KVCANARY_NAME=VALUE"),
+                     ("KVCANARY_REAL_KV", "KVCANARY_NAME=VALUE")):
+        with pytest.raises(SystemExit, match=why):
+            e2e.parse_kvcanary_env([bad])
