@@ -268,7 +268,7 @@ run_step bench-attribution 90 "$PY" benchmarks/bench_attribution.py "${attr_args
 record bench-attribution "$(status_of $STEP_RC)" "$STEP_S" "seed vs attributed write/verify; see the table below"
 
 # ------------------------------------------------------------------------------------------------ bench-forward-path
-run_step bench-forward-path 120 "$PY" benchmarks/bench_forward_path.py --device cuda --forwards 30 --rounds 3
+run_step bench-forward-path 120 "$PY" benchmarks/bench_forward_path.py --device cuda --forwards 30 --rounds 5 --stat min
 record bench-forward-path "$(status_of $STEP_RC)" "$STEP_S" "host us per eager forward, engine call sequence; see below"
 
 # ------------------------------------------------------------------------------------------------ summary
