@@ -3,12 +3,12 @@
 A CUDA-graph runner keeps one set of input buffers for all its graphs: each replay fills rows ``[0, filled)`` and
 its graph of ``size`` rows reads ``[0, size)``. The rows ``[filled, size)`` are padding; any of them that a larger
 earlier fill wrote still holds that fill's values, which the canary must not read as a request's (sglang 0.5.12
-leaves a decode graph's padded ``req_pool_indices`` and ``positions`` stale: the adapter zeroes them before the
-replay, ``kvcanary.sglang.hooks``).
+leaves a decode graph's padded ``req_pool_indices`` stale: the adapter zeroes them before the replay,
+``kvcanary.sglang.hooks``).
 
-Zeroing every padded replay's padding is a torch call of ~11 µs of host time on the H200 host (more inside sglang's
-scheduler) on nearly every decode replay. But padding that no fill wrote since it was last zeroed is zero already:
-while the batch size stands still or grows, nothing is stale. :class:`StaleRows` follows the fills and says which
+Zeroing every padded replay's padding is a torch call (7-11 µs of host time inside sglang's scheduler on the H200
+host) on nearly every decode replay. But padding that no fill wrote since it was last zeroed is zero already: while
+the batch size stands still or grows, nothing is stale. :class:`StaleRows` follows the fills and says which
 rows to zero: only what a larger fill left behind, once.
 
 It only sees the fills it is told of. A buffer written by anything else (an engine path that fills rows without
