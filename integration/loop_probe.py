@@ -261,43 +261,33 @@ def install() -> None:
 
 
 def install_kvcanary_pieces() -> int:
-    """Time kvcanary's pieces (KVCANARY_PIECES) where it is installed; returns how many were patched."""
-    import importlib
-
+    """Time kvcanary's pieces (KVCANARY_PIECES), and with DEVICE_ENV=1 its eager launches' device work, where it is
+    installed; returns how many methods were patched."""
     patched = 0
     for module, cls_name, name, key in KVCANARY_PIECES:
-        try:
-            cls = getattr(importlib.import_module(module), cls_name)
-        except (ImportError, AttributeError):
-            continue
-        fn = cls.__dict__.get(name)
-        if fn is None or getattr(fn, "e2e_probe", None):
-            continue
         count = key[:-3] + "_n" if key[:-3] + "_n" in FIELDS else None
-        setattr(cls, name, _timed(fn, key, count))
-        patched += 1
+        patched += _patch(module, cls_name, name, lambda fn, key=key, count=count: _timed(fn, key, count),
+                          "e2e_probe")
     if os.environ.get(DEVICE_ENV) == "1":
-        patched += _time_kvcanary_device()
+        for name in ("before_forward", "after_forward"):  # outside their host timers (patched above)
+            patched += _patch("kvcanary.manager", "CanaryManager", name, _device_timed, "e2e_probe_device")
     return patched
 
 
-def _time_kvcanary_device() -> int:
-    """Wrap CanaryManager.before_forward / after_forward (outside their host timers) in a CUDA event pair each, on
-    the current stream: the device time of each eager canary launch (kvc_gpu_*). Returns how many were wrapped."""
+def _patch(module: str, cls_name: str, name: str, wrap, marker: str) -> bool:
+    """Replace ``module.cls_name.name`` by ``wrap(method)``, unless kvcanary lacks it or it carries ``marker`` (it
+    is wrapped already). Returns whether it was replaced."""
     import importlib
 
     try:
-        cls = importlib.import_module("kvcanary.manager").CanaryManager
+        cls = getattr(importlib.import_module(module), cls_name)
     except (ImportError, AttributeError):
-        return 0
-    wrapped = 0
-    for name in ("before_forward", "after_forward"):
-        fn = cls.__dict__.get(name)
-        if fn is None or getattr(fn, "e2e_probe_device", False):
-            continue
-        setattr(cls, name, _device_timed(fn))
-        wrapped += 1
-    return wrapped
+        return False
+    fn = cls.__dict__.get(name)
+    if fn is None or getattr(fn, marker, None):
+        return False
+    setattr(cls, name, wrap(fn))
+    return True
 
 
 def _device_timed(fn):

@@ -143,9 +143,34 @@ def test_device_timing_is_off_by_default(probe, monkeypatch) -> None:
     monkeypatch.delenv(probe.DEVICE_ENV, raising=False)
     monkeypatch.setattr(probe, "KVCANARY_PIECES", ())  # (patch no kvcanary class in this process)
     calls = []
-    monkeypatch.setattr(probe, "_time_kvcanary_device", lambda: calls.append(1) or 0)
-    probe.install_kvcanary_pieces()
-    assert calls == []
+    monkeypatch.setattr(probe, "_patch", lambda module, cls_name, name, wrap, marker: calls.append((name, wrap)) or 1)
+    assert probe.install_kvcanary_pieces() == 0 and calls == []
     monkeypatch.setenv(probe.DEVICE_ENV, "1")
-    probe.install_kvcanary_pieces()
-    assert calls == [1]
+    assert probe.install_kvcanary_pieces() == 2
+    assert calls == [("before_forward", probe._device_timed), ("after_forward", probe._device_timed)]
+
+
+def test_patch_wraps_a_method_once_and_skips_what_is_missing(probe, monkeypatch) -> None:
+    import types
+
+    mod = types.ModuleType("_probe_patch_target")
+
+    class Target:
+        def work(self) -> int:
+            return 7
+
+    mod.Target = Target
+    monkeypatch.setitem(__import__("sys").modules, "_probe_patch_target", mod)
+
+    def wrap(fn):
+        def wrapper(*args):
+            return fn(*args) + 1
+        wrapper.marked = True
+        return wrapper
+
+    assert probe._patch("_probe_patch_target", "Target", "work", wrap, "marked")
+    assert not probe._patch("_probe_patch_target", "Target", "work", wrap, "marked")  # wrapped already
+    assert Target().work() == 8
+    assert not probe._patch("_probe_patch_target", "Target", "absent", wrap, "marked")
+    assert not probe._patch("_probe_patch_target", "Missing", "work", wrap, "marked")
+    assert not probe._patch("_no_such_module_here", "Target", "work", wrap, "marked")
