@@ -1409,8 +1409,42 @@ def run_phases(args, runner=run_worker) -> dict:
     return results
 
 
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """``"0-3,8,10-11"`` -> {0, 1, 2, 3, 8, 10, 11} (the ``taskset -c`` list form); raises ``ArgumentTypeError``
+    naming the bad part."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, sep, last = part.strip().partition("-")
+        try:
+            lo = int(first)
+            hi = int(last) if sep else lo
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--cpus: expected a list like 0-15 or 0,2,4-7; got {part!r}") from None
+        if lo < 0 or hi < lo:
+            raise argparse.ArgumentTypeError(f"--cpus: expected first <= last, both >= 0; got {part!r}")
+        cpus.update(range(lo, hi + 1))
+    return frozenset(cpus)
+
+
+def pin_cpus(cpus: frozenset[int] | None) -> str | None:
+    """Pin this process (and so every process it starts) to ``cpus``; the list as set, for the summary, or None.
+    Raises SystemExit naming --cpus when the host refuses (e.g. a CPU it does not have)."""
+    if cpus is None:
+        return None
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:
+        raise SystemExit(f"--cpus: cannot pin to {sorted(cpus)}: {exc}") from None
+    got = sorted(os.sched_getaffinity(0))
+    print(f"[e2e] pinned to CPUs {got}", flush=True)
+    if len(got) > 1 and got == list(range(got[0], got[-1] + 1)):
+        return f"{got[0]}-{got[-1]}"
+    return ",".join(map(str, got))
+
+
 def main_parent(args) -> int:
     t0 = time.monotonic()
+    pinned = pin_cpus(getattr(args, "cpus", None))
     os.makedirs(args.out, exist_ok=True)
     groups = make_workload(args.requests, seed=args.seed)
     wl = workload_stats(groups, args.chunk)
@@ -1422,7 +1456,8 @@ def main_parent(args) -> int:
     summary = build_summary(args.out, args.phase_list, results, args.budget, time.monotonic() - t0, wl,
                             env={"mode": "dry-run" if args.dry_run else "engine", "python": sys.version.split()[0],
                                  **({"kvcanary-env": " ".join(args.kvcanary_env)} if getattr(args, "kvcanary_env", None)
-                                    else {})})
+                                    else {}),
+                                 **({"cpus": pinned} if pinned else {})})
     text = render(summary)
     for s in summary["phases"]:  # the end of a failed phase's log, before the table (which is printed last)
         if s.get("verdict") == "FAIL" and not args.dry_run:
@@ -1698,6 +1733,10 @@ def parse_args(argv=None):
     ap.add_argument("--kvcanary-env", action="append", metavar="KVCANARY_NAME=VALUE",
                     help="a kvcanary setting for every phase's worker, after the phase's own (repeatable), e.g. "
                     "--kvcanary-env KVCANARY_REAL_KV=none to see what the real-KV fingerprint costs in phase 4")
+    ap.add_argument("--cpus", type=parse_cpu_list, default=None, metavar="LIST",
+                    help="pin the driver, its workers and every sglang process they start to these host CPUs (e.g. "
+                    "0-15; inherited by child processes): two runs side by side on one machine then never share a "
+                    "core, and an Engine's host speed varies less between Engines (the overhead phase's pairs)")
     ap.add_argument("--tp-size", type=int, default=1, help="tensor parallel ranks (one canary per rank)")
     ap.add_argument("--fault-rank", type=int, default=None, help="phase 3: inject on this rank only")
     ap.add_argument("--dry-run", action="store_true", help="no sglang/GPU: synthesize reports, parse, print")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -254,3 +255,29 @@ def test_kvcanary_env_overrides_the_phase_settings(e2e, tmp_path) -> None:
                      ("KVCANARY_REAL_KV", "KVCANARY_NAME=VALUE")):
         with pytest.raises(SystemExit, match=why):
             e2e.parse_kvcanary_env([bad])
+
+
+def test_cpus_list_is_parsed_like_taskset_and_bad_parts_are_named(e2e) -> None:
+    """--cpus: the ``taskset -c`` list form; a bad part is named in the error."""
+    assert e2e.parse_cpu_list("0-3,8,10-11") == frozenset({0, 1, 2, 3, 8, 10, 11})
+    assert e2e.parse_cpu_list("5") == frozenset({5})
+    for bad in ("a-3", "4-2", "-1", "1,,2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--cpus"):
+            e2e.parse_cpu_list(bad)
+    args = e2e.parse_args(["--cpus", "0-1"])
+    assert args.cpus == frozenset({0, 1})
+
+
+def test_pin_cpus_pins_this_process_and_says_what_it_set(e2e) -> None:
+    """pin_cpus: the process's affinity becomes the list (children inherit it); the summary's form is returned;
+    None leaves the affinity alone."""
+    before = os.sched_getaffinity(0)
+    one = min(before)
+    try:
+        assert e2e.pin_cpus(frozenset({one})) == str(one)
+        assert os.sched_getaffinity(0) == {one}
+        assert e2e.pin_cpus(None) is None and os.sched_getaffinity(0) == {one}
+        with pytest.raises(SystemExit, match="--cpus"):
+            e2e.pin_cpus(frozenset({1 << 20}))
+    finally:
+        os.sched_setaffinity(0, before)
