@@ -184,6 +184,7 @@ def test_real_manager_feeds_the_counters() -> None:
         sim.step()
     sim.mgr.flush()
     m.observe([sim.mgr])
+    m.flush([sim.mgr])  # the volume counters observe left for later (what Installation.close does)
     s = scrape(registry)
     labels = (("tp_rank", "0"),)  # only the labels given
     stats = sim.mgr.stats
@@ -300,8 +301,8 @@ def test_installation_host_after_feeds_the_metrics(monkeypatch: pytest.MonkeyPat
     asked = []
 
     def fake_metrics_for(rank, model_name=None):  # noqa: ANN001, ANN202
-        asked.append((dict(rank), model_name))
-        return metrics.CanaryMetrics(metrics.labels_from(rank, model_name), registry)
+        asked.append((dict(rank), model_name))  # (publish_interval_s=0: every feed reaches the scrape at once)
+        return metrics.CanaryMetrics(metrics.labels_from(rank, model_name), registry, publish_interval_s=0)
 
     monkeypatch.setattr(installation, "metrics_for", fake_metrics_for)
     inst, mgr, _, forward = _installation("log")
@@ -329,7 +330,7 @@ def test_host_after_feeds_the_metrics_only_after_a_drain_read() -> None:
             fed_at.append(mgr.steps)
             super().observe(managers)
 
-    inst.metrics = Counting({"tp_rank": "3"}, registry)
+    inst.metrics = Counting({"tp_rank": "3"}, registry, publish_interval_s=0)
     forward(0, 4)
     for pos in range(4, 12):
         forward(pos, 1)
@@ -365,3 +366,62 @@ def test_each_registry_keeps_its_own_counters() -> None:
         m.update(mgr)
         assert scrape(registry)[(metrics.PREFIX + "forwards_total", tuple(sorted(labels.items())))] == n + 1
         del registry, m
+
+
+def test_observe_adds_alert_counts_at_once_and_volume_counts_once_per_interval(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the serving loop pays per drain read: violations, lost rows and health errors reach the counters at the
+    read that found them; forwards and entries at most once per publish_interval_s (each inc is a lock, a file write
+    in multiprocess mode), exactly (nothing lost, nothing twice) at the next round, and at flush."""
+    now = [100.0]
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: now[0])
+    registry = CollectorRegistry()
+    m = metrics.CanaryMetrics(LABELS, registry, publish_interval_s=1.0)
+    mgr = FakeManager()
+    mgr.advance(8, 100, 0, 16)
+    m.observe([mgr])  # the first feed: at once
+    assert sample(scrape(registry), "forwards_total") == 8
+    now[0] += 0.5
+    mgr.advance(8, 100, 0, 8)
+    m.observe([mgr])  # inside the interval, nothing alarming: left for later
+    s = scrape(registry)
+    assert (sample(s, "forwards_total"), sample(s, "entries_verified_total")) == (8, 100)
+    mgr.advance(8, 50, 0, 8, lost=3)
+    m.observe([mgr])  # a lost row: everything at once
+    s = scrape(registry)
+    assert (sample(s, "forwards_total"), sample(s, "entries_verified_total"), sample(s, "lost_rows_total"),
+            sample(s, "tokens_written_total")) == (24, 250, 3, 32)
+    mgr.advance(8, 10, 0, 0, violations=(R.VERIFY_TOKEN,))
+    m.observe([mgr])
+    s = scrape(registry)
+    assert (sample(s, "forwards_total"), sample(s, "violations_total", reason="verify_token")) == (32, 1)
+    mgr.advance(8, 10, 0, 0, health=1)
+    m.observe([mgr])
+    assert sample(scrape(registry), "health_errors_total") == 1
+    mgr.advance(8, 10, 0, 0)
+    now[0] += 0.4
+    m.observe([mgr])
+    assert sample(scrape(registry), "forwards_total") == 40
+    now[0] += 0.6  # the interval since the last round is over
+    mgr.advance(8, 10, 0, 0)
+    m.observe([mgr])
+    assert sample(scrape(registry), "forwards_total") == 56
+    mgr.advance(8, 10, 0, 0)
+    m.observe([mgr])
+    assert sample(scrape(registry), "forwards_total") == 56
+    m.flush([mgr])
+    s = scrape(registry)
+    assert (sample(s, "forwards_total"), sample(s, "entries_verified_total")) == (64, 300)
+
+
+def test_installation_close_adds_what_observe_left_for_later() -> None:
+    registry = CollectorRegistry()
+    inst, mgr, _, forward = _installation("log")
+    inst.metrics = metrics.CanaryMetrics({"tp_rank": "3"}, registry, publish_interval_s=3600)
+    forward(0, 4)
+    for pos in range(4, 8):
+        forward(pos, 1)
+    key = (metrics.PREFIX + "forwards_total", (("tp_rank", "3"),))
+    assert scrape(registry)[key] == 1  # the first feed only
+    inst.close()
+    assert scrape(registry)[key] == mgr.stats.forwards == 5

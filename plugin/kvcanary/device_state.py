@@ -1,11 +1,11 @@
 """The device half of one canary (SPEC §5): every buffer the kernels read and write, and every launch.
 
 :class:`DeviceState` owns the canary buffer, the write and verify plans, one flat int64 state buffer (a header,
-then the violation ring, so that the host drains the header with one copy), the violation metadata beside the
-ring, the per-slot writer attribution, the row serials, and the forward's snapshot of token ids, positions and
-slots. Every buffer keeps its address for the state's lifetime (CUDA-graph capture). Every kernel launch of the
-runtime (``kvcanary.ops``) happens here, and only here (host → device uploads live with their owners: the token
-table, the sweep plan):
+then the violation ring) right after the violation metadata in one allocation (so that the host drains the header,
+the next ring rows and their metadata with one copy), the per-slot writer attribution, the row serials, and the
+forward's snapshot of token ids, positions and slots. Every buffer keeps its address for the state's lifetime
+(CUDA-graph capture). Every kernel launch of the runtime (``kvcanary.ops``) happens here, and only here (host →
+device uploads live with their owners: the token table, the sweep plan):
 
 * :meth:`DeviceState.before_forward`: one ``canary_check_step`` launch (plan + verify of every batch row's prefix,
   the write plan, the snapshot of token ids, positions and slots, the forward counter, the drained-ring reuse);
@@ -30,7 +30,7 @@ forward counter and the writer serial of every record it stores; the writer seri
 row]`` (:meth:`upload_row_serials`; serials are handed out by :mod:`kvcanary.writers`). Verify and sweep read it
 for failing entries only.
 
-The drain reads this state only through :meth:`status_segments`, :meth:`ring_segments`, :func:`parse_header` and
+The drain reads this state only through :meth:`status_copy`, :meth:`ring_segments`, :func:`parse_header` and
 :meth:`acknowledge_ring`.
 """
 
@@ -64,6 +64,9 @@ STATE_DRAINED_TO = layout.STATE_DRAINED_TO
 _KERNEL_RUNS = slice(STATE_KERNEL_RUNS, STATE_KERNEL_RUNS + NUM_LAUNCH_TAGS)
 _SLOT_RUNS = slice(STATE_SLOT_RUNS, STATE_SLOT_RUNS + NUM_LAUNCH_TAGS)
 _MAX_CACHED_SEGMENTS = 64  # status-copy source views kept (one per (first, peek_end) the drain asks for)
+# Metadata elements a status copy may carry beyond the rows it peeks to be one copy instead of two (64 KiB, a few
+# µs of copy-engine time per drain period at most): the default 1024-row ring's whole table (32 KiB) qualifies.
+STATUS_COPY_MAX_META = 8192
 
 
 class StateHeader(NamedTuple):
@@ -74,6 +77,15 @@ class StateHeader(NamedTuple):
     slot_runs: tuple[int, ...]  # per launch tag
     ring_epoch: int  # how many times the drained ring was emptied
     forward: int  # the device forward counter
+
+
+class StatusCopy(NamedTuple):
+    """One status copy (:meth:`DeviceState.status_copy`): its device sources, copied back to back, and where its
+    parts land in the copy (offsets in int64 elements)."""
+
+    sources: tuple[torch.Tensor, ...]
+    state_at: int  # the header, then the ring rows up to the peek's end
+    meta_at: int  # the metadata of the first peeked row, then the next rows'
 
 
 def parse_header(values: Sequence[int]) -> StateHeader:
@@ -132,8 +144,15 @@ class DeviceState:
 
         self.canary_buf = torch.zeros((num_slots, layout.RECORD_BYTES), dtype=torch.uint8, device=dev)
         self.write_plan = WritePlan.allocate(max_batch_size, dev)
-        self.state = torch.zeros(STATE_HEADER + ring_capacity * layout.VIOLATION_FIELDS, **i64)
-        state = self.state
+        # One allocation: the violation metadata table (kvcanary+), then the state buffer. The status copy then
+        # takes the metadata rows it peeks, the header and the peeked ring rows in ONE device -> host copy while
+        # the metadata it carries along is small (:meth:`status_copy`): each copy start is ~10 us of host time.
+        meta = layout.VIOLATION_META_FIELDS
+        self._meta_numel = ring_capacity * meta
+        self._status_backing = torch.empty(self._meta_numel + STATE_HEADER + ring_capacity * layout.VIOLATION_FIELDS,
+                                           **i64)
+        self.state = state = self._status_backing[self._meta_numel :]
+        state.zero_()
         self.violation_write_index = state[STATE_WRITE_INDEX : STATE_WRITE_INDEX + 1].view(torch.int32)[0:1]
         self.kernel_run_counters = state[STATE_KERNEL_RUNS : STATE_KERNEL_RUNS + NUM_LAUNCH_TAGS]
         self.slot_run_counters = state[STATE_SLOT_RUNS : STATE_SLOT_RUNS + NUM_LAUNCH_TAGS]
@@ -141,8 +160,8 @@ class DeviceState:
         self.forward_counter = state[STATE_FORWARD : STATE_FORWARD + 1]
         # kvcanary+ metadata beside the ring (row i describes ring row i) and writer attribution beside the
         # canary buffer; the ring and the 32-byte records stay the seed's.
-        meta = layout.VIOLATION_META_FIELDS
-        self.violation_meta = torch.full((ring_capacity, meta), layout.META_UNKNOWN, **i64)
+        self.violation_meta = self._status_backing[: self._meta_numel].view(ring_capacity, meta)
+        self.violation_meta.fill_(layout.META_UNKNOWN)
         self.slot_attribution = torch.full((num_slots, layout.SLOT_ATTRIBUTION_FIELDS), layout.META_UNKNOWN, **i64)
         self.row_serials = torch.full((req_to_token.shape[0],), layout.META_UNKNOWN, **i64)
         # (its stagings are allocated on the first upload: a canary that never gets a new request holds none)
@@ -164,7 +183,7 @@ class DeviceState:
             self._expected_tokens = token_table.expected_tokens
             self._expected_valid_lens_by_row = token_table.valid_lens_by_row
         self._sweep_views = self._build_counter_views(LaunchTag.SWEEP)  # (verify-tag launches: the check's state)
-        self._status_segments: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._status_copies: dict[tuple[int, int], StatusCopy] = {}
         # The two per-forward launches, their fixed arguments bound once (a forward's host time is the product's cost)
         self._check = ops.CheckLaunch(
             state=self.state, canary_buf=self.canary_buf, write_plan=self.write_plan, req_to_token=req_to_token,
@@ -242,17 +261,28 @@ class DeviceState:
         self._row_serial_upload(rows, serials)
 
     # ------------------------------------------------------------------------------------------ what the drain reads
-    def status_segments(self, first: int, peek_end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The status copy's sources: the state prefix up to ring row ``peek_end`` (header included), and the
-        metadata of ring rows ``first..peek_end``, both flat."""
+    def status_copy(self, first: int, peek_end: int) -> StatusCopy:
+        """What a status copy copies: the state prefix up to ring row ``peek_end`` (header included) and the
+        metadata of ring rows ``first..peek_end``. One source (metadata rows ``first..ring_capacity``, then the
+        state prefix: they are adjacent in memory) while those metadata rows are at most ``STATUS_COPY_MAX_META``
+        elements, else two (the state prefix, the metadata rows ``first..peek_end``)."""
         key = (first, peek_end)
-        segments = self._status_segments.get(key)
-        if segments is None:  # views built once per range (a clean run uses one): slicing costs host time per drain
-            if len(self._status_segments) >= _MAX_CACHED_SEGMENTS:
-                self._status_segments.clear()
-            numel = STATE_HEADER + peek_end * layout.VIOLATION_FIELDS
-            segments = self._status_segments[key] = (self.state[:numel], self.violation_meta[first:peek_end].view(-1))
-        return segments
+        copy = self._status_copies.get(key)
+        if copy is None:  # views built once per range (a clean run uses one): slicing costs host time per drain
+            if len(self._status_copies) >= _MAX_CACHED_SEGMENTS:
+                self._status_copies.clear()
+            copy = self._status_copies[key] = self._build_status_copy(first, peek_end)
+        return copy
+
+    def _build_status_copy(self, first: int, peek_end: int) -> StatusCopy:
+        numel = STATE_HEADER + peek_end * layout.VIOLATION_FIELDS
+        meta_after = (self.ring_capacity - first) * layout.VIOLATION_META_FIELDS  # metadata rows first.. to the end
+        if meta_after <= STATUS_COPY_MAX_META:
+            start = self._meta_numel - meta_after
+            return StatusCopy((self._status_backing[start : self._meta_numel + numel],), state_at=meta_after,
+                              meta_at=0)
+        return StatusCopy((self.state[:numel], self.violation_meta[first:peek_end].view(-1)), state_at=0,
+                          meta_at=numel)
 
     def ring_segments(self, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Ring rows ``first..end`` and their metadata rows, both flat."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcanary import layout
-from kvcanary.device_state import STATE_HEADER, DeviceState, parse_header
+from kvcanary.device_state import STATE_HEADER, STATUS_COPY_MAX_META, DeviceState, StatusCopy, parse_header
 from kvcanary.pump import PinnedChannel
 from kvcanary.report import Reporter, Violation
 from kvcanary.tags import NUM_LAUNCH_TAGS
@@ -42,19 +42,39 @@ _META = layout.VIOLATION_META_FIELDS
 
 
 class StatusChannel(PinnedChannel):
-    """The status copy's channel: its header can be read alone. Most status reads find no new ring row, and
-    converting the peeked rows to Python ints (hundreds of values) was most of a read's host time; they are converted
-    only when a read uses them (:meth:`PinnedChannel.segments`, after :meth:`take_header`)."""
+    """The status copy's channel (a :class:`~kvcanary.device_state.StatusCopy`, usually one copy): its header can be
+    read alone. Most status reads find no new ring row, and converting the peeked rows to Python ints (hundreds of
+    values) was most of a read's host time; they are converted only when a read uses them (:meth:`peeked_rows`,
+    after :meth:`take_header`)."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, header: int) -> None:
-        super().__init__(numel, dtype, device)
-        self._header_view = self.host[:header]  # (a slice is a torch op: built once)
+    def __init__(self, numel: int, device: torch.device) -> None:
+        super().__init__(numel, torch.int64, device)
+        self._header_views: dict[int, torch.Tensor] = {}  # by the header's offset (a slice is a torch op: built once)
+
+    def start_status(self, copy: StatusCopy, *, step: int, first: int, peek_end: int) -> None:
+        """Start ``copy``, which peeks ring rows ``first..peek_end``, taken after step ``step``."""
+        self.start(*copy.sources, step=step, first=first, peek_end=peek_end, state_at=copy.state_at,
+                   meta_at=copy.meta_at)
 
     def take_header(self) -> list[int]:
-        """The first ``header`` copied values (call once ``ready()``); frees the channel. The rest stays readable
-        with :meth:`segments` until the next ``start``."""
+        """The copied state header (call once ``ready()``); frees the channel. The peeked rows stay readable with
+        :meth:`peeked_rows` until the next ``start``."""
         self.busy = False
-        return self._header_view.tolist()
+        at = self.meta["state_at"]
+        view = self._header_views.get(at)
+        if view is None:
+            if len(self._header_views) >= 64:
+                self._header_views.clear()
+            view = self._header_views[at] = self.host[at : at + STATE_HEADER]
+        return view.tolist()
+
+    def peeked_rows(self, count: int) -> tuple[list[int], list[int]]:
+        """The first ``count`` peeked ring rows and their metadata rows, each flat (of the last copy, once ready)."""
+        meta = self.meta
+        rows_at = meta["state_at"] + STATE_HEADER + meta["first"] * layout.VIOLATION_FIELDS
+        meta_at = meta["meta_at"]
+        return (self.host[rows_at : rows_at + count * layout.VIOLATION_FIELDS].tolist(),
+                self.host[meta_at : meta_at + count * _META].tolist())
 
 
 @dataclass
@@ -101,8 +121,9 @@ class ViolationDrain:
         self._capacity = capacity = state.ring_capacity
         # (both copy on the forward's stream, behind its kernels: kvcanary.pump says why not on a side stream)
         status_rows = min(capacity, MAX_STATUS_ROWS)
-        self._status_channel = StatusChannel(STATE_HEADER + status_rows * layout.VIOLATION_FIELDS + ROW_PEEK * _META,
-                                             torch.int64, state.device, header=STATE_HEADER)
+        carried_meta = max(ROW_PEEK * _META, min(capacity * _META, STATUS_COPY_MAX_META))  # (see status_copy)
+        self._status_channel = StatusChannel(STATE_HEADER + status_rows * layout.VIOLATION_FIELDS + carried_meta,
+                                             state.device)
         self._rows_channel = PinnedChannel(capacity * (layout.VIOLATION_FIELDS + _META), torch.int64, state.device)
         self.violations: list[Violation] = []
         self.acknowledged_index: int | None = None
@@ -201,8 +222,8 @@ class ViolationDrain:
         peek_end = min(first + ROW_PEEK, self._capacity)
         if peek_end > MAX_STATUS_ROWS:
             peek_end = first = 0
-        self._status_channel.start(*self._state.status_segments(first, peek_end), step=steps, first=first,
-                                   peek_end=peek_end)
+        self._status_channel.start_status(self._state.status_copy(first, peek_end), step=steps, first=first,
+                                          peek_end=peek_end)
 
     def _read_status(self, steps: int) -> list[Violation]:
         self.status_reads += 1
@@ -230,12 +251,12 @@ class ViolationDrain:
         lost_total = max(0, index - capacity) if index >= 0 else 0
         reported: list[Violation] = []
         if not self._rows_channel.busy and kept > self._rows_requested:
-            flat, peek_meta = channel.segments()  # (nothing started the channel since take_header)
-            peek = flat[STATE_HEADER + first * fields : STATE_HEADER + peek_end * fields]
-            have = min(kept, first + len(peek) // fields)
+            have = min(kept, peek_end)
             peeked: list[list[int]] = []
             metas: list[list[int]] = []
             if first == self._rows_requested and have > first:
+                # (nothing started the channel since take_header)
+                peek, peek_meta = channel.peeked_rows(have - first)
                 peeked = [peek[i * fields : (i + 1) * fields] for i in range(have - first)]
                 metas = [peek_meta[i * _META : (i + 1) * _META] for i in range(have - first)]
                 self._rows_requested = have  # before reporting: raise mode must not see these rows again

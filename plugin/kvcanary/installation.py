@@ -245,8 +245,8 @@ class Installation:
             if metrics is None:
                 metrics = self.metrics = metrics_for(self.manager.rank, self.model_name)
             # deltas of the managers' counts, fed after every drain read (a violation is counted at once, raise
-            # mode included: the drain counts a read before it reports); a forward without one adds an integer sum
-            # and a compare. observe never raises.
+            # mode included: the drain counts a read before it reports; the volume counters at most once a second,
+            # see kvcanary.metrics); a forward without one adds an integer sum and a compare. observe never raises.
             reads = 0
             for group in self.groups:
                 reads += group.manager.violation_drain.reads
@@ -294,9 +294,18 @@ class Installation:
     def verify_tokens(self) -> bool:
         return self.config.verify_tokens
 
+    def flush_metrics(self) -> None:
+        """Add to the metrics whatever the managers counted that :meth:`host_after` left for later (the volume
+        counters wait up to ``kvcanary.metrics.PUBLISH_INTERVAL_S``); never raises."""
+        if self.metrics is not None:
+            self.metrics.flush([g.manager for g in self.groups])
+
     def close(self) -> None:
-        for group in self.groups:
-            group.manager.close()
+        try:
+            for group in self.groups:
+                group.manager.close()
+        finally:  # after the managers' final drains (raise mode: what they counted before raising)
+            self.flush_metrics()
 
 
 _INSTALLATIONS: list[weakref.ReferenceType] = []

@@ -54,6 +54,7 @@ def test_counters_on_the_scrape_with_sglangs_labels(tmp_path, monkeypatch) -> No
         faults.flip_real_kv(inst.manager.real_kv_sources[0], slot, 0, 0xFF)  # a live slot: the next verify reads it
         for _ in range(3):
             sched.step()
+        inst.flush_metrics()  # the volume counters host_after left for later (at most a second's worth)
     finally:
         hooks_state.restore(state)
         sgl_engine.destroy_distributed()

@@ -60,10 +60,12 @@ def test_state_views_share_the_flat_buffer() -> None:
     state.violation_ring[1, 0] = 42
     header = parse_header(state.state.tolist())
     assert (header.write_index, header.kernel_runs[LaunchTag.WRITE]) == (3, 9)
-    flat, meta = state.status_segments(0, 2)
-    assert flat.numel() == STATE_HEADER + 2 * layout.VIOLATION_FIELDS
-    assert meta.numel() == 2 * layout.VIOLATION_META_FIELDS
-    assert int(flat[STATE_HEADER + layout.VIOLATION_FIELDS]) == 42
+    state.violation_meta[1, 0] = 77
+    copy = state.status_copy(0, 2)
+    (flat,) = copy.sources  # one copy: the metadata table sits right before the state
+    assert flat.numel() == copy.state_at + STATE_HEADER + 2 * layout.VIOLATION_FIELDS
+    assert int(flat[copy.state_at + STATE_HEADER + layout.VIOLATION_FIELDS]) == 42
+    assert int(flat[copy.meta_at + layout.VIOLATION_META_FIELDS]) == 77
 
 
 # ---------------------------------------------------------------------------------------------- drain
@@ -244,13 +246,45 @@ def test_status_read_converts_the_peeked_rows_only_when_there_are_new_ones() -> 
     h = HandDrain()
     channel = h.drain._status_channel  # noqa: SLF001 - the test counts the conversions of its copy
     converted = []
-    segments = channel.segments
-    channel.segments = lambda: converted.append(1) or segments()  # type: ignore[method-assign]
+    peeked_rows = channel.peeked_rows
+    channel.peeked_rows = lambda n: converted.append(1) or peeked_rows(n)  # type: ignore[method-assign]
     h.drain.drain(steps=1)
     assert converted == [] and h.drain.status_reads >= 1  # a clean read: the header alone
     h.append(5, found_at=2)
     got = h.drain.drain(steps=2)
     assert [v.slot for v in got] == [5] and converted == [1]
+
+
+def test_status_copy_is_one_copy_while_the_metadata_it_carries_is_small() -> None:
+    """A copy start is ~10 us of host time on a GPU host: the status copy is one copy (metadata rows first.., the
+    header, the peeked ring rows: adjacent in memory) unless the metadata after the first peeked row is large."""
+    from kvcanary.device_state import STATUS_COPY_MAX_META
+
+    assert len(device_state(1024).status_copy(0, ROW_PEEK).sources) == 1  # the default ring
+    big = device_state(4096)
+    assert len(big.status_copy(0, ROW_PEEK).sources) == 2
+    first = 4096 - STATUS_COPY_MAX_META // layout.VIOLATION_META_FIELDS
+    assert len(big.status_copy(first, first + ROW_PEEK).sources) == 1
+
+
+@pytest.mark.parametrize("capacity", [8, 2100])
+def test_drain_reports_rows_and_metadata_through_one_or_two_copy_status_layouts(capacity: int) -> None:
+    """Ring 2100: the status copy starts as two copies (8400 metadata elements after row 0) and becomes one once
+    the rows read pass row 52; every row keeps its own metadata (step, writer) either way."""
+    h = HandDrain(ring_capacity=capacity)
+    h.state.forward_counter.fill_(1000)  # the device counter equals the host's steps: rows keep their found_at
+    expected = []
+    for burst in range(3):
+        for j in range(min(40, capacity - 1) if burst == 0 else 3):
+            slot = 100 * burst + j
+            h.append(slot, found_at=slot + 1, serial=7 if j % 2 else 0)
+            expected.append((slot, slot + 1, "rid-7" if j % 2 else None))
+        h.drain.flush(steps=1000)
+        if capacity == 8 and burst == 0:
+            h.empty_ring()
+            h.drain.flush(steps=1000)
+    got = [(v.slot, v.step, v.writer_rid) for v in h.drain.violations]
+    assert got == expected and h.reporter.total_lost == 0
 
 
 def test_manager_step_calls_the_drain_only_when_due() -> None:
