@@ -479,13 +479,7 @@ struct CheckFixedArgs {
   BoundTensor input_ids_out;
   BoundTensor positions_out;
   BoundTensor out_cache_loc_out;
-  BoundTensor real_kv_buf_0;
-  BoundTensor real_kv_buf_1;
-  BoundTensor real_kv_buf_2;
-  BoundTensor real_kv_buf_3;
-  BoundTensor real_kv_source_params;
-  int64_t num_sources;
-  int64_t real_kv_hash_mode;
+  BoundRealKvSources real_kv;
   int64_t check_tokens;
 };
 
@@ -529,13 +523,9 @@ inline tvm::ffi::Function canary_check_bind(
                        BoundTensor(std::move(input_ids_out)),
                        BoundTensor(std::move(positions_out)),
                        BoundTensor(std::move(out_cache_loc_out)),
-                       BoundTensor(std::move(real_kv_buf_0)),
-                       BoundTensor(std::move(real_kv_buf_1)),
-                       BoundTensor(std::move(real_kv_buf_2)),
-                       BoundTensor(std::move(real_kv_buf_3)),
-                       BoundTensor(std::move(real_kv_source_params)),
-                       num_sources,
-                       real_kv_hash_mode,
+                       BoundRealKvSources(std::move(real_kv_buf_0), std::move(real_kv_buf_1),
+                                          std::move(real_kv_buf_2), std::move(real_kv_buf_3),
+                                          std::move(real_kv_source_params), num_sources, real_kv_hash_mode),
                        check_tokens};
   return tvm::ffi::Function::FromTyped(
       [f = std::move(fixed)](TensorView req_pool_indices, TensorView prefix_lens, TensorView extend_lens,
@@ -547,8 +537,8 @@ inline tvm::ffi::Function canary_check_bind(
                           f.swa_window_size, f.full_to_swa_index_mapping.view, f.expected_tokens.view,
                           f.expected_valid_lens_by_row.view, f.kv_token_id_vs_position_offset, input_ids, positions,
                           out_cache_loc, f.input_ids_out.view, f.positions_out.view, f.out_cache_loc_out.view,
-                          f.real_kv_buf_0.view, f.real_kv_buf_1.view, f.real_kv_buf_2.view, f.real_kv_buf_3.view,
-                          f.real_kv_source_params.view, f.num_sources, f.real_kv_hash_mode, f.check_tokens,
+                          f.real_kv.buf_0.view, f.real_kv.buf_1.view, f.real_kv.buf_2.view, f.real_kv.buf_3.view,
+                          f.real_kv.source_params.view, f.real_kv.num_sources, f.real_kv.hash_mode, f.check_tokens,
                           new_forward, forward_step_value);
       },
       "canary_check_bound");
