@@ -13,6 +13,7 @@
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/optional.h>
 
+#include <cstdint>
 #include <optional>
 #include <utility>
 
@@ -49,6 +50,32 @@ struct BoundOptionalTensor {
     const tvm::ffi::Tensor tensor = owner.value();
     return TensorView(tensor);
   }
+};
+
+/*!
+ * \brief The real-KV arguments of a bound launch (real_kv_buf_0..3, real_kv_source_params, num_sources,
+ * real_kv_hash_mode), held once for both binds: the wrappers still validate and pack them on every call
+ * (real_kv_args.cuh pack_real_kv_sources).
+ */
+struct BoundRealKvSources {
+  BoundRealKvSources(tvm::ffi::Tensor real_kv_buf_0, tvm::ffi::Tensor real_kv_buf_1, tvm::ffi::Tensor real_kv_buf_2,
+                     tvm::ffi::Tensor real_kv_buf_3, tvm::ffi::Tensor real_kv_source_params, int64_t num_real_kv_sources,
+                     int64_t real_kv_hash_mode)
+      : buf_0(std::move(real_kv_buf_0)),
+        buf_1(std::move(real_kv_buf_1)),
+        buf_2(std::move(real_kv_buf_2)),
+        buf_3(std::move(real_kv_buf_3)),
+        source_params(std::move(real_kv_source_params)),
+        num_sources(num_real_kv_sources),
+        hash_mode(real_kv_hash_mode) {}
+
+  BoundTensor buf_0;
+  BoundTensor buf_1;
+  BoundTensor buf_2;
+  BoundTensor buf_3;
+  BoundTensor source_params;
+  int64_t num_sources;
+  int64_t hash_mode;
 };
 
 }  // namespace host

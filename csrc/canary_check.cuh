@@ -5,7 +5,8 @@
  * Computes what canary_plan_step_attributed (with an unbounded verify plan) + canary_verify_step_attributed
  * (tag VERIFY) + the manager's small per-forward ops did:
  *   - plan + verify: every verify entry of every batch row r < bs (the entries, in the order, canary_plan.cuh
- *     plans: SWA window, LUT, index-error entries, kv_token_id offset) is checked exactly as canary_verify.cuh
+ *     plans with out_cache_loc: SWA window, LUT, index-error entries, kv_token_id offset, padding rows: a row
+ *     whose first new token is on the padding slot plans nothing but its index errors) is checked exactly as canary_verify.cuh
  *     checks a plan entry (chain, token, position, real-KV, out-of-range; with violation_meta a metadata row:
  *     the step below, the row's rp, the slot's attribution). No verify plan, no capacity: nothing is skipped.
  *     kernel_runs[VERIFY] += 1, slot_runs[VERIFY] += entries; the overflow counter is not touched.
@@ -194,12 +195,14 @@ __global__ void __launch_bounds__(kCheckThreads, kCheckMinBlocksPerSm)
   __shared__ int64_t s_window_end[kCheckThreads];
   __shared__ uint8_t s_flags[kCheckThreads];  // bit 0: rp_ok, bit 1: bad_prefix
   __shared__ int64_t s_step;
+  __shared__ long long s_cut;  // the padding rows' first token (plan_chunk_padding)
   __shared__ bool s_last;
   const PlanParams& q = p.plan;
   if (threadIdx.x == 0) {
     // Nobody stores the counter before every block has counted itself done (below), so all blocks read the
     // value from before the launch.
     s_step = check_step_value(p, p.state[kStateForward]);
+    s_cut = INT64_MAX;
   }
   __syncthreads();
   const ViolationSink sink = check_sink(p, &s_step);
@@ -215,14 +218,16 @@ __global__ void __launch_bounds__(kCheckThreads, kCheckMinBlocksPerSm)
 
   const bool stores_write_plan = blockIdx.x == 0;
   const int64_t rows = stores_write_plan ? q.write_capacity : q.batch_rows;
+  int64_t carry_tokens = 0;
   int64_t carry_write = 0;
   int64_t carry_verify = 0;
   for (int64_t base = 0; base < rows; base += kCheckThreads) {
     const int64_t r = base + threadIdx.x;
+    const bool padding = plan_chunk_padding<kCheckThreads>(q, r, carry_tokens, &s_cut);
     RowPlan row{};
     row.seed = kChainHeadSlot;
     if (r < q.batch_rows) {
-      row = plan_row(q, r);
+      row = plan_row(q, r, padding);
     }
     int64_t write_end = row.write_count;
     int64_t verify_end = row.verify_count;
@@ -326,7 +331,7 @@ inline void canary_check_cpu(const CheckParams& p) {
     RowPlan row{};
     row.seed = kChainHeadSlot;
     if (r < q.batch_rows) {
-      row = plan_row(q, r);
+      row = plan_row(q, r, plan_starts_on_padding_slot(q, r, write_end));  // (write_end: row r's first token)
     }
     write_end += row.write_count;
     plan_store_write_row(q, r, row.rp, row.seed, write_end);
@@ -435,6 +440,8 @@ inline void canary_check_step(
   p.input_ids = ids;
   p.positions = pos;
   p.out_cache_loc = locs;
+  q.out_cache_loc = locs;  // the padding rows (canary_plan.cuh)
+  q.num_tokens = num_tokens.value();
   p.input_ids_out = ids_out;
   p.positions_out = pos_out;
   p.out_cache_loc_out = locs_out;
@@ -479,13 +486,7 @@ struct CheckFixedArgs {
   BoundTensor input_ids_out;
   BoundTensor positions_out;
   BoundTensor out_cache_loc_out;
-  BoundTensor real_kv_buf_0;
-  BoundTensor real_kv_buf_1;
-  BoundTensor real_kv_buf_2;
-  BoundTensor real_kv_buf_3;
-  BoundTensor real_kv_source_params;
-  int64_t num_sources;
-  int64_t real_kv_hash_mode;
+  BoundRealKvSources real_kv;
   int64_t check_tokens;
 };
 
@@ -529,13 +530,9 @@ inline tvm::ffi::Function canary_check_bind(
                        BoundTensor(std::move(input_ids_out)),
                        BoundTensor(std::move(positions_out)),
                        BoundTensor(std::move(out_cache_loc_out)),
-                       BoundTensor(std::move(real_kv_buf_0)),
-                       BoundTensor(std::move(real_kv_buf_1)),
-                       BoundTensor(std::move(real_kv_buf_2)),
-                       BoundTensor(std::move(real_kv_buf_3)),
-                       BoundTensor(std::move(real_kv_source_params)),
-                       num_sources,
-                       real_kv_hash_mode,
+                       BoundRealKvSources(std::move(real_kv_buf_0), std::move(real_kv_buf_1),
+                                          std::move(real_kv_buf_2), std::move(real_kv_buf_3),
+                                          std::move(real_kv_source_params), num_sources, real_kv_hash_mode),
                        check_tokens};
   return tvm::ffi::Function::FromTyped(
       [f = std::move(fixed)](TensorView req_pool_indices, TensorView prefix_lens, TensorView extend_lens,
@@ -547,8 +544,8 @@ inline tvm::ffi::Function canary_check_bind(
                           f.swa_window_size, f.full_to_swa_index_mapping.view, f.expected_tokens.view,
                           f.expected_valid_lens_by_row.view, f.kv_token_id_vs_position_offset, input_ids, positions,
                           out_cache_loc, f.input_ids_out.view, f.positions_out.view, f.out_cache_loc_out.view,
-                          f.real_kv_buf_0.view, f.real_kv_buf_1.view, f.real_kv_buf_2.view, f.real_kv_buf_3.view,
-                          f.real_kv_source_params.view, f.num_sources, f.real_kv_hash_mode, f.check_tokens,
+                          f.real_kv.buf_0.view, f.real_kv.buf_1.view, f.real_kv.buf_2.view, f.real_kv.buf_3.view,
+                          f.real_kv.source_params.view, f.real_kv.num_sources, f.real_kv.hash_mode, f.check_tokens,
                           new_forward, forward_step_value);
       },
       "canary_check_bound");

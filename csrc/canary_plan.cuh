@@ -2,13 +2,24 @@
  * \file canary_plan.cuh
  * \brief canary_plan_step: build one forward's write plan and verify plan on the device (SPEC §4.3).
  *
- * Computes, for each batch row r < bs with rp = req_pool_indices[r] != 0:
+ * Computes, for each batch row r < bs with rp = req_pool_indices[r] != 0 that is not a padding row (below):
  *   verify entries for positions [window_start, prefix) with window_start = max(0, prefix - W) when
  *   an SWA window W > 0 is given, else 0: slot = T(req_to_token[rp, pos]), prev = T(req_to_token[rp,
  *   pos - 1]) or -1 at pos 0, expected token = expected_tokens[rp, pos + offset] when that index lies in
  *   [0, valid_len[r]) (else -1), expected position = pos; rows laid out in batch-row order.
  *   write plan: write_num_valid_reqs = bs; offsets = exclusive prefix sum of extend lens (rows with
- *   rp = 0 count 0); seed = T(req_to_token[rp, prefix - 1]) when prefix > 0 and extend > 0, else -1.
+ *   rp = 0 and padding rows count 0); seed = T(req_to_token[rp, prefix - 1]) when prefix > 0 and extend > 0,
+ *   else -1.
+ * Padding rows (kvcanary+, with out_cache_loc): a row with rp != 0 and extend > 0 whose first new token lands on the
+ *   padding slot (out_cache_loc[offsets[r]] == kPaddingSlot, offsets[r] < num_tokens) is a padding row: no window
+ *   entries, no write (its range is empty), seed -1; its index-error entries (rp, prefix) stay. A CUDA-graph runner
+ *   pads the batch at its tail with rows whose tokens all write slot 0 but whose req_pool_indices and positions may
+ *   be an earlier fill's (sglang 0.5.12's decode graphs): the plan must not verify or write for them. A padding row's
+ *   range is empty, so every later row that writes starts at the same token and is a padding row too: the padding
+ *   is the tail from the first such row on. On the device the rows are scanned in parallel by the equivalent rule:
+ *   with start_r = the exclusive prefix sum of extend lens by rp alone (rows with rp = 0 count 0) and C = the
+ *   smallest start_r of a writing row whose first token is on the padding slot, a writing row is padding iff
+ *   start_r >= C. Without out_cache_loc (canary_plan_step) only rp = 0 makes a padding row.
  *   T is the SWA LUT (full_to_swa_index_mapping) when given, else the identity.
  *   If the verify total exceeds the verify capacity: num_valid = capacity, enable = 0 and no entry
  *   is written (the host drains `enable` and warns); else num_valid = total, enable = 1.
@@ -22,18 +33,20 @@
  *        kPlanEntryThreads), SMs * kPlanEntryBlocksPerSm) blocks, grid-stride; each entry finds its row
  *        by binary search over verify_row_offsets. CPU: one loop.
  * Block: rows kernel kPlanRowThreads threads; entries kernel kPlanEntryThreads threads.
- * Reads:  batch rows, req_to_token, the LUT, the expected-token table and valid lengths.
+ * Reads:  batch rows, req_to_token, the LUT, the expected-token table and valid lengths, out_cache_loc at the
+ *         rows' first tokens (kvcanary+).
  * Writes: write plan (offsets, seeds, num_valid, verify_row_offsets), verify plan (entries, num_valid,
  *         enable). Entries past num_valid are left untouched.
  * Expected tokens: the table may be int32 (sglang's req_to_verify_expected_tokens, like req_to_token)
  *   or int64; an int32 table gives the same plan as its int64 copy.
- * kvcanary+ (canary_plan_step_attributed: the arguments above, then four more; tensors optional):
+ * kvcanary+ (canary_plan_step_attributed: the arguments above, then five more; tensors optional):
  *   write_request_rows [write_capacity]: rp of each write-plan row (0 for rows past bs);
  *   verify_request_rows [verify_capacity]: rp of the batch row each verify entry came from (written with
  *   the entries); forward_counter [1] with forward_step_value: the plan starts a forward, so it sets the
  *   counter (by one thread) that the verify and write launches of the same forward read: to
  *   forward_step_value when that is >= 0 (a launch whose forward number the host knows), else to the
- *   counter + 1 (a launch captured in a CUDA graph: each replay counts one forward).
+ *   counter + 1 (a launch captured in a CUDA graph: each replay counts one forward); out_cache_loc
+ *   [num_tokens] (int32 or int64): the forward's slots, for the padding rows above.
  */
 #pragma once
 
@@ -106,6 +119,10 @@ struct PlanParams {
   int64_t* verify_request_rows;  // [verify_capacity]
   int64_t* forward_counter;      // [1]
   int64_t forward_step_value;    // >= 0: the value to set; < 0: add 1
+  // the forward's slots [num_tokens] (int32 or int64): rows whose first new token is on the padding slot are
+  // padding rows; data nullptr: only rp = 0 makes a padding row
+  IntArray out_cache_loc;
+  int64_t num_tokens;
 };
 
 /*! \brief What one batch row contributes to the plans. */
@@ -132,7 +149,36 @@ KVCANARY_HD int64_t plan_slot(const PlanParams& p, int64_t rp, int64_t pos) {
   return full < p.lut_len ? p.lut[full] : plan_index_error(full);
 }
 
-KVCANARY_HD RowPlan plan_row(const PlanParams& p, int64_t r) {
+/*! \brief Whether batch row r writes tokens (rp != 0, extend > 0): the rows the padding-slot rule applies to. */
+KVCANARY_HD bool plan_row_writes(const PlanParams& p, int64_t r) {
+  return p.req_pool_indices[r] != kPaddingReqPoolRow && p.extend_lens[r] > 0;
+}
+
+/*! \brief Tokens batch row r takes on the token axis by its rp alone (rows with rp 0 take none). */
+KVCANARY_HD int64_t plan_row_tokens(const PlanParams& p, int64_t r) {
+  const int64_t extend = p.extend_lens[r];
+  return p.req_pool_indices[r] == kPaddingReqPoolRow || extend < 0 ? 0 : extend;
+}
+
+/*! \brief Whether batch row r writes and its tokens, starting at token `start`, start on the padding slot. */
+KVCANARY_HD bool plan_starts_on_padding_slot(const PlanParams& p, int64_t r, int64_t start) {
+  return p.out_cache_loc.data != nullptr && start < p.num_tokens && plan_row_writes(p, r) &&
+         p.out_cache_loc[start] == kPaddingSlot;
+}
+
+/*!
+ * \brief Whether batch row r is a padding row by the padding-slot rule, read back from a stored write plan: a row
+ * that writes has a non-empty range unless it is one.
+ */
+KVCANARY_HD bool plan_padding_from_offsets(const PlanParams& p, int64_t r) {
+  return p.out_cache_loc.data != nullptr && plan_row_writes(p, r) && p.write_offsets[r + 1] == p.write_offsets[r];
+}
+
+/*!
+ * \brief What batch row r contributes; `padding`: the row is a padding row by the padding-slot rule (see the file
+ * comment): no window entries, no write, no seed; its index-error entries stay.
+ */
+KVCANARY_HD RowPlan plan_row(const PlanParams& p, int64_t r, bool padding) {
   RowPlan row{};
   row.seed = kChainHeadSlot;
   row.rp = p.req_pool_indices[r];
@@ -142,7 +188,7 @@ KVCANARY_HD RowPlan plan_row(const PlanParams& p, int64_t r) {
   const int64_t prefix = p.prefix_lens[r];
   const int64_t extend = p.extend_lens[r];
   row.bad_extend = extend < 0;
-  row.write_count = row.bad_extend ? 0 : extend;
+  row.write_count = row.bad_extend || padding ? 0 : extend;
   row.rp_ok = row.rp >= 0 && row.rp < p.req_rows;
   if (!row.rp_ok) {
     row.verify_count = 1;
@@ -152,8 +198,11 @@ KVCANARY_HD RowPlan plan_row(const PlanParams& p, int64_t r) {
   row.window_end = prefix < 0 ? 0 : (prefix > p.max_context ? p.max_context : prefix);
   const int64_t windowed = row.window_end - p.swa_window;
   row.window_start = (p.swa_window > 0 && windowed > 0) ? windowed : 0;
+  if (padding) {
+    row.window_start = row.window_end;  // no window entries
+  }
   row.verify_count = (row.window_end - row.window_start) + (row.bad_prefix ? 1 : 0) + (row.bad_extend ? 1 : 0);
-  if (!row.bad_prefix && prefix > 0 && extend > 0) {
+  if (!padding && !row.bad_prefix && prefix > 0 && extend > 0) {
     row.seed = plan_slot(p, row.rp, prefix - 1);
   }
   return row;
@@ -299,15 +348,50 @@ __device__ __forceinline__ void block_inclusive_scan2(int64_t& a, int64_t& b, in
   __syncthreads();  // warp_a/warp_b are reused by the next chunk
 }
 
+/*!
+ * \brief Whether row r of the current chunk is a padding row by the padding-slot rule, by the parallel form of the
+ * file comment: `carry_tokens` is the tokens the rows before the chunk take by rp alone (advanced past the chunk
+ * here), `cut` (shared, INT64_MAX before the first chunk) the smallest start of a writing row on the padding slot
+ * so far. Every thread of the block calls it once per chunk (block-wide scans); r >= batch_rows: false.
+ */
+template <uint32_t kThreads>
+__device__ __forceinline__ bool plan_chunk_padding(const PlanParams& p, int64_t r, int64_t& carry_tokens,
+                                                   long long* cut) {
+  if (p.out_cache_loc.data == nullptr) {
+    return false;  // (the same for every thread of the launch: no thread skips the scans below alone)
+  }
+  const bool in_batch = r < p.batch_rows;
+  const int64_t tokens = in_batch ? plan_row_tokens(p, r) : 0;
+  int64_t end = tokens;
+  int64_t unused = 0;
+  int64_t total = 0;
+  int64_t total_unused = 0;
+  block_inclusive_scan2<kThreads>(end, unused, total, total_unused);
+  const int64_t start = carry_tokens + end - tokens;
+  if (in_batch && plan_starts_on_padding_slot(p, r, start)) {
+    atomicMin(cut, static_cast<long long>(start));
+  }
+  __syncthreads();
+  carry_tokens += total;
+  return in_batch && plan_row_writes(p, r) && start >= static_cast<int64_t>(*cut);
+}
+
 __global__ void __launch_bounds__(kPlanRowThreads) canary_plan_rows_kernel(const __grid_constant__ PlanParams p) {
+  __shared__ long long s_cut;
+  if (threadIdx.x == 0) {
+    s_cut = INT64_MAX;
+  }
+  __syncthreads();
+  int64_t carry_tokens = 0;
   int64_t carry_write = 0;
   int64_t carry_verify = 0;
   for (int64_t base = 0; base < p.write_capacity; base += kPlanRowThreads) {
     const int64_t r = base + threadIdx.x;
+    const bool padding = plan_chunk_padding<kPlanRowThreads>(p, r, carry_tokens, &s_cut);
     RowPlan row{};
     row.seed = kChainHeadSlot;
     if (r < p.batch_rows) {
-      row = plan_row(p, r);
+      row = plan_row(p, r, padding);
     }
     int64_t write_end = row.write_count;
     int64_t verify_end = row.verify_count;
@@ -345,7 +429,7 @@ __global__ void __launch_bounds__(kPlanEntryThreads) canary_plan_entries_kernel(
         hi = mid;
       }
     }
-    const RowPlan row = plan_row(p, lo);
+    const RowPlan row = plan_row(p, lo, plan_padding_from_offsets(p, lo));  // (the rows kernel stored the plan)
     plan_verify_entry(p, lo, row, e - p.verify_row_offsets[lo], e);
   }
 }
@@ -361,7 +445,7 @@ inline void canary_plan_cpu(const PlanParams& p) {
     RowPlan row{};
     row.seed = kChainHeadSlot;
     if (r < p.batch_rows) {
-      row = plan_row(p, r);
+      row = plan_row(p, r, plan_starts_on_padding_slot(p, r, write_end));  // (write_end: row r's first token)
     }
     write_end += row.write_count;
     verify_end += row.verify_count;
@@ -372,7 +456,7 @@ inline void canary_plan_cpu(const PlanParams& p) {
     return;
   }
   for (int64_t r = 0; r < p.batch_rows; ++r) {
-    const RowPlan row = plan_row(p, r);
+    const RowPlan row = plan_row(p, r, plan_padding_from_offsets(p, r));
     const int64_t start = p.verify_row_offsets[r];
     for (int64_t k = 0; k < row.verify_count; ++k) {
       plan_verify_entry(p, r, row, k, start + k);
@@ -586,7 +670,7 @@ inline void canary_plan_step_attributed(
     tvm::ffi::Optional<TensorView> expected_tokens, tvm::ffi::Optional<TensorView> expected_tokens_valid_lens,
     int64_t kv_token_id_vs_position_offset, tvm::ffi::Optional<TensorView> write_request_rows,
     tvm::ffi::Optional<TensorView> verify_request_rows, tvm::ffi::Optional<TensorView> forward_counter,
-    int64_t forward_step_value) {
+    int64_t forward_step_value, tvm::ffi::Optional<TensorView> out_cache_loc) {
   constexpr const char* kFn = "canary_plan_step";
   // 1. validate and extract parameters (this order decides the error a call with several bad arguments gets)
   SymbolicDevice device(KVCANARY_DEVICE_BUILD ? kDLCUDA : kDLCPU);
@@ -616,6 +700,11 @@ inline void canary_plan_step_attributed(
   }
   if (forward_counter.has_value()) {
     TensorMatcher(kFn, {1}).dtype<int64_t>().device(device).verify(forward_counter.value(), "forward_counter");
+  }
+  SymbolicSize num_tokens("num_tokens");
+  if (out_cache_loc.has_value()) {
+    p.out_cache_loc = int_array(kFn, num_tokens, device, out_cache_loc.value(), "out_cache_loc");
+    p.num_tokens = num_tokens.value();
   }
   p.slots = data_of<int64_t>(verify_slot_indices);
   p.expected_tok = data_of<int64_t>(verify_expected_tokens);
@@ -662,7 +751,7 @@ inline void canary_plan_step(TensorView write_offsets, TensorView write_seed_slo
                               verify_prev_slot_indices, verify_num_valid, verify_enable, req_pool_indices,
                               prefix_lens, extend_lens, req_to_token, swa_window_size, full_to_swa_index_mapping,
                               expected_tokens, expected_tokens_valid_lens, kv_token_id_vs_position_offset,
-                              std::nullopt, std::nullopt, std::nullopt, -1);
+                              std::nullopt, std::nullopt, std::nullopt, -1, std::nullopt);
 }
 
 }  // namespace host

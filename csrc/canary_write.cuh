@@ -641,13 +641,7 @@ struct WriteFixedArgs {
   BoundTensor slot_run_counter;
   BoundTensor kernel_run_counter;
   BoundTensor enable_chain_position_assert;
-  BoundTensor real_kv_buf_0;
-  BoundTensor real_kv_buf_1;
-  BoundTensor real_kv_buf_2;
-  BoundTensor real_kv_buf_3;
-  BoundTensor real_kv_source_params;
-  int64_t num_sources;
-  int64_t real_kv_hash_mode;
+  BoundRealKvSources real_kv;
   BoundOptionalTensor violation_meta;
   BoundOptionalTensor forward_step;
   BoundOptionalTensor write_request_rows;
@@ -690,13 +684,9 @@ inline tvm::ffi::Function canary_write_bind(
                        BoundTensor(std::move(slot_run_counter)),
                        BoundTensor(std::move(kernel_run_counter)),
                        BoundTensor(std::move(enable_chain_position_assert)),
-                       BoundTensor(std::move(real_kv_buf_0)),
-                       BoundTensor(std::move(real_kv_buf_1)),
-                       BoundTensor(std::move(real_kv_buf_2)),
-                       BoundTensor(std::move(real_kv_buf_3)),
-                       BoundTensor(std::move(real_kv_source_params)),
-                       num_sources,
-                       real_kv_hash_mode,
+                       BoundRealKvSources(std::move(real_kv_buf_0), std::move(real_kv_buf_1),
+                                          std::move(real_kv_buf_2), std::move(real_kv_buf_3),
+                                          std::move(real_kv_source_params), num_sources, real_kv_hash_mode),
                        BoundOptionalTensor(std::move(violation_meta)),
                        BoundOptionalTensor(std::move(forward_step)),
                        BoundOptionalTensor(std::move(write_request_rows)),
@@ -709,9 +699,10 @@ inline tvm::ffi::Function canary_write_bind(
                                      f.enable_write_input_assert, f.expected_input_tokens.view,
                                      f.expected_input_positions.view, f.violation_ring.view,
                                      f.violation_write_index.view, f.slot_run_counter.view, f.kernel_run_counter.view,
-                                     f.enable_chain_position_assert.view, f.real_kv_buf_0.view, f.real_kv_buf_1.view,
-                                     f.real_kv_buf_2.view, f.real_kv_buf_3.view, f.real_kv_source_params.view,
-                                     f.num_sources, f.real_kv_hash_mode, f.violation_meta.view, f.forward_step.view,
+                                     f.enable_chain_position_assert.view, f.real_kv.buf_0.view, f.real_kv.buf_1.view,
+                                     f.real_kv.buf_2.view, f.real_kv.buf_3.view, f.real_kv.source_params.view,
+                                     f.real_kv.num_sources, f.real_kv.hash_mode, f.violation_meta.view,
+                                     f.forward_step.view,
                                      f.write_request_rows.view, f.slot_attribution.view, f.row_serials.view);
       },
       "canary_write_bound");

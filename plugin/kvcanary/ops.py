@@ -384,6 +384,7 @@ def canary_plan_step(
     kv_token_id_vs_position_offset: int = 0,
     forward_counter: torch.Tensor | None = None,
     forward_step_value: int = -1,
+    out_cache_loc: torch.Tensor | None = None,
 ) -> None:
     """Fill ``write_plan`` and ``verify_plan`` for one forward (SPEC §4.3; see csrc/canary_plan.cuh).
 
@@ -395,7 +396,9 @@ def canary_plan_step(
     kvcanary+: the plans' ``write_request_rows`` / ``verify_request_rows`` (when allocated) get each batch
     row's and each entry's req_to_token row. ``forward_counter`` (int64 [1], optional) becomes the number of the
     forward this plan starts: ``forward_step_value`` when it is >= 0, else the counter + 1 (what a launch
-    captured in a CUDA graph needs: every replay counts one forward).
+    captured in a CUDA graph needs: every replay counts one forward). ``out_cache_loc`` (the forward's slots,
+    int32 or int64, optional): a row that writes and whose first new token is on the padding slot is a padding row
+    (no window entries, no write, no seed), as ``canary_check_step`` plans it.
     """
     try:
         if not isinstance(write_plan, WritePlan):
@@ -425,11 +428,11 @@ def canary_plan_step(
             int(kv_token_id_vs_position_offset),
         )
         write_rows, verify_rows = write_plan.write_request_rows, verify_plan.verify_request_rows
-        if write_rows is None and verify_rows is None and forward_counter is None:
+        if write_rows is None and verify_rows is None and forward_counter is None and out_cache_loc is None:
             module.canary_plan_step(*args)
         else:
             module.canary_plan_step_attributed(*args, write_rows, verify_rows, forward_counter,
-                                               int(forward_step_value))
+                                               int(forward_step_value), out_cache_loc)
     except _CALL_ERRORS as exc:
         if not isinstance(write_plan, WritePlan) or not isinstance(verify_plan, VerifyPlan):
             raise
@@ -446,6 +449,7 @@ def canary_plan_step(
                 "expected_tokens": (expected_tokens, True),
                 "expected_tokens_valid_lens": (expected_tokens_valid_lens, True),
                 "forward_counter": (forward_counter, True),
+                "out_cache_loc": (out_cache_loc, True),
             },
             {"swa_window_size": swa_window_size, "kv_token_id_vs_position_offset": kv_token_id_vs_position_offset,
              "forward_step_value": forward_step_value},

@@ -312,9 +312,12 @@ def canary_plan_step(
     expected_tokens: torch.Tensor | None = None,
     expected_tokens_valid_lens: torch.Tensor | None = None,
     kv_token_id_vs_position_offset: int = 0,
+    out_cache_loc: torch.Tensor | None = None,
 ) -> None:
-    """Reference of ``ops.canary_plan_step`` (contract: csrc/canary_plan.cuh)."""
+    """Reference of ``ops.canary_plan_step`` (contract: csrc/canary_plan.cuh), with the padding rows of
+    ``out_cache_loc`` (a row that writes and whose first new token is on the padding slot)."""
     rps, prefixes, extends = req_pool_indices.tolist(), prefix_lens.tolist(), extend_lens.tolist()
+    locs = out_cache_loc.tolist() if out_cache_loc is not None else None
     table = req_to_token.tolist()
     req_rows = len(table)
     max_ctx = int(req_to_token.shape[1])
@@ -346,21 +349,23 @@ def canary_plan_step(
         rp = rps[r] if r < bs else layout.PADDING_REQ_POOL_ROW
         if rp != layout.PADDING_REQ_POOL_ROW:
             prefix, extend = prefixes[r], extends[r]
-            write_count = max(extend, 0)
+            start = offsets[-1]  # where the row's tokens start: padding rows before it took none
+            padding = locs is not None and extend > 0 and start < len(locs) and locs[start] == layout.PADDING_SLOT
+            write_count = 0 if padding else max(extend, 0)
             if not 0 <= rp < req_rows:
                 row_entries.append((err(rp), layout.UNKNOWN_PREV_SLOT, -1, layout.NO_EXPECTED_POSITION))
             else:
                 bad_prefix = prefix < 0 or prefix > max_ctx
                 end = min(max(prefix, 0), max_ctx)
-                start = max(0, end - swa_window_size) if swa_window_size > 0 else 0
-                for pos in range(start, end):
+                window_start = max(0, end - swa_window_size) if swa_window_size > 0 else 0
+                for pos in range(end if padding else window_start, end):  # a padding row: no window entries
                     prev = translate(table[rp][pos - 1]) if pos > 0 else layout.CHAIN_HEAD_SLOT
                     row_entries.append((translate(table[rp][pos]), prev, expected(r, rp, pos), pos))
                 if bad_prefix:
                     row_entries.append((err(prefix), layout.UNKNOWN_PREV_SLOT, -1, layout.NO_EXPECTED_POSITION))
                 if extend < 0:
                     row_entries.append((err(extend), layout.UNKNOWN_PREV_SLOT, -1, layout.NO_EXPECTED_POSITION))
-                if not bad_prefix and prefix > 0 and extend > 0:
+                if not padding and not bad_prefix and prefix > 0 and extend > 0:
                     seed = translate(table[rp][prefix - 1])
         seeds.append(seed)
         request_rows.append(rp)
@@ -441,6 +446,7 @@ def canary_check_step(
         extend_lens=extend_lens.to(i64), req_to_token=req_to_token, swa_window_size=swa_window_size,
         full_to_swa_index_mapping=full_to_swa_index_mapping, expected_tokens=expected_tokens,
         expected_tokens_valid_lens=valid, kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+        out_cache_loc=out_cache_loc,
     )
     write_plan.write_offsets.copy_(scratch.write_offsets)
     write_plan.write_seed_slot_indices.copy_(scratch.write_seed_slot_indices)

@@ -19,6 +19,9 @@ import sgl_engine  # noqa: E402
 import sglang  # noqa: E402,F401  (installed but broken must fail, not skip)
 
 import kvcanary.sglang as kvcanary_sglang  # noqa: E402
+from kvcanary.config import Config, Mode  # noqa: E402
+from kvcanary.manager import CanaryManager  # noqa: E402
+from kvcanary.real_kv import RealKvSource  # noqa: E402
 from kvcanary.sglang import (  # noqa: E402
     contract,
     fault_injection,
@@ -371,10 +374,12 @@ def test_unsupported_forward_modes_are_refused(mode) -> None:
         adapter_hooks.hooks_for(v0_5_12).around_forward(lambda *a, **k: None, runner, fb)
 
 
-def test_populate_hook_zeroes_padded_rows(hooks, monkeypatch) -> None:
-    """0.5.12 leaves stale req_pool_indices in padded rows; the AFTER hook zeroes them (positions stay: the plan gives a
-    row of request row 0 no entries and no write, whatever its position)."""
+def test_populated_padding_is_planned_as_padding(hooks, monkeypatch) -> None:
+    """0.5.12's populate leaves the padded rows' req_pool_indices and positions an earlier fill's, and their
+    out_cache_loc 0; the hook zeroes nothing (no EAGLE pool), and the plan gives those rows no verify entry and no
+    write: the stale rows point at a request row whose slots hold other records, and no violation is found."""
     from sglang.srt.model_executor.cuda_graph_runner import DecodeInputBuffers
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     monkeypatch.setenv("KVCANARY_MODE", "log")
@@ -400,11 +405,26 @@ def test_populate_hook_zeroes_padded_rows(hooks, monkeypatch) -> None:
                          nsa_enable_prefill_cp=False, enable_num_token_non_padded_flag=False)
     bufs.populate_from_forward_batch(forward_batch=fb([5, 6, 7, 8], [10, 11, 12, 13]), raw_bs=4, raw_num_token=4, bs=4,
                                      **common_kwargs)
-    bufs.populate_from_forward_batch(forward_batch=fb([1, 2], [20, 21]), raw_bs=2, raw_num_token=2, bs=4,
+    bufs.populate_from_forward_batch(forward_batch=fb([1, 2], [0, 0]), raw_bs=2, raw_num_token=2, bs=4,
                                      **common_kwargs)
-    assert bufs.req_pool_indices.tolist() == [1, 2, 0, 0]
-    assert bufs.positions.tolist() == [20, 21, 12, 13]
+    assert bufs.req_pool_indices.tolist() == [1, 2, 7, 8]  # stale
+    assert bufs.positions.tolist() == [0, 0, 12, 13]
     assert bufs.out_cache_loc.tolist() == [1, 2, 0, 0]
+
+    r2t = torch.zeros((9, 32), dtype=torch.int32)
+    r2t[7:9] = 3  # the finished requests' rows: slot 3 holds none of their records
+    kv = torch.zeros((16, 32), dtype=torch.uint8)
+    mgr = CanaryManager(Config(mode=Mode.LOG, drain_every=1), num_slots=16, req_to_token=r2t, device="cpu",
+                        max_batch_size=4, max_tokens_per_forward=16, real_kv_sources=[RealKvSource(kv, 1, 32, 32)])
+    graph_batch = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, req_pool_indices=bufs.req_pool_indices,
+                                        out_cache_loc=bufs.out_cache_loc)
+    ones, empty = torch.ones(4, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    batch = v0_5_12.batch_view(graph_batch, bufs.input_ids[:4], bufs.positions[:4], ones, empty)
+    mgr.before_forward(batch)
+    mgr.after_forward(batch)
+    mgr.step()
+    assert mgr.violations == []
+    assert mgr.device_state.write_plan.write_offsets.tolist() == [0, 1, 2, 2, 2]  # no write for the padded rows
 
 
 def test_graph_input_zeroing_counts_as_the_forwards_canary_time(monkeypatch) -> None:
@@ -413,6 +433,7 @@ def test_graph_input_zeroing_counts_as_the_forwards_canary_time(monkeypatch) -> 
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     ah = adapter_hooks.AdapterHooks(v0_5_12)
+    ah.zero_graph_padding = True  # (what install sets for an EAGLE pool)
     recorded: dict[str, int] = {}
     inst = types.SimpleNamespace(
         req_to_token=torch.zeros(1, 1, dtype=torch.int32), fault_plan=None, serving=0, pending_repairs=[],
@@ -499,9 +520,10 @@ def _populate(ah, bufs, raw_bs: int, bs: int, per_bs: int, value: int) -> None:
 
 
 def test_graph_input_zeroing_leaves_every_replays_padded_rows_zero() -> None:
-    """Whatever sequence of batch and graph sizes, the padded rows' req_pool_indices a replay's graph reads are zero (a
-    larger earlier fill's rows, and whatever capture left), and the views are built once per buffers and rows."""
+    """With an EAGLE pool, whatever sequence of batch and graph sizes, the padded rows' req_pool_indices a replay's
+    graph reads are zero (a larger earlier fill's rows, and whatever capture left)."""
     ah = adapter_hooks.AdapterHooks(v0_5_12)
+    ah.zero_graph_padding = True
     bufs = types.SimpleNamespace(req_pool_indices=torch.arange(1, 9), positions=torch.arange(1, 17))  # capture's
     for step, (raw_bs, bs, per_bs) in enumerate(((2, 4, 1), (4, 4, 1), (1, 4, 1), (2, 4, 1), (3, 8, 2), (8, 8, 2),
                                                  (2, 4, 1), (2, 8, 1))):
@@ -510,38 +532,33 @@ def test_graph_input_zeroing_leaves_every_replays_padded_rows_zero() -> None:
     assert bufs.positions.tolist() == [107] * 2 + [105] * 14  # never zeroed: the plan skips row 0's rows
     other = types.SimpleNamespace(req_pool_indices=torch.ones(8, dtype=torch.int64),
                                   positions=torch.ones(16, dtype=torch.int64))
-    ah.after_populate(None, other, raw_bs=2, raw_num_token=2, bs=4)  # another runner's buffers: tracked apart
+    ah.after_populate(None, other, raw_bs=2, raw_num_token=2, bs=4)  # another runner's buffers
     assert other.req_pool_indices.tolist() == [1, 1, 0, 0, 1, 1, 1, 1]
 
 
-def test_graph_input_zeroing_launches_only_when_a_larger_fill_left_padding_stale(monkeypatch) -> None:
-    """A decode batch whose size stands still or grows pays no zeroing launch (its padding is zero already); one
-    that shrinks pays one, for the rows the larger fill left; the view of a range is built once."""
+def test_without_an_eagle_pool_the_hook_zeroes_nothing(monkeypatch) -> None:
+    """No zeroing launch on any replay (the plan recognises the padded rows by their out_cache_loc)."""
     ah = adapter_hooks.AdapterHooks(v0_5_12)
     bufs = types.SimpleNamespace(req_pool_indices=torch.arange(1, 9), positions=torch.arange(1, 9))
-    zeroed: list[tuple[int, list[int]]] = []
+    zeroed: list[list[int]] = []
     real_zero = torch.Tensor.zero_
 
     def counted_zero(view):
-        zeroed.append((id(view), view.tolist()))
+        zeroed.append(view.tolist())
         return real_zero(view)
 
     monkeypatch.setattr(torch.Tensor, "zero_", counted_zero)
-    for raw_bs in (3, 3, 3, 4, 4, 2, 2, 3, 2):
+    for raw_bs in (3, 4, 2, 3, 1):
         _populate(ah, bufs, raw_bs, 4, 1, 9)
-    # the first replay clears what capture left in the graph's rows; each shrink to 2 clears rows 2..3 (the second
-    # time row 3 is zero already, but the stale rows are one interval, the hull of row 2 and the rows 4..8 capture
-    # left), through the view built the first time
-    assert [values for _, values in zeroed] == [[4], [9, 9], [9, 0]]
-    assert zeroed[1][0] == zeroed[2][0]
-    assert bufs.req_pool_indices.tolist()[:4] == [9, 9, 0, 0]
+    assert zeroed == []
+    assert bufs.req_pool_indices.tolist() == [9, 9, 9, 9, 5, 6, 7, 8]
 
 
 def test_with_an_eagle_pool_every_replays_whole_padding_is_zeroed() -> None:
     """With an EAGLE pool in the process sglang also fills the buffers where after_populate does not see it (a
     replay that skips the attention backend's init): no tracking, the whole padding of every replay is zeroed."""
     ah = adapter_hooks.AdapterHooks(v0_5_12)
-    ah.track_stale_padding = False  # (what install sets for an EAGLE pool)
+    ah.zero_graph_padding = True  # (what install sets for an EAGLE pool)
     bufs = types.SimpleNamespace(req_pool_indices=torch.zeros(8, dtype=torch.int64),
                                  positions=torch.zeros(8, dtype=torch.int64))
     for _ in range(2):

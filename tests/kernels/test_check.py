@@ -246,6 +246,7 @@ def run_composed(case: dict[str, Any], device: str) -> dict[str, Any]:
         full_to_swa_index_mapping=kw["full_to_swa_index_mapping"],
         kv_token_id_vs_position_offset=kw["kv_token_id_vs_position_offset"], **expected,
         forward_counter=counter if kw["new_forward"] else None, forward_step_value=kw["forward_step_value"],
+        out_cache_loc=kw["out_cache_loc"],
     )
     ops.canary_verify_step(
         canary_buf=kw["canary_buf"], **verify_plan.kernel_args(), kernel_kind=V,
@@ -431,6 +432,32 @@ def test_hand_built_decode(backend: str) -> None:
     assert header[layout.STATE_KERNEL_RUNS + V] == 1 and header[layout.STATE_SLOT_RUNS + V] == 4
     assert header[layout.STATE_FORWARD] == 42 and header[layout.STATE_WRITE_INDEX] == 0
     assert header[layout.STATE_DONE_BLOCKS] == 0 and header[layout.STATE_RESERVED_1] == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stale_graph_padding_is_planned_as_padding(backend: str) -> None:
+    """A decode graph's batch padded as sglang 0.5.12 pads it: the padded rows' out_cache_loc is 0, their
+    req_pool_indices and positions an earlier fill's (here a finished request's row whose slots hold other records).
+    No verify entry, no write range, no seed for them: no violation, on the device as in the reference; the plan
+    kernel given out_cache_loc plans the same write plan."""
+    _skip_unavailable(backend)
+    case, _ = _hand("cpu", index=0, drained_to=-1, corrupt=False)
+    table = torch.zeros((3, 8), dtype=torch.int32)
+    table[1, :5] = torch.tensor([11, 12, 13, 14, 15])
+    table[2, :4] = torch.tensor([13, 12, 11, 3])  # a finished request's row, its slots reused since
+    case.update({
+        "req_to_token": table, "req_pool_indices": _ints([1, 2, 1]), "prefix_lens": _ints([4, 4, 2]),
+        "extend_lens": _ints([1, 1, 1]), "input_ids": _ints([9, 9, 9]), "positions": _ints([4, 4, 2]),
+        "out_cache_loc": _ints([15, 0, 0]), "input_ids_out": _ints([0] * 3), "positions_out": _ints([0] * 3),
+        "out_cache_loc_out": _ints([0] * 3), "write_capacity": 4,
+    })
+    out = run_fused(ops.canary_check_step, case, backend)
+    assert out["header"][layout.STATE_WRITE_INDEX] == 0, out["ring"]  # no violation row
+    assert out["header"][layout.STATE_SLOT_RUNS + V] == 4  # row 1's prefix only
+    assert out["write_offsets"].tolist() == [0, 1, 1, 1, 1]
+    assert out["write_seed_slot_indices"].tolist() == [14, -1, -1, -1]
+    assert_same(out, run_fused(ref.canary_check_step, case, "cpu"), backend, ordered=backend == "cpu")
+    assert_same(out, run_composed(case, backend), backend + " composed", ordered=backend == "cpu")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -8,7 +8,8 @@ version's targets with the bound hook (built once, so ``HookRegistry`` sees the 
 * ``after_init_memory_pool``: :meth:`AdapterHooks.install`: one manager per KV group, ``model.forward`` wrapped;
 * ``around_forward``: the host half of each real forward (fault injection, drain, health, stats, sweep);
 * ``after_initialize``: init finished (warm-up and graph capture are over): the chain-position assert goes on;
-* ``after_populate``: zero the padded rows' ``req_pool_indices`` of a decode graph that 0.5.12 leaves stale;
+* ``after_populate``: with an EAGLE pool, zero the padded rows' ``req_pool_indices`` of a decode graph that 0.5.12
+  leaves stale (without one nothing: the plan treats a row whose first token is on the padding slot as padding);
 * ``after_init_cache``: the RadixCache becomes the sweep source;
 * ``after_forward_batch_init``: token-table uploads (``KVCANARY_VERIFY_TOKENS``), request facts for the injector.
 """
@@ -35,7 +36,6 @@ from kvcanary.sglang.fault_injection import fault_plan_for_rank, inject_fault, r
 from kvcanary.sglang.radix import mutation_counter, radix_sweep_source
 from kvcanary.sglang.targets import Target
 from kvcanary.sglang.tokens import expected_token_updates
-from kvcanary.stale_rows import StaleRows
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +59,12 @@ class AdapterHooks:
         # Host time of after_populate during the forward in progress: it runs inside ModelRunner.forward (a decode
         # graph's input buffers are filled before the replay), so around_forward adds it to the forward's canary time.
         self.graph_input_ns = 0
-        # (buffers, rows) -> the req_pool_indices view to zero; buffers -> its StaleRows
+        # (buffers, rows) -> the req_pool_indices view to zero
         self._padding = IdentityCache(1024)
-        self._stale = IdentityCache(64)
-        # False once an EAGLE pool is installed in this process: sglang then also fills the graph buffers on paths
-        # after_populate does not see (a replay with skip_attn_backend_init), so its trackers would miss fills
-        self.track_stale_padding = True
+        # True once an EAGLE pool is installed in this process: sglang then also fills the graph buffers on paths
+        # after_populate does not see (a replay with skip_attn_backend_init), whose out_cache_loc this adapter does not
+        # know to be the padding slot in every padded row, so the padded rows' req_pool_indices are zeroed there
+        self.zero_graph_padding = False
         # Bound once: HookRegistry's duplicate check (targets.register_hooks) compares hooks by identity.
         self.table: tuple[tuple[Target, Callable], ...] = tuple(
             (target, getattr(self, name)) for name, target in version.HOOK_TARGETS.items()
@@ -91,7 +91,7 @@ class AdapterHooks:
         role = speculative.pool_role(runner, v.server_args_of(runner))  # EAGLE: target or draft pool (pool=...)
         if role is not None:
             rank = role.rank(rank)
-            self.track_stale_padding = False  # (before any replay: pools are installed at init)
+            self.zero_graph_padding = True  # (before any replay: pools are installed at init)
         groups = []
         for spec in specs:
             manager = CanaryManager(
@@ -179,9 +179,12 @@ class AdapterHooks:
 
     def after_populate(self, result, buffers, *args, forward_batch=None, raw_bs=None, raw_num_token=None, bs=None,
                        num_tokens_per_bs=1, **kwargs):
-        """Zero the padded rows' req_pool_indices a version leaves stale (:meth:`zero_stale_padding`); its host time
-        is the forward's canary hook time (``graph_input_ns``: this runs inside ModelRunner.forward)."""
-        if raw_bs is None or bs is None:
+        """With an EAGLE pool, zero the padded rows' req_pool_indices a version leaves stale
+        (:meth:`zero_stale_padding`); its host time is the forward's canary hook time (``graph_input_ns``: this runs
+        inside ModelRunner.forward). Without one nothing: 0.5.12 zeroes a padded graph's whole out_cache_loc, and the
+        plan treats a row whose first new token is on the padding slot as a padding row, whatever its stale
+        req_pool_index and position (csrc/canary_plan.cuh)."""
+        if not self.zero_graph_padding or raw_bs is None or bs is None:
             return result
         t0 = time.perf_counter_ns()
         self.zero_stale_padding(buffers, raw_bs, bs)
@@ -191,20 +194,11 @@ class AdapterHooks:
     def zero_stale_padding(self, buffers, raw_bs: int, bs: int) -> None:
         """After a fill of ``raw_bs`` rows for the graph of ``bs``: zero the padded rows' stale ``req_pool_indices``
         (row 0 is the padding row: the plan gives a row of request row 0 no entries and no write, whatever its
-        position, so the rows' stale positions need no zeroing).
-
-        Only rows a larger fill left stale since they were last zeroed (:class:`~kvcanary.stale_rows.StaleRows`:
-        nothing while the batch size stands still or grows); with an EAGLE pool in the process, sglang also fills
-        these buffers where this hook does not see it, so every replay's whole padding is zeroed. One ``zero_``
-        of a view built once per buffers and rows (a slice is a torch call of its own: 7-11 µs of host time in
-        sglang's scheduler on the H200 host)."""
-        if self.track_stale_padding:
-            trackers = self._stale.get(buffers)
-            if trackers is None:
-                trackers = self._stale.put(buffers, None, StaleRows(buffers.req_pool_indices.shape[0]))
-            rows = trackers.to_clear(raw_bs, bs)
-        else:
-            rows = (raw_bs, bs) if bs > raw_bs else None
+        position, so the rows' stale positions need no zeroing). Every replay's whole padding: with an EAGLE pool
+        sglang also fills these buffers where this hook does not see it. One ``zero_`` of a view built once per
+        buffers and rows (a slice is a torch call of its own: 7-11 µs of host time in sglang's scheduler on the H200
+        host)."""
+        rows = (raw_bs, bs) if bs > raw_bs else None
         if rows is None:
             return
         view = self._padding.get(buffers, rows)
