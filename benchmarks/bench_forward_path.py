@@ -129,16 +129,24 @@ class StandInSWAPool:
 
 
 class StandInModel(torch.nn.Module):
-    """The model: does nothing, and keeps its own host time (what the wrapper's time excludes)."""
+    """The model: does nothing, and keeps its own host time (what the wrapper's time excludes).
+
+    The time goes into a plain holder: ``self.inner_ns += ...`` on the module itself would run
+    ``nn.Module.__setattr__`` (its Parameter / Buffer / Module isinstance checks: ~3.5 µs per forward on the CPU
+    box) after the model's own clock stopped, i.e. inside what the bench counts as the canary's launches."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.inner_ns = 0
+        self.clock = types.SimpleNamespace(ns=0)
+
+    @property
+    def inner_ns(self) -> int:
+        return self.clock.ns
 
     def forward(self, input_ids, positions, forward_batch):
         t0 = time.perf_counter_ns()
         out = input_ids
-        self.inner_ns += time.perf_counter_ns() - t0
+        self.clock.ns += time.perf_counter_ns() - t0
         return out
 
 

@@ -89,3 +89,18 @@ def test_bench_and_host_time_measure_the_same_forwards(bench, tmp_path, case) ->
     assert ("assign_requests" in pieces) == case.startswith("mixed")  # new requests: extend rows only
     assert ("sweep (in step)" in pieces) == ("sweep" in case)
     assert "| " + case + " |" in data["markdown"]
+
+
+def test_the_stand_in_model_keeps_its_time_without_module_setattr(bench, monkeypatch) -> None:
+    """The stand-in model's own clock costs the canary's columns nothing: no ``nn.Module.__setattr__`` (~3.5 µs of
+    isinstance checks, after the model's clock stopped, counted as launches) per forward."""
+    import torch
+
+    model = bench.StandInModel()
+    calls = []
+    setattr_ = torch.nn.Module.__setattr__
+    monkeypatch.setattr(torch.nn.Module, "__setattr__", lambda self, k, v: (calls.append(k), setattr_(self, k, v)))
+    ids = torch.zeros(2, dtype=torch.int64)
+    for _ in range(3):
+        assert model.forward(ids, ids, None) is ids
+    assert calls == [] and model.inner_ns >= 0

@@ -112,7 +112,8 @@ class DeviceState:
     header + ring) and its views ``violation_write_index``, ``kernel_run_counters``,
     ``slot_run_counters``, ``violation_ring``, ``forward_counter``; ``violation_meta``, ``slot_attribution``,
     ``row_serials``, ``enable_chain_position_assert``, and the snapshot ``input_ids_snapshot``,
-    ``positions_snapshot``, ``out_cache_loc_snapshot``.
+    ``positions_snapshot``, ``out_cache_loc_snapshot``. Per-forward launches: :meth:`before_forward` /
+    :meth:`after_forward`, or the same launches as the bound calls ``check_batch`` / ``write_tokens``.
     """
 
     def __init__(
@@ -202,6 +203,11 @@ class DeviceState:
             enable_chain_position_assert=self.enable_chain_position_assert, real_kv_sources=self._real_kv_launch,
             real_kv_hash_mode=real_kv_mode,
         )
+        # The two launches as the manager's per-forward path calls them, a frame and a keyword call fewer than the
+        # methods below: ``check_batch(batch, new_forward, forward_step_value)`` is :meth:`before_forward` with 0 / 1
+        # and an int, positionally; ``write_tokens(num_tokens)`` is :meth:`after_forward`.
+        self.check_batch = self._check.of_batch
+        self.write_tokens = self._write
 
     # ------------------------------------------------------------------------------------------ launches
     def _build_counter_views(self, tag: LaunchTag) -> dict[str, torch.Tensor]:
@@ -225,8 +231,7 @@ class DeviceState:
         forward counter (``count_forward``: to ``forward_step_value``, or the counter + 1 when that is -1, i.e.
         captured) and empty a ring the host acknowledged in full. ``batch`` was validated and fits the capacities
         (the manager checks both); its arrays may be int32 or int64."""
-        self._check(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.input_ids, batch.positions,
-                    batch.out_cache_loc, new_forward=count_forward, forward_step_value=forward_step_value)
+        self._check.of_batch(batch, int(count_forward), int(forward_step_value))
 
     def after_forward(self, num_tokens: int) -> None:
         """Write the records of the last planned forward's ``num_tokens`` tokens from the snapshot (after the model

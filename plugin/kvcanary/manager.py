@@ -191,37 +191,40 @@ class CanaryManager:
         """
         # (attribute reads and compares inline, no helper calls: this runs on every forward.) The batch's tensors are
         # checked by the launch itself, before it enqueues anything: dtype int32/int64, 1-d, the token arrays of one
-        # length, the row arrays of another, the device (csrc canary_check_step). Checking them here first too cost
-        # ~3 us per forward; a launch that refuses the batch is answered with the error naming the BatchView field.
+        # length, the row arrays of another, the device, and that they fit the snapshot buffers (max_tokens_per_forward
+        # long) and the write plan (max_batch_size rows) (csrc canary_check_step). Checking them here first too cost
+        # ~3 us per forward; a launch that refuses the batch is answered with the error naming the BatchView field, or
+        # the capacity it exceeds.
         try:
             if batch.__class__ is not BatchView or batch.kind.__class__ is not ForwardKind:
                 self._validate(batch)  # (a subclass passes; anything else raises naming what is wrong)
-            bs = batch.req_pool_indices.numel()
-            n = batch.input_ids.numel()
-            if n > self.max_tokens_per_forward:
-                self._check_tokens_fit(n)
-            if bs > self._max_batch_size:
-                raise ValueError(
-                    f"CanaryManager: batch has {bs} rows, more than max_batch_size={self._max_batch_size}")
-            capturing = self._cuda and torch.cuda.is_current_stream_capturing()
-            self.device_state.before_forward(
-                batch,
-                count_forward=new_forward,
-                forward_step_value=-1 if capturing else self._steps + 1,  # captured: each replay adds 1
+            self.device_state.check_batch(
+                batch, 1 if new_forward else 0,
+                # captured: -1, each replay adds 1
+                -1 if self._cuda and torch.cuda.is_current_stream_capturing() else self._steps + 1,
             )
         except Exception:
-            self._validate(batch)  # a malformed batch: its error names the field (else the original error stands)
-            raise
+            self._validate(batch)  # a malformed batch: its error names the field
+            self._check_fits(batch)  # one too large for the buffers: the error names the capacity
+            raise  # (else the original error stands)
         self._validated_batch = batch  # the launch accepted it: after_forward need not check it again
+
+    def _check_fits(self, batch: BatchView) -> None:
+        """Raise a ValueError naming the capacity a (well-formed) batch exceeds: max_tokens_per_forward, then
+        max_batch_size."""
+        self._check_tokens_fit(batch.input_ids.numel())
+        bs = batch.req_pool_indices.numel()
+        if bs > self._max_batch_size:
+            raise ValueError(f"CanaryManager: batch has {bs} rows, more than max_batch_size={self._max_batch_size}")
 
     def after_forward(self, batch: BatchView) -> None:
         """Write the new records (after the model wrote KV). Graph-capturable; never synchronises."""
         if batch is not self._validated_batch:
             self._validate(batch)
         n = batch.input_ids.numel()
-        if n > self.max_tokens_per_forward:
+        if n > self.max_tokens_per_forward:  # (the write takes the snapshot's first n tokens: a slice never fails)
             self._check_tokens_fit(n)
-        self.device_state.after_forward(n)
+        self.device_state.write_tokens(n)
 
     def mark_init_finished(self) -> None:
         """Warmup and capture are over: switch the write chain-position assert on, and set the forward counter to

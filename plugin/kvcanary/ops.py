@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 import torch
 
 from kvcanary import layout
+from kvcanary.batch import BatchView
 from kvcanary.jit import load_module
 from kvcanary.plan import VerifyPlan, WritePlan
 from kvcanary.real_kv import RealKvSource
@@ -663,10 +664,28 @@ class CheckLaunch:
             self._fn(req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc, int(new_forward),
                      int(forward_step_value))
         except _CALL_ERRORS as exc:
-            _raise_check_error(exc, **self._fixed, req_pool_indices=req_pool_indices, prefix_lens=prefix_lens,
-                               extend_lens=extend_lens, input_ids=input_ids, positions=positions,
-                               out_cache_loc=out_cache_loc, new_forward=new_forward,
-                               forward_step_value=forward_step_value)
+            self._raise(exc, req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc,
+                        new_forward, forward_step_value)
+
+    def of_batch(self, batch: BatchView, new_forward: int, forward_step_value: int) -> None:
+        """The launch of one BatchView's six arrays: ``self(batch.req_pool_indices, ..., batch.out_cache_loc,
+        new_forward=..., forward_step_value=...)`` as one call (the per-forward path: a frame and a keyword call
+        fewer). ``new_forward`` 0 or 1 and ``forward_step_value`` as ints (anything else is named like a failed
+        ``__call__``)."""
+        try:
+            self._fn(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.input_ids, batch.positions,
+                     batch.out_cache_loc, new_forward, forward_step_value)
+        except _CALL_ERRORS as exc:
+            self._raise(exc, batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.input_ids,
+                        batch.positions, batch.out_cache_loc, new_forward, forward_step_value)
+
+    def _raise(self, exc: Exception, req_pool_indices: Any, prefix_lens: Any, extend_lens: Any, input_ids: Any,
+               positions: Any, out_cache_loc: Any, new_forward: Any, forward_step_value: Any) -> NoReturn:
+        """The named error of a failed launch (see :func:`_raise_check_error`)."""
+        _raise_check_error(exc, **self._fixed, req_pool_indices=req_pool_indices, prefix_lens=prefix_lens,
+                           extend_lens=extend_lens, input_ids=input_ids, positions=positions,
+                           out_cache_loc=out_cache_loc, new_forward=new_forward,
+                           forward_step_value=forward_step_value)
 
 
 class WriteLaunch:

@@ -362,6 +362,32 @@ def test_forward_modes_map_to_batch_views() -> None:
     assert v.kind.name == "IDLE" and v.num_tokens == 0 and v.batch_size == 0
 
 
+def test_batch_view_of_binds_a_mode_table() -> None:
+    """batches.batch_view_of: the version's table bound once; each enum member's kind is looked up once, anything else
+    by name on every call, and a mode missing from the table is refused every time (naming it)."""
+    import enum
+
+    from kvcanary.batch import ForwardKind
+    from kvcanary.sglang import batches
+
+    class Mode(enum.IntEnum):
+        DECODE = 2
+        SPLIT_PREFILL = 9
+
+    view = batches.batch_view_of({"DECODE": ForwardKind.DECODE}, "9.9")
+    ones, empty = torch.ones(8, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    for mode in (Mode.DECODE, Mode.DECODE, types.SimpleNamespace(name="DECODE")):
+        fb = types.SimpleNamespace(forward_mode=mode, req_pool_indices=_i64(3, 1), out_cache_loc=_i64(9, 8))
+        v = view(fb, _i64(5, 6), _i64(7, 4), ones, empty)
+        assert v.kind is ForwardKind.DECODE and v.extend_lens.tolist() == [1, 1] and v.prefix_lens.tolist() == [7, 4]
+    for _ in range(2):
+        with pytest.raises(NotImplementedError, match=r"mode SPLIT_PREFILL is not supported by the sglang 9\.9"):
+            view(types.SimpleNamespace(forward_mode=Mode.SPLIT_PREFILL), None, None, ones, empty)
+    fb = types.SimpleNamespace(forward_mode=Mode.DECODE, req_pool_indices=_i64(3), out_cache_loc=_i64(9))
+    v = batches.batch_view(fb, _i64(5), _i64(7), ones, empty, {"DECODE": ForwardKind.DECODE}, "9.9")
+    assert v.kind is ForwardKind.DECODE and v.positions.tolist() == [7]
+
+
 @pytest.mark.parametrize("mode", ["TARGET_VERIFY", "DRAFT_EXTEND", "DRAFT_EXTEND_V2", "SPLIT_PREFILL", "PREBUILT"])
 def test_unsupported_forward_modes_are_refused(mode) -> None:
     from sglang.srt.model_executor.forward_batch_info import ForwardMode

@@ -256,9 +256,9 @@ def test_canary_launches_run_before_and_after_the_replayed_layer_stack(piecewise
             return fn(*args, **kwargs)
         return call
 
-    device_state = run.inst.manager.device_state  # every launch of the runtime goes through its two methods
-    monkeypatch.setattr(device_state, "before_forward", record("check", device_state.before_forward))
-    monkeypatch.setattr(device_state, "after_forward", record("write", device_state.after_forward))
+    device_state = run.inst.manager.device_state  # every launch of a forward goes through its two launch calls
+    monkeypatch.setattr(device_state, "check_batch", record("check", device_state.check_batch))
+    monkeypatch.setattr(device_state, "write_tokens", record("write", device_state.write_tokens))
     monkeypatch.setattr(run.pcg, "replay_prepare", record("replay_prepare", run.pcg.replay_prepare))
     layers = run.mr.model.model
     monkeypatch.setattr(layers, "forward", record("layers", layers.forward))

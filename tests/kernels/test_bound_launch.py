@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import random
+import types
 from typing import Any
 
 import pytest
@@ -68,12 +69,21 @@ def _check_bound(**kw: Any) -> None:
         launch(*(batch[k] for k in CHECK_PER_FORWARD), new_forward=new_forward, forward_step_value=step)
 
 
-def test_bound_check_equals_the_export() -> None:
+def _check_bound_of_batch(**kw: Any) -> None:
+    """As _check_bound, through ``CheckLaunch.of_batch`` (the manager's per-forward call: the batch's arrays read from
+    one object, the flags as ints)."""
+    launch = ops.CheckLaunch(**{k: v for k, v in kw.items() if k not in CHECK_PER_FORWARD + CHECK_FLAGS})
+    for batch, new_forward, step in _check_forwards(kw):
+        launch.of_batch(types.SimpleNamespace(**batch), int(new_forward), int(step))
+
+
+@pytest.mark.parametrize("bound", [_check_bound, _check_bound_of_batch], ids=["call", "of_batch"])
+def test_bound_check_equals_the_export(bound) -> None:
     appended = 0
     for scenario in range(SCENARIOS):
         case = random_check_case(random.Random(1000 + scenario))
         want = run_fused(_check_unbound, case, "cpu")
-        got = run_fused(_check_bound, case, "cpu")
+        got = run_fused(bound, case, "cpu")
         assert_same(got, want, f"scenario {scenario}", ordered=True)
         appended += int(torch.count_nonzero(want["ring"][:, 0] != -7))
     assert appended > 0, "the scenarios must reach violations"
@@ -189,6 +199,18 @@ def test_bound_check_names_a_bad_batch_like_the_export(name: str, value: Any) ->
     launch = ops.CheckLaunch(**{k: v for k, v in kw.items() if k not in CHECK_PER_FORWARD + CHECK_FLAGS})
     got = _raised(lambda: launch(*(bad[k] for k in CHECK_PER_FORWARD), new_forward=bad["new_forward"],
                                  forward_step_value=bad["forward_step_value"]))
+    assert type(got) is type(want) and str(got) == str(want)
+    assert str(got).startswith(f"canary_check_step: {name}: ")
+
+
+@pytest.mark.parametrize(("name", "value"), _check_bad_batches(), ids=lambda v: v if isinstance(v, str) else "")
+def test_check_of_batch_names_a_bad_batch_like_the_export(name: str, value: Any) -> None:
+    kw = _small_check_case()
+    want = _raised(lambda: ops.canary_check_step(**{**kw, name: value}))
+    bad = {**kw, name: value}
+    launch = ops.CheckLaunch(**{k: v for k, v in kw.items() if k not in CHECK_PER_FORWARD + CHECK_FLAGS})
+    batch = types.SimpleNamespace(**{k: bad[k] for k in CHECK_PER_FORWARD})
+    got = _raised(lambda: launch.of_batch(batch, bad["new_forward"], bad["forward_step_value"]))
     assert type(got) is type(want) and str(got) == str(want)
     assert str(got).startswith(f"canary_check_step: {name}: ")
 

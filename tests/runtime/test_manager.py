@@ -155,11 +155,27 @@ def test_verify_has_no_capacity_to_overflow() -> None:
 
 
 def test_batch_beyond_capacity_is_refused() -> None:
+    """Too many tokens or rows: the manager's error names the capacity, and nothing is launched (the check launch
+    refuses the batch before it enqueues anything; the manager names what it exceeds)."""
     eng = TinyEngine()
+    eng.forward([1], [2])
+    eng.mgr.step()
+    eng.mgr.flush()
+    runs = eng.mgr.kernel_run_counters.tolist()
     t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
     big = BatchView(ForwardKind.EXTEND, t([1] * 80), t(list(range(80))), t([1] * 80), t([1]), t([0]), t([80]))
-    with pytest.raises(ValueError, match="max_tokens_per_forward"):
+    with pytest.raises(ValueError, match=r"^CanaryManager: batch has 80 tokens, more than max_tokens_per_forward=64$"):
         eng.mgr.before_forward(big)
+    wide = BatchView(ForwardKind.DECODE, t([1] * 5), t([2] * 5), t([9] * 5), t([1] * 5), t([2] * 5), t([1] * 5))
+    with pytest.raises(ValueError, match=r"^CanaryManager: batch has 5 rows, more than max_batch_size=4$"):
+        eng.mgr.before_forward(wide)
+    with pytest.raises(ValueError, match=r"max_tokens_per_forward=64$"):
+        eng.mgr.after_forward(big)
+    assert eng.mgr.kernel_run_counters.tolist() == runs
+    eng.forward([1], [1])  # the manager still serves
+    eng.mgr.step()
+    eng.mgr.flush()
+    assert eng.mgr.violations == []
 
 
 def test_plan_index_error_reported_as_out_of_range() -> None:

@@ -42,12 +42,16 @@ def mode_name(fb) -> str:
 
 
 def _uncached_mode_name(mode: object) -> str:
-    name = getattr(mode, "name", None)  # (not getattr(mode, "name", str(mode)): that formats the enum every call)
-    if name is None:
-        return str(mode)
+    name = mode_name_of(mode)
     if isinstance(mode, enum.Enum):  # (a member's name never changes; another object's might)
         _MODE_NAMES.put(mode, None, name)
     return name
+
+
+def mode_name_of(mode: object) -> str:
+    """A forward mode's name (``str(mode)`` for an object without one), uncached."""
+    name = getattr(mode, "name", None)  # (not getattr(mode, "name", str(mode)): that formats the enum every call)
+    return str(mode) if name is None else name
 
 
 def unsupported_mode(name: str, forward_modes: Mapping[str, ForwardKind], sglang_version: str) -> NotImplementedError:
@@ -59,39 +63,66 @@ def unsupported_mode(name: str, forward_modes: Mapping[str, ForwardKind], sglang
 
 def batch_view(fb, input_ids: torch.Tensor, positions: torch.Tensor, ones: torch.Tensor, empty: torch.Tensor,
                forward_modes: Mapping[str, ForwardKind], sglang_version: str) -> BatchView:
-    """One ForwardBatch as a BatchView; a mode missing from ``forward_modes`` raises NotImplementedError naming it."""
-    name = mode_name(fb)
-    kind = forward_modes.get(name)
-    if kind is None:
-        raise unsupported_mode(name, forward_modes, sglang_version)
-    if kind is ForwardKind.IDLE:
-        rows = fb.req_pool_indices if fb.req_pool_indices is not None else empty
-        rows = i64(rows)
-        zeros = torch.zeros_like(rows)
-        return BatchView(kind, empty, empty, empty, rows, zeros, zeros)
-    if input_ids is None:
-        raise NotImplementedError("kvcanary: forwards without input_ids (input_embeds only) are not supported")
-    # (i64 inline: the engine's tensors are int64 already, and a call per field is host time on every forward)
-    rows = fb.req_pool_indices
-    if rows.dtype is not _INT64:
-        rows = rows.to(_INT64)
-    if positions.dtype is not _INT64:
-        positions = positions.to(_INT64)
-    if input_ids.dtype is not _INT64:
-        input_ids = input_ids.to(_INT64)
-    loc = fb.out_cache_loc
-    if loc.dtype is not _INT64:
-        loc = loc.to(_INT64)
-    if kind is ForwardKind.DECODE:
-        bs = rows.numel()  # (a 2-d array is refused by the check launch and named by BatchView.validate)
-        prefix = positions
-        if prefix.numel() != bs:  # (an eager decode has one position per row: no slice, a torch op of host time)
-            prefix = prefix[:bs]
-        extend = ones_prefix(ones, bs)
-    else:
-        prefix = fb.extend_prefix_lens  # int32 in sglang: the check launch reads it as it is (no conversion)
-        extend = fb.extend_seq_lens
-    return BatchView(kind, input_ids, positions, loc, rows, prefix, extend)
+    """One ForwardBatch as a BatchView; a mode missing from ``forward_modes`` raises NotImplementedError naming it.
+
+    A version module binds its own table once with :func:`batch_view_of` (the per-forward path); this form takes it
+    on every call."""
+    return batch_view_of(forward_modes, sglang_version)(fb, input_ids, positions, ones, empty)
+
+
+def batch_view_of(forward_modes: Mapping[str, ForwardKind], sglang_version: str) -> BatchViewFn:
+    """A version's ``batch_view(fb, input_ids, positions, ones, empty)`` over its forward-mode table: :func:`batch_view`
+    with ``forward_modes`` and ``sglang_version`` bound, as one function (a frame and an argument tuple fewer per
+    forward) that remembers each ForwardMode member's kind (a member's name never changes)."""
+    kinds: dict[int, tuple[object, ForwardKind]] = {}  # id(mode member) -> (the member, its kind)
+
+    def kind_of(mode: object) -> ForwardKind:
+        """The kind of a mode the table has not seen before (an unsupported one raises, naming it)."""
+        name = mode_name_of(mode)
+        kind = forward_modes.get(name)
+        if kind is None:
+            raise unsupported_mode(name, forward_modes, sglang_version)
+        if isinstance(mode, enum.Enum) and len(kinds) < 256:  # (members are few; anything else is asked every time)
+            kinds[id(mode)] = (mode, kind)
+        return kind
+
+    def batch_view(fb, input_ids: torch.Tensor, positions: torch.Tensor, ones: torch.Tensor,
+                   empty: torch.Tensor) -> BatchView:
+        mode = fb.forward_mode
+        known = kinds.get(id(mode))
+        kind = known[1] if known is not None and known[0] is mode else kind_of(mode)
+        if kind is ForwardKind.IDLE:
+            rows = fb.req_pool_indices if fb.req_pool_indices is not None else empty
+            rows = i64(rows)
+            zeros = torch.zeros_like(rows)
+            return BatchView(kind, empty, empty, empty, rows, zeros, zeros)
+        if input_ids is None:
+            raise NotImplementedError("kvcanary: forwards without input_ids (input_embeds only) are not supported")
+        # (i64 inline: the engine's tensors are int64 already, and a call per field is host time on every forward)
+        rows = fb.req_pool_indices
+        if rows.dtype is not _INT64:
+            rows = rows.to(_INT64)
+        if positions.dtype is not _INT64:
+            positions = positions.to(_INT64)
+        if input_ids.dtype is not _INT64:
+            input_ids = input_ids.to(_INT64)
+        loc = fb.out_cache_loc
+        if loc.dtype is not _INT64:
+            loc = loc.to(_INT64)
+        if kind is ForwardKind.DECODE:
+            bs = rows.numel()  # (a 2-d array is refused by the check launch and named by BatchView.validate)
+            prefix = positions
+            if prefix.numel() != bs:  # (an eager decode has one position per row: no slice, a torch op of host time)
+                prefix = prefix[:bs]
+            extend = _ONES_PREFIXES.get(ones, bs)
+            if extend is None:
+                extend = ones_prefix(ones, bs)
+        else:
+            prefix = fb.extend_prefix_lens  # int32 in sglang: the check launch reads it as it is (no conversion)
+            extend = fb.extend_seq_lens
+        return BatchView(kind, input_ids, positions, loc, rows, prefix, extend)
+
+    return batch_view
 
 
 class BatchConverter:

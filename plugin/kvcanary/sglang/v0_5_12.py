@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvcanary.batch import BatchView, ForwardKind
+from kvcanary.batch import ForwardKind
 from kvcanary.config import Config
 from kvcanary.installation import GroupSpec
 from kvcanary.sglang import batches, guards, pools, radix
@@ -105,11 +105,9 @@ def pool_groups(pool, config: Config, *, sliding_window_size: int | None = None,
                              layers=layers)
 
 
-def batch_view(fb, input_ids: torch.Tensor, positions: torch.Tensor, ones: torch.Tensor,
-               empty: torch.Tensor) -> BatchView:
-    """One 0.5.12 ForwardBatch as a BatchView (SPEC §4.3 mode table)."""
-    return batches.batch_view(fb, input_ids, positions, ones, empty, FORWARD_MODES, SGLANG_VERSION)
-
+# batch_view(fb, input_ids, positions, ones, empty): one 0.5.12 ForwardBatch as a BatchView (SPEC §4.3 mode table),
+# bound to this version's mode table once (the per-forward path: kvcanary.sglang.batches.batch_view_of).
+batch_view = batches.batch_view_of(FORWARD_MODES, SGLANG_VERSION)
 
 def batch_requests(batch) -> Sequence[object]:
     """The engine's requests of a ModelWorkerBatch, one per row, in order (``reqs``)."""

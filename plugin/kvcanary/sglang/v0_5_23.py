@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvcanary.batch import BatchView, ForwardKind
+from kvcanary.batch import ForwardKind
 from kvcanary.config import Config
 from kvcanary.installation import GroupSpec, Installation, WrapperCall
 from kvcanary.sglang import batches, guards, pools, radix, ranks
@@ -220,12 +220,10 @@ def pool_groups(pool, config: Config, *, sliding_window_size: int | None = None,
                              layers=layers)
 
 
-def batch_view(fb, input_ids: torch.Tensor, positions: torch.Tensor, ones: torch.Tensor,
-               empty: torch.Tensor) -> BatchView:
-    """One 0.5.23 ForwardBatch as a BatchView (SPEC §4.3 mode table; ``out_cache_loc`` holds physical ids, which on
-    the pools kvcanary accepts are the slot ids ``req_to_token`` stores)."""
-    return batches.batch_view(fb, input_ids, positions, ones, empty, FORWARD_MODES, SGLANG_VERSION)
-
+# batch_view(fb, input_ids, positions, ones, empty): one 0.5.23 ForwardBatch as a BatchView (SPEC §4.3 mode table;
+# ``out_cache_loc`` holds physical ids, which on the pools kvcanary accepts are the slot ids ``req_to_token``
+# stores), bound to this version's mode table once (the per-forward path: kvcanary.sglang.batches.batch_view_of).
+batch_view = batches.batch_view_of(FORWARD_MODES, SGLANG_VERSION)
 
 class RequestView:
     """A 0.5.23 ``Req`` as the shared token check and fault injector read requests (0.5.12's names): the row is
