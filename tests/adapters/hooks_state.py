@@ -34,6 +34,20 @@ def restore(state: dict) -> None:
         else:
             setattr(owner, attr, raw)
     plugins._plugins_loaded = False
+    _reset_adapter_hooks()
+
+
+def _reset_adapter_hooks() -> None:
+    """The per-process adapter state an earlier test's install left: an EAGLE pool sets ``zero_graph_padding`` on
+    the version's one AdapterHooks for the process's life (a test after it would see an EAGLE process)."""
+    import sys
+
+    from kvcanary.sglang.hooks import hooks_for
+
+    for name in ("kvcanary.sglang.v0_5_12", "kvcanary.sglang.v0_5_23"):
+        version = sys.modules.get(name)
+        if version is not None:
+            hooks_for(version).zero_graph_padding = False
 
 
 def all_targets():
