@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvcanary/launch.h"
@@ -149,8 +150,7 @@ inline bool token_update_check_headers(const char* fn, const int64_t* host_stagi
     }
     seen_rows.push_back(row);
   }
-  std::sort(seen_rows.begin(), seen_rows.end());
-  return std::adjacent_find(seen_rows.begin(), seen_rows.end()) != seen_rows.end();
+  return has_repeated_rows(std::move(seen_rows));
 }
 
 /*!
