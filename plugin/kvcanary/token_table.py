@@ -13,9 +13,9 @@ back: what :func:`kvcanary.sglang.tokens.expected_token_updates` builds). A call
 :data:`~kvcanary.layout.TOKEN_UPDATE_FIELDS`), which on CUDA is pinned host memory the kernel reads in place (no
 H2D copy). A batch of one token per row (a decode forward) is staged as rows, starts and tokens alone (the layout of
 :data:`~kvcanary.layout.TOKEN_APPEND_FIELDS`) for ``canary_token_append``: no valid lengths or offsets to build on
-the host, 3 values a row instead of 6. A launch may still be reading its staging when the host packs the next batch, so the stagings form a
-ring: each is reused only once the event recorded after its last launch has completed (the host waits on that
-event in the rare case the GPU is a whole ring behind).
+the host, 3 values a row instead of 6. A launch may still be reading its staging when the host packs the next
+batch, so the stagings form a ring: each is reused only once the event recorded after its last launch has completed
+(the host waits on that event in the rare case the GPU is a whole ring behind).
 """
 
 from __future__ import annotations
@@ -178,6 +178,7 @@ class Staging:
     buffer: torch.Tensor  # int64 [capacity]; pinned on CUDA
     view: Any  # ctypes byte array over buffer's memory (struct.pack_into writes through it; holds no reference)
     event: StagingEvent | None
+    capacity: int  # buffer's int64 values (kept here: buffer.numel() is a torch call on every upload)
     in_flight: bool = False  # event recorded after a launch that read buffer, not yet seen complete
 
 
@@ -216,7 +217,7 @@ class StagingRing:
                 self.waits += 1
                 event.synchronize()
             staging.in_flight = False
-        if staging is None or staging.buffer.numel() < values:
+        if staging is None or staging.capacity < values:
             # the old buffer (if any) is dropped only now: its last launch completed above, or it never had one
             if staging is not None:
                 self.grows += 1
@@ -236,7 +237,7 @@ class StagingRing:
         if event is None and self._event_factory is not None:
             event = self._event_factory()
         logger.debug("token table: staging of %d values (%s)", capacity, "pinned" if self._pinned else "cpu")
-        return Staging(buffer, view, event)
+        return Staging(buffer, view, event, capacity)
 
 
 def _one_token_each(counts: Sequence[int], n: int) -> bool:
