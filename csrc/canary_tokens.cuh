@@ -221,7 +221,7 @@ inline bool token_append_check_updates(const char* fn, const int64_t* host_stagi
   return has_repeated_rows(std::vector<int64_t>(staged_rows, staged_rows + num_updates));
 }
 
-/*! \brief What both exports take from their checked arguments (see TokenTableArgs's checks). */
+/*! \brief What both exports take from their checked arguments (see token_table_args). */
 struct TokenTableArgs {
   int64_t rows;
   int64_t width;
