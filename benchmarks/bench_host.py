@@ -99,6 +99,17 @@ def decode_staging(seqs: dict[int, list[int]], dev: torch.device) -> tuple[torch
     return (staging.pin_memory() if dev.type == "cuda" else staging), n, len(values)
 
 
+def append_staging(seqs: dict[int, list[int]], dev: torch.device) -> tuple[torch.Tensor, int]:
+    """(staging, num_updates) of each row's last token as TokenTable stages a decode batch for canary_token_append
+    (rows, starts, tokens; pinned on CUDA); its values never change, so relaunching it needs no ring."""
+    fields = [[]] * layout.TOKEN_APPEND_FIELDS
+    fields[layout.TOKEN_APPEND_FIELD_ROW] = list(seqs)
+    fields[layout.TOKEN_APPEND_FIELD_START] = [len(t) - 1 for t in seqs.values()]
+    fields[layout.TOKEN_APPEND_FIELD_TOKEN] = [t[-1] for t in seqs.values()]
+    staging = torch.tensor([v for field in fields for v in field], dtype=torch.int64)
+    return (staging.pin_memory() if dev.type == "cuda" else staging), len(seqs)
+
+
 def serial_staging(rows: list[int], serials: list[int], dev: torch.device) -> torch.Tensor:
     """The rows then the serials, as RowSerialUpload stages them (pinned on CUDA); never rewritten, so relaunching it
     needs no ring."""
@@ -176,6 +187,9 @@ def main() -> None:
         ("canary_token_update: the export alone, the decode update's staging prebuilt",
          timed(functools.partial(ops.load_module(dev.type).canary_token_update, tok.token_table.expected_tokens,
                                  tok.token_table.valid_lens_by_row, *decode_staging(seqs, dev)), args.iters, sync)),
+        ("canary_token_append: the export alone, the decode update's staging prebuilt (what a decode batch runs)",
+         timed(functools.partial(ops.load_module(dev.type).canary_token_append, tok.token_table.expected_tokens,
+                                 tok.token_table.valid_lens_by_row, *append_staging(seqs, dev)), args.iters, sync)),
     ]
     # writer attribution: a prefill batch of 64 new requests uploads their rows' serials
     serial_rows = list(range(1, rows))

@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "kvcanary/launch.h"
@@ -123,8 +124,7 @@ inline bool row_serial_update_check_rows(const char* fn, const int64_t* host_sta
       row_serial_update_row_error(fn, u, row, rows);
     }
   }
-  std::sort(seen_rows.begin(), seen_rows.end());
-  return std::adjacent_find(seen_rows.begin(), seen_rows.end()) != seen_rows.end();
+  return has_repeated_rows(std::move(seen_rows));
 }
 
 /*!

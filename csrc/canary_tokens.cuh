@@ -1,6 +1,8 @@
 /*!
  * \file canary_tokens.cuh
- * \brief canary_token_update: apply one batch of expected-token updates (the token check's uploads, SPEC §4.3).
+ * \brief canary_token_update: apply one batch of expected-token updates (the token check's uploads, SPEC §4.3);
+ *   canary_token_append: the same for a batch that appends one token to each row (a decode forward), staged in
+ *   a third of the values (see the end of this comment).
  *
  * Reads one int64 staging buffer laid out as kvcanary/layout.h's token-table staging: for update u of
  *   num_updates, field f at staging[f * num_updates + u] (row, start, count, valid length, offset), its
@@ -26,12 +28,26 @@
  *        shared memory, then all stride over its tokens (coalesced reads of the staging).
  * Reads:  the staging (headers and tokens).
  * Writes: expected_tokens (the updated positions), valid_lens_by_row (the updated rows).
+ *
+ * canary_token_append reads kTokenAppendFields runs of num_updates values (layout.h): rows, starts, tokens. For
+ *   each update u, in order: expected_tokens[row, start] = int32(token), valid_lens_by_row[row] = start + 1: what
+ *   canary_token_update does for an update of count 1 (its valid length start + 1, its one token at the offset),
+ *   without the count, valid length and offset runs the host would build for every row. Staging memory as above.
+ * Validation (host wrapper, before any write): the tensors as above; 0 <= num_updates < 2^31 and
+ *   kTokenAppendFields * num_updates <= staging length; then each update, read on the host: 0 <= row < rows,
+ *   0 <= start < width (an append at or past the width writes no token: the caller clips it through
+ *   canary_token_update). A bad update raises a ValueError naming `staging` and the update; nothing is written.
+ * Grid:  CUDA: one launch. No row repeats: min(ceil(num_updates / kTokenUpdateThreads), kTokenUpdateMaxBlocks)
+ *        blocks of kTokenUpdateThreads threads, grid-stride, one update per thread; a row repeated in the batch
+ *        (checked on the host): one thread applying the updates in order (a rare batch: the later update wins).
+ *        num_updates == 0: no launch. CPU: one loop in batch order.
  */
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvcanary/launch.h"
@@ -62,7 +78,31 @@ KVCANARY_HD void token_update_store(const TokenUpdateParams& p, int64_t row, int
   p.expected_tokens[row * p.table_row_stride + start + i] = static_cast<int32_t>(p.staging[offset + i]);
 }
 
+/*! \brief Apply append `u` (the field-major runs of canary_token_append's staging). */
+KVCANARY_HD void token_append_apply(const TokenUpdateParams& p, int64_t u) {
+  const int64_t row = p.staging[static_cast<int64_t>(kTokenAppendFieldRow) * p.num_updates + u];
+  const int64_t start = p.staging[static_cast<int64_t>(kTokenAppendFieldStart) * p.num_updates + u];
+  const int64_t token = p.staging[static_cast<int64_t>(kTokenAppendFieldToken) * p.num_updates + u];
+  p.expected_tokens[row * p.table_row_stride + start] = static_cast<int32_t>(token);
+  p.valid_lens_by_row[row] = start + 1;
+}
+
 #if KVCANARY_DEVICE_BUILD
+
+/*! \brief Appends to distinct rows: every update is applied by its own thread, in any order. */
+__global__ void __launch_bounds__(kTokenUpdateThreads) canary_token_append_kernel(TokenUpdateParams p) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < p.num_updates; u += stride) {
+    token_append_apply(p, u);
+  }
+}
+
+/*! \brief Appends where a row repeats (launched as one thread): in batch order, so the later update wins. */
+__global__ void canary_token_append_ordered_kernel(TokenUpdateParams p) {
+  for (int64_t u = 0; u < p.num_updates; ++u) {
+    token_append_apply(p, u);
+  }
+}
 
 __global__ void __launch_bounds__(kTokenUpdateThreads) canary_token_update_kernel(TokenUpdateParams p) {
   __shared__ int64_t header[kTokenUpdateFields];
@@ -99,6 +139,12 @@ inline void canary_token_update_cpu(const TokenUpdateParams& p) {
       token_update_store(p, row, start, offset, i);
     }
     p.valid_lens_by_row[row] = token_update_field(p, u, kTokenUpdateFieldValidLen);
+  }
+}
+
+inline void canary_token_append_cpu(const TokenUpdateParams& p) {
+  for (int64_t u = 0; u < p.num_updates; ++u) {
+    token_append_apply(p, u);
   }
 }
 
@@ -149,8 +195,75 @@ inline bool token_update_check_headers(const char* fn, const int64_t* host_stagi
     }
     seen_rows.push_back(row);
   }
-  std::sort(seen_rows.begin(), seen_rows.end());
-  return std::adjacent_find(seen_rows.begin(), seen_rows.end()) != seen_rows.end();
+  return has_repeated_rows(std::move(seen_rows));
+}
+
+/*!
+ * \brief Check every append of a staging the host can read (see the file comment); throws for the first bad one.
+ * Returns true when a row appears in more than one update.
+ */
+inline bool token_append_check_updates(const char* fn, const int64_t* host_staging, int64_t num_updates, int64_t rows,
+                                       int64_t width) {
+  const int64_t* staged_rows = host_staging + static_cast<int64_t>(kTokenAppendFieldRow) * num_updates;
+  const int64_t* staged_starts = host_staging + static_cast<int64_t>(kTokenAppendFieldStart) * num_updates;
+  for (int64_t u = 0; u < num_updates; ++u) {
+    const int64_t row = staged_rows[u];
+    const int64_t start = staged_starts[u];
+    if (row < 0 || row >= rows) {
+      token_update_header_error(fn, u, row, "row outside [0, " + std::to_string(rows) + ")");
+    }
+    if (start < 0 || start >= width) {
+      token_update_header_error(fn, u, row,
+                                "start " + std::to_string(start) + " outside [0, " + std::to_string(width) +
+                                    ") (an append past the width must be clipped: canary_token_update)");
+    }
+  }
+  return has_repeated_rows(std::vector<int64_t>(staged_rows, staged_rows + num_updates));
+}
+
+/*! \brief What both exports take from their checked arguments (see token_table_args). */
+struct TokenTableArgs {
+  int64_t rows;
+  int64_t width;
+  int64_t staging_len;
+  DLDevice device;
+  TokenUpdateParams params;  // every field but staging (the caller's: its host or device address)
+  const int64_t* host_staging;
+};
+
+/*!
+ * \brief Check the arguments both exports share and extract them: expected_tokens int32 [rows, width] (unit stride
+ *   in the last dimension), valid_lens_by_row int64 [rows], on the build's device; staging int64 [staging_len]
+ *   contiguous host memory (CUDA: pinned, checked by the caller's pinned_device_address); 0 <= num_updates < 2^31.
+ */
+inline TokenTableArgs token_table_args(const char* fn, const TensorView& expected_tokens,
+                                       const TensorView& valid_lens_by_row, const TensorView& staging,
+                                       int64_t num_updates) {
+  SymbolicSize rows("rows");
+  SymbolicSize width("width");
+  SymbolicSize staging_len("staging_len");
+  SymbolicDevice device(KVCANARY_DEVICE_BUILD ? kDLCUDA : kDLCPU);
+  TensorMatcher(fn, {rows, width})
+      .dtype<int32_t>()
+      .device(device)
+      .inner_contiguous()
+      .verify(expected_tokens, "expected_tokens");
+  TensorMatcher(fn, {rows}).dtype<int64_t>().device(device).verify(valid_lens_by_row, "valid_lens_by_row");
+  TensorMatcher(fn, {staging_len}).dtype<int64_t>().verify(staging, "staging");
+  check_host_memory(fn, "staging", staging);
+  KVCANARY_CHECK_ARG(num_updates >= 0 && num_updates <= INT32_MAX, ValueError, fn, "num_updates")
+      << "must be in [0, 2^31), got " << num_updates;
+  TokenTableArgs args{};
+  args.rows = rows.value();
+  args.width = width.value();
+  args.staging_len = staging_len.value();
+  args.device = device.value();
+  args.params.expected_tokens = data_of<int32_t>(expected_tokens);
+  args.params.table_row_stride = args.rows > 1 ? stride_of(expected_tokens, 0) : args.width;
+  args.params.valid_lens_by_row = data_of<int64_t>(valid_lens_by_row);
+  args.params.num_updates = num_updates;
+  args.host_staging = data_of<const int64_t>(staging);
+  return args;
 }
 
 /*!
@@ -162,56 +275,80 @@ inline void canary_token_update(TensorView expected_tokens, TensorView valid_len
                                 int64_t num_updates, int64_t staged_len) {
   constexpr const char* kFn = "canary_token_update";
   // 1. validate the tensors and sizes
-  SymbolicSize rows("rows");
-  SymbolicSize width("width");
-  SymbolicSize staging_len("staging_len");
-  SymbolicDevice device(KVCANARY_DEVICE_BUILD ? kDLCUDA : kDLCPU);
-  TensorMatcher(kFn, {rows, width})
-      .dtype<int32_t>()
-      .device(device)
-      .inner_contiguous()
-      .verify(expected_tokens, "expected_tokens");
-  TensorMatcher(kFn, {rows}).dtype<int64_t>().device(device).verify(valid_lens_by_row, "valid_lens_by_row");
-  TensorMatcher(kFn, {staging_len}).dtype<int64_t>().verify(staging, "staging");
-  check_host_memory(kFn, "staging", staging);
-  KVCANARY_CHECK_ARG(num_updates >= 0 && num_updates <= INT32_MAX, ValueError, kFn, "num_updates")
-      << "must be in [0, 2^31), got " << num_updates;
+  TokenTableArgs args = token_table_args(kFn, expected_tokens, valid_lens_by_row, staging, num_updates);
   const int64_t headers = static_cast<int64_t>(kTokenUpdateFields) * num_updates;
-  KVCANARY_CHECK_ARG(headers <= staged_len && staged_len <= staging_len.value(), ValueError, kFn, "staged_len")
+  KVCANARY_CHECK_ARG(headers <= staged_len && staged_len <= args.staging_len, ValueError, kFn, "staged_len")
       << "expected " << kTokenUpdateFields << " * num_updates = " << headers << " <= staged_len <= staging length "
-      << staging_len.value() << ", got " << staged_len;
-  const int64_t* host_staging = data_of<const int64_t>(staging);
+      << args.staging_len << ", got " << staged_len;
 #if KVCANARY_DEVICE_BUILD
-  const DLDevice dev = device.value();
-  tvm::ffi::CUDADeviceGuard guard(dev.device_id);
-  const int64_t* device_staging = pinned_device_address(kFn, "staging", host_staging);
+  tvm::ffi::CUDADeviceGuard guard(args.device.device_id);
+  const int64_t* device_staging = pinned_device_address(kFn, "staging", args.host_staging);
 #endif
   if (num_updates == 0) {
     return;
   }
   // 2. validate the headers (on the host: the staging is host memory) and look for a repeated row
   const bool repeated_rows =
-      token_update_check_headers(kFn, host_staging, num_updates, staged_len, rows.value(), width.value());
+      token_update_check_headers(kFn, args.host_staging, num_updates, staged_len, args.rows, args.width);
 
-  // 3. extract parameters
-  TokenUpdateParams p{};
-  p.expected_tokens = data_of<int32_t>(expected_tokens);
-  p.table_row_stride = rows.value() > 1 ? stride_of(expected_tokens, 0) : width.value();
-  p.valid_lens_by_row = data_of<int64_t>(valid_lens_by_row);
-  p.num_updates = num_updates;
-
+  // 3. parameters: args.params, but for the staging's address
+  TokenUpdateParams& p = args.params;
 #if KVCANARY_DEVICE_BUILD
   // 4. launch on the caller's stream: a block per update (grid-stride past kTokenUpdateMaxBlocks); one block, in
   //    batch order, when a row repeats.
   p.staging = device_staging;
   const int64_t blocks = repeated_rows ? 1 : std::min(num_updates, kTokenUpdateMaxBlocks);
   launch_kernel(canary_token_update_kernel, static_cast<uint32_t>(blocks), kTokenUpdateThreads,
-                current_stream(dev), p);
+                current_stream(args.device), p);
 #else
   // 4. CPU: the updates in batch order.
   (void)repeated_rows;
-  p.staging = host_staging;
+  p.staging = args.host_staging;
   canary_token_update_cpu(p);
+#endif
+}
+
+/*!
+ * \brief Append one token to each of `num_updates` rows, staged as kTokenAppendFields runs (see the file comment).
+ *   The tensors as canary_token_update's.
+ */
+inline void canary_token_append(TensorView expected_tokens, TensorView valid_lens_by_row, TensorView staging,
+                                int64_t num_updates) {
+  constexpr const char* kFn = "canary_token_append";
+  // 1. validate the tensors and sizes
+  TokenTableArgs args = token_table_args(kFn, expected_tokens, valid_lens_by_row, staging, num_updates);
+  const int64_t staged = static_cast<int64_t>(kTokenAppendFields) * num_updates;
+  KVCANARY_CHECK_ARG(staged <= args.staging_len, ValueError, kFn, "num_updates")
+      << "expected " << kTokenAppendFields << " * num_updates = " << staged << " <= staging length "
+      << args.staging_len;
+#if KVCANARY_DEVICE_BUILD
+  tvm::ffi::CUDADeviceGuard guard(args.device.device_id);
+  const int64_t* device_staging = pinned_device_address(kFn, "staging", args.host_staging);
+#endif
+  if (num_updates == 0) {
+    return;
+  }
+  // 2. validate the updates (on the host: the staging is host memory) and look for a repeated row
+  const bool repeated_rows = token_append_check_updates(kFn, args.host_staging, num_updates, args.rows, args.width);
+
+  // 3. parameters: args.params, but for the staging's address
+  TokenUpdateParams& p = args.params;
+#if KVCANARY_DEVICE_BUILD
+  // 4. launch on the caller's stream: a thread per update (grid-stride past kTokenUpdateMaxBlocks blocks); one
+  //    thread, in batch order, when a row repeats.
+  p.staging = device_staging;
+  if (repeated_rows) {
+    launch_kernel(canary_token_append_ordered_kernel, 1U, 1U, current_stream(args.device), p);
+  } else {
+    const int64_t blocks = std::min(ceil_div(num_updates, kTokenUpdateThreads), kTokenUpdateMaxBlocks);
+    launch_kernel(canary_token_append_kernel, static_cast<uint32_t>(blocks), kTokenUpdateThreads,
+                  current_stream(args.device), p);
+  }
+#else
+  // 4. CPU: the updates in batch order.
+  (void)repeated_rows;
+  p.staging = args.host_staging;
+  canary_token_append_cpu(p);
 #endif
 }
 

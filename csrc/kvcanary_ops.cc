@@ -37,6 +37,8 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_check_bind, kvcanary::host::canary_check_bi
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_write_bind, kvcanary::host::canary_write_bind);
 // kvcanary+ (issue 15): the token check's per-forward upload, read in place from pinned host memory.
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_token_update, kvcanary::host::canary_token_update);
+// kvcanary+ (issue 15): the same for a decode forward, one token per row: a third of the staging.
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_token_append, kvcanary::host::canary_token_append);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_layout_constants, kvcanary::host::canary_layout_constants);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(canary_backend_name, kvcanary::host::canary_backend_name);
 // kvcanary+ (issue 15): the writer serials' per-prefill upload, read in place from pinned host memory.

@@ -133,6 +133,13 @@ constexpr int32_t kTokenUpdateFieldCount = 2;     // tokens written, already cli
 constexpr int32_t kTokenUpdateFieldValidLen = 3;  // the row's new valid length
 constexpr int32_t kTokenUpdateFieldOffset = 4;    // staging index of the update's first token
 constexpr int32_t kTokenUpdateFields = 5;
+// canary_token_append (one token appended to each row: a decode forward's upload) reads kTokenAppendFields runs of
+// num_updates values, field-major like the header above: the row, the position written (its valid length so far),
+// the token. The row's new valid length is start + 1.
+constexpr int32_t kTokenAppendFieldRow = 0;    // expected_tokens row
+constexpr int32_t kTokenAppendFieldStart = 1;  // the position written
+constexpr int32_t kTokenAppendFieldToken = 2;  // the token
+constexpr int32_t kTokenAppendFields = 3;
 
 /*! \brief (name, value) pairs exported to Python by canary_layout_constants(). */
 struct LayoutConstant {
@@ -220,6 +227,10 @@ constexpr LayoutConstant kLayoutConstantTable[] = {
     {"TOKEN_UPDATE_FIELD_VALID_LEN", kTokenUpdateFieldValidLen},
     {"TOKEN_UPDATE_FIELD_OFFSET", kTokenUpdateFieldOffset},
     {"TOKEN_UPDATE_FIELDS", kTokenUpdateFields},
+    {"TOKEN_APPEND_FIELD_ROW", kTokenAppendFieldRow},
+    {"TOKEN_APPEND_FIELD_START", kTokenAppendFieldStart},
+    {"TOKEN_APPEND_FIELD_TOKEN", kTokenAppendFieldToken},
+    {"TOKEN_APPEND_FIELDS", kTokenAppendFields},
 };
 
 }  // namespace kvcanary

@@ -16,6 +16,7 @@
 #include <tvm/ffi/dtype.h>
 #include <tvm/ffi/error.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <sstream>
@@ -100,6 +101,17 @@ inline void check_host_memory(const char* fn, const char* arg, const TensorView&
   KVCANARY_CHECK_ARG(device.device_type == kDLCPU || device.device_type == kDLCUDAHost, ValueError, fn, arg)
       << "expected host memory (" << (KVCANARY_DEVICE_BUILD ? "pinned, read by the kernel in place" : "a CPU tensor")
       << "), got a tensor on " << device_name(device);
+}
+
+/*!
+ * \brief Whether a row appears more than once in `rows` (sorted here: callers pass a copy they no longer need).
+ *   The uploads read from a host staging (canary_row_serials.cuh, canary_tokens.cuh) test it on the host to pick
+ *   their launch: a block or thread per update when rows are distinct, an ordered launch (the later update of a row
+ *   wins) when one repeats.
+ */
+inline bool has_repeated_rows(std::vector<int64_t> rows) {
+  std::sort(rows.begin(), rows.end());
+  return std::adjacent_find(rows.begin(), rows.end()) != rows.end();
 }
 
 inline std::string shape_string(const TensorView& t) {

@@ -118,6 +118,12 @@ TOKEN_UPDATE_FIELD_COUNT = 2  # tokens written, already clipped at the table wid
 TOKEN_UPDATE_FIELD_VALID_LEN = 3  # the row's new valid length
 TOKEN_UPDATE_FIELD_OFFSET = 4  # staging index of the update's first token
 TOKEN_UPDATE_FIELDS = 5
+# canary_token_append (one token appended to each row: a decode forward's upload): int64, TOKEN_APPEND_FIELDS runs of
+# num_updates values, field-major; the row's new valid length is start + 1
+TOKEN_APPEND_FIELD_ROW = 0  # expected_tokens row
+TOKEN_APPEND_FIELD_START = 1  # the position written (the row's valid length so far)
+TOKEN_APPEND_FIELD_TOKEN = 2  # the token
+TOKEN_APPEND_FIELDS = 3
 
 
 class FailReason(enum.IntFlag):

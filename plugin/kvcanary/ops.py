@@ -485,6 +485,34 @@ def canary_token_update(
         )
 
 
+def canary_token_append(
+    *,
+    expected_tokens: torch.Tensor,
+    valid_lens_by_row: torch.Tensor,
+    staging: torch.Tensor,
+    num_updates: int,
+) -> None:
+    """Append one token to each of ``num_updates`` rows, staged in ``staging`` (see csrc/canary_tokens.cuh): update
+    ``u`` writes its token at position ``start`` of its row and makes the row's valid length ``start + 1``.
+
+    ``staging`` (int64, :data:`~kvcanary.layout.TOKEN_APPEND_FIELDS` runs of ``num_updates`` values: rows, starts,
+    tokens) is host memory as for :func:`canary_token_update` (pinned on CUDA, read in place: record an event after
+    this call before rewriting it). A start must lie inside the table (clip through :func:`canary_token_update`).
+    Updates apply in batch order (a later update of a row wins). One launch, no copy, no allocation; never
+    synchronises.
+    """
+    try:
+        load_module(_backend_of(expected_tokens.device)).canary_token_append(
+            expected_tokens, valid_lens_by_row, staging, operator.index(num_updates))
+    except _CALL_ERRORS as exc:
+        _reraise_named(
+            exc, "canary_token_append",
+            {"expected_tokens": (expected_tokens, False), "valid_lens_by_row": (valid_lens_by_row, False),
+             "staging": (staging, False)},
+            {"num_updates": num_updates},
+        )
+
+
 def canary_check_step(
     *,
     state: torch.Tensor,

@@ -11,9 +11,11 @@ back: what :func:`kvcanary.sglang.tokens.expected_token_updates` builds). A call
 ``canary_token_update`` (csrc/canary_tokens.cuh) and no device or pinned allocation: the columns are packed by one
 ``struct.pack_into`` (plus one per prompt) into a staging buffer of int64 (the layout of
 :data:`~kvcanary.layout.TOKEN_UPDATE_FIELDS`), which on CUDA is pinned host memory the kernel reads in place (no
-H2D copy). A launch may still be reading its staging when the host packs the next batch, so the stagings form a
-ring: each is reused only once the event recorded after its last launch has completed (the host waits on that
-event in the rare case the GPU is a whole ring behind).
+H2D copy). A batch of one token per row (a decode forward) is staged as rows, starts and tokens alone (the layout of
+:data:`~kvcanary.layout.TOKEN_APPEND_FIELDS`) for ``canary_token_append``: no valid lengths or offsets to build on
+the host, 3 values a row instead of 6. A launch may still be reading its staging when the host packs the next
+batch, so the stagings form a ring: each is reused only once the event recorded after its last launch has completed
+(the host waits on that event in the rare case the GPU is a whole ring behind).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ MIN_STAGING_VALUES = 4096
 LONG_UPDATE_TOKENS = 32
 
 _FIELDS = layout.TOKEN_UPDATE_FIELDS
+_APPEND_FIELDS = layout.TOKEN_APPEND_FIELDS
 _VALUE_BYTES = 8  # int64 staging values
 _ERROR_PREFIX = "CanaryManager.update_expected_tokens"
 _add = operator.add
@@ -175,6 +178,7 @@ class Staging:
     buffer: torch.Tensor  # int64 [capacity]; pinned on CUDA
     view: Any  # ctypes byte array over buffer's memory (struct.pack_into writes through it; holds no reference)
     event: StagingEvent | None
+    capacity: int  # buffer's int64 values (kept here: buffer.numel() is a torch call on every upload)
     in_flight: bool = False  # event recorded after a launch that read buffer, not yet seen complete
 
 
@@ -213,7 +217,7 @@ class StagingRing:
                 self.waits += 1
                 event.synchronize()
             staging.in_flight = False
-        if staging is None or staging.buffer.numel() < values:
+        if staging is None or staging.capacity < values:
             # the old buffer (if any) is dropped only now: its last launch completed above, or it never had one
             if staging is not None:
                 self.grows += 1
@@ -233,7 +237,16 @@ class StagingRing:
         if event is None and self._event_factory is not None:
             event = self._event_factory()
         logger.debug("token table: staging of %d values (%s)", capacity, "pinned" if self._pinned else "cpu")
-        return Staging(buffer, view, event)
+        return Staging(buffer, view, event, capacity)
+
+
+def _one_token_each(counts: Sequence[int], n: int) -> bool:
+    """Whether all ``n`` counts are 1 (a decode forward's batch), for the lists and tuples a serving loop builds
+    (``list.count``: no Python loop); False for any other sequence (it takes the general path)."""
+    return counts.__class__ in _COUNTED and counts.count(1) == n
+
+
+_COUNTED = (list, tuple)
 
 
 class TokenTable:
@@ -256,7 +269,9 @@ class TokenTable:
             event_factory = functools.partial(CudaStagingEvent, device)
         size = ring_size if ring_size is not None else (RING_SIZE if event_factory is not None else 1)
         self.staging = StagingRing(size, pinned=device.type == "cuda", event_factory=event_factory)
-        self._launch = load_module("cuda" if device.type == "cuda" else "cpu").canary_token_update
+        module = load_module("cuda" if device.type == "cuda" else "cpu")
+        self._launch = module.canary_token_update
+        self._launch_append = module.canary_token_append
 
     def update(self, updates: Sequence[tuple[int, int, Sequence[int]]]) -> None:
         """For each ``(row, start, tokens)``: the row's expected tokens at positions ``start..`` become ``tokens``
@@ -274,7 +289,9 @@ class TokenTable:
                        token_runs: Sequence[Sequence[int]]) -> None:
         """:meth:`update` of the updates in columns (see :class:`TokenColumns`): update ``i`` writes its ``counts[i]``
         tokens (the next ones of ``token_runs``, joined) into row ``rows[i]`` from position ``starts[i]``. One
-        launch; the staging is written by one pack of all the columns, plus one per further run. Raises
+        launch; the staging is written by one pack of all the columns, plus one per further run (one token per
+        update in list or tuple columns, every start inside the width: the rows, starts and tokens alone, for
+        ``canary_token_append``). Raises
         ``ValueError`` naming the column (and the update) for a row outside the table, a negative start or count,
         columns of different lengths, or runs of another length than ``counts`` add up to (nothing is written to
         the table)."""
@@ -284,6 +301,15 @@ class TokenTable:
                              "values (one per update each)")
         if not n and not any(token_runs):
             return
+        if len(token_runs) == 1 and _one_token_each(counts, n) and len(token_runs[0]) == n:
+            try:
+                self._append(rows, starts, token_runs[0])
+                return
+            except Exception:
+                # Refused before anything was written (the pack, or the export's host-side check of every update):
+                # a start at or past the width (which only the general path clips), a bad row or token. The general
+                # path below clips, or raises the error naming the column.
+                logger.debug("token table: a one-token-per-row batch refused by canary_token_append", exc_info=True)
         try:
             self._stage_and_launch(rows, starts, counts, map(_add, starts, counts), token_runs)
         except Exception:
@@ -295,6 +321,18 @@ class TokenTable:
             if clipped is None:  # the columns are fine: the launch refused something else, its error stands
                 raise
             self._stage_and_launch(*clipped)
+
+    def _append(self, rows: Sequence[int], starts: Sequence[int], tokens: Sequence[int]) -> None:
+        """Stage one token per update (a decode forward's batch) as the runs of layout.TOKEN_APPEND_FIELD_*: rows,
+        starts, tokens, in one pack of 3 values a row (the general header's 5 and an offset accumulation not built)
+        and launch ``canary_token_append``. Raises (before the launch) for a row outside the table, a start outside
+        ``[0, width)`` or a value the pack refuses."""
+        n = len(rows)
+        staged_len = _APPEND_FIELDS * n
+        staging = self.staging.acquire(staged_len)
+        _pack_into(f"{staged_len}q", staging.view, 0, *rows, *starts, *tokens)
+        self._launch_append(self.expected_tokens, self.valid_lens_by_row, staging.buffer, n)
+        self.staging.launched(staging)
 
     def _stage_and_launch(self, rows: Sequence[int], starts: Sequence[int], counts: Sequence[int],
                           ends: Iterable[int], token_runs: Sequence[Sequence[int]]) -> None:

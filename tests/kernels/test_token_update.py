@@ -285,6 +285,120 @@ def test_op_token_offsets_outside_the_staged_tokens() -> None:
         ops.canary_token_update(**op_args(staging=staging, num_updates=1, staged_len=staged_len))
 
 
+# ---------------------------------------------------------------------------------------------- canary_token_append
+
+APPEND_FIELDS = layout.TOKEN_APPEND_FIELDS
+
+
+def append_staging(updates: Sequence[tuple[int, int, int]], extra: int = 0) -> torch.Tensor:
+    """The staging of canary_token_append from (row, start, token) updates: the rows, the starts, the tokens."""
+    runs = [[u[field] for u in updates] for field in (layout.TOKEN_APPEND_FIELD_ROW, layout.TOKEN_APPEND_FIELD_START,
+                                                      layout.TOKEN_APPEND_FIELD_TOKEN)]
+    return torch.tensor([v for run in runs for v in run] + [0] * extra, dtype=torch.int64)
+
+
+def append_args(updates: Sequence[tuple[int, int, int]] = ((1, 2, 10), (3, 0, 1 << 33 | 9)), rows: int = 4,
+                width: int = 8, **overrides):
+    args = dict(expected_tokens=torch.full((rows, width), -1, dtype=torch.int32),
+                valid_lens_by_row=torch.zeros(rows, dtype=torch.int64), staging=append_staging(updates, extra=2),
+                num_updates=len(updates))
+    args.update(overrides)
+    return args
+
+
+def test_append_op_writes_one_token_per_row_like_the_general_op() -> None:
+    updates = [(1, 2, 10), (3, 0, 1 << 33 | 9), (0, 7, -5)]
+    args = append_args(updates)
+    ops.canary_token_append(**args)
+    general = op_args(staging=stage([(r, s, 1, s + 1, [t]) for r, s, t in updates])[0], num_updates=3,
+                      staged_len=stage([(r, s, 1, s + 1, [t]) for r, s, t in updates])[1])
+    ops.canary_token_update(**general)
+    assert args["expected_tokens"][1].tolist() == [-1, -1, 10, -1, -1, -1, -1, -1]
+    assert args["expected_tokens"][3].tolist() == [9] + [-1] * 7  # the low 32 bits, like .to(torch.int32)
+    assert args["valid_lens_by_row"].tolist() == [8, 3, 0, 1]  # start + 1
+    assert torch.equal(args["expected_tokens"], general["expected_tokens"])
+    assert torch.equal(args["valid_lens_by_row"], general["valid_lens_by_row"])
+
+
+def test_append_op_applies_a_repeated_row_in_batch_order() -> None:
+    args = append_args([(2, 4, 40), (1, 0, 10), (2, 4, 41), (2, 1, 11)])
+    ops.canary_token_append(**args)
+    assert args["expected_tokens"][2].tolist() == [-1, 11, -1, -1, 41, -1, -1, -1]  # the later token at 4 wins
+    assert args["valid_lens_by_row"].tolist() == [0, 1, 2, 0]  # the row's last update: start 1 + 1
+
+
+def test_append_op_with_no_updates_writes_nothing() -> None:
+    args = append_args([], staging=torch.zeros(0, dtype=torch.int64))
+    ops.canary_token_append(**args)
+    assert (args["expected_tokens"] == -1).all() and (args["valid_lens_by_row"] == 0).all()
+
+
+def append_error(arg: str, text: str) -> str:
+    return "^" + re.escape(f"canary_token_append: {arg}: {text}")
+
+
+APPEND_ARGUMENT_ERRORS = [
+    ({"expected_tokens": torch.zeros((4, 8), dtype=torch.int64)}, TypeError, "expected_tokens", "expected dtype int32"),
+    ({"valid_lens_by_row": torch.zeros(5, dtype=torch.int64)}, ValueError, "valid_lens_by_row", "expected shape"),
+    ({"staging": torch.zeros(8, dtype=torch.int32)}, TypeError, "staging", "expected dtype int64"),
+    ({"staging": torch.zeros(8, dtype=torch.int64, device="meta")}, ValueError, "staging", "expected a cpu or cuda"),
+    ({"num_updates": -1}, ValueError, "num_updates", "must be in [0, 2^31), got -1"),
+    ({"num_updates": 3}, ValueError, "num_updates", "expected 3 * num_updates = 9 <= staging length 8"),
+]
+
+
+@pytest.mark.parametrize(("override", "kind", "arg", "text"), APPEND_ARGUMENT_ERRORS,
+                         ids=[f"{e[2]}-{i}" for i, e in enumerate(APPEND_ARGUMENT_ERRORS)])
+def test_append_op_argument_errors_name_the_argument(override: dict, kind: type, arg: str, text: str) -> None:
+    with pytest.raises(kind, match=append_error(arg, text)):
+        ops.canary_token_append(**append_args(**override))
+
+
+APPEND_UPDATE_ERRORS = [
+    ([(1, 0, 5), (4, 0, 5)], "update 1 (row 4): row outside [0, 4)"),
+    ([(-1, 0, 5)], "update 0 (row -1): row outside [0, 4)"),
+    ([(1, -1, 5)], "update 0 (row 1): start -1 outside [0, 8)"),
+    ([(2, 3, 5), (1, 8, 5)], "update 1 (row 1): start 8 outside [0, 8) (an append past the width must be clipped: "
+                             "canary_token_update)"),
+]
+
+
+@pytest.mark.parametrize(("updates", "text"), APPEND_UPDATE_ERRORS,
+                         ids=[str(i) for i in range(len(APPEND_UPDATE_ERRORS))])
+def test_append_op_bad_updates_name_the_update_and_write_nothing(updates: list, text: str) -> None:
+    args = append_args(updates)
+    with pytest.raises(ValueError, match=append_error("staging", text)):
+        ops.canary_token_append(**args)
+    assert (args["expected_tokens"] == -1).all() and (args["valid_lens_by_row"] == 0).all()
+
+
+def test_a_decode_batch_is_staged_in_three_values_a_row() -> None:
+    """One token per row (a decode forward): staged for canary_token_append (rows, starts, tokens), not as the
+    general header of five values a row and the tokens."""
+    table = TokenTable(ROWS, WIDTH, CPU)
+    table.update([(5, 10, [50]), (2, 3, [20]), (7, 0, [70])])
+    staging = table.staging.acquire(9)  # the CPU ring's one staging, as the launch read it
+    assert staging.buffer[:9].tolist() == [5, 2, 7, 10, 3, 0, 50, 20, 70]
+    assert table.valid_lens_by_row[[5, 2, 7]].tolist() == [11, 4, 1]
+
+
+def decode_at_the_width_batch(rng: random.Random) -> list[tuple[int, int, list[int]]]:
+    """One token per row, some at or past the width (the append refuses them: the general path clips)."""
+    rows = rng.sample(range(ROWS), rng.randint(1, ROWS))
+    return [(r, rng.randint(WIDTH - 3, WIDTH + 2), tokens(rng, 1)) for r in rows]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_decode_batches_at_the_width_are_clipped_as_before(seed: int) -> None:
+    rng = random.Random(200 + seed)
+    table, ref = TokenTable(ROWS, WIDTH, CPU), reference_tables(ROWS, WIDTH)
+    for _ in range(20):
+        batch = rng.choice([decode_batch, decode_at_the_width_batch])(rng)
+        table.update(batch)
+        reference_update(*ref, batch)
+        assert_same(table, ref)
+
+
 # ---------------------------------------------------------------------------------------------- the staging ring
 
 
@@ -400,6 +514,7 @@ def test_cuda_uploads_from_pinned_memory_while_the_device_is_busy() -> None:
         else:
             batches.append([(r, rng.randrange(width), tokens(rng, 1)) for r in range(rows)])
     batches.append([(5, 0, [1, 2, 3]), (5, 1, [9]), (5, 0, list(range(50)))])  # a repeated row: one ordered block
+    batches.append([(6, 3, [1]), (7, 0, [5]), (6, 4, [2]), (6, 3, [3])])  # one token each, a row repeated: in order
     for batch in batches:
         for update in batch:  # in order, like the kernel (the same as the whole batch for distinct rows)
             reference_update(*ref, [update])
@@ -430,3 +545,17 @@ def test_cuda_refuses_a_staging_that_is_not_pinned() -> None:
     ops.canary_token_update(**{**args, "staging": pinned})
     assert args["valid_lens_by_row"].tolist() == [0, 5, 0, 6]
     assert args["expected_tokens"][1].tolist() == [-1, -1, 10, 11, 12, -1, -1, -1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_append_refuses_a_staging_that_is_not_pinned() -> None:
+    args = append_args()
+    args["expected_tokens"] = args["expected_tokens"].cuda()
+    args["valid_lens_by_row"] = args["valid_lens_by_row"].cuda()
+    with pytest.raises(ValueError, match=append_error("staging", "expected pinned host memory")):
+        ops.canary_token_append(**args)
+    pinned = args["staging"].pin_memory()  # kept until the launch has run (tolist synchronises)
+    ops.canary_token_append(**{**args, "staging": pinned})
+    assert args["valid_lens_by_row"].tolist() == [0, 3, 0, 1]
+    assert args["expected_tokens"][1].tolist() == [-1, -1, 10, -1, -1, -1, -1, -1]
