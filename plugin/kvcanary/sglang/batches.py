@@ -28,6 +28,15 @@ def i64(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype is _INT64 else t.to(_INT64)
 
 
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy when it is a strided view: the check launch reads its arrays as dense (and says so
+    by name when one is not). sglang 0.5.12's EAGLE draft decode hands the forward ``out_cache_loc[i]`` of a permuted
+    ``[steps, bs]`` view, stride ``steps``: without the copy the draft runner's first forward (its graph warm-up)
+    was refused and the scheduler died (2026-12-01, phase 5 on the H200). Inside a captured graph the copy is a node
+    of the graph, so each replay copies the forward's own values."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def ones_prefix(ones: torch.Tensor, bs: int) -> torch.Tensor:
     """``ones[:bs]``, the view built once per (tensor, bs): a slice is a torch op (~1.5 µs of host time per forward)."""
     view = _ONES_PREFIXES.get(ones, bs)
@@ -109,6 +118,7 @@ def batch_view_of(forward_modes: Mapping[str, ForwardKind], sglang_version: str)
         loc = fb.out_cache_loc
         if loc.dtype is not _INT64:
             loc = loc.to(_INT64)
+        loc = dense(loc)
         if kind is ForwardKind.DECODE:
             bs = rows.numel()  # (a 2-d array is refused by the check launch and named by BatchView.validate)
             prefix = positions

@@ -38,6 +38,7 @@ import torch
 
 from kvcanary.batch import BatchView, ForwardKind
 from kvcanary.installation import Installation
+from kvcanary.sglang.batches import dense
 from kvcanary.speculative import (
     DRAFT,
     DRAFT_ROLE,
@@ -136,10 +137,10 @@ class SpecBatchView:
         name = getattr(fb.forward_mode, "name", str(fb.forward_mode))
         if name == TARGET_VERIFY:
             return target_verify_view(self.lens, input_ids=input_ids, positions=positions,
-                                      out_cache_loc=fb.out_cache_loc, req_pool_indices=fb.req_pool_indices,
+                                      out_cache_loc=dense(fb.out_cache_loc), req_pool_indices=fb.req_pool_indices,
                                       seq_lens=fb.seq_lens)
         if name == DRAFT_EXTEND_V2:  # the captured graph has no extend_prefix_lens: seq_lens counts the new tokens
-            return draft_extend_view(input_ids=input_ids, positions=positions, out_cache_loc=fb.out_cache_loc,
+            return draft_extend_view(input_ids=input_ids, positions=positions, out_cache_loc=dense(fb.out_cache_loc),
                                      req_pool_indices=fb.req_pool_indices, seq_lens=fb.seq_lens,
                                      extend_seq_lens=fb.extend_seq_lens)
         return self.base(fb, input_ids, positions, ones, empty)
@@ -236,16 +237,21 @@ def after_forward(runner, fb) -> None:
 
 def _replay(state: SpecState | None, original, graph_runner, forward_batch, args, kwargs, count: Callable[[], None]):
     """A draft CUDA-graph replay as one real forward of the draft installation: host half around it."""
-    if state is None:
+    if state is None or state.inst.stopped is not None:
         return original(graph_runner, forward_batch, *args, **kwargs)
     inst = state.inst
     t0 = time.perf_counter_ns()
-    inst.host_before()  # the draft pool takes no injected faults
+    inst.host_before()  # the draft pool takes no injected faults (nothing to fail)
     t1 = time.perf_counter_ns()
     out = original(graph_runner, forward_batch, *args, **kwargs)
     t2 = time.perf_counter_ns()
-    count()
-    inst.host_after()
+    try:
+        count()
+        inst.host_after()
+    except Exception as exc:  # (log mode: kvcanary stops on this runner; raise mode's errors stand)
+        if not inst.keeps_serving(exc, "after a draft graph replay (drain, health)"):
+            raise
+        return out
     t3 = time.perf_counter_ns()
     inst.account_forward(t3 - t0, t1 - t0 + t3 - t2)
     feed_metrics(state)
