@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcanary.batch import BatchView
-from kvcanary.config import Config
+from kvcanary.config import Config, Mode
 from kvcanary.manager import CanaryManager, SweepSource
 from kvcanary.metrics import CanaryMetrics, NoMetrics, metrics_for
 from kvcanary.real_kv import RealKvSource
@@ -135,11 +135,28 @@ class Installation:
     # What the metrics were last fed from: that object and the sum of the managers' drain reads then (the counts
     # metrics read move only when a drain reads; an unchanged sum means nothing to add).
     _metrics_fed: tuple[object, int] | None = None
+    # Log mode: why kvcanary stopped on this runner after an error in its part of a forward (None: running). Every
+    # per-forward entry point (the model.forward wrapper, the adapter's hooks) then calls straight through.
+    stopped: str | None = None
 
     @property
     def manager(self) -> CanaryManager:
         """The manager of the full pool (the first group)."""
         return self.groups[0].manager
+
+    def keeps_serving(self, exc: Exception, where: str) -> bool:
+        """Whether the engine's forward goes on after ``exc`` was raised by kvcanary's part of it (``where``, e.g.
+        "before the forward"). Log mode: yes, and kvcanary stops on this runner (``stopped``; one ERROR line with the
+        traceback): nothing kvcanary does may stop serving, and a canary that failed half-way through a forward
+        cannot be trusted on the next. Raise and off modes: no, the caller re-raises."""
+        if self.config.mode is not Mode.LOG:
+            return False
+        if self.stopped is None:
+            self.stopped = f"{where}: {type(exc).__name__}: {exc}"
+            logger.error("kvcanary: stopped on this runner after an error %s (log mode: serving goes on without the "
+                         "canary; its records are no longer checked here): %s: %s", where, type(exc).__name__, exc,
+                         exc_info=exc)
+        return True
 
     # ------------------------------------------------------------------------------------------- in-graph half
     def wrap_model_forward(self, model: torch.nn.Module) -> None:
@@ -163,16 +180,26 @@ class Installation:
                 return original(input_ids, positions, forward_batch, *args, **kwargs)
             t0 = time.perf_counter_ns()  # before the gate: asking it is the canary's host time too
             call = install.wrapper_call() if install.wrapper_call is not None else WrapperCall.EAGER
-            if call is WrapperCall.SKIP:
+            if call is WrapperCall.SKIP or install.stopped is not None:
                 return original(input_ids, positions, forward_batch, *args, **kwargs)
-            views = install.to_views(forward_batch, input_ids, positions)
-            for group, view in zip(install.groups, views, strict=False):
-                group.manager.before_forward(view)
+            try:
+                views = install.to_views(forward_batch, input_ids, positions)
+                for group, view in zip(install.groups, views, strict=False):
+                    group.manager.before_forward(view)
+            except Exception as exc:  # (log mode: this forward and the rest run without the canary)
+                if not install.keeps_serving(exc, "before the forward (plan/verify launch)"):
+                    raise
+                return original(input_ids, positions, forward_batch, *args, **kwargs)
             t1 = time.perf_counter_ns()
             out = original(input_ids, positions, forward_batch, *args, **kwargs)
             t2 = time.perf_counter_ns()
-            for group, view in zip(install.groups, views, strict=False):
-                group.manager.after_forward(view)
+            try:
+                for group, view in zip(install.groups, views, strict=False):
+                    group.manager.after_forward(view)
+            except Exception as exc:
+                if not install.keeps_serving(exc, "after the forward (write launch)"):
+                    raise
+                return out
             host = install.host_time
             launch = t1 - t0 + time.perf_counter_ns() - t2
             host.in_forward_ns += launch

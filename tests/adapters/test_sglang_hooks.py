@@ -395,9 +395,18 @@ def test_unsupported_forward_modes_are_refused(mode) -> None:
     fb = types.SimpleNamespace(forward_mode=ForwardMode[mode])
     with pytest.raises(NotImplementedError, match=f"forward mode {mode} is not supported"):
         v0_5_12.batch_view(fb, None, None, None, None)
-    runner = types.SimpleNamespace(_kvcanary=types.SimpleNamespace(req_to_token=torch.zeros(1, 1, dtype=torch.int32)))
+    raising = types.SimpleNamespace(req_to_token=torch.zeros(1, 1, dtype=torch.int32), stopped=None,
+                                    keeps_serving=lambda exc, where: False)  # (raise mode's answer)
     with pytest.raises(NotImplementedError, match=mode):
-        adapter_hooks.hooks_for(v0_5_12).around_forward(lambda *a, **k: None, runner, fb)
+        adapter_hooks.hooks_for(v0_5_12).around_forward(lambda *a, **k: None, types.SimpleNamespace(_kvcanary=raising),
+                                                        fb)
+    stopped: list[str] = []  # log mode: the canary stops on the runner, the forward is served
+    logging_inst = types.SimpleNamespace(req_to_token=torch.zeros(1, 1, dtype=torch.int32), stopped=None,
+                                         keeps_serving=lambda exc, where: stopped.append(str(exc)) or True)
+    served = adapter_hooks.hooks_for(v0_5_12).around_forward(lambda *a, **k: "served",
+                                                             types.SimpleNamespace(_kvcanary=logging_inst), fb)
+    assert served == "served"
+    assert len(stopped) == 1 and mode in stopped[0]
 
 
 def test_populated_padding_is_planned_as_padding(hooks, monkeypatch) -> None:
@@ -462,7 +471,7 @@ def test_graph_input_zeroing_counts_as_the_forwards_canary_time(monkeypatch) -> 
     ah.zero_graph_padding = True  # (what install sets for an EAGLE pool)
     recorded: dict[str, int] = {}
     inst = types.SimpleNamespace(
-        req_to_token=torch.zeros(1, 1, dtype=torch.int32), fault_plan=None, serving=0, pending_repairs=[],
+        req_to_token=torch.zeros(1, 1, dtype=torch.int32), fault_plan=None, serving=0, pending_repairs=[], stopped=None,
         host_after=lambda: None, account_forward=lambda forward_ns, hook_ns: recorded.update(f=forward_ns, h=hook_ns))
     runner = types.SimpleNamespace(_kvcanary=inst)
     bufs = types.SimpleNamespace(req_pool_indices=torch.arange(1, 5), positions=torch.arange(1, 5))
@@ -593,3 +602,75 @@ def test_with_an_eagle_pool_every_replays_whole_padding_is_zeroed() -> None:
         assert bufs.req_pool_indices.tolist() == [1, 2, 0, 0, 5, 6, 7, 8]
 
 
+
+
+def test_a_strided_out_cache_loc_is_read_as_its_values() -> None:
+    """sglang 0.5.12's EAGLE draft decode hands the forward ``out_cache_loc[i]`` of a permuted ``[steps, bs]`` view
+    (stride ``steps``). The batch view makes it dense, so the check launch takes it and the records land on those
+    slots. Before, the launch refused it by name (``out_cache_loc: expected a contiguous tensor``) on the draft
+    runner's first forward, and the scheduler died (2026-12-01, EAGLE phase 5 on the H200)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    steps, bs = 2, 3
+    every_step = torch.arange(11, 11 + steps * bs).reshape(bs, 1, steps).permute(2, 0, 1).reshape(steps, -1)
+    loc = every_step[1]  # what draft_forward sets for step 1
+    assert not loc.is_contiguous()
+    fb = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, req_pool_indices=_i64(1, 2, 3), out_cache_loc=loc)
+    ids, pos = _i64(7, 8, 9), _i64(0, 0, 0)
+    view = v0_5_12.batch_view(fb, ids, pos, torch.ones(4, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+    assert view.out_cache_loc.is_contiguous() and view.out_cache_loc.tolist() == loc.tolist() == [12, 14, 16]
+    mgr = CanaryManager(Config(mode=Mode.RAISE, drain_every=1), num_slots=32, req_to_token=torch.zeros(
+        (4, 8), dtype=torch.int32), device="cpu", max_batch_size=4, max_tokens_per_forward=8)
+    mgr.before_forward(view)
+    mgr.after_forward(view)
+    assert mgr.step() == []
+    records = mgr.canary_buf.view(torch.int64)  # (token, position, prev_hash, real_kv_hash) per slot
+    assert records[[12, 14, 16], 0].tolist() == [7, 8, 9] and records[[12, 14, 16], 1].tolist() == [0, 0, 0]
+    assert records[[11, 13, 15], 0].tolist() == [0, 0, 0]  # the other step's slots: untouched
+
+
+def test_log_mode_an_error_in_the_forward_hook_or_batch_hook_stops_the_canary_not_serving(monkeypatch) -> None:
+    """around_forward: host_after raising in log mode returns the forward's output and stops kvcanary on the runner
+    (later forwards call straight through); the batch hook then does nothing. Raise mode re-raises."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from kvcanary.installation import Group, GroupSpec, Installation
+
+    def installation(mode: Mode) -> Installation:
+        cfg = Config(mode=mode, stats_every=0)
+        r2t = torch.zeros((4, 8), dtype=torch.int32)
+        manager = CanaryManager(cfg, num_slots=16, req_to_token=r2t, device="cpu", max_batch_size=4,
+                                max_tokens_per_forward=8)
+        return Installation(config=cfg, groups=[Group(GroupSpec("full", 16, ()), manager)], to_views=lambda *a: [],
+                            req_to_token=r2t)
+
+    ah = adapter_hooks.AdapterHooks(v0_5_12)
+    fb = types.SimpleNamespace(forward_mode=ForwardMode.DECODE)
+    calls = []
+
+    def original(runner, forward_batch):
+        calls.append(forward_batch)
+        return "out"
+
+    def broken() -> None:
+        raise RuntimeError("drain failed")
+
+    inst = installation(Mode.LOG)
+    monkeypatch.setattr(inst, "host_after", broken)
+    runner = types.SimpleNamespace(_kvcanary=inst)
+    assert ah.around_forward(original, runner, fb) == "out"
+    assert inst.stopped is not None and "drain failed" in inst.stopped
+    monkeypatch.setattr(inst, "host_after", lambda: pytest.fail("kvcanary ran after it stopped"))
+    assert ah.around_forward(original, runner, fb) == "out" and len(calls) == 2
+    batch = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, reqs=[types.SimpleNamespace(req_pool_idx=99,
+                                                                                                 rid="r")])
+    assert ah.after_forward_batch_init("result", None, batch, runner) == "result"  # (row 99 would raise: skipped)
+    fresh = installation(Mode.LOG)  # the batch hook's own error (row 99 is outside the table) stops it too
+    assert ah.after_forward_batch_init("result", None, batch, types.SimpleNamespace(_kvcanary=fresh)) == "result"
+    assert fresh.stopped is not None and "batch hook" in fresh.stopped and "row 99" in fresh.stopped
+
+    inst = installation(Mode.RAISE)
+    monkeypatch.setattr(inst, "host_after", broken)
+    with pytest.raises(RuntimeError, match="drain failed"):
+        ah.around_forward(original, types.SimpleNamespace(_kvcanary=inst), fb)
+    assert inst.stopped is None

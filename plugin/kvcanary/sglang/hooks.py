@@ -150,16 +150,22 @@ class AdapterHooks:
         t0 = time.perf_counter_ns()  # first: everything up to the model is the canary's host time
         inst = installation_of(runner)
         # (is_cuda, not a torch.device built from the tensor: that costs ~1 µs per forward)
-        if inst is None or (inst.req_to_token.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if inst is None or inst.stopped is not None or (inst.req_to_token.is_cuda
+                                                       and torch.cuda.is_current_stream_capturing()):
             return original(runner, forward_batch, *args, **kwargs)
         spec = speculative.spec_of(runner)  # (once: None on every runner but an EAGLE pool's)
-        modes = self.version.FORWARD_MODES if spec is None else speculative.forward_modes(runner,
-                                                                                          self.version.FORWARD_MODES)
-        mode = mode_name(forward_batch)
-        if mode not in modes:
-            raise unsupported_mode(mode, modes, self.version.SGLANG_VERSION)
-        if inst.fault_plan is not None:
-            inst.host_before(lambda i, step, cls: inject_fault(i, step, forward_batch, cls, self.version))
+        try:
+            modes = self.version.FORWARD_MODES if spec is None else speculative.forward_modes(
+                runner, self.version.FORWARD_MODES)
+            mode = mode_name(forward_batch)
+            if mode not in modes:
+                raise unsupported_mode(mode, modes, self.version.SGLANG_VERSION)
+            if inst.fault_plan is not None:
+                inst.host_before(lambda i, step, cls: inject_fault(i, step, forward_batch, cls, self.version))
+        except Exception as exc:  # (log mode: kvcanary stops on this runner, the forward runs: Installation)
+            if not inst.keeps_serving(exc, "before a forward (host half)"):
+                raise
+            return original(runner, forward_batch, *args, **kwargs)
         t1 = time.perf_counter_ns()
         self.graph_input_ns = 0
         inst.serving += 1  # a piecewise replay inside is a real forward's (capture-time ones run outside)
@@ -167,12 +173,17 @@ class AdapterHooks:
             out = original(runner, forward_batch, *args, **kwargs)
         finally:
             inst.serving -= 1
-        if inst.pending_repairs:
-            repair_token_swaps(inst, forward_batch)
         t2 = time.perf_counter_ns()
-        inst.host_after()
-        if spec is not None:
-            speculative.after_forward(runner, forward_batch)  # EAGLE: spec counters and their stats line
+        try:
+            if inst.pending_repairs:
+                repair_token_swaps(inst, forward_batch)
+            inst.host_after()
+            if spec is not None:
+                speculative.after_forward(runner, forward_batch)  # EAGLE: spec counters and their stats line
+        except Exception as exc:  # (raise mode's violations and health errors raise from here: they stand)
+            if not inst.keeps_serving(exc, "after a forward (drain, health, sweep)"):
+                raise
+            return out
         t3 = time.perf_counter_ns()
         inst.account_forward(t3 - t0, t1 - t0 + t3 - t2 + self.graph_input_ns)
         return out
@@ -253,10 +264,13 @@ class AdapterHooks:
     def after_forward_batch_init(self, result, cls, batch, model_runner, *args, **kwargs):
         t0 = time.perf_counter_ns()
         inst = installation_of(model_runner)
-        if inst is None:
+        if inst is None or inst.stopped is not None:
             return result
         try:
             self._batch_init(inst, batch)
+        except Exception as exc:
+            if not inst.keeps_serving(exc, "in the batch hook (writer attribution, token uploads)"):
+                raise
         finally:
             inst.account_batch_init(time.perf_counter_ns() - t0)  # per batch, in the scheduler: HostTime
         return result

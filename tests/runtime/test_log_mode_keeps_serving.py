@@ -1,0 +1,94 @@
+"""Log mode: an error inside kvcanary's part of a forward never stops serving. The installation stops (one ERROR line,
+``stopped`` says where and why) and every later forward runs without the canary; raise mode re-raises."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kvcanary.batch import BatchView, ForwardKind
+from kvcanary.config import Config, Mode
+from kvcanary.installation import Group, GroupSpec, Installation
+from kvcanary.manager import CanaryManager
+from kvcanary.tags import LaunchTag
+
+
+def _i64(*v: int) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.int64)
+
+
+def _installation(mode: Mode, *, strided_slots: bool) -> Installation:
+    """One CPU manager behind the model.forward wrapper; ``strided_slots``: the views hand the launch a strided
+    out_cache_loc, which it refuses by name (ValueError), as it did sglang's EAGLE draft decode's."""
+    cfg = Config(mode=mode, stats_every=0)
+    r2t = torch.zeros((4, 32), dtype=torch.int32)
+    manager = CanaryManager(cfg, num_slots=64, req_to_token=r2t, device="cpu", max_batch_size=4,
+                            max_tokens_per_forward=32)
+
+    def to_views(fb, ids, pos):
+        n = int(ids.shape[0])
+        slots = torch.arange(1, 2 * n + 1, dtype=torch.int64)
+        slots = slots[::2] if strided_slots else slots[:n]
+        return [BatchView(ForwardKind.EXTEND, ids.to(torch.int64), pos.to(torch.int64), slots, _i64(1), _i64(0),
+                          _i64(n))]
+
+    return Installation(config=cfg, groups=[Group(GroupSpec("full", 64, ()), manager)], to_views=to_views,
+                        req_to_token=r2t)
+
+
+class Model(torch.nn.Module):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch) -> torch.Tensor:
+        return input_ids * 2 + positions
+
+
+def _launches(inst: Installation) -> tuple[int, int]:
+    runs = inst.manager.kernel_run_counters
+    return int(runs[LaunchTag.VERIFY]), int(runs[LaunchTag.WRITE])
+
+
+def test_log_mode_stops_the_canary_and_serves_on(caplog) -> None:
+    inst, model = _installation(Mode.LOG, strided_slots=True), Model()
+    inst.wrap_model_forward(model)
+    ids, pos = torch.arange(3, 7), torch.arange(4)
+    with caplog.at_level(logging.ERROR, logger="kvcanary.installation"):
+        assert torch.equal(model.forward(ids, pos, None), ids * 2 + pos)  # the model's own output
+        assert torch.equal(model.forward(ids, pos, None), ids * 2 + pos)
+    assert inst.stopped is not None and "out_cache_loc" in inst.stopped and "before the forward" in inst.stopped
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "serving goes on without the canary" in errors[0].getMessage()
+    assert _launches(inst) == (0, 0)  # nothing launched after it stopped
+
+
+def test_raise_mode_reraises_the_same_error() -> None:
+    inst, model = _installation(Mode.RAISE, strided_slots=True), Model()
+    inst.wrap_model_forward(model)
+    with pytest.raises(ValueError, match="out_cache_loc"):
+        model.forward(torch.arange(3, 7), torch.arange(4), None)
+    assert inst.stopped is None
+
+
+def test_an_error_after_the_forward_returns_the_models_output(monkeypatch) -> None:
+    """The write launch failing (here: a manager that raises) leaves the forward's output as it was."""
+    inst, model = _installation(Mode.LOG, strided_slots=False), Model()
+    inst.wrap_model_forward(model)
+    ids, pos = torch.arange(3, 7), torch.arange(4)
+    model.forward(ids, pos, None)
+    assert _launches(inst) == (1, 1) and inst.stopped is None
+
+    def broken(view) -> None:
+        raise RuntimeError("write launch failed")
+
+    monkeypatch.setattr(inst.manager, "after_forward", broken)
+    assert torch.equal(model.forward(ids, pos, None), ids * 2 + pos)
+    assert inst.stopped is not None and "after the forward" in inst.stopped and "write launch failed" in inst.stopped
+    model.forward(ids, pos, None)
+    assert _launches(inst) == (2, 1)  # the failed forward's check ran; nothing after it stopped
+
+
+def test_keeps_serving_is_false_outside_log_mode() -> None:
+    for mode in (Mode.RAISE, Mode.OFF):
+        inst = _installation(Mode.LOG, strided_slots=False)
+        inst.config = inst.config.replace(mode=mode)
+        assert inst.keeps_serving(RuntimeError("x"), "somewhere") is False and inst.stopped is None
