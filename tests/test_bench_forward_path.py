@@ -37,7 +37,8 @@ def test_host_time_line_counts_the_batch_hook() -> None:
 
 def test_the_batch_hook_is_accounted_even_when_it_raises(bench, monkeypatch) -> None:
     """after_forward_batch_init adds its host time to the Installation's HostTime, once per batch (decode batches
-    too), and keeps the time of a call that raises."""
+    too), and keeps the time of a call that fails: in log mode kvcanary then stops on the runner and the batch goes
+    on; in raise mode the error stands."""
     import torch
 
     from kvcanary.sglang.hooks import AdapterHooks, installation_of
@@ -60,9 +61,17 @@ def test_the_batch_hook_is_accounted_even_when_it_raises(bench, monkeypatch) -> 
     hooks.after_forward_batch_init(fb, bench.ForwardBatch, decode, runner)
     assert inst.host_time.batch_inits == 2
     bad = bench.WorkerBatch(bench.ForwardMode.EXTEND, [bench.Req("x", work.rows + 5, [1, 2], [])])
+    assert hooks.after_forward_batch_init(fb, bench.ForwardBatch, bad, runner) is fb
+    assert inst.host_time.batch_inits == 3 and inst.stopped is not None and "outside" in inst.stopped
+    inst.close()
+
+    monkeypatch.setenv("KVCANARY_MODE", "raise")
+    runner = bench.StandInRunner(work.rows, work.context, work.slots, torch.device("cpu"))
+    hooks.after_init_memory_pool(None, runner)
+    inst = installation_of(runner)
     with pytest.raises(ValueError, match="outside"):
         hooks.after_forward_batch_init(fb, bench.ForwardBatch, bad, runner)
-    assert inst.host_time.batch_inits == 3
+    assert inst.host_time.batch_inits == 1 and inst.stopped is None
     inst.close()
 
 
