@@ -50,7 +50,7 @@ FIELDS = ("iters", "decode_n", "extend_n", "loop_ns", "recv_ns", "next_ns", "run
           "replay_ns", "kvc_views_ns", "kvc_launch_ns", "kvc_before_ns", "kvc_after_ns", "kvc_step_ns",
           "kvc_drain_ns", "kvc_drain_n", "kvc_stats_ns", "kvc_metrics_ns", "kvc_account_ns", "kvc_batch_ns",
           "kvc_populate_ns", "gpu_decode_ns", "gpu_decode_n", "kvc_gpu_ns", "kvc_gpu_n",
-          "unit_ns", "unit_n")
+          "unit_ns", "unit_n", "kvc_status_start_ns", "kvc_status_read_ns", "kvc_health_ns", "kvc_assign_ns")
 UNIT_LAUNCHES = 5  # `x.add_(1)` launches timed every EVERY iterations: this process's cost of one torch launch
 # "1": also time the device work of kvcanary's eager launches (the check before a forward, the write after it) with
 # a CUDA event pair each. Off by default: the two event records per launch are host time a log Engine would not pay.
@@ -68,10 +68,16 @@ KVCANARY_PIECES = (
     ("kvcanary.installation", "Installation", "host_after", "kvc_after_ns"),
     ("kvcanary.manager", "CanaryManager", "step", "kvc_step_ns"),
     ("kvcanary.drain", "ViolationDrain", "drain", "kvc_drain_ns"),
+    # inside drain: the status copy's start, its read, and the health check the read feeds (in-engine a drain
+    # cost ~37 µs on the H200 host, 2026-12-01, against ~4 µs in bench_host: which part?)
+    ("kvcanary.drain", "ViolationDrain", "_start_status", "kvc_status_start_ns"),
+    ("kvcanary.drain", "ViolationDrain", "_read_status", "kvc_status_read_ns"),
+    ("kvcanary.manager", "CanaryManager", "_observe_health", "kvc_health_ns"),
     ("kvcanary.manager", "CanaryManager", "_log_stats", "kvc_stats_ns"),
     ("kvcanary.metrics", "CanaryMetrics", "observe", "kvc_metrics_ns"),
     ("kvcanary.installation", "Installation", "account_forward", "kvc_account_ns"),
     ("kvcanary.sglang.hooks", "AdapterHooks", "_batch_init", "kvc_batch_ns"),
+    ("kvcanary.manager", "CanaryManager", "assign_requests", "kvc_assign_ns"),  # inside the batch hook
     # a decode graph's padded rows zeroed before its replay (inside the forward, outside the pieces above)
     ("kvcanary.sglang.hooks", "AdapterHooks", "zero_stale_padding", "kvc_populate_ns"),
 )
@@ -392,9 +398,11 @@ COLUMNS = (("loop_us", "loop"), ("recv_us", "recv"), ("next_us", "next batch"), 
            ("sync_us", "other syncs"), ("gpu_us", "GPU span per forward"), ("gpu_decode_us", "of a decode"),
            ("gpu_extend_us", "of a prefill"), ("gap_us", "GPU idle gap"), ("unit_us", "one torch launch"))
 # kvcanary's pieces per iteration (log Engines; nested as KVCANARY_PIECES says)
-KVC_COLUMNS = (("kvc_batch_us", "batch hook"), ("kvc_views_us", "views"), ("kvc_launch_us", "launches"),
-               ("kvc_before_us", "host_before"), ("kvc_after_us", "host_after"), ("kvc_step_us", "of it step"),
-               ("kvc_drain_us", "of it drain"), ("kvc_stats_us", "of it stats"), ("kvc_metrics_us", "metrics"),
+KVC_COLUMNS = (("kvc_batch_us", "batch hook"), ("kvc_assign_us", "of it assign_requests"), ("kvc_views_us", "views"),
+               ("kvc_launch_us", "launches"), ("kvc_before_us", "host_before"), ("kvc_after_us", "host_after"),
+               ("kvc_step_us", "of it step"), ("kvc_drain_us", "of it drain"),
+               ("kvc_status_start_us", "of that status copy start"), ("kvc_status_read_us", "status read"),
+               ("kvc_health_us", "of that health"), ("kvc_stats_us", "of step stats"), ("kvc_metrics_us", "metrics"),
                ("kvc_account_us", "account_forward"), ("kvc_populate_us", "graph padding"),
                ("kvc_gpu_us", f"device µs per eager launch ({DEVICE_ENV}=1)"))
 
