@@ -156,6 +156,15 @@ class Installation:
             logger.error("kvcanary: stopped on this runner after an error %s (log mode: serving goes on without the "
                          "canary; its records are no longer checked here): %s: %s", where, type(exc).__name__, exc,
                          exc_info=exc)
+            # The health channels say so too (a kvcanary.health/1 JSON line, the health-errors counter), so an alert
+            # on canary health fires: the health check itself stops with the canary. Once, on the first group's
+            # reporter (the groups share the report file).
+            try:
+                self.manager.reporter.health_error(f"kvcanary stopped on this runner after an error {where}: "
+                                                   f"{type(exc).__name__}: {exc}", step=self.steps)
+            except Exception:  # noqa: BLE001 - log mode: a failing report must not stop serving either
+                logger.exception("kvcanary: could not report the stop")
+            self.flush_metrics()
         return True
 
     # ------------------------------------------------------------------------------------------- in-graph half

@@ -62,7 +62,8 @@ COUNTERS: Mapping[str, str] = {
     "tokens_written_total": "Canary records written (one per KV slot a forward filled).",
     "violations_total": "KV-cache integrity violations reported, by reason (a violation counts once per reason).",
     "lost_rows_total": "Violation rows the canary's ring overflowed and could not keep.",
-    "health_errors_total": "Canary health errors (a launch that should run showed no progress).",
+    "health_errors_total": "Canary health errors (a launch that should run showed no progress, or the canary stopped "
+                           "on a runner after an error of its own in log mode).",
     "drafts_rolled_back_total": "Speculative-decoding draft records left past a committed length.",
 }
 

@@ -56,9 +56,29 @@ def test_log_mode_stops_the_canary_and_serves_on(caplog) -> None:
         assert torch.equal(model.forward(ids, pos, None), ids * 2 + pos)  # the model's own output
         assert torch.equal(model.forward(ids, pos, None), ids * 2 + pos)
     assert inst.stopped is not None and "out_cache_loc" in inst.stopped and "before the forward" in inst.stopped
-    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
-    assert len(errors) == 1 and "serving goes on without the canary" in errors[0].getMessage()
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2, errors  # once, with the traceback; once as a health error (the alert channel)
+    assert "serving goes on without the canary" in errors[0]
+    assert errors[1].startswith("kvcanary health: kvcanary stopped")
+    assert inst.manager.reporter.total_health_errors == 1  # (what the health-errors counter is fed from)
     assert _launches(inst) == (0, 0)  # nothing launched after it stopped
+
+
+def test_the_stop_is_a_health_record_in_the_report(tmp_path) -> None:
+    """With KVCANARY_REPORT, the stop is one kvcanary.health/1 line (``kvcanary report`` and health alerts see it)."""
+    import json
+
+    from kvcanary.report import Reporter
+
+    inst, model = _installation(Mode.LOG, strided_slots=True), Model()
+    path = tmp_path / "kvc.jsonl"
+    inst.manager.reporter = Reporter(Mode.LOG, str(path), rank={"tp_rank": 0})
+    inst.wrap_model_forward(model)
+    model.forward(torch.arange(3, 7), torch.arange(4), None)
+    inst.manager.reporter.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["schema"] for r in records] == ["kvcanary.health/1"]
+    assert "stopped on this runner" in records[0]["message"] and "out_cache_loc" in records[0]["message"]
 
 
 def test_raise_mode_reraises_the_same_error() -> None:
@@ -92,3 +112,16 @@ def test_keeps_serving_is_false_outside_log_mode() -> None:
         inst = _installation(Mode.LOG, strided_slots=False)
         inst.config = inst.config.replace(mode=mode)
         assert inst.keeps_serving(RuntimeError("x"), "somewhere") is False and inst.stopped is None
+
+
+def test_the_stop_reaches_the_health_errors_counter() -> None:
+    """The installation's metrics get the stop at once (its host_after, which feeds them, no longer runs)."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from kvcanary.metrics import PREFIX, CanaryMetrics
+
+    registry = prometheus_client.CollectorRegistry()
+    inst, model = _installation(Mode.LOG, strided_slots=True), Model()
+    inst.metrics = CanaryMetrics({"tp_rank": "0"}, registry)
+    inst.wrap_model_forward(model)
+    model.forward(torch.arange(3, 7), torch.arange(4), None)
+    assert registry.get_sample_value(PREFIX + "health_errors_total", {"tp_rank": "0"}) == 1.0
