@@ -384,7 +384,7 @@ def test_batch_view_of_binds_a_mode_table() -> None:
         with pytest.raises(NotImplementedError, match=r"mode SPLIT_PREFILL is not supported by the sglang 9\.9"):
             view(types.SimpleNamespace(forward_mode=Mode.SPLIT_PREFILL), None, None, ones, empty)
     fb = types.SimpleNamespace(forward_mode=Mode.DECODE, req_pool_indices=_i64(3), out_cache_loc=_i64(9))
-    v = batches.batch_view(fb, _i64(5), _i64(7), ones, empty, {"DECODE": ForwardKind.DECODE}, "9.9")
+    v = batches.batch_view_of({"DECODE": ForwardKind.DECODE}, "9.9")(fb, _i64(5), _i64(7), ones, empty)
     assert v.kind is ForwardKind.DECODE and v.positions.tolist() == [7]
 
 

@@ -70,19 +70,11 @@ def unsupported_mode(name: str, forward_modes: Mapping[str, ForwardKind], sglang
     )
 
 
-def batch_view(fb, input_ids: torch.Tensor, positions: torch.Tensor, ones: torch.Tensor, empty: torch.Tensor,
-               forward_modes: Mapping[str, ForwardKind], sglang_version: str) -> BatchView:
-    """One ForwardBatch as a BatchView; a mode missing from ``forward_modes`` raises NotImplementedError naming it.
-
-    A version module binds its own table once with :func:`batch_view_of` (the per-forward path); this form takes it
-    on every call."""
-    return batch_view_of(forward_modes, sglang_version)(fb, input_ids, positions, ones, empty)
-
-
 def batch_view_of(forward_modes: Mapping[str, ForwardKind], sglang_version: str) -> BatchViewFn:
-    """A version's ``batch_view(fb, input_ids, positions, ones, empty)`` over its forward-mode table: :func:`batch_view`
-    with ``forward_modes`` and ``sglang_version`` bound, as one function (a frame and an argument tuple fewer per
-    forward) that remembers each ForwardMode member's kind (a member's name never changes)."""
+    """A version's ``batch_view(fb, input_ids, positions, ones, empty)`` over its forward-mode table: one ForwardBatch
+    as a BatchView, a mode missing from ``forward_modes`` raising NotImplementedError naming it. Built once per
+    version, as one function (no wrapper frame per forward) that remembers each ForwardMode member's kind (a
+    member's name never changes)."""
     kinds: dict[int, tuple[object, ForwardKind]] = {}  # id(mode member) -> (the member, its kind)
 
     def kind_of(mode: object) -> ForwardKind:
