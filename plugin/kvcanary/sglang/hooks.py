@@ -209,12 +209,11 @@ class AdapterHooks:
         sglang also fills these buffers where this hook does not see it. One ``zero_`` of a view built once per
         buffers and rows (a slice is a torch call of its own: 7-11 µs of host time in sglang's scheduler on the H200
         host)."""
-        rows = (raw_bs, bs) if bs > raw_bs else None
-        if rows is None:
+        if bs <= raw_bs:
             return
-        view = self._padding.get(buffers, rows)
+        view = self._padding.get(buffers, (raw_bs, bs))
         if view is None:
-            view = self._padding.put(buffers, rows, buffers.req_pool_indices[rows[0] : rows[1]])
+            view = self._padding.put(buffers, (raw_bs, bs), buffers.req_pool_indices[raw_bs:bs])
         view.zero_()
 
     # EAGLE (kvcanary.sglang.speculative): the draft CUDA-graph replays' host half, the verify verdicts.
