@@ -17,7 +17,8 @@ FAST = ["demo", "--seconds", "0.3", "--injections", "1", "--device", "cpu"]
 
 @pytest.fixture(scope="module")
 def result() -> demo.DemoResult:
-    return demo.run_demo(seconds=0.5, per_class=2, device="cpu")
+    # seconds=0: a fixed number of clean forwards, so the run is the same on a slow CI machine and a fast laptop
+    return demo.run_demo(seconds=0, min_forwards=200, per_class=2, device="cpu")
 
 
 def test_every_fault_class_detected_without_false_positives(result: demo.DemoResult) -> None:
@@ -28,8 +29,10 @@ def test_every_fault_class_detected_without_false_positives(result: demo.DemoRes
         assert len(r.latencies) == 2 and all(0 <= x <= 30 + 8 for x in r.latencies), (name, r.latencies)
         assert set(r.reasons) and all(set(c.split("+")) for c in r.reasons)
     assert result.false_positives == 0 and result.clean_violations == 0
-    # cached-but-idle corruption is invisible to the per-forward verify: only the sweep can report it
-    assert set(result.faults[faults.CACHED_IDLE_CORRUPTION].tags) == {"sweep"}
+    # cached-but-idle corruption is K/V no running request reads: the sweep reports it. A request that later hits the
+    # corrupted prefix may report it through its verify too (a time-bounded clean phase on CI made that happen).
+    idle = result.faults[faults.CACHED_IDLE_CORRUPTION]
+    assert idle.tags["sweep"] >= idle.injected and set(idle.tags) <= {"sweep", "verify"}, idle
 
 
 def test_the_clean_phase_exercises_the_serving_loop(result: demo.DemoResult) -> None:

@@ -136,11 +136,14 @@ def run_demo(
     device: str | None = None,
     per_class: int = DEFAULT_PER_CLASS,
     seed: int = 0,
+    min_forwards: int = 50,
     quiet_log: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> DemoResult:
     """Serve clean traffic for ``seconds`` under the canary, then inject ``per_class`` faults of each class.
 
+    The clean phase runs for ``seconds`` and at least ``min_forwards`` forwards: ``seconds=0`` makes the whole run
+    a function of ``seed`` and ``min_forwards`` alone (the tests' choice), whatever the machine's speed.
     ``quiet_log``: keep kvcanary's WARNING lines (one per violation and per injection) off the console while the
     demo runs; they are captured either way (one is shown in the result).
     """
@@ -171,7 +174,7 @@ def run_demo(
 
         _note(progress, f"kvcanary demo: serving clean traffic for {seconds:g} s on {dev} ...")
         t0 = time.perf_counter()
-        while time.perf_counter() - t0 < seconds or sim.step_no < 50:  # at least a warm prefix cache
+        while time.perf_counter() - t0 < seconds or sim.step_no < min_forwards:  # at least a warm prefix cache
             sim.step()
         mgr.flush()
         driver.score(sim)
