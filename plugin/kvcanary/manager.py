@@ -25,7 +25,7 @@ The manager composes one part per job, each with a small public API:
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -234,18 +234,19 @@ class CanaryManager:
         logger.info("kvcanary: init finished; chain-position assert on")
 
     # ------------------------------------------------------------------------------------------ writer attribution
-    def assign_requests(self, requests: Iterable[tuple[int, object]]) -> None:
-        """For each ``(row, request_id)``: the req_to_token row now holds that request (writer attribution).
+    def assign_requests(self, rows: Sequence[int], request_ids: Sequence[object]) -> None:
+        """Row ``rows[i]`` of req_to_token now holds request ``request_ids[i]`` (writer attribution).
 
         A row whose request id changed gets a new writer serial on the device (one batched, non-blocking upload
         for the whole call; nothing when no row changed), and the manager remembers serial → ``str(request_id)``
         for the last ``kvcanary.writers.MAX_WRITER_IDS`` requests, so a violation names the request that last wrote
         its slot (``writer_rid``). Call outside graph capture, before the forward that writes for the new request
-        (e.g. when the engine builds the batch); a row that keeps its request costs one dict lookup.
+        (e.g. when the engine builds the batch); a row that keeps its request costs one list lookup. Raises
+        ``ValueError`` for columns of different lengths or a row outside the table (nothing is assigned).
         """
-        rows, serials = self.writers.assign(requests)
-        if rows:
-            self.device_state.upload_row_serials(rows, serials)
+        changed, serials = self.writers.assign(rows, request_ids)
+        if changed:
+            self.device_state.upload_row_serials(changed, serials)
 
     def writer_id(self, serial: int) -> str | None:
         """The request id of a writer serial (None: unknown, or older than the last MAX_WRITER_IDS requests)."""

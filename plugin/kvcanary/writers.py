@@ -13,7 +13,7 @@ consecutively) index a ring of request ids, so dropping the oldest id is free (i
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 MAX_WRITER_IDS = 1 << 16  # request ids kept for writer attribution (serial -> rid), oldest dropped first
 
@@ -28,27 +28,32 @@ class WriterTable:
         self._writer_ids: list[str | None] = [None] * MAX_WRITER_IDS
         self._next_serial = 1
 
-    def assign(self, requests: Iterable[tuple[int, object]]) -> tuple[list[int], list[int]]:
-        """For each ``(row, request_id)``: the row now holds that request. Returns the rows whose request changed and
-        their new serials (empty lists when none did: a row that keeps its request costs one list lookup).
+    def assign(self, rows: Sequence[int], request_ids: Sequence[object]) -> tuple[list[int], list[int]]:
+        """Row ``rows[i]`` now holds request ``request_ids[i]`` (``str()`` of it is kept). Returns the rows whose
+        request changed and their new serials (empty lists when none did: a row that keeps its request costs one
+        list lookup).
 
-        Raises ``ValueError`` for a row outside ``[0, rows)``; the rows before it in ``requests`` are assigned.
+        Columns, not pairs: the batch hook takes both from the batch's requests by ``map(attrgetter(...))`` in C,
+        with no tuple per row. Raises ``ValueError`` for columns of different lengths or a row outside
+        ``[0, rows)``, before anything is assigned: a caller that uploads what changed never leaves the device
+        behind the table.
         """
-        rows: list[int] = []
+        limit = self.rows
+        if len(request_ids) != len(rows):
+            raise ValueError(f"CanaryManager.assign_requests: {len(rows)} rows but {len(request_ids)} request ids")
+        if rows and not (0 <= min(rows) and max(rows) < limit):  # (two C calls, no per-row compare in the loop)
+            bad = next(r for r in rows if not 0 <= r < limit)
+            raise ValueError(f"CanaryManager.assign_requests: row {bad} outside [0, {limit})")
+        changed: list[int] = []
         rids: list[str] = []
-        row_requests, limit = self._row_requests, self.rows
-        try:
-            for row, request_id in requests:  # (a prefill batch's new requests: the batch hook's per-row cost)
-                rid = request_id if type(request_id) is str else str(request_id)
-                if not 0 <= row < limit:
-                    raise ValueError(f"CanaryManager.assign_requests: row {row} outside [0, {limit})")
-                if row_requests[row] != rid:
-                    row_requests[row] = rid
-                    rows.append(row)
-                    rids.append(rid)
-        finally:  # serials for the rows assigned, also when a bad row stopped the loop
-            serials = self._remember(rids)
-        return rows, serials
+        row_requests = self._row_requests
+        for row, request_id in zip(rows, request_ids, strict=True):  # (per new request of a prefill batch)
+            rid = request_id if request_id.__class__ is str else str(request_id)
+            if row_requests[row] != rid:
+                row_requests[row] = rid
+                changed.append(row)
+                rids.append(rid)
+        return changed, self._remember(rids)
 
     def _remember(self, rids: list[str]) -> list[int]:
         """Hand out the next ``len(rids)`` serials, remembering each one's request id (two slice stores at most)."""

@@ -674,3 +674,13 @@ def test_log_mode_an_error_in_the_forward_hook_or_batch_hook_stops_the_canary_no
     with pytest.raises(RuntimeError, match="drain failed"):
         ah.around_forward(original, types.SimpleNamespace(_kvcanary=inst), fb)
     assert inst.stopped is None
+
+
+def test_request_rows_reads_both_columns_and_leaves_out_requests_without_either() -> None:
+    ns = types.SimpleNamespace
+    full = [ns(req_pool_idx=3, rid="a"), ns(req_pool_idx=5, rid=7)]
+    assert adapter_hooks.request_rows(full) == ([3, 5], ["a", 7])
+    mixed = [ns(req_pool_idx=3, rid="a"), ns(req_pool_idx=None, rid="b"), ns(req_pool_idx=4, rid=None),
+             ns(rid="c"), ns(req_pool_idx=6, rid="d")]
+    assert adapter_hooks.request_rows(mixed) == ([3, 6], ["a", "d"])
+    assert adapter_hooks.request_rows([]) == ([], [])

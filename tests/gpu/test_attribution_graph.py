@@ -30,7 +30,7 @@ def _rig(**config: object) -> DecodeRig:
     rig = DecodeRig(RigShape(BATCH, CONTEXT, 120), cfg, "cuda")
     mgr = rig.manager
     assert mgr is not None
-    mgr.assign_requests([(row, f"req-{row}") for row in range(1, BATCH + 1)])
+    mgr.assign_requests(range(1, BATCH + 1), [f"req-{row}" for row in range(1, BATCH + 1)])
     rig.prefill()  # one eager EXTEND forward: step 1
     assert mgr.steps == 1
     rig.prepare_decode()  # capture's warm-up runs write the first decode slots; the first replay rewrites them

@@ -181,7 +181,7 @@ def test_write_rows_say_their_forward_and_request_row() -> None:
 
 def test_sweep_rows_say_the_step_that_swept_and_who_wrote_the_slot() -> None:
     h = Harness(sweep_interval=5)
-    h.mgr.assign_requests([(1, "req-one"), (2, "req-two")])
+    h.mgr.assign_requests([1, 2], ["req-one", "req-two"])
     h.forward({1: h.new_entries(1, 4)})  # forward 1 writes row 1 (then row 1 leaves the batch)
     slots = [int(s) for s in h.req_to_token[1, :4]]
     h.mgr.set_sweep_source(lambda: (slots, [-1, *slots[:-1]], list(range(4))))
@@ -204,11 +204,11 @@ def test_verify_rows_name_the_request_row_and_the_writer_after_a_slot_reuse() ->
     row 1's next verify reports the slot with request_row=1, written_step=3 and the new writer's id."""
     h = Harness(drain_every=8)
     h.mgr.mark_init_finished()
-    h.mgr.assign_requests([(1, "rid-A"), (2, "rid-B")])
+    h.mgr.assign_requests([1, 2], ["rid-A", "rid-B"])
     h.forward({1: h.new_entries(1, 4), 2: h.new_entries(2, 2)})  # forward 1
     h.decode([1, 2])  # forward 2
     stale = int(h.req_to_token[1, 2])
-    h.mgr.assign_requests([(3, "rid-C")])
+    h.mgr.assign_requests([3], ["rid-C"])
     h.forward({3: [(0, 777, stale)]})  # forward 3: row 3's request overwrites row 1's slot
     h.decode([1])  # forward 4: row 1's verify sees it
     h.mgr.flush()
@@ -225,24 +225,36 @@ def test_verify_rows_name_the_request_row_and_the_writer_after_a_slot_reuse() ->
 def test_assign_requests_gives_a_new_serial_only_when_the_request_changes() -> None:
     h = Harness()
     mgr = h.mgr
-    mgr.assign_requests([(1, "a"), (2, "b")])
+    mgr.assign_requests([1, 2], ["a", "b"])
     first = mgr.row_serials.tolist()
-    mgr.assign_requests([(1, "a"), (2, "b")])  # same requests: nothing changes
+    mgr.assign_requests([1, 2], ["a", "b"])  # same requests: nothing changes
     assert mgr.row_serials.tolist() == first
-    mgr.assign_requests([(2, "c")])
+    mgr.assign_requests([2], ["c"])
     serials = mgr.row_serials.tolist()
     assert serials[1] == first[1] and serials[2] not in (first[1], first[2]) and serials[2] > 0
     assert mgr.writer_id(serials[2]) == "c" and mgr.writer_id(first[2]) == "b"
     with pytest.raises(ValueError, match="row 9"):
-        mgr.assign_requests([(9, "x")])
+        mgr.assign_requests([9], ["x"])
+
+
+def test_a_refused_assign_leaves_the_device_serials_in_step_with_the_table() -> None:
+    """A call with a bad row assigned the rows before it on the host but uploaded nothing, so the same request
+    later counted as unchanged and its row kept no serial on the device (its violations named no writer)."""
+    h = Harness()
+    mgr = h.mgr
+    with pytest.raises(ValueError, match="row 9"):
+        mgr.assign_requests([1, 9], ["a", "x"])
+    mgr.assign_requests([1], ["a"])
+    serial = int(mgr.row_serials[1])
+    assert serial > 0 and mgr.writer_id(serial) == "a"
 
 
 def test_writer_ids_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(writers, "MAX_WRITER_IDS", 2)
     h = Harness()
-    h.mgr.assign_requests([(1, "one")])
+    h.mgr.assign_requests([1], ["one"])
     s1 = int(h.mgr.row_serials[1])
-    h.mgr.assign_requests([(2, "two"), (3, "three")])
+    h.mgr.assign_requests([2, 3], ["two", "three"])
     assert h.mgr.writer_id(s1) is None  # the oldest dropped
     assert h.mgr.writer_id(int(h.mgr.row_serials[3])) == "three"
 

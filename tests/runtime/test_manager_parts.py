@@ -326,14 +326,14 @@ def test_acknowledged_ring_is_emptied_by_the_next_forward() -> None:
 
 def test_writer_table_hands_out_serials_per_new_request(monkeypatch: pytest.MonkeyPatch) -> None:
     table = WriterTable(rows=4)
-    assert table.assign([(1, "a"), (2, "b")]) == ([1, 2], [1, 2])
-    assert table.assign([(1, "a"), (2, "b")]) == ([], [])  # same requests: nothing to upload
-    assert table.assign([(2, 99)]) == ([2], [3])
+    assert table.assign([1, 2], ["a", "b"]) == ([1, 2], [1, 2])
+    assert table.assign([1, 2], ["a", "b"]) == ([], [])  # same requests: nothing to upload
+    assert table.assign([2], [99]) == ([2], [3])
     assert (table.writer_id(3), table.writer_id(2), table.writer_id(0), table.writer_id(-1)) == ("99", "b", None, None)
     with pytest.raises(ValueError, match=r"^CanaryManager.assign_requests: row 4 outside \[0, 4\)$"):
-        table.assign([(4, "x")])
+        table.assign([4], ["x"])
     monkeypatch.setattr(writers, "MAX_WRITER_IDS", 2)
-    table.assign([(3, "c")])
+    table.assign([3], ["c"])
     assert table.writer_id(1) is None and table.writer_id(4) == "c"  # the oldest dropped
 
 

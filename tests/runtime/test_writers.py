@@ -17,21 +17,25 @@ def test_writer_ids_wrap_around_the_ring(monkeypatch: pytest.MonkeyPatch) -> Non
     """Serials index a ring of MAX_WRITER_IDS ids: the last MAX_WRITER_IDS are kept across the wrap, older say None."""
     monkeypatch.setattr(writers, "MAX_WRITER_IDS", 4)
     table = WriterTable(rows=8)
-    assert table.assign([(r, f"a{r}") for r in range(3)]) == ([0, 1, 2], [1, 2, 3])
-    assert table.assign([(r, f"b{r}") for r in range(3)]) == ([0, 1, 2], [4, 5, 6])  # wraps: serial 4 at index 0
+    assert table.assign(range(3), [f"a{r}" for r in range(3)]) == ([0, 1, 2], [1, 2, 3])
+    assert table.assign(range(3), [f"b{r}" for r in range(3)]) == ([0, 1, 2], [4, 5, 6])  # wraps: serial 4 at index 0
     assert [table.writer_id(s) for s in range(1, 8)] == [None, None, "a2", "b0", "b1", "b2", None]
     # one call bringing more requests than the ring holds: the last four are kept
-    rows, serials = table.assign([(r, f"c{r}") for r in range(7)])
+    rows, serials = table.assign(range(7), [f"c{r}" for r in range(7)])
     assert rows == list(range(7)) and serials == list(range(7, 14))
     assert [table.writer_id(s) for s in range(6, 14)] == [None, None, None, None, "c3", "c4", "c5", "c6"]
 
 
-def test_a_bad_row_keeps_the_rows_before_it_and_their_serials() -> None:
+def test_a_bad_row_or_mismatched_columns_assign_nothing() -> None:
     table = WriterTable(rows=4)
     with pytest.raises(ValueError, match=r"row -1 outside \[0, 4\)"):
-        table.assign([(1, "a"), (-1, "b")])  # a negative row is not an index from the end
-    assert table.assign([(1, "a")]) == ([], [])  # row 1 was assigned before the bad row
-    assert table.writer_id(1) == "a" and table.assign([(2, "b")]) == ([2], [2])
+        table.assign([1, -1], ["a", "b"])  # a negative row is not an index from the end
+    with pytest.raises(ValueError, match=r"row 4 outside \[0, 4\)"):
+        table.assign([1, 4, 2], ["a", "b", "c"])
+    with pytest.raises(ValueError, match=r"2 rows but 1 request ids"):
+        table.assign([1, 2], ["a"])
+    assert table.writer_id(1) is None  # no serial was handed out
+    assert table.assign([1], ["a"]) == ([1], [1])  # row 1 was not assigned by the refused calls
 
 
 def test_row_serial_upload_scatters_and_grows_its_staging() -> None:

@@ -17,6 +17,7 @@ version's targets with the bound hook (built once, so ``HookRegistry`` sees the 
 from __future__ import annotations
 
 import logging
+import operator
 import pkgutil
 import time
 from collections.abc import Callable
@@ -279,16 +280,36 @@ class AdapterHooks:
         token-table uploads."""
         reqs = self.version.batch_requests(batch)
         if mode_name(batch) not in _NO_NEW_REQUESTS:  # writer attribution: a row gets a new request in a prefill
-            rows = [(int(row), rid) for r in reqs
-                    if (row := getattr(r, "req_pool_idx", None)) is not None
-                    and (rid := getattr(r, "rid", None)) is not None]
+            rows, rids = request_rows(reqs)
             for group in inst.groups:
-                group.manager.assign_requests(rows)
+                group.manager.assign_requests(rows, rids)
         if inst.fault_plan is not None:
             inst.batch_reqs = list(reqs)
             inst.row_remaining = rows_remaining(reqs)
         if inst.verify_tokens:
             inst.update_expected_tokens(expected_token_updates(inst.token_mirror, reqs))
+
+
+_ROW_OF = operator.attrgetter("req_pool_idx")
+_RID_OF = operator.attrgetter("rid")
+
+
+def request_rows(reqs) -> tuple[list, list]:
+    """The req_to_token rows and request ids of ``reqs``, as two columns, leaving out a request without either.
+
+    Every prefill batch runs this, once per request: ``map(attrgetter)`` reads the fields in C (sglang's requests
+    have both once the batch is built); the filtering loop runs only when some request lacks one.
+    """
+    try:
+        rows = list(map(_ROW_OF, reqs))
+        rids = list(map(_RID_OF, reqs))
+    except AttributeError:
+        rows = rids = [None]
+    if None not in rows and None not in rids:
+        return rows, rids
+    pairs = [(row, rid) for r in reqs
+             if (row := getattr(r, "req_pool_idx", None)) is not None and (rid := getattr(r, "rid", None)) is not None]
+    return [row for row, _ in pairs], [rid for _, rid in pairs]
 
 
 _HOOKS: dict[str, AdapterHooks] = {}
