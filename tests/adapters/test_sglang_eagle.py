@@ -381,6 +381,19 @@ def test_installs_one_manager_per_pool_and_draft_replays_step_it(eagle) -> None:
     assert out == "out2" and inst.steps == steps0 + 2
     assert fake.buffers.req_pool_indices.tolist() == [0, 1, 2, 0, 0, 0, 0, 0]
     assert state.counters.draft_extend_forwards == 1
+
+    def copy_rows(g, f):  # what the real replay does: only the real rows are copied
+        g.buffers.req_pool_indices[: f.batch_size].copy_(torch.arange(10, 10 + f.batch_size))
+
+    speculative.around_draft_extend_replay(copy_rows, fake, types.SimpleNamespace(batch_size=5))
+    assert fake.buffers.req_pool_indices.tolist() == [10, 11, 12, 13, 14, 0, 0, 0]
+    speculative.around_draft_extend_replay(copy_rows, fake, types.SimpleNamespace(batch_size=2))
+    assert fake.buffers.req_pool_indices.tolist() == [10, 11, 0, 0, 0, 0, 0, 0]  # the larger replay's rows zeroed
+    # at a steady batch size nothing is zeroed (nothing launched): a value planted past the rows stays
+    fake.buffers.req_pool_indices[6] = 99
+    speculative.around_draft_extend_replay(copy_rows, fake, types.SimpleNamespace(batch_size=2))
+    assert fake.buffers.req_pool_indices.tolist() == [10, 11, 0, 0, 0, 0, 99, 0]
+    assert state.counters.draft_extend_forwards == 4
     assert hooks_state.is_patched(v0_5_12.T_DRAFT_EXTEND_REPLAY)
     assert EAGLEDraftExtendCudaGraphRunner.replay.__wrapped__ is not None
 

@@ -271,18 +271,37 @@ def around_draft_replay(original, graph_runner, forward_batch, *args, **kwargs):
     return _replay(state, original, graph_runner, forward_batch, args, kwargs, count)
 
 
+# The graph runner's attribute: how many leading rows of its req_pool_indices buffer may hold a request's row; every
+# row from there on is zero (the padding row). Unset: the whole buffer (capture wrote it).
+ROWS_WRITTEN_ATTR = "_kvcanary_rows_written"
+
+
 def around_draft_extend_replay(original, graph_runner, forward_batch, *args, **kwargs):
     """``EAGLEDraftExtendCudaGraphRunner.replay`` (DRAFT_EXTEND_V2): zero the padded rows' stale
-    ``req_pool_indices`` (0.5.12 copies only the real rows; row 0 is the padding row), then the host half."""
+    ``req_pool_indices`` (0.5.12 copies only the real rows; row 0 is the padding row), then the host half.
+
+    Only rows a larger earlier replay left behind are zeroed, once: at a steady batch size a replay launches
+    nothing here (it zeroed ``[rows:]`` on every replay, a slice and a launch each)."""
     state = spec_of(getattr(graph_runner, "model_runner", None))
     rows = int(forward_batch.batch_size)
-    if state is not None and rows < int(graph_runner.max_bs):
-        graph_runner.buffers.req_pool_indices[rows:].zero_()
+    if state is not None:
+        zero_rows_left_behind(graph_runner.buffers.req_pool_indices, graph_runner, rows)
 
     def count() -> None:
         state.counters.add_draft_extend(rows, state.draft_token_num - 1)
 
     return _replay(state, original, graph_runner, forward_batch, args, kwargs, count)
+
+
+def zero_rows_left_behind(req_pool_indices, graph_runner, rows: int) -> None:
+    """Before a replay that copies its ``rows`` real rows into ``req_pool_indices``: zero the rows from ``rows`` on
+    that may still hold an earlier replay's (or the capture's) requests; remember that only ``rows`` may now."""
+    written = getattr(graph_runner, ROWS_WRITTEN_ATTR, None)
+    if written is None:
+        written = int(req_pool_indices.shape[0])
+    if rows < written:
+        req_pool_indices[rows:written].zero_()
+    setattr(graph_runner, ROWS_WRITTEN_ATTR, rows)
 
 
 def after_verify_complete(result, worker, num_correct_drafts_per_req=None, *args, **kwargs):
@@ -302,8 +321,8 @@ def after_verify_complete(result, worker, num_correct_drafts_per_req=None, *args
 
 
 __all__ = [
-    "COVERED_VERSIONS", "POOL_MODES", "SPEC_ATTR", "SUPPORTED_ALGORITHMS", "SpecBatchView", "SpecState",
-    "after_forward", "after_verify_complete", "around_draft_extend_replay", "around_draft_replay", "attach",
-    "batch_view_for", "check_speculative", "count_forward", "feed_metrics", "forward_modes", "log_stats",
-    "manager_kwargs", "pool_role", "spec_of",
+    "COVERED_VERSIONS", "POOL_MODES", "ROWS_WRITTEN_ATTR", "SPEC_ATTR", "SUPPORTED_ALGORITHMS", "SpecBatchView",
+    "SpecState", "after_forward", "after_verify_complete", "around_draft_extend_replay", "around_draft_replay",
+    "attach", "batch_view_for", "check_speculative", "count_forward", "feed_metrics", "forward_modes", "log_stats",
+    "manager_kwargs", "pool_role", "spec_of", "zero_rows_left_behind",
 ]
