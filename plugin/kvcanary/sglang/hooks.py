@@ -303,10 +303,10 @@ def request_rows(reqs) -> tuple[list, list]:
     try:
         rows = list(map(_ROW_OF, reqs))
         rids = list(map(_RID_OF, reqs))
+        if None not in rows and None not in rids:
+            return rows, rids
     except AttributeError:
-        rows = rids = [None]
-    if None not in rows and None not in rids:
-        return rows, rids
+        pass
     pairs = [(row, rid) for r in reqs
              if (row := getattr(r, "req_pool_idx", None)) is not None and (rid := getattr(r, "rid", None)) is not None]
     return [row for row, _ in pairs], [rid for _, rid in pairs]
