@@ -39,7 +39,7 @@ import sglang  # noqa: E402,F401  (installed but broken must fail, not skip)
 
 from kvcanary.sglang import hooks, speculative, v0_5_12  # noqa: E402
 from kvcanary.sglang.guards import UnsupportedSetupError  # noqa: E402
-from kvcanary.speculative import DRAFT_TOKEN_OFFSET  # noqa: E402
+from kvcanary.speculative import DRAFT_TOKEN_OFFSET, SpecCounters  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 64
@@ -469,3 +469,63 @@ def test_uncovered_speculative_setups_are_refused(tmp_path, change, match) -> No
     v0_5_12.check_supported(ok)  # EAGLE topk 1 on spec v2 passes
     with pytest.raises(UnsupportedSetupError, match="covered by kvcanary on sglang 0.5.12 only"):
         speculative.check_speculative(ok, "0.5.23")
+
+
+class _StandInInstallation:
+    metrics = None
+
+    def __init__(self, keeps: bool) -> None:
+        self.keeps, self.stopped, self.calls = keeps, None, []
+
+    def keeps_serving(self, exc: Exception, where: str) -> bool:
+        self.calls.append(where)
+        if self.keeps:
+            self.stopped = where
+        return self.keeps
+
+
+def _runner_with_state(inst, counters) -> types.SimpleNamespace:
+    state = types.SimpleNamespace(inst=inst, counters=counters, draft_token_num=4, num_steps=3)
+    return types.SimpleNamespace(**{speculative.SPEC_ATTR: state})
+
+
+def test_a_failing_verify_verdict_hook_stops_the_canary_not_serving_in_log_mode() -> None:
+    """on_verify_complete_cpu is a scheduler hook: an error in kvcanary's counting must not reach sglang in log mode
+    (that runner's canary stops, the other runner still counts); raise mode's stands."""
+
+    class Broken:
+        def add_verdicts(self, *args) -> None:
+            raise RuntimeError("counting failed")
+
+    log_inst, ok_inst = _StandInInstallation(True), _StandInInstallation(True)
+    counted = SpecCounters()
+    target = _runner_with_state(log_inst, Broken())
+    draft = _runner_with_state(ok_inst, counted)
+    worker = types.SimpleNamespace(target_worker=types.SimpleNamespace(model_runner=target),
+                                   draft_worker=types.SimpleNamespace(draft_runner=draft))
+    assert speculative.after_verify_complete("result", worker, [1, 3]) == "result"
+    assert log_inst.calls == ["after a verify (speculative counters, metrics)"] and log_inst.stopped
+    assert ok_inst.calls == [] and counted.drafts_accepted == 4
+    speculative.after_verify_complete("result", worker, [2])  # a stopped runner is skipped, not asked again
+    assert len(log_inst.calls) == 1 and counted.drafts_accepted == 6
+    raising = _runner_with_state(_StandInInstallation(False), Broken())
+    worker = types.SimpleNamespace(target_worker=types.SimpleNamespace(model_runner=raising), draft_worker=None)
+    with pytest.raises(RuntimeError, match="counting failed"):
+        speculative.after_verify_complete("result", worker, [1])
+
+
+def test_a_failing_draft_extend_padding_zeroing_stops_the_canary_not_serving_in_log_mode() -> None:
+    """The draft-extend replay's padded rows are zeroed before sglang's replay: an error there must not reach sglang
+    in log mode (the replay runs, without the canary's host half); raise mode's stands."""
+    inst = _StandInInstallation(True)
+    runner = _runner_with_state(inst, SpecCounters())
+    graph_runner = types.SimpleNamespace(model_runner=runner, buffers=types.SimpleNamespace(req_pool_indices=None))
+    replays = []
+    out = speculative.around_draft_extend_replay(lambda g, f: replays.append(f) or "out", graph_runner,
+                                                 types.SimpleNamespace(batch_size=2))
+    assert out == "out" and len(replays) == 1
+    assert inst.calls == ["before a draft-extend graph replay (padded rows)"] and inst.stopped
+    raising = _runner_with_state(_StandInInstallation(False), SpecCounters())
+    graph_runner = types.SimpleNamespace(model_runner=raising, buffers=types.SimpleNamespace(req_pool_indices=None))
+    with pytest.raises(AttributeError):  # (None has no shape)
+        speculative.around_draft_extend_replay(lambda g, f: "out", graph_runner, types.SimpleNamespace(batch_size=2))

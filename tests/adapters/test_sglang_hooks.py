@@ -604,6 +604,35 @@ def test_with_an_eagle_pool_every_replays_whole_padding_is_zeroed() -> None:
 
 
 
+class _StandInInstallation:
+    """What the hooks ask of an Installation when kvcanary's part fails: log mode keeps serving, raise mode not."""
+
+    def __init__(self, keeps: bool) -> None:
+        self.keeps, self.stopped, self.calls = keeps, None, []
+
+    def keeps_serving(self, exc: Exception, where: str) -> bool:
+        self.calls.append((type(exc).__name__, where))
+        if self.keeps:
+            self.stopped = where
+        return self.keeps
+
+
+def test_a_failing_graph_input_zeroing_stops_the_canary_not_serving_in_log_mode(monkeypatch) -> None:
+    """after_populate runs inside sglang's graph replay: an error there must not reach sglang in log mode (every
+    installation stops: the buffers are a graph runner's), and stands in raise mode."""
+    ah = adapter_hooks.AdapterHooks(v0_5_12)
+    ah.zero_graph_padding = True
+    broken = types.SimpleNamespace(req_pool_indices=None)  # slicing it raises TypeError
+    insts = [_StandInInstallation(True), _StandInInstallation(True)]
+    monkeypatch.setattr(adapter_hooks, "installations", lambda: insts)
+    assert ah.after_populate("result", broken, raw_bs=2, raw_num_token=2, bs=4) == "result"
+    assert all(i.stopped and i.calls == [("TypeError", "filling a graph's input buffers (padded rows)")]
+               for i in insts)
+    monkeypatch.setattr(adapter_hooks, "installations", lambda: [_StandInInstallation(False)])
+    with pytest.raises(TypeError):
+        ah.after_populate("result", broken, raw_bs=2, raw_num_token=2, bs=4)
+
+
 def test_a_strided_out_cache_loc_is_read_as_its_values() -> None:
     """sglang 0.5.12's EAGLE draft decode hands the forward ``out_cache_loc[i]`` of a permuted ``[steps, bs]`` view
     (stride ``steps``). The batch view makes it dense, so the check launch takes it and the records land on those

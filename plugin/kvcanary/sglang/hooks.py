@@ -199,7 +199,15 @@ class AdapterHooks:
         if not self.zero_graph_padding or raw_bs is None or bs is None:
             return result
         t0 = time.perf_counter_ns()
-        self.zero_stale_padding(buffers, raw_bs, bs)
+        try:
+            self.zero_stale_padding(buffers, raw_bs, bs)
+        except Exception as exc:
+            # The buffers are a graph runner's, not one runner's: every installation in the process stops (log mode;
+            # stale padded rows would reach the plan), or the error stands (raise mode: the first one says so).
+            insts = installations()
+            if not insts or not all(inst.keeps_serving(exc, "filling a graph's input buffers (padded rows)")
+                                    for inst in insts):
+                raise
         self.graph_input_ns += time.perf_counter_ns() - t0
         return result
 

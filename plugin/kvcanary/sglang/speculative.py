@@ -284,8 +284,12 @@ def around_draft_extend_replay(original, graph_runner, forward_batch, *args, **k
     nothing here (it zeroed ``[rows:]`` on every replay, a slice and a launch each)."""
     state = spec_of(getattr(graph_runner, "model_runner", None))
     rows = int(forward_batch.batch_size)
-    if state is not None:
-        zero_rows_left_behind(graph_runner.buffers.req_pool_indices, graph_runner, rows)
+    if state is not None and state.inst.stopped is None:
+        try:
+            zero_rows_left_behind(graph_runner.buffers.req_pool_indices, graph_runner, rows)
+        except Exception as exc:  # (log mode: kvcanary stops on this runner, and _replay only calls through)
+            if not state.inst.keeps_serving(exc, "before a draft-extend graph replay (padded rows)"):
+                raise
 
     def count() -> None:
         state.counters.add_draft_extend(rows, state.draft_token_num - 1)
@@ -314,9 +318,14 @@ def after_verify_complete(result, worker, num_correct_drafts_per_req=None, *args
                getattr(draft_worker, "draft_runner", None))
     for runner in runners:
         state = spec_of(runner)
-        if state is not None:
+        if state is None or state.inst.stopped is not None:
+            continue
+        try:
             state.counters.add_verdicts(list(num_correct_drafts_per_req), state.draft_token_num - 1)
             feed_metrics(state)
+        except Exception as exc:  # (a scheduler hook: log mode must not stop serving from here either)
+            if not state.inst.keeps_serving(exc, "after a verify (speculative counters, metrics)"):
+                raise
     return result
 
 
