@@ -713,3 +713,21 @@ def test_request_rows_reads_both_columns_and_leaves_out_requests_without_either(
              ns(rid="c"), ns(req_pool_idx=6, rid="d")]
     assert adapter_hooks.request_rows(mixed) == ([3, 6], ["a", "d"])
     assert adapter_hooks.request_rows([]) == ([], [])
+
+
+@pytest.mark.parametrize(("mode", "attributed"), [("EXTEND", True), ("MIXED", True), ("DECODE", False),
+                                                  ("IDLE", False), ("TARGET_VERIFY", False),
+                                                  ("DRAFT_EXTEND_V2", False)])
+def test_writer_attribution_runs_for_the_batches_that_bring_new_requests(mode: str, attributed: bool) -> None:
+    """A request enters through a prefill (EXTEND, MIXED); a decode, a verify and a draft extend hold requests
+    already assigned, so their batches pay no per-row attribution."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    calls = []
+    manager = types.SimpleNamespace(assign_requests=lambda rows, rids: calls.append((rows, rids)))
+    inst = types.SimpleNamespace(stopped=None, groups=[types.SimpleNamespace(manager=manager)], fault_plan=None,
+                                 verify_tokens=False, account_batch_init=lambda ns: None)
+    batch = types.SimpleNamespace(forward_mode=ForwardMode[mode], reqs=[types.SimpleNamespace(req_pool_idx=3, rid="a")])
+    ah = adapter_hooks.AdapterHooks(v0_5_12)
+    assert ah.after_forward_batch_init("result", None, batch, types.SimpleNamespace(_kvcanary=inst)) == "result"
+    assert calls == ([([3], ["a"])] if attributed else [])

@@ -40,8 +40,10 @@ from kvcanary.sglang.tokens import expected_token_updates
 
 logger = logging.getLogger(__name__)
 
-# Forward modes whose batch gives no row a new request (the batch hook skips writer attribution for them).
-_NO_NEW_REQUESTS = frozenset({"DECODE", "IDLE"})
+# Forward modes whose batch gives no row a new request (the batch hook skips writer attribution for them): a request
+# enters through a prefill (EXTEND or MIXED) on every runner, EAGLE's draft runner included; a verify and a draft
+# extend follow a decode step of requests already there (their attribution would be a lookup per row, every step).
+_NO_NEW_REQUESTS = frozenset({"DECODE", "IDLE", speculative.TARGET_VERIFY, speculative.DRAFT_EXTEND_V2})
 
 # The attribute of a ModelRunner that holds its Installation.
 INSTALL_ATTR = "_kvcanary"
