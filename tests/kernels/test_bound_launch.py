@@ -191,26 +191,20 @@ def _check_bad_batches() -> list[tuple[str, Any]]:
             ("out_cache_loc", torch.ones(1, dtype=torch.uint8)), ("new_forward", 2), ("forward_step_value", None)]
 
 
+@pytest.mark.parametrize("call", ["bound", "of_batch"])
 @pytest.mark.parametrize(("name", "value"), _check_bad_batches(), ids=lambda v: v if isinstance(v, str) else "")
-def test_bound_check_names_a_bad_batch_like_the_export(name: str, value: Any) -> None:
+def test_bound_check_names_a_bad_batch_like_the_export(name: str, value: Any, call: str) -> None:
+    """Called with the per-forward tensors, or with a batch holding them (``of_batch``, the eager path)."""
     kw = _small_check_case()
     want = _raised(lambda: ops.canary_check_step(**{**kw, name: value}))
     bad = {**kw, name: value}
     launch = ops.CheckLaunch(**{k: v for k, v in kw.items() if k not in CHECK_PER_FORWARD + CHECK_FLAGS})
-    got = _raised(lambda: launch(*(bad[k] for k in CHECK_PER_FORWARD), new_forward=bad["new_forward"],
-                                 forward_step_value=bad["forward_step_value"]))
-    assert type(got) is type(want) and str(got) == str(want)
-    assert str(got).startswith(f"canary_check_step: {name}: ")
-
-
-@pytest.mark.parametrize(("name", "value"), _check_bad_batches(), ids=lambda v: v if isinstance(v, str) else "")
-def test_check_of_batch_names_a_bad_batch_like_the_export(name: str, value: Any) -> None:
-    kw = _small_check_case()
-    want = _raised(lambda: ops.canary_check_step(**{**kw, name: value}))
-    bad = {**kw, name: value}
-    launch = ops.CheckLaunch(**{k: v for k, v in kw.items() if k not in CHECK_PER_FORWARD + CHECK_FLAGS})
-    batch = types.SimpleNamespace(**{k: bad[k] for k in CHECK_PER_FORWARD})
-    got = _raised(lambda: launch.of_batch(batch, bad["new_forward"], bad["forward_step_value"]))
+    if call == "bound":
+        got = _raised(lambda: launch(*(bad[k] for k in CHECK_PER_FORWARD), new_forward=bad["new_forward"],
+                                     forward_step_value=bad["forward_step_value"]))
+    else:
+        batch = types.SimpleNamespace(**{k: bad[k] for k in CHECK_PER_FORWARD})
+        got = _raised(lambda: launch.of_batch(batch, bad["new_forward"], bad["forward_step_value"]))
     assert type(got) is type(want) and str(got) == str(want)
     assert str(got).startswith(f"canary_check_step: {name}: ")
 

@@ -227,8 +227,13 @@ def test_op_with_no_updates_writes_nothing() -> None:
     assert (args["expected_tokens"] == -1).all() and (args["valid_lens_by_row"] == 0).all()
 
 
+def op_error(op: str, arg: str, text: str) -> str:
+    """The start of ``op``'s error naming ``arg`` (both exports word their argument errors alike)."""
+    return "^" + re.escape(f"{op}: {arg}: {text}")
+
+
 def arg_error(arg: str, text: str) -> str:
-    return "^" + re.escape(f"canary_token_update: {arg}: {text}")
+    return op_error("canary_token_update", arg, text)
 
 
 ARGUMENT_ERRORS = [
@@ -334,7 +339,7 @@ def test_append_op_with_no_updates_writes_nothing() -> None:
 
 
 def append_error(arg: str, text: str) -> str:
-    return "^" + re.escape(f"canary_token_append: {arg}: {text}")
+    return op_error("canary_token_append", arg, text)
 
 
 APPEND_ARGUMENT_ERRORS = [
