@@ -31,8 +31,9 @@ import torch
 from kvcanary import layout
 from kvcanary.device_state import STATE_HEADER, STATUS_COPY_MAX_META, DeviceState, StatusCopy, parse_header
 from kvcanary.pump import PinnedChannel
-from kvcanary.report import Reporter, Violation
+from kvcanary.report import VIA_HOST_TIER, Reporter, Violation
 from kvcanary.tags import NUM_LAUNCH_TAGS
+from kvcanary.writers import loaded_from_host_tier
 
 logger = logging.getLogger(__name__)
 
@@ -305,13 +306,15 @@ class ViolationDrain:
         request_row = meta[layout.VIOLATION_META_COL_REQUEST_ROW]
         written = meta[layout.VIOLATION_META_COL_WRITTEN_STEP]
         written_step = written - offset if written != unknown and written - offset > 0 else None  # <= 0: warm-up
+        serial = meta[layout.VIOLATION_META_COL_WRITER_SERIAL]
         return Violation.from_row(
             row,
             step=found - offset if found != unknown else snapshot_step,
             rank=self._rank,
             request_row=None if request_row == unknown else request_row,
             written_step=written_step,
-            writer_rid=self._writer_id(meta[layout.VIOLATION_META_COL_WRITER_SERIAL]),
+            writer_rid=self._writer_id(serial),
+            via=VIA_HOST_TIER if loaded_from_host_tier(serial) else None,
         )
 
     def _report_rows(self, rows: list[list[int]], metas: list[list[int]], step: int, offset: int,

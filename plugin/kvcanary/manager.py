@@ -35,6 +35,7 @@ from kvcanary.config import Config, Mode
 from kvcanary.device_state import DeviceState
 from kvcanary.drain import CanaryStats, ViolationDrain
 from kvcanary.health import HealthMonitor, StatsLogger
+from kvcanary.host_tier import HostTierRecords
 from kvcanary.real_kv import RealKvSource
 from kvcanary.report import Reporter, Violation
 from kvcanary.sweep import Sweeper, SweepSource
@@ -154,6 +155,9 @@ class CanaryManager:
         self.row_serials = state.row_serials
         self.expected_tokens = self.token_table.expected_tokens if self.token_table is not None else None
 
+        # A host KV tier's records (attach_host_tier), when the engine has one.
+        self.host_tier: HostTierRecords | None = None
+
         # Host state.
         self._steps = 0
         self._validated_batch: BatchView | None = None
@@ -251,6 +255,43 @@ class CanaryManager:
     def writer_id(self, serial: int) -> str | None:
         """The request id of a writer serial (None: unknown, or older than the last MAX_WRITER_IDS requests)."""
         return self.writers.writer_id(serial)
+
+    # ------------------------------------------------------------------------------------------ host KV tier
+    def attach_host_tier(self, num_host_slots: int) -> HostTierRecords:
+        """The engine keeps a host-memory KV tier of ``num_host_slots`` slots: keep records for it (once; a second
+        call with the same size returns the same tier, another size is a ValueError). See :mod:`kvcanary.host_tier`.
+        """
+        tier = self.host_tier
+        if tier is not None:
+            if tier.num_host_slots != num_host_slots:
+                raise ValueError(f"CanaryManager.attach_host_tier: a host tier of {tier.num_host_slots} slots is "
+                                 f"attached already; got {num_host_slots}")
+            return tier
+        self.host_tier = HostTierRecords(self.canary_buf, self.slot_attribution, num_host_slots)
+        logger.info("kvcanary: host KV tier of %d slots followed (%.1f MB of records on %s)", num_host_slots,
+                    num_host_slots * (self.canary_buf.shape[1] + 8 * self.slot_attribution.shape[1]) / 1e6,
+                    self.device)
+        return self.host_tier
+
+    def backup_to_host(self, device_slots: torch.Tensor | Sequence[int],
+                       host_slots: torch.Tensor | Sequence[int]) -> None:
+        """The engine is copying device slot ``device_slots[i]`` to host slot ``host_slots[i]``: their records
+        follow (on the current stream, which must be ordered after the forwards that wrote those slots; never
+        synchronises). Needs :meth:`attach_host_tier`."""
+        self._host_tier().backup(device_slots, host_slots)
+
+    def load_from_host(self, host_slots: torch.Tensor | Sequence[int],
+                       device_slots: torch.Tensor | Sequence[int]) -> None:
+        """The engine is loading host slot ``host_slots[i]`` into device slot ``device_slots[i]``: their records
+        follow, marked as loaded from the host tier (``via=host_tier`` on a violation). Enqueue it before the
+        forward that verifies those slots, on that forward's stream; the K/V itself must have landed before that
+        forward's verify reads it (the adapter waits for the engine's load). Needs :meth:`attach_host_tier`."""
+        self._host_tier().load(host_slots, device_slots)
+
+    def _host_tier(self) -> HostTierRecords:
+        if self.host_tier is None:
+            raise RuntimeError("CanaryManager: no host KV tier attached (attach_host_tier first)")
+        return self.host_tier
 
     # ------------------------------------------------------------------------------------------ token check
     def set_expected_tokens(self, row: int, tokens: Sequence[int]) -> None:

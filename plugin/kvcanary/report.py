@@ -17,13 +17,16 @@ Log line (one line per violation, WARNING level; the format is frozen, tools par
   ``slot_out_of_range``;
 * ``request_row``: the req_to_token row, or ``-`` when unknown;
 * ``written_step``: the forward step that last wrote the slot (writer attribution), or ``-`` when unknown;
+* ``via`` (only when it has a value): ``host_tier`` when the slot was last filled by a load-back from a host KV
+  tier (its record and fingerprint are the first writer's, carried through the tier: a real-KV mismatch there
+  means the host copy or the load-back went wrong);
 * ``writer_rid``: the request id (sglang's rid) of that writer, or ``-`` when unknown. The rid is
   percent-encoded (``encode_rid``): every character other than ASCII letters, digits and ``-._~:/@+,`` (so
   whitespace, ``=``, ``%``, control and non-ASCII characters) becomes the ``%XX`` bytes of its UTF-8 form, and
   a rid that is exactly ``-`` is written ``%2D``; hex and uuid rids are written as they are.
 
-``written_step`` and ``writer_rid`` were added after the first release; lines without them (older logs) still
-parse, with both None (``OPTIONAL_LOG_KEYS``).
+``written_step``, ``writer_rid`` and ``via`` were added after the first release; lines without them (older logs)
+still parse, with None (``OPTIONAL_LOG_KEYS``).
 
 Repeat suppression (log mode only; ``KVCANARY_LOG_REPEAT_WINDOW`` forward steps, default 1000, ``0`` = off;
 ``kvcanary.repeats.RepeatFilter``): a row whose key (every recorded field except ``step``: tag, slot, position,
@@ -54,7 +57,7 @@ JSONL report (``KVCANARY_REPORT``): one JSON object per line, four schemas:
 * ``kvcanary.violation/1``: ``schema, step, tag, kernel_kind, reasons (list), fail_reason_bits, slot, position,
   stored_token, expected_token, stored_chain_hash (hex string), expected_aux (signed int), expected_aux_hex
   (hex string), expected_aux_kind ("hash" | "position" | "index"), request_row (int or null), written_step
-  (int or null), writer_rid (string or null, not encoded), rank (object or null), time (unix seconds)``;
+  (int or null), writer_rid (string or null, not encoded), via ("host_tier" or null), rank (object or null), time (unix seconds)``;
 * ``kvcanary.lost/1``: ``schema, count, step, rank, time``: rows the ring overflowed and could not keep;
 * ``kvcanary.health/1``: ``schema, message, step, tags (list of names), rank, time``;
 * ``kvcanary.injection/1`` (fault injection for tests only, ``KVCANARY_FAULT``): ``schema, fault, step, slots
@@ -119,9 +122,13 @@ LOG_KEYS: tuple[str, ...] = (
     "request_row",
     "written_step",
     "writer_rid",
+    "via",
 )
 # Keys added after v1's first release: lines written before them lack these keys and still parse.
-OPTIONAL_LOG_KEYS: tuple[str, ...] = ("written_step", "writer_rid")
+OPTIONAL_LOG_KEYS: tuple[str, ...] = ("written_step", "writer_rid", "via")
+# ``via`` of a slot whose content came back from a host KV tier (kvcanary.host_tier)
+VIA_HOST_TIER = "host_tier"
+VIA_VALUES: tuple[str, ...] = (VIA_HOST_TIER,)
 REQUIRED_LOG_KEYS: tuple[str, ...] = tuple(k for k in LOG_KEYS if k not in OPTIONAL_LOG_KEYS)
 # Keys after the rank keys, only on some lines: ``repeats`` (log-mode repeat suppression).
 TRAILING_LOG_KEYS: tuple[str, ...] = ("repeats",)
@@ -241,8 +248,12 @@ class Violation:
     # (sglang's rid), None when unknown. An empty rid carries nothing and is stored as None.
     written_step: int | None = None
     writer_rid: str | None = None
+    # How the slot's content got there when not by a forward's write: VIA_HOST_TIER (loaded back from a host tier)
+    via: str | None = None
 
     def __post_init__(self) -> None:
+        if self.via is not None and self.via not in VIA_VALUES:
+            raise ValueError(f"via: expected None or one of {VIA_VALUES}; got {self.via!r}")
         if self.written_step is not None:
             object.__setattr__(self, "written_step", int(self.written_step))
         if self.writer_rid is not None:
@@ -269,6 +280,7 @@ class Violation:
         rank: Mapping[str, int] | None = None,
         written_step: int | None = None,
         writer_rid: str | None = None,
+        via: str | None = None,
     ) -> Violation:
         """From one ring row (8 ints, e.g. ``ring[i].tolist()``) and what the host knows beside it."""
         if len(row) != layout.VIOLATION_FIELDS:
@@ -288,6 +300,7 @@ class Violation:
             rank=rank,
             written_step=None if written_step is None else int(written_step),
             writer_rid=writer_rid,
+            via=via,
         )
 
     @classmethod
@@ -322,6 +335,7 @@ class Violation:
             rank=rank or None,
             written_step=None if fields.get("written_step", "-") == "-" else int(fields["written_step"]),
             writer_rid=decode_rid(fields.get("writer_rid", "-")),
+            via=None if fields.get("via", "-") == "-" else fields["via"],
         )
 
     @property
@@ -372,6 +386,8 @@ class Violation:
             f"written_step={'-' if self.written_step is None else self.written_step}",
             f"writer_rid={encode_rid(self.writer_rid)}",
         ]
+        if self.via is not None:  # (only on such lines: every other line keeps v1's form)
+            parts.append(f"via={self.via}")
         if self.rank:
             parts.extend(f"{k}={v}" for k, v in self.rank.items())
         if repeats > 0:
@@ -398,6 +414,7 @@ class Violation:
             "request_row": self.request_row,
             "written_step": self.written_step,
             "writer_rid": self.writer_rid,
+            "via": self.via,
             "rank": dict(self.rank) if self.rank else None,
             "time": time.time() if now is None else float(now),
         }

@@ -16,6 +16,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 MAX_WRITER_IDS = 1 << 16  # request ids kept for writer attribution (serial -> rid), oldest dropped first
+# A flag in a slot's writer serial (host-side meaning only: the kernels copy serials as they are): the slot was last
+# filled by a load-back from a host KV tier (kvcanary.host_tier), with the record its first writer wrote. Serials
+# count from 1 and never reach bit 62.
+LOADED_FROM_HOST_TIER = 1 << 62
+
+
+def loaded_from_host_tier(serial: int) -> bool:
+    """Whether a slot's writer serial carries :data:`LOADED_FROM_HOST_TIER` (unknown serials, < 0, never do)."""
+    return serial > 0 and bool(serial & LOADED_FROM_HOST_TIER)
 
 
 class WriterTable:
@@ -70,7 +79,10 @@ class WriterTable:
         return list(range(first, self._next_serial))
 
     def writer_id(self, serial: int) -> str | None:
-        """The request id of a writer serial (None: unknown, or older than the last MAX_WRITER_IDS requests)."""
+        """The request id of a writer serial (None: unknown, or older than the last MAX_WRITER_IDS requests); a serial
+        that carries :data:`LOADED_FROM_HOST_TIER` names the request that first wrote the slot."""
+        if serial > 0:
+            serial &= ~LOADED_FROM_HOST_TIER
         ring = self._writer_ids
         kept = min(MAX_WRITER_IDS, len(ring))
         if not 0 < serial < self._next_serial or serial < self._next_serial - kept:

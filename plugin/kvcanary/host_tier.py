@@ -1,0 +1,112 @@
+"""Records of a host KV tier: the canary follows KV that an engine moves off the device and back.
+
+An engine with a host-memory KV tier (sglang's HiCache) copies a slot's K/V to a host slot (backup) and later
+copies it back into a *new* device slot (load-back), outside any forward. The canary's records must follow, or
+the loaded-back slot keeps the record of its previous occupant and every verify of it fails (position, chain,
+real-KV) although the KV is right.
+
+:class:`HostTierRecords` keeps one record row and one attribution row per host slot, on the canary's device
+(host slots × 48 bytes: 9.4 MB for 196,608 host slots): a backup copies the device slots' rows there, a load-back
+copies them into the new device slots. Both are a gather and a scatter on the device, enqueued on the caller's
+current stream, so they are ordered with the forwards' record writes on that stream and never synchronise.
+
+What that buys:
+
+* the real-KV fingerprint travels with the record: it was taken when the forward first wrote the KV, so a byte
+  that changed in host memory, a load-back that put K/V into other device slots than the ones it recorded, or a
+  load that read a host copy before its backup had landed, all fail ``verify_real_kv_hash`` on the next verify
+  of the loaded slots;
+* token, position and chain are checked like any other prefix (the records are the ones first written);
+* a loaded-back slot's writer serial carries :data:`kvcanary.writers.LOADED_FROM_HOST_TIER`, so a violation on it
+  says ``via=host_tier`` (the slot's content came through the host tier) beside the request that first wrote it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvcanary import layout
+from kvcanary.writers import LOADED_FROM_HOST_TIER
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HostTierRecords"]
+
+
+def _index(slots: torch.Tensor | list[int], limit: int, device: torch.device, what: str) -> torch.Tensor:
+    """``slots`` as a 1-D int64 index tensor on ``device``, every entry in ``[0, limit)``.
+
+    An index on the host is checked there (a ValueError naming ``what``). One already on a GPU cannot be read
+    without a sync, and an out-of-range index would be a device-side assert that ends the process: such an entry
+    is redirected to row 0 (the device pool's padding slot, whose record no verify trusts; host row 0 loses
+    nothing that a wrong index had not lost already)."""
+    if not isinstance(slots, torch.Tensor):
+        slots = torch.tensor(slots, dtype=torch.int64)
+    if slots.dim() != 1:
+        raise ValueError(f"HostTierRecords: {what}: expected a 1-D index tensor, got shape {list(slots.shape)}")
+    if slots.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"HostTierRecords: {what}: expected int32 or int64, got {slots.dtype}")
+    if slots.device.type == "cpu":
+        if slots.numel() and not (0 <= int(slots.min()) and int(slots.max()) < limit):
+            bad = next(int(x) for x in slots.tolist() if not 0 <= x < limit)
+            raise ValueError(f"HostTierRecords: {what}: index {bad} outside [0, {limit})")
+        if device.type != "cpu":
+            slots = slots.to(device, non_blocking=True)
+    else:
+        slots = torch.where((slots >= 0) & (slots < limit), slots, 0)
+    return slots if slots.dtype is torch.int64 else slots.to(torch.int64)
+
+
+class HostTierRecords:
+    """Record and attribution rows of ``num_host_slots`` host slots, beside one canary buffer.
+
+    Args:
+        canary_buf: the device pool's canary buffer (``[num_slots, RECORD_BYTES]`` uint8).
+        slot_attribution: its writer-attribution table (``[num_slots, SLOT_ATTRIBUTION_FIELDS]`` int64).
+        num_host_slots: slots of the host tier (host indices are ``0 .. num_host_slots - 1``).
+    """
+
+    def __init__(self, canary_buf: torch.Tensor, slot_attribution: torch.Tensor, num_host_slots: int) -> None:
+        if isinstance(num_host_slots, bool) or not isinstance(num_host_slots, int) or num_host_slots < 1:
+            raise ValueError(f"HostTierRecords: num_host_slots: expected an int >= 1, got {num_host_slots!r}")
+        self.device = canary_buf.device
+        self._device_records = canary_buf
+        self._device_attribution = slot_attribution
+        self.num_host_slots = num_host_slots
+        # zero records (never written: a load of a host slot nobody backed up verifies as a slot nobody wrote)
+        self.records = torch.zeros((num_host_slots, canary_buf.shape[1]), dtype=torch.uint8, device=self.device)
+        self.attribution = torch.full((num_host_slots, slot_attribution.shape[1]), layout.META_UNKNOWN,
+                                      dtype=torch.int64, device=self.device)
+        # host-side counts (slots handed off), for the stats line and the end-to-end driver
+        self.slots_backed_up = 0
+        self.slots_loaded = 0
+
+    def backup(self, device_slots: torch.Tensor | list[int], host_slots: torch.Tensor | list[int]) -> None:
+        """The engine copies device slot ``device_slots[i]`` to host slot ``host_slots[i]``: copy its rows."""
+        dev = _index(device_slots, self._device_records.shape[0], self.device, "device_slots")
+        host = _index(host_slots, self.num_host_slots, self.device, "host_slots")
+        self._check_pair(dev, host)
+        self.records.index_copy_(0, host, self._device_records.index_select(0, dev))
+        self.attribution.index_copy_(0, host, self._device_attribution.index_select(0, dev))
+        self.slots_backed_up += int(host.shape[0])
+
+    def load(self, host_slots: torch.Tensor | list[int], device_slots: torch.Tensor | list[int]) -> None:
+        """The engine copies host slot ``host_slots[i]`` into device slot ``device_slots[i]``: copy its rows, marking
+        the device slots as loaded from the host tier (their writer serial carries ``LOADED_FROM_HOST_TIER``)."""
+        host = _index(host_slots, self.num_host_slots, self.device, "host_slots")
+        dev = _index(device_slots, self._device_records.shape[0], self.device, "device_slots")
+        self._check_pair(dev, host)
+        self._device_records.index_copy_(0, dev, self.records.index_select(0, host))
+        attribution = self.attribution.index_select(0, host)
+        serial = attribution[:, layout.SLOT_ATTRIBUTION_COL_WRITER_SERIAL]
+        # (META_UNKNOWN, -1, stays unknown: its bit 62 is already set, and writer_id reads it as no request)
+        serial.bitwise_or_(LOADED_FROM_HOST_TIER)
+        self._device_attribution.index_copy_(0, dev, attribution)
+        self.slots_loaded += int(dev.shape[0])
+
+    @staticmethod
+    def _check_pair(dev: torch.Tensor, host: torch.Tensor) -> None:
+        if dev.shape[0] != host.shape[0]:
+            raise ValueError(f"HostTierRecords: {dev.shape[0]} device slots but {host.shape[0]} host slots")
