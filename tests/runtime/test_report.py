@@ -22,6 +22,7 @@ from kvcanary.report import (
     LOG_LINE_RE,
     LOG_PREFIX,
     LOST_SCHEMA,
+    VIA_HOST_TIER,
     VIOLATION_SCHEMA,
     CanaryHealthError,
     CanaryViolationError,
@@ -149,9 +150,12 @@ UNKNOWN_TAG_ROW = [9, -1, -1, -1, -1, -1, -1, 1 << 12]
 @pytest.mark.parametrize("row", [verify_row(), write_row(), sweep_row(), out_of_range_row(), UNKNOWN_TAG_ROW])
 @pytest.mark.parametrize("rank", [None, {"tp_rank": 3}])
 @pytest.mark.parametrize("request_row", [None, 0, 42])
-def test_log_line_round_trip(row: list[int], rank: dict[str, int] | None, request_row: int | None) -> None:
+@pytest.mark.parametrize("via", [None, VIA_HOST_TIER])
+def test_log_line_round_trip(row: list[int], rank: dict[str, int] | None, request_row: int | None,
+                             via: str | None) -> None:
     v = make(row, step=99, request_row=request_row, rank=rank)
-    v = dataclasses.replace(v, written_step=None if request_row is None else 97, writer_rid=None if rank else "a1b2")
+    v = dataclasses.replace(v, written_step=None if request_row is None else 97, writer_rid=None if rank else "a1b2",
+                            via=via)
     line = v.log_line()
     assert "\n" not in line
     assert line.startswith(LOG_PREFIX + " ")
@@ -161,9 +165,17 @@ def test_log_line_round_trip(row: list[int], rank: dict[str, int] | None, reques
         "step", "tag", "reasons", "slot", "position", "stored_token", "expected_token",
         "stored_chain_hash", "expected_aux", "request_row", "written_step", "writer_rid",
     ]  # fmt: skip
-    assert tuple(fields)[: len(LOG_KEYS)] == LOG_KEYS
+    keys = LOG_KEYS if via is not None else tuple(k for k in LOG_KEYS if k != "via")  # via: only when set
+    assert tuple(fields)[: len(keys)] == keys
+    assert ("via" in fields) == (via is not None)
     assert all(" " not in value for value in fields.values())
     assert Violation.from_log_fields(fields) == v
+    assert Violation.from_log_fields(fields).to_json(now=0.0)["via"] == via
+
+
+def test_via_is_checked() -> None:
+    with pytest.raises(ValueError, match="via"):
+        dataclasses.replace(make(verify_row()), via="disk")
 
 
 OLD_LINE = (  # a line as v1 printed it before writer attribution: no written_step / writer_rid keys
@@ -262,6 +274,7 @@ def test_to_json_schema() -> None:
         "request_row": 5,
         "written_step": None,
         "writer_rid": None,
+        "via": None,
         "rank": {"tp_rank": 2},
         "time": 1700000000.5,
     }
