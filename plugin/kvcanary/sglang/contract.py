@@ -29,10 +29,15 @@ HOOK_NAMES: tuple[str, ...] = (
     "after_forward_batch_init",
     # EAGLE speculative decoding (kvcanary.sglang.speculative): the draft CUDA-graph replays, the verify verdicts.
     "around_draft_replay", "around_draft_extend_replay", "after_verify_complete",
+    # HiCache (kvcanary.sglang.hicache): records follow the host tier's backups and load-backs. A version without
+    # them must refuse --enable-hierarchical-cache (kvcanary.sglang.audit).
+    "after_hicache_write", "after_hicache_load", "around_hicache_start_loading",
 )
 SPECULATIVE_HOOKS: frozenset[str] = frozenset({"around_draft_replay", "around_draft_extend_replay",
                                                "after_verify_complete"})
-REQUIRED_HOOKS: frozenset[str] = frozenset(HOOK_NAMES) - {"after_populate"} - SPECULATIVE_HOOKS
+HICACHE_HOOKS: frozenset[str] = frozenset({"after_hicache_write", "after_hicache_load",
+                                           "around_hicache_start_loading"})
+REQUIRED_HOOKS: frozenset[str] = frozenset(HOOK_NAMES) - {"after_populate"} - SPECULATIVE_HOOKS - HICACHE_HOOKS
 
 
 @dataclass(frozen=True)

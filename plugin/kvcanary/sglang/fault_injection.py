@@ -157,11 +157,23 @@ def inject_fault(inst: Installation, step: int, fb, cls: str | None, version: Ve
       prefix (the chain-position assert is armed there): this forward's write reports it (write_position);
       after the forward the position and the canary records of the forward are rewritten as the engine
       meant them, so the successor written next is not reported too.
+    * host_tier_flip, load_wrong_slots, load_before_backup (HiCache only): armed here, done to the next
+      load-back's copies inside ``start_loading`` and handed over on the forward that consumes that load (its
+      verify reads the loaded slots); after that forward the host bytes are restored and the slots loaded again
+      (:class:`kvcanary.sglang.hicache.LoadFaults`).
     """
     from kvcanary import faults
 
     if cls is None:
         cls = inst.fault_plan.pick(step)
+    if cls in faults.HOST_TIER_CLASSES:  # (HiCache: done inside the next load-back, kvcanary.sglang.hicache)
+        follower = inst.host_tier
+        if follower is not None and follower.faults is not None:
+            return follower.faults.injection_for(inst, cls, step)
+        logger.warning("kvcanary: fault %s needs HiCache (--enable-hierarchical-cache); skipped", cls)
+        inst.pending_fault = None
+        inst.fault_skips += 1
+        return None
     mode = mode_name(fb)
     if mode not in INJECTABLE_MODES or fb.req_pool_indices is None or fb.input_ids is None:
         return None

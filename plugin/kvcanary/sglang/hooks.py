@@ -30,7 +30,7 @@ from kvcanary.identity_cache import IdentityCache
 from kvcanary.installation import Group, Installation, installations, remember
 from kvcanary.manager import CanaryManager
 from kvcanary.report import Reporter
-from kvcanary.sglang import piecewise, speculative
+from kvcanary.sglang import hicache, piecewise, speculative
 from kvcanary.sglang.batches import BatchConverter, mode_name, unsupported_mode
 from kvcanary.sglang.contract import VersionModule
 from kvcanary.sglang.fault_injection import fault_plan_for_rank, inject_fault, repair_token_swaps, rows_remaining
@@ -240,10 +240,13 @@ class AdapterHooks:
     def after_init_cache(self, result, scheduler, *args, **kwargs):
         v = self.version
         tree, r2t = v.scheduler_cache(scheduler)
-        for inst in installations():
-            if r2t is not None and inst.req_to_token is not r2t:
-                continue
+        mine = [inst for inst in installations() if r2t is None or inst.req_to_token is r2t]
+        # HiCache: records follow backups and load-backs, or the setup is refused here, at start-up
+        follower = hicache.follow(tree, mine) if tree is not None else None
+        for inst in mine:
             source = self._sweep_source(tree, scheduler) if tree is not None else None
+            if source is not None and follower is not None:
+                source = follower.fenced_sweep_source(source)  # (a node's load may still be in flight)
             if source is None:
                 if inst.config.sweep_interval > 0:
                     logger.warning("kvcanary: prefix cache %s cannot be swept (supported: RadixCache); sweep off",
@@ -253,6 +256,39 @@ class AdapterHooks:
                 inst.prefix_cache = tree
                 logger.info("kvcanary: sweep source: %s", type(tree).__name__)
         return result
+
+    # ------------------------------------------------------------------------------------------- HiCache
+    def after_hicache_write(self, result, controller, device_indices=None, *args, **kwargs):
+        """``HiCacheController.write`` backed ``device_indices`` up to the host slots it returns (None: no room)."""
+        follower = hicache.follower_of(controller)
+        if follower is not None and result is not None:
+            self._in_hicache_hook(follower, "in the HiCache backup hook", follower.backup, device_indices, result)
+        return result
+
+    def after_hicache_load(self, result, controller, host_indices=None, *args, **kwargs):
+        """``HiCacheController.load`` allocated the device slots it returns for ``host_indices`` (None: no room)."""
+        follower = hicache.follower_of(controller)
+        if follower is not None and result is not None:
+            self._in_hicache_hook(follower, "in the HiCache load-back hook", follower.load, host_indices, result)
+        return result
+
+    def around_hicache_start_loading(self, original, controller, *args, **kwargs):
+        """Fault injection only: the host-tier classes corrupt a load's copies before they are enqueued."""
+        follower = hicache.follower_of(controller)
+        if follower is not None and follower.faults is not None:
+            self._in_hicache_hook(follower, "injecting a host-tier fault", follower.faults.before_start_loading)
+        return original(controller, *args, **kwargs)
+
+    @staticmethod
+    def _in_hicache_hook(follower, where: str, action, *args) -> None:
+        """Run a HiCache hook's action; in log mode an error stops kvcanary on the follower's runners (their records
+        no longer follow the KV, so they must stop checking it) and sglang's transfer goes on."""
+        try:
+            action(*args)
+        except Exception as exc:
+            stop = [inst.keeps_serving(exc, where) for inst in follower.installations]
+            if not all(stop):
+                raise
 
     def _sweep_source(self, tree, scheduler):
         """The sweep source over ``tree``: the version's own ``sweep_source`` accessor when it has one (a prefix

@@ -34,6 +34,10 @@ _SPEC = "sglang.srt.speculative"
 T_DRAFT_REPLAY = f"{_SPEC}.eagle_draft_cuda_graph_runner.EAGLEDraftCudaGraphRunner.replay"
 T_DRAFT_EXTEND_REPLAY = f"{_SPEC}.eagle_draft_extend_cuda_graph_runner.EAGLEDraftExtendCudaGraphRunner.replay"
 T_VERIFY_DONE = f"{_SPEC}.eagle_worker_v2.EAGLEWorkerV2.on_verify_complete_cpu"
+_HICACHE = "sglang.srt.managers.cache_controller.HiCacheController"
+T_HICACHE_WRITE = f"{_HICACHE}.write"
+T_HICACHE_LOAD = f"{_HICACHE}.load"
+T_HICACHE_START_LOADING = f"{_HICACHE}.start_loading"
 STARTUP_FAILURE_TARGET = f"{_MR}.__init__"
 
 # Hook name (kvcanary.sglang.hooks.AdapterHooks) -> target, in registration order.
@@ -50,6 +54,10 @@ HOOK_TARGETS: dict[str, Target] = {
     "around_draft_replay": Target(T_DRAFT_REPLAY, "AROUND", ("self", "forward_batch")),
     "around_draft_extend_replay": Target(T_DRAFT_EXTEND_REPLAY, "AROUND", ("self", "forward_batch")),
     "after_verify_complete": Target(T_VERIFY_DONE, "AFTER", ("self", "num_correct_drafts_per_req")),
+    # HiCache (kvcanary.sglang.hicache): records follow backups (device -> host) and load-backs (host -> device)
+    "after_hicache_write": Target(T_HICACHE_WRITE, "AFTER", ("self", "device_indices")),
+    "after_hicache_load": Target(T_HICACHE_LOAD, "AFTER", ("self", "host_indices")),
+    "around_hicache_start_loading": Target(T_HICACHE_START_LOADING, "AROUND", ("self",)),
 }
 TARGETS: tuple[Target, ...] = tuple(HOOK_TARGETS.values())
 

@@ -1,0 +1,271 @@
+"""HiCache (sglang's host-memory KV tier): the canary's records follow the KV through backup and load-back.
+
+sglang's ``HiCacheController`` copies K/V outside any forward: ``write(device_indices)`` backs device slots up to
+host slots it allocates (write-through on insert or hit count, or write-back on eviction), ``load(host_indices)``
+allocates new device slots for a host-resident prefix, and ``start_loading()`` enqueues the host → device copies
+on its load stream, one event per layer, which the forward waits for layer by layer. Without this module a
+loaded-back slot keeps its previous occupant's record and every verify of it fails although the KV is right
+(the false positives of issue 24).
+
+What is hooked (sglang 0.5.12's targets, :mod:`kvcanary.sglang.v0_5_12`):
+
+* ``write`` (after): the device slots' records go to the host slots (``CanaryManager.backup_to_host``);
+* ``load`` (after): the host slots' records go to the new device slots, marked as loaded from the host tier
+  (``CanaryManager.load_from_host``: a violation there says ``via=host_tier``);
+* ``start_loading`` (around): fault injection only (the three host-tier classes act on a load's copies);
+* before each forward's check launch (``Installation.before_check``): the forward stream waits for the last
+  layer of a load the forward consumes, because the check fingerprints the loaded slots' K/V (first and last
+  layer by default) before the model would have waited for them. A forward that consumes no load waits for
+  nothing; one that does gives up the overlap of its load with its first layers (the load still overlaps the
+  scheduling work before it);
+* before a sweep: the sweep also reads slots of nodes whose load is still in flight, so it waits for every load
+  not yet acknowledged.
+
+Every record copy runs on the caller's current stream, the stream sglang itself records the transfer's start on:
+a backup happens after the forwards that wrote those slots were synchronised by the scheduler, a load-back before
+the forward that reads the slots (the overlap scheduler's forward stream waits for the scheduling stream), so the
+records are ordered exactly as the K/V copies are.
+
+The sweep does not read host-resident nodes: their K/V lies in host memory (layouts ``layer_first``,
+``page_first``, ``page_first_direct``, ``page_head``), which the verify kernel would read across PCIe on every
+sweep; a host copy is checked when it is loaded back, against the fingerprint taken when it was first written.
+Refused here, at start-up: a HiCache prefix cache that is not exactly ``HiRadixCache`` (the hybrid, mamba and
+unified trees move KV in methods of their own), an L3 storage backend (it fills host slots with KV that has no
+record) and a draft pool piggybacking on the controller (EAGLE's draft host copies are not followed).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvcanary.installation import Installation
+from kvcanary.real_kv import RealKvSource
+from kvcanary.sglang.guards import UnsupportedSetupError
+from kvcanary.sglang.pools import parse_real_kv_layers, resolve_layers, token_major_source
+
+logger = logging.getLogger(__name__)
+
+HIRADIX_CACHE_CLASS = "HiRadixCache"  # the one HiCache tree whose KV moves go through the hooked methods only
+# The attribute of a HiCacheController that holds its follower.
+FOLLOWER_ATTR = "_kvcanary_host_tier"
+
+
+@dataclass
+class HostTierFollower:
+    """The canary side of one HiCacheController: the installations whose pool it moves KV for."""
+
+    controller: object
+    installations: list[Installation]
+    faults: LoadFaults | None = None  # fault injection (KVCANARY_FAULT) only
+    loads: int = 0
+    backups: int = 0
+
+    # ------------------------------------------------------------------------------------------ record hand-off
+    def backup(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> None:
+        self.backups += 1
+        for inst in self._running():
+            inst.manager.backup_to_host(device_indices, host_indices)
+
+    def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
+        self.loads += 1
+        for inst in self._running():
+            inst.manager.load_from_host(host_indices, device_indices)
+
+    def _running(self) -> list[Installation]:
+        return [inst for inst in self.installations if inst.stopped is None]
+
+    # ------------------------------------------------------------------------------------------ stream order
+    def wait_for_consumed_load(self) -> None:
+        """Before a forward's check launch: wait for every layer of the load this forward consumes (if any)."""
+        counter = getattr(self.controller, "layer_done_counter", None)
+        if counter is not None and counter.consumer_index >= 0:
+            counter.wait_until(counter.num_layers - 1)
+
+    def wait_for_pending_loads(self) -> None:
+        """Before a sweep: wait for every load whose completion sglang has not acknowledged yet."""
+        if not torch.cuda.is_available():
+            return
+        stream = torch.cuda.current_stream()
+        for ack in list(getattr(self.controller, "ack_load_queue", ())):
+            stream.wait_event(ack.finish_event)
+
+    def fenced_sweep_source(self, source: Callable[[], tuple]) -> Callable[[], tuple]:
+        def fenced() -> tuple:
+            self.wait_for_pending_loads()
+            return source()
+
+        return fenced
+
+
+def follower_of(controller) -> HostTierFollower | None:
+    return getattr(controller, FOLLOWER_ATTR, None)
+
+
+def follow(tree, installations: Sequence[Installation]) -> HostTierFollower | None:
+    """Follow the HiCache controller of ``tree`` (the scheduler's prefix cache) for ``installations`` (those over
+    its request pool); None when ``tree`` has no HiCache. Raises UnsupportedSetupError naming the flag for a
+    HiCache setup kvcanary does not follow."""
+    controller = getattr(tree, "cache_controller", None)
+    if controller is None:
+        return None
+    name = type(tree).__name__
+    if name != HIRADIX_CACHE_CLASS:
+        raise UnsupportedSetupError(
+            f"--enable-hierarchical-cache builds a {name} here, which kvcanary does not follow (it follows "
+            f"{HIRADIX_CACHE_CLASS}'s backups and load-backs only): remove --enable-hierarchical-cache"
+        )
+    if getattr(controller, "enable_storage", False):
+        raise UnsupportedSetupError(
+            "--hicache-storage-backend fills host KV slots from storage with no kvcanary record: remove "
+            "--hicache-storage-backend (HiCache's host tier alone is followed)"
+        )
+    if getattr(controller, "has_draft", False):
+        raise UnsupportedSetupError(
+            "HiCache with a speculative draft pool: the draft pool's host copies are not followed; remove "
+            "--enable-hierarchical-cache or --speculative-algorithm"
+        )
+    host_pool = controller.mem_pool_host
+    mine = [inst for inst in installations if inst.stopped is None]
+    if not mine:
+        return None
+    for inst in mine:
+        if len(inst.groups) != 1:
+            raise UnsupportedSetupError(
+                f"--enable-hierarchical-cache with a KV pool of {len(inst.groups)} groups (sliding window): "
+                "kvcanary follows HiCache on a single full-attention pool only; remove --enable-hierarchical-cache"
+            )
+        inst.manager.attach_host_tier(int(host_pool.size))
+    follower = HostTierFollower(controller, mine)
+    if any(inst.fault_plan is not None for inst in mine):
+        follower.faults = LoadFaults(controller)
+    setattr(controller, FOLLOWER_ATTR, follower)
+    for inst in mine:
+        inst.before_check = follower.wait_for_consumed_load
+        inst.host_tier = follower
+    logger.info("kvcanary: HiCache followed: %s, %d host slots (write policy %s, io backend %s, layout %s)",
+                name, host_pool.size, getattr(controller, "write_policy", "?"), getattr(controller, "io_backend", "?"),
+                getattr(host_pool, "layout", "?"))
+    return follower
+
+
+# ------------------------------------------------------------------------------------------------ fault injection
+# (KVCANARY_FAULT, tests only: the host-tier classes of kvcanary.faults act on a load-back's copies)
+def host_and_device_sources(controller) -> list[tuple[RealKvSource, RealKvSource]] | None:
+    """(host copy, device buffer) byte views of the K and V of each real-KV layer (``KVCANARY_REAL_KV_LAYERS``) of
+    an MHA HiCache; None for a host layout whose per-token bytes are not one contiguous run (``page_head`` splits
+    heads) or another pool kind. The host view addresses host slot ``h`` the way the device one addresses slot
+    ``d``, so an injector can corrupt the one a load reads and repair the one it wrote."""
+    host, device = controller.mem_pool_host, controller.mem_pool_device
+    kv = getattr(host, "kv_buffer", None)
+    if type(host).__name__ != "MHATokenToKVPoolHost" or kv is None or not hasattr(device, "k_buffer"):
+        return None
+    layout_name = getattr(host, "layout", None)
+    pairs = []
+    for layer in resolve_layers(parse_real_kv_layers(), len(device.k_buffer), 2, type(device).__name__):
+        for which, dev_buffer in ((0, device.k_buffer[layer]), (1, device.v_buffer[layer])):
+            if layout_name == "layer_first":  # [2, layers, size, heads, dim]
+                view, page = kv[which, layer], 1
+            elif layout_name == "page_first":  # [2, size, layers, heads, dim]
+                view, page = kv[which, :, layer], 1
+            elif layout_name == "page_first_direct":  # [2, pages, layers, page, heads, dim]
+                view, page = kv[which, :, layer], int(host.page_size)
+            else:
+                return None
+            dev = token_major_source(dev_buffer, int(dev_buffer.shape[0]), int(device.page_size))
+            per_token = dev.num_bytes_per_token
+            pairs.append((RealKvSource(view.flatten(1), page, per_token, per_token), dev))
+    return pairs
+
+
+def _xor_first_byte(source: RealKvSource, slot: int) -> None:
+    row, col = divmod(slot, source.page_size)
+    col *= source.num_bytes_per_token
+    source.kv_bytes[row, col] = source.kv_bytes[row, col] ^ 0xFF
+
+
+@dataclass
+class LoadRepair:
+    """How to put a corrupted load-back right after the forward that verified it: the host bytes to restore (or
+    None) and the (host, device) slots to load again, correctly, on every layer."""
+
+    restore_host: Callable[[], None] | None
+    host_indices: torch.Tensor
+    device_indices: torch.Tensor
+
+
+class LoadFaults:
+    """The host-tier fault classes in a real engine: armed by the injector before a forward, done inside the next
+    ``start_loading`` (the load's K/V copy is what goes wrong; its records go to the right slots), handed to the
+    injector on the forward that consumes the load, and repaired after that forward (host bytes restored, the
+    slots loaded again), so nothing stays corrupted beyond the slots the injection names."""
+
+    def __init__(self, controller) -> None:
+        self.controller = controller
+        self.armed: tuple[str, int] | None = None  # (fault class, step it was asked for)
+        self.injected: list = []  # Injections done inside start_loading, not yet handed to the injector
+        self.repairs: list[LoadRepair] = []
+
+    def injection_for(self, inst: Installation, fault: str, step: int):
+        """The injector's call for a host-tier class: the Injection a load took since (its repair is queued after
+        this forward), else arm ``fault`` for the next load-back and return None (the class stays pending)."""
+        if self.injected:
+            inj = self.injected.pop(0)
+            inst.undo_after_forward(self.repair)
+            return inj
+        self.armed = (fault, step)
+        return None
+
+    def before_start_loading(self) -> None:
+        """Inside ``start_loading``, before its copies are enqueued: apply the armed class to the first load op."""
+        from kvcanary import faults
+
+        if self.armed is None or not self.controller.load_queue:
+            return
+        fault, step = self.armed
+        op = next((o for o in self.controller.load_queue if o.device_indices.numel() >= 2), None)
+        if op is None:
+            return  # (a later load with two slots or more)
+        pairs = host_and_device_sources(self.controller)
+        host_idx, dev_idx = op.host_indices.clone(), op.device_indices.clone()
+        restore = None
+        if fault == faults.LOAD_WRONG_SLOTS:
+            inj, op.device_indices = faults.misdirect_load(op.device_indices, step=step)
+        elif not pairs:
+            logger.warning("kvcanary: fault %s needs the host KV as bytes (MHA, layout layer_first, page_first or "
+                           "page_first_direct); not injected", fault)
+            self.armed = None
+            return
+        elif fault == faults.HOST_TIER_FLIP:
+            host_source, h, d = pairs[0][0], int(host_idx[0]), int(dev_idx[0])
+            inj = faults.flip_host_copy(host_source, h, d, step=step)
+
+            def restore(src=host_source, h=h):
+                _xor_first_byte(src, h)
+        elif fault == faults.LOAD_BEFORE_BACKUP:
+            inj, restore = faults.stale_host_read([h for h, _ in pairs], host_idx.tolist(), dev_idx.tolist(),
+                                                  step=step)
+        else:
+            return
+        self.armed = None
+        self.injected.append(inj)
+        self.repairs.append(LoadRepair(restore, host_idx, dev_idx))
+
+    def repair(self) -> None:
+        """After the forward that verified a corrupted load: wait for the device (the load and the verify have run),
+        restore the host bytes, and load the slots again with their true K/V on every layer."""
+        c = self.controller
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        for r in self.repairs:
+            if r.restore_host is not None:
+                r.restore_host()
+            host_idx, dev_idx = c.move_indices(r.host_indices, r.device_indices)
+            for layer in range(c.layer_num):
+                c.mem_pool_host.load_to_device_per_layer(c.mem_pool_device, host_idx, dev_idx, layer, c.io_backend)
+        self.repairs.clear()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
