@@ -1,0 +1,169 @@
+"""HiCache on a REAL sglang 0.5.12 (CPU): HiRadixCache, HiCacheController, MHATokenToKVPoolHost and a CPU
+ModelRunner, kvcanary activated through its entry point.
+
+A workload of repeated long prefixes over a device pool too small to hold them makes HiRadixCache back prefixes up
+to the host, evict them from the device and load them back into new device slots. In raise mode nothing may be
+reported (the records follow: without the hand-off the loaded-back slots fail, see the last test), for every
+write policy (the ``direct`` io backend, ``layer_first`` layout). The three host-tier fault classes are each
+detected on the loaded-back slots, with ``via=host_tier``, and nothing else is reported.
+
+sglang's host buffer allocation and the direct io backend's copy need CUDA; :mod:`sgl_hicache` replaces exactly
+those two with torch code of the same effect (its docstring).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import pytest
+
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip("sglang is not installed (pip install --no-deps -r requirements-sglang-cpu.txt)",
+                allow_module_level=True)
+import hooks_state  # noqa: E402
+import sgl_engine  # noqa: E402
+import sgl_hicache  # noqa: E402
+
+from kvcanary import faults  # noqa: E402
+from kvcanary.report import VIA_HOST_TIER, CanaryViolationError  # noqa: E402
+from kvcanary.sglang import hicache, hooks, v0_5_12  # noqa: E402
+from kvcanary.tags import LaunchTag  # noqa: E402
+
+PREFIXES = 6  # distinct long prefixes, each reused many times: more than the device pool holds at once
+PREFIX_TOKENS = 150
+MAX_TOTAL_TOKENS = 640  # device KV slots: fewer than the prefixes need, so HiCache evicts to the host
+
+
+def _engine(tmp_path, monkeypatch, *, mode: str = "raise", policy: str = "write_through",
+            layout: str = "layer_first", env: dict[str, str] | None = None):
+    import sglang.srt.plugins as plugins
+
+    hooks_state.clear_kvcanary_env(monkeypatch)
+    for key, value in {"KVCANARY_MODE": mode, "KVCANARY_VERIFY_TOKENS": "1", "KVCANARY_SWEEP_INTERVAL": "5",
+                       "SGLANG_PLUGINS": "kvcanary", **(env or {})}.items():
+        monkeypatch.setenv(key, value)
+    sgl_engine.ensure_entry_point(tmp_path, monkeypatch)
+    sgl_hicache.patch_host_memory(monkeypatch)
+    state = hooks_state.snapshot(hooks_state.all_targets())
+    hooks_state.restore(state)
+    plugins.load_plugins()
+    for t in v0_5_12.TARGETS:
+        assert hooks_state.is_patched(t.dotted), t.dotted
+    sa = sgl_engine.server_args(
+        sgl_engine.write_model_dir(tmp_path / "tiny-llama"), chunked_prefill_size=64,
+        max_total_tokens=MAX_TOTAL_TOKENS, enable_hierarchical_cache=True, hicache_ratio=4.0,
+        hicache_io_backend="direct", hicache_mem_layout=layout, hicache_write_policy=policy,
+    )
+    mr = sgl_engine.build_runner(sa)
+    tree = sgl_hicache.build_hicache_tree(mr, sa)
+    inst = hooks.installation_of(mr)
+    assert type(tree).__name__ == "HiRadixCache" and inst is not None
+    follower = hicache.follower_of(tree.cache_controller)
+    assert follower is not None and inst.host_tier is follower
+    return mr, tree, inst, follower, state
+
+
+def _drive(sched, rng, prefixes, forwards: int) -> None:
+    """Requests over the prefixes, at most two in flight (the small pool must hold their locked prefixes)."""
+    while len(sched.forwards) < forwards:
+        running = 0 if sched.running is None else len(sched.running.reqs)
+        if not sched.waiting and sched.chunked_req is None and running < 2:
+            prefix = prefixes[rng.randrange(len(prefixes))]
+            sched.add(prefix + [rng.randrange(3, 2000) for _ in range(rng.randrange(2, 20))], rng.randrange(2, 8))
+        sched.step()
+
+
+@pytest.fixture
+def teardown():
+    states = []
+    yield states
+    for state in states:
+        hooks_state.restore(state)
+    sgl_engine.destroy_distributed()
+
+
+# (the direct io backend's other layout, page_first_direct, copies through sgl_kernel functions with no torch twin
+# here; the record hand-off does not depend on the layout: it follows the indices write/load are given)
+@pytest.mark.parametrize(("policy", "layout"), [
+    ("write_through", "layer_first"), ("write_through_selective", "layer_first"), ("write_back", "layer_first"),
+])
+def test_records_follow_backup_and_load_back(tmp_path, monkeypatch, teardown, policy, layout) -> None:
+    mr, tree, inst, follower, state = _engine(tmp_path, monkeypatch, policy=policy, layout=layout)
+    teardown.append(state)
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(3, 2000) for _ in range(PREFIX_TOKENS)] for _ in range(PREFIXES)]
+    sched = sgl_hicache.HiMiniScheduler(mr, tree, chunk_size=64)
+    _drive(sched, rng, prefixes, 160)  # raise mode: any violation raises here
+    manager = inst.manager
+    manager.flush()
+    tier = manager.host_tier
+    print(f"{policy}/{layout}: forwards={len(sched.forwards)} backups={follower.backups} load_backs={sched.load_backs} "
+          f"loaded_tokens={sched.loaded_tokens} slots_backed_up={tier.slots_backed_up} "
+          f"slots_loaded={tier.slots_loaded} verified={manager.stats.slot_runs[LaunchTag.VERIFY]} "
+          f"swept={manager.stats.slot_runs[LaunchTag.SWEEP]}")
+    assert sched.load_backs >= 3 and sched.loaded_tokens >= 3 * 64  # prefixes really came back from the host
+    assert tier.slots_loaded == sched.loaded_tokens  # every loaded-back slot got its record
+    assert tier.slots_backed_up > 0 and follower.backups > 0 and follower.loads == sched.load_backs
+    assert manager.stats.violations_seen == 0 and manager.violations == []
+    assert manager.stats.slot_runs[LaunchTag.SWEEP] > 0
+
+
+@pytest.mark.parametrize("fault", faults.HOST_TIER_CLASSES)
+def test_host_tier_faults_are_detected_on_the_loaded_slots_only(tmp_path, monkeypatch, teardown, fault) -> None:
+    mr, tree, inst, follower, state = _engine(
+        tmp_path, monkeypatch, mode="log",
+        env={"KVCANARY_FAULT": fault, "KVCANARY_FAULT_EVERY": "25", "KVCANARY_FAULT_WARMUP": "20"},
+    )
+    teardown.append(state)
+    rng = random.Random(11)
+    prefixes = [[rng.randrange(3, 2000) for _ in range(PREFIX_TOKENS)] for _ in range(PREFIXES)]
+    sched = sgl_hicache.HiMiniScheduler(mr, tree, chunk_size=64)
+    _drive(sched, rng, prefixes, 200)
+    manager = inst.manager
+    manager.flush()
+    injected = [i for i in inst.injections if i.fault == fault]
+    assert len(injected) >= 2, (inst.injections, inst.fault_skips)
+    touched = {s for i in injected for s in i.slots}
+    found = manager.violations
+    assert found, "no violation for an injected host-tier fault"
+    assert {v.slot for v in found} <= touched, "a violation on a slot no injection touched"
+    assert all("verify_real_kv_hash" in v.reasons and v.via == VIA_HOST_TIER for v in found)
+    for inj in injected:  # each injection detected
+        assert set(inj.slots) & {v.slot for v in found}, inj
+
+
+def test_without_the_hand_off_loaded_back_slots_fail(tmp_path, monkeypatch, teardown) -> None:
+    """The test above can fail: with load-backs not handed to the canary (the behaviour before this adapter followed
+    HiCache) the first verify of a loaded-back prefix reports it."""
+    mr, tree, inst, follower, state = _engine(tmp_path, monkeypatch)
+    teardown.append(state)
+    monkeypatch.setattr(follower, "load", lambda host_indices, device_indices: None)
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(3, 2000) for _ in range(PREFIX_TOKENS)] for _ in range(PREFIXES)]
+    sched = sgl_hicache.HiMiniScheduler(mr, tree, chunk_size=64)
+    with pytest.raises(CanaryViolationError):
+        _drive(sched, rng, prefixes, 160)
+        inst.manager.flush()
+
+
+class _Tree:
+    def __init__(self, name: str, **controller) -> None:
+        self.__class__ = type(name, (_Tree,), {})
+        self.cache_controller = type("HiCacheController", (), controller)()
+
+
+@pytest.mark.parametrize(("tree", "flag"), [
+    (_Tree("HiMambaRadixCache"), "--enable-hierarchical-cache"),
+    (_Tree("HiRadixCache", enable_storage=True), "--hicache-storage-backend"),
+    (_Tree("HiRadixCache", has_draft=True), "--speculative-algorithm"),
+])
+def test_a_hicache_setup_it_does_not_follow_is_refused_by_name(tree, flag) -> None:
+    from kvcanary.sglang.guards import UnsupportedSetupError
+
+    with pytest.raises(UnsupportedSetupError, match=flag):
+        hicache.follow(tree, [])
+
+
+def test_a_prefix_cache_without_hicache_is_not_followed() -> None:
+    assert hicache.follow(object(), []) is None
