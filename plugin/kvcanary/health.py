@@ -102,11 +102,13 @@ class StatsLogger:
         entries_swept: int,
         violations: int,
         lost: int,
+        host_tier: tuple[int, int] | None = None,
     ) -> str | None:
         """Log and return the stats line when due (``every`` steps after the last one), else return None.
 
         Format: ``kvcanary stats: step=S forwards=F tokens_written=W entries_verified=V entries_swept=E
-        violations=N lost=L`` (cumulative counts).
+        violations=N lost=L`` (cumulative counts), then ``host_backed_up=B host_loaded=H`` when the pool has a host
+        KV tier (``host_tier = (B, H)``: slots whose records went to the host tier, and came back from it).
         """
         if not self.due(step):
             return None
@@ -116,5 +118,7 @@ class StatsLogger:
             f"{STATS_PREFIX} step={step} forwards={forwards} tokens_written={tokens_written} "
             f"entries_verified={entries_verified} entries_swept={entries_swept} violations={violations} lost={lost}"
         )
+        if host_tier is not None:
+            line += f" host_backed_up={host_tier[0]} host_loaded={host_tier[1]}"
         self._log.info("%s", line)
         return line

@@ -381,6 +381,7 @@ class CanaryManager:
             entries_swept=slot_runs[LaunchTag.SWEEP],
             violations=self.reporter.total_reported,
             lost=self.reporter.total_lost,
+            host_tier=None if self.host_tier is None else (self.host_tier.slots_backed_up, self.host_tier.slots_loaded),
         )
 
     def poll(self) -> list[Violation]:

@@ -104,7 +104,8 @@ class VersionModule(Protocol):
     # Optional accessors (kvcanary.sglang.hooks falls back to the 0.5.12 behaviour when a module lacks one):
     #   sweep_source(tree_cache, producer_stream) -> SweepSource | None: a prefix cache other than RadixCache;
     #   wrapper_gate(inst) -> () -> WrapperCall: how the model.forward wrapper classifies its calls;
-    #   max_static_tokens(server_args) -> int: most tokens a prefill graph replay hands model.forward.
+    #   max_static_tokens(server_args) -> int: most tokens a prefill graph replay hands model.forward;
+    #   forward_stream_of(scheduler) -> () -> Stream | None: the overlap scheduler's forward stream (HiCache).
 
 
 # name -> the parameter names a version module's function must accept (in order).
@@ -126,6 +127,7 @@ _OPTIONAL_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "sweep_source": ("tree_cache", "producer_stream"),
     "wrapper_gate": ("inst",),
     "max_static_tokens": ("server_args",),
+    "forward_stream_of": ("scheduler",),
 }
 
 

@@ -21,10 +21,14 @@ What is hooked (sglang 0.5.12's targets, :mod:`kvcanary.sglang.v0_5_12`):
 * before a sweep: the sweep also reads slots of nodes whose load is still in flight, so it waits for every load
   not yet acknowledged.
 
-Every record copy runs on the caller's current stream, the stream sglang itself records the transfer's start on:
-a backup happens after the forwards that wrote those slots were synchronised by the scheduler, a load-back before
-the forward that reads the slots (the overlap scheduler's forward stream waits for the scheduling stream), so the
-records are ordered exactly as the K/V copies are.
+Every record copy runs on the stream the forwards run on (the overlap scheduler's forward stream; without overlap
+the scheduler's own, which is then the current one), because that is where the canary writes its records: a copy
+there is ordered after every forward already launched and before every forward launched later. The current
+(scheduling) stream would not do under the overlap scheduler: the round still in flight for a request that just
+finished may still write its freed slots, which a load-back then reuses; a record copy racing that write could
+lose to it (a false report on a correct restore). sglang 0.5.12's own H2D copy is not fenced behind that round
+either (fixed upstream by PR 36738, in 0.5.19): when the late write lands on a restored slot, the K/V is really
+wrong and the canary reports it there (``verify_real_kv_hash``, ``via=host_tier``).
 
 The sweep does not read host-resident nodes: their K/V lies in host memory (layouts ``layer_first``,
 ``page_first``, ``page_first_direct``, ``page_head``), which the verify kernel would read across PCIe on every
@@ -36,6 +40,7 @@ record) and a draft pool piggybacking on the controller (EAGLE's draft host copi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -60,6 +65,8 @@ class HostTierFollower:
 
     controller: object
     installations: list[Installation]
+    # () -> the stream the forwards run on when it is not the current one (the overlap scheduler's), else None
+    forward_stream: Callable[[], object | None] = lambda: None
     faults: LoadFaults | None = None  # fault injection (KVCANARY_FAULT) only
     loads: int = 0
     backups: int = 0
@@ -67,13 +74,19 @@ class HostTierFollower:
     # ------------------------------------------------------------------------------------------ record hand-off
     def backup(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> None:
         self.backups += 1
-        for inst in self._running():
-            inst.manager.backup_to_host(device_indices, host_indices)
+        with self._on_forward_stream():
+            for inst in self._running():
+                inst.manager.backup_to_host(device_indices, host_indices)
 
     def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         self.loads += 1
-        for inst in self._running():
-            inst.manager.load_from_host(host_indices, device_indices)
+        with self._on_forward_stream():
+            for inst in self._running():
+                inst.manager.load_from_host(host_indices, device_indices)
+
+    def _on_forward_stream(self):
+        stream = self.forward_stream()
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
     def _running(self) -> list[Installation]:
         return [inst for inst in self.installations if inst.stopped is None]
@@ -105,10 +118,12 @@ def follower_of(controller) -> HostTierFollower | None:
     return getattr(controller, FOLLOWER_ATTR, None)
 
 
-def follow(tree, installations: Sequence[Installation]) -> HostTierFollower | None:
+def follow(tree, installations: Sequence[Installation],
+           forward_stream: Callable[[], object | None] = lambda: None) -> HostTierFollower | None:
     """Follow the HiCache controller of ``tree`` (the scheduler's prefix cache) for ``installations`` (those over
-    its request pool); None when ``tree`` has no HiCache. Raises UnsupportedSetupError naming the flag for a
-    HiCache setup kvcanary does not follow."""
+    its request pool); None when ``tree`` has no HiCache. ``forward_stream()``: the stream the forwards run on when
+    it is not the current one (the overlap scheduler's), else None. Raises UnsupportedSetupError naming the flag
+    for a HiCache setup kvcanary does not follow."""
     controller = getattr(tree, "cache_controller", None)
     if controller is None:
         return None
@@ -139,7 +154,7 @@ def follow(tree, installations: Sequence[Installation]) -> HostTierFollower | No
                 "kvcanary follows HiCache on a single full-attention pool only; remove --enable-hierarchical-cache"
             )
         inst.manager.attach_host_tier(int(host_pool.size))
-    follower = HostTierFollower(controller, mine)
+    follower = HostTierFollower(controller, mine, forward_stream)
     if any(inst.fault_plan is not None for inst in mine):
         follower.faults = LoadFaults(controller)
     setattr(controller, FOLLOWER_ATTR, follower)

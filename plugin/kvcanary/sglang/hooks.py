@@ -242,7 +242,9 @@ class AdapterHooks:
         tree, r2t = v.scheduler_cache(scheduler)
         mine = [inst for inst in installations() if r2t is None or inst.req_to_token is r2t]
         # HiCache: records follow backups and load-backs, or the setup is refused here, at start-up
-        follower = hicache.follow(tree, mine) if tree is not None else None
+        stream_of = getattr(v, "forward_stream_of", None)  # (a version without it refuses HiCache by its guards)
+        follower = hicache.follow(tree, mine, stream_of(scheduler) if stream_of else lambda: None) \
+            if tree is not None else None
         for inst in mine:
             source = self._sweep_source(tree, scheduler) if tree is not None else None
             if source is not None and follower is not None:
