@@ -4,6 +4,7 @@ Subcommands:
     doctor   build every kernel backend available here, self-test each, print one row per backend.
     demo     the real manager and kernels protect a simulated serving loop; inject every fault class; print a table.
     report   summarise JSONL report files (one per rank): violations, lost/health records, injections matched.
+    check    judge sglang launch_server arguments: which settings kvcanary covers, refuses, or that move no KV.
 
 ``-v`` (log details) goes before or after the subcommand.
 """
@@ -125,6 +126,24 @@ def _build_parser() -> argparse.ArgumentParser:
     report.add_argument("files", nargs="+", metavar="FILE", help="JSONL report files or glob patterns")
     report.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     report.set_defaults(func=_cmd_report)
+
+    check = sub.add_parser(
+        "check",
+        parents=[common],
+        help="would kvcanary protect this sglang launch? (kvcanary check -- <launch_server arguments>)",
+        description=(
+            "Parse sglang launch_server arguments (everything after --) with sglang's own parser, without a GPU "
+            "or the model (ServerArgs.__post_init__ is skipped; the output lists the derived defaults that are "
+            "therefore not applied), run the start-up guards the kvcanary plugin runs, and print one line per "
+            "audited setting that applies: covered, refused or no KV effect, and why. Exit status 0: everything "
+            "covered; 2: a setting is refused (named as written); 1: the arguments are wrong, or sglang is "
+            "missing or not a supported version. Needs no KVCANARY_* variable."
+        ),
+    )
+    check.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    check.add_argument("launch_args", nargs=argparse.REMAINDER, metavar="-- ARGS",
+                       help="sglang.launch_server arguments, after --")
+    check.set_defaults(func=_cmd_check)
     return parser
 
 
@@ -205,6 +224,19 @@ def _cmd_report(args: argparse.Namespace, out: TextIO) -> int:
     else:
         out.write(summarize.render(summary) + "\n")
     return 1 if summary.bad_lines or unmatched else 0
+
+
+def _cmd_check(args: argparse.Namespace, out: TextIO) -> int:
+    from kvcanary import check
+
+    result = check.run_check(args.launch_args)
+    if args.json:
+        out.write(json.dumps(result.to_json(), indent=2) + "\n")
+    elif result.error is not None:
+        sys.stderr.write(check.render(result) + "\n")
+    else:
+        out.write(check.render(result) + "\n")
+    return result.exit_code
 
 
 def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int:

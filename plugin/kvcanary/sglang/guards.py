@@ -5,32 +5,35 @@ version whose arguments differ gets its own guard beside these."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvcanary.sglang.audit import Finding
+
 
 class UnsupportedSetupError(RuntimeError):
     """An sglang setup kvcanary cannot protect; the message says what to change."""
 
 
 def check_supported(server_args, sglang_version: str) -> None:
-    """Refuse, before anything is built, server arguments kvcanary cannot protect on ``sglang_version``."""
-    own = getattr(server_args, "kv_canary", None)  # later sglang versions: --kv-canary none|log|raise
-    if own not in (None, False, "none", "off", ""):
-        raise UnsupportedSetupError(
-            f"sglang's own KV canary is enabled (--kv-canary {own}); kvcanary does not install twice: "
-            "drop --kv-canary or unset KVCANARY_MODE"
-        )
-    # Piecewise CUDA graphs (prefill) are supported: the canary runs around each replay (kvcanary.sglang.piecewise).
-    if getattr(server_args, "enable_torch_compile", False):
-        raise UnsupportedSetupError(
-            "--enable-torch-compile compiles model.forward, which kvcanary wraps; remove --enable-torch-compile"
-        )
-    if getattr(server_args, "enable_pdmux", False):
-        raise UnsupportedSetupError(
-            "split prefill (--enable-pdmux) calls model.forward_split_prefill, which bypasses kvcanary; "
-            "remove --enable-pdmux"
-        )
+    """Refuse, before anything is built, server arguments kvcanary cannot protect on ``sglang_version``: the
+    audit's refused rows (:mod:`kvcanary.sglang.audit`) in table order, the first that applies raising with the flag
+    as written, then the speculative setups :func:`~kvcanary.sglang.speculative.check_speculative` refuses."""
+    from kvcanary.sglang.audit import GUARDS, refused_rows
     from kvcanary.sglang.speculative import check_speculative  # (it raises this module's UnsupportedSetupError)
 
+    # Piecewise CUDA graphs (prefill) are supported: the canary runs around each replay (kvcanary.sglang.piecewise).
+    for row in refused_rows():
+        if row.raised_by == GUARDS and row.applies(server_args, sglang_version):
+            raise UnsupportedSetupError(row.message(server_args, sglang_version))
     check_speculative(server_args, sglang_version)  # EAGLE topk 1 on the spec-v2 worker; anything else refused
+
+
+def audit(server_args, sglang_version: str) -> list[Finding]:
+    """Every audit row against ``server_args`` (``kvcanary check``): whether it applies, and its verdict."""
+    from kvcanary.sglang.audit import evaluate
+
+    return evaluate(server_args, sglang_version)
 
 
 # The prefill graph runners kvcanary runs around (sglang 0.5.12's model_runner.init_piecewise_cuda_graphs): both
