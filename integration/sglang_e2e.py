@@ -62,6 +62,7 @@ import time
 from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hicache_phases  # noqa: E402  (integration/hicache_phases.py: the HiCache phases 9-14)
 import loop_probe  # noqa: E402  (integration/loop_probe.py: --loop-probe)
 from test_plugin import write_test_plugin  # noqa: E402
 
@@ -81,6 +82,7 @@ EXPECTED_REASONS: dict[str, tuple[str, ...]] = {
     "cached_idle_corruption": ("verify_real_kv_hash",),
     "token_swap": ("write_token", "verify_token"),
     "position_skew": ("write_position", "verify_position"),
+    **hicache_phases.HOST_TIER_REASONS,  # the HiCache fault phase's classes
 }
 # Forwards after the injection within which a detection counts (the violation's step is the forward count when
 # kvcanary drained it: > the injection's step). A token swap is seen when its row's next forward verifies it.
@@ -495,6 +497,21 @@ def render(summary: dict) -> str:
             lines.append(f"| log/off | {r:.4f} ({what}) | | | | {_fmt(ov.get('ms_per_forward_delta'), 3)} ms more per "
                          f"forward |")
     lines += render_eagle(summary.get("eagle") or [])
+    lines += hicache_phases.render(summary.get("hicache") or [])
+    for row in summary.get("hicache") or []:
+        f = row.get("faults")
+        if f:
+            lines += ["", "| host-tier fault class | injections | detected | latency (steps) |", "|---|---|---|---|"]
+            for c in hicache_phases.HOST_TIER_FAULTS:
+                lat = f["latency"].get(c) or []
+                lines.append(f"| {c} | {f['injections'].get(c, 0)} | {f['detected'].get(c, 0)} | "
+                             f"{f'{min(lat)}..{max(lat)}' if lat else '-'} |")
+            lines.append(f"| violations on untouched slots | {f['unexplained']} | | |")
+        for v in row.get("violation_examples") or []:
+            if row["phase"].split()[1].startswith("hicache-race"):
+                lines.append(f"- {row['phase']}: step={v.get('step')} slot={v.get('slot')} "
+                             f"position={v.get('position')} reasons={'+'.join(v.get('reasons', []))} "
+                             f"via={v.get('via')}")
     lines += render_piecewise(summary)
     lines += loop_probe.render([tuple(r) for r in (ov or {}).get("probe") or []])
     notes = [f"{s['phase']}: {w}" for s in summary["phases"] for w in s.get("why", [])]
@@ -517,6 +534,12 @@ def build_summary(out: str, phases: list[str], results: dict, budget: float, tot
             ok_all &= overhead_pairs(summary, pdir, results)
             continue
         res = results.get(key, {"status": "SKIPPED"})
+        if key in HICACHE_PHASES:
+            s = summarize_hicache(phase, pdir, res, results)
+            summary.setdefault("hicache", []).append(s)
+            ok_all &= s["verdict"] in ("PASS", "REPORTED")
+            summary["phases"].append(s)
+            continue
         if key in EAGLE_PHASES:
             s, detail = summarize_eagle(phase, pdir, res, seed=res.get("seed", 0))
             summary.setdefault("eagle", []).append(detail)
@@ -860,6 +883,9 @@ def make_eagle_workload(kind: str, *, seed: int = 0, max_new: tuple[int, int] = 
 def phase_workload(spec: dict) -> list[list[Request]]:
     """The workload a worker runs: the phase's own for EAGLE phases, else ``make_workload``."""
     kind = spec.get("workload", "mixed")
+    if kind == "hicache":
+        return [[Request(ids, new, -1) for ids, new in group]
+                for group in hicache_phases.hicache_workload(spec["seed"])]
     if kind.startswith("eagle"):
         return make_eagle_workload(kind, seed=spec["seed"], max_new=tuple(spec["max_new"]))
     return make_workload(spec["requests"], seed=spec["seed"], max_new=tuple(spec["max_new"]))
@@ -1226,6 +1252,83 @@ def dry_run_eagle(phase: Phase, pdir: str, base: dict, seed: int = 0) -> dict:
 PHASES.update(EAGLE_PHASES)
 PHASE_NAMES.update({p.name: k for k, p in EAGLE_PHASES.items()})
 
+# ---------------------------------------------------------------------------------------------------- HiCache
+# integration/hicache_phases.py: sglang's host KV tier with a device pool ~7x smaller than the workload's prefixes.
+# Engines start in ~30-55 s warm; the workload's 384 requests take ~20-60 s.
+_HC = hicache_phases
+_HC_ENV = COMMON_ENV + (("KVCANARY_STATS_EVERY", "50"),)
+
+
+def _hicache_phase(key: str, name: str, mode: str, policy: str, env: tuple = ()) -> Phase:
+    return Phase(key, name, mode, True, _HC.DEVICE_TOKENS, 170, 90, _HC_ENV + env,
+                 _HC.HICACHE_ENGINE + (("hicache_write_policy", policy),), max_new=(4, 40), workload="hicache")
+
+
+HICACHE_PHASES: dict[str, Phase] = {
+    "9": _hicache_phase("9", "hicache-off", "off", "write_through"),
+    "10": _hicache_phase("10", "hicache-clean", "raise", "write_through"),
+    "11": _hicache_phase("11", "hicache-writeback", "raise", "write_back"),
+    "12": _hicache_phase("12", "hicache-faults", "log", "write_through", (
+        ("KVCANARY_FAULT", ",".join(_HC.HOST_TIER_FAULTS)), ("KVCANARY_FAULT_EVERY", "6"),
+        ("KVCANARY_FAULT_WARMUP", "20"), ("KVCANARY_FAULT_SEED", "5"))),
+    "13": _hicache_phase("13", "hicache-race", "log", "write_through"),
+    "14": _hicache_phase("14", "hicache-race-fixed", "log", "write_through", ((_HC.FENCE_ENV, "fix"),)),
+}
+HICACHE_KIND = {"9": "off", "10": "clean", "11": "clean", "12": "faults", "13": "race", "14": "race-fixed"}
+PHASES.update(HICACHE_PHASES)
+PHASE_NAMES.update({p.name: k for k, p in HICACHE_PHASES.items()})
+
+
+def hicache_env(env: dict, phase: Phase, pdir: str) -> dict:
+    """A phase with the PR 36738 fence: the test-only plugin on PYTHONPATH, and where it finds hicache_phases.py."""
+    if dict(phase.env).get(_HC.FENCE_ENV) is None:
+        return env
+    root = write_test_plugin(os.path.join(pdir, "fence-plugin"), _HC.FENCE_PLUGIN,
+                             about="integration/hicache_phases.py, PR 36738's fence", gate_env=_HC.FENCE_ENV,
+                             file_env=_HC.FENCE_DRIVER_ENV, module="_kvcanary_e2e_hicache",
+                             function="install_hicache_fence")
+    env = dict(env)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env[_HC.FENCE_DRIVER_ENV] = os.path.abspath(_HC.__file__)
+    if env.get("SGLANG_PLUGINS"):
+        env["SGLANG_PLUGINS"] += f",{_HC.FENCE_PLUGIN}"
+    return env
+
+
+def summarize_hicache(phase: Phase, pdir: str, res: dict, results: dict) -> dict:
+    """A HiCache phase's row: the clean-phase counts plus the host tier's (kvcanary's stats line), the outputs
+    against hicache-off's, the fault match, and the verdict."""
+    log_text = _read(os.path.join(pdir, "worker.log"))
+    rows = read_jsonl(sorted(glob.glob(os.path.join(pdir, "kvc-*.jsonl"))))
+    s = summarize_phase(phase, res, log_text, rows)
+    counts = _HC.host_tier_counts(log_text)
+    if counts is not None:
+        s["host_backed_up"], s["host_loaded"] = counts
+    else:
+        s["host_loaded"] = None
+    s["write_policy"] = dict(phase.engine).get("hicache_write_policy")
+    vio = [r for r in rows if r.get("schema") == VIOLATION_SCHEMA]
+    s["violations_via_host_tier"] = sum(r.get("via") == _HC.VIA_HOST_TIER for r in vio)
+    s["violations_not_via_host_tier"] = len(vio) - s["violations_via_host_tier"]
+    s["violation_examples"] = vio[:5]
+    off = results.get("9", {}).get("outputs")
+    mine = res.get("outputs")
+    s["outputs_digest"] = _HC.outputs_digest(mine)
+    if off is not None and mine is not None and phase.key != "9":
+        differ = sum(a != b for a, b in zip(off, mine, strict=False)) + abs(len(off) - len(mine))
+        s["outputs_differ"], s["outputs_equal"] = differ, "yes" if differ == 0 else f"no ({differ})"
+    kind = HICACHE_KIND[phase.key]
+    match = match_injections(rows) if kind == "faults" else None
+    if match is not None:
+        s["faults"] = {"injections": dict(match.injections), "detected": dict(match.detected),
+                       "latency": {k: sorted(v) for k, v in match.latency.items()},
+                       "unexplained": len(match.unexplained), "missed": match.missed}
+    why = _HC.verdict(kind, s, off, match)
+    s["verdict"], s["why"] = ("PASS" if not why else "FAIL"), why
+    if kind == "race" and not why:  # a finding either way: what the race phase saw is reported, not judged
+        s["verdict"] = "REPORTED"
+    return s
+
 
 # ---------------------------------------------------------------------------------------------------- parent
 def phase_env(phase: Phase, report_dir: str, base: dict | None = None, mode: str | None = None,
@@ -1356,7 +1459,8 @@ def run_phases(args, runner=run_worker) -> dict:
         spec = {"phase": key, "subs": subs, "model": model, "engine": engine_kwargs(phase, model, args),
                 "requests": args.requests, "seed": args.seed, "chunk": args.chunk, "out": pdir,
                 "deadline": time.time() + timeout - 25,  # the worker stops sending requests then, and shuts down
-                "max_new": list(phase.max_new), "warm_groups": 3 if key == "4" else 0, "workload": phase.workload}
+                "max_new": list(phase.max_new), "warm_groups": 3 if key == "4" else 0, "workload": phase.workload,
+                "keep_outputs": key in HICACHE_PHASES}
         spec_path = os.path.join(pdir, f"spec{'-' + '-'.join(s for s in subs if s)}.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f, indent=1)
@@ -1367,6 +1471,7 @@ def run_phases(args, runner=run_worker) -> dict:
         env = eagle_env(phase_env(phase, pdir, fault_rank=getattr(args, "fault_rank", None),
                                   overrides=parse_kvcanary_env(getattr(args, "kvcanary_env", None) or [])),
                         phase, pdir)
+        env = hicache_env(env, phase, pdir)
         if getattr(args, "loop_probe", False):
             env = loop_probe.probe_env(env, os.path.join(pdir, "loop-probe-plugin"))
         rc = runner(cmd, env, os.path.join(pdir, "worker.log"), timeout)
@@ -1497,6 +1602,9 @@ def dry_run_reports(args, groups: list[list[Request]]) -> dict:
         if key in EAGLE_PHASES:
             results[key] = dry_run_eagle(phase, pdir, dict(base, seed=args.seed), args.seed)
             continue
+        if key in HICACHE_PHASES:
+            results[key] = dry_run_hicache(phase, pdir, base, rng)
+            continue
         if args.piecewise:
             stats = dry_run_piecewise_log()
             base["piecewise"] = True
@@ -1526,6 +1634,30 @@ def dry_run_reports(args, groups: list[list[Request]]) -> dict:
                     step += 3
         results[key] = base
     return results
+
+
+def dry_run_hicache(phase: Phase, pdir: str, base: dict, rng: random.Random) -> dict:
+    """A HiCache phase's worker output, synthesized: stats lines with the host tier's counts (none with kvcanary
+    off), the same outputs in every phase, and in the fault phase injections each detected via the host tier."""
+    kind = HICACHE_KIND[phase.key]
+    with open(os.path.join(pdir, "worker.log"), "w") as f:
+        f.write("[dry-run]\n")
+        if kind != "off":
+            f.write("kvcanary stats: step=900 forwards=900 tokens_written=200000 entries_verified=2500000 "
+                    "entries_swept=90000 violations=0 lost=0 host_backed_up=31000 host_loaded=24000\n")
+    if kind == "faults":
+        with open(os.path.join(pdir, "kvc-0.jsonl"), "w") as f:
+            step = 20
+            for c in hicache_phases.HOST_TIER_FAULTS * 8:
+                slots = [rng.randrange(1, 6000) for _ in range(2)]
+                f.write(json.dumps({"schema": INJECTION_SCHEMA, "fault": c, "step": step, "slots": slots,
+                                    "detail": "dry-run", "rank": {"tp_rank": 0}}) + "\n")
+                f.write(json.dumps({"schema": VIOLATION_SCHEMA, "step": step + 1, "tag": "verify",
+                                    "reasons": ["verify_real_kv_hash"], "slot": slots[0], "via": "host_tier",
+                                    "rank": {"tp_rank": 0}}) + "\n")
+                step += 6
+    n = base["requests_sent"]
+    return dict(base, outputs=[[7] * 4 for _ in range(n)])
 
 
 def dry_run_piecewise_log() -> str:
@@ -1671,6 +1803,8 @@ def run_engine(Engine, spec: dict, groups: list[list[Request]], res: dict, res_p
             for r, o in zip(group, outs, strict=False):
                 meta = o.get("meta_info", {}) if isinstance(o, dict) else {}
                 n = meta.get("completion_tokens") or len(o.get("output_ids") or [])
+                if spec.get("keep_outputs"):  # (HiCache phases: greedy outputs compared across Engines)
+                    res.setdefault("outputs", []).append(list(o.get("output_ids") or []))
                 if n == r.max_new_tokens:
                     res["requests_ok"] += 1
                 else:
@@ -1703,7 +1837,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--phases", default="1,2,3,4", help="comma-separated: 1 clean, 2 graph, 3 faults, 4 overhead, "
-                    "5 eagle-bug, 6 eagle-fixed, 7 eagle-soak, 8 eagle-faults")
+                    "5 eagle-bug, 6 eagle-fixed, 7 eagle-soak, 8 eagle-faults, 9 hicache-off, 10 hicache-clean, "
+                    "11 hicache-writeback, 12 hicache-faults, 13 hicache-race, 14 hicache-race-fixed")
     ap.add_argument("--draft-model", default=None, help="EAGLE draft model path (default: a one-layer "
                     "LlamaForCausalLMEagle config, dummy weights)")
     ap.add_argument("--budget", type=float, default=570.0, help="seconds for the whole run (default 570)")
