@@ -57,7 +57,8 @@ JSONL report (``KVCANARY_REPORT``): one JSON object per line, four schemas:
 * ``kvcanary.violation/1``: ``schema, step, tag, kernel_kind, reasons (list), fail_reason_bits, slot, position,
   stored_token, expected_token, stored_chain_hash (hex string), expected_aux (signed int), expected_aux_hex
   (hex string), expected_aux_kind ("hash" | "position" | "index"), request_row (int or null), written_step
-  (int or null), writer_rid (string or null, not encoded), via ("host_tier" or null), rank (object or null), time (unix seconds)``;
+  (int or null), writer_rid (string or null, not encoded), via ("host_tier" or null), rank (object or null),
+  time (unix seconds)``;
 * ``kvcanary.lost/1``: ``schema, count, step, rank, time``: rows the ring overflowed and could not keep;
 * ``kvcanary.health/1``: ``schema, message, step, tags (list of names), rank, time``;
 * ``kvcanary.injection/1`` (fault injection for tests only, ``KVCANARY_FAULT``): ``schema, fault, step, slots
