@@ -17,6 +17,15 @@ Classes (``FAULT_CLASSES``), injector, what the canary should report (``EXPECTED
 * ``position_skew``: :func:`skew_position`; write_position (chain-position assert) / verify_position.
 * ``out_of_range_index``: :func:`out_of_range_slot`; slot_out_of_range, and no out-of-bounds access.
 
+Host KV tier (``HOST_TIER_CLASSES``: an engine that backs KV up to host memory and loads it back into new device
+slots, like sglang's HiCache; the records follow through :mod:`kvcanary.host_tier`), each seen as
+verify_real_kv_hash on the loaded device slots, with ``via=host_tier``:
+
+* ``host_tier_flip``: :func:`flip_host_copy`, a byte of a host copy changes before it is loaded back.
+* ``load_wrong_slots``: :func:`misdirect_load`, a load-back's K/V lands in other device slots than the ones the
+  engine recorded for it (the records go to the right ones).
+* ``load_before_backup``: :func:`stale_host_read`, a load-back reads the host copy before its backup landed.
+
 Environment (read by :meth:`FaultPlan.from_env`; never set it in production):
 ``KVCANARY_FAULT=<class>[,<class>...]`` (or ``all``), ``KVCANARY_FAULT_EVERY=<steps>`` (default 100),
 ``KVCANARY_FAULT_WARMUP=<steps>`` (default 0), ``KVCANARY_FAULT_SEED=<int>`` (default 0),
@@ -30,7 +39,7 @@ from __future__ import annotations
 import logging
 import os
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +56,12 @@ CACHED_IDLE_CORRUPTION = "cached_idle_corruption"
 TOKEN_SWAP = "token_swap"
 POSITION_SKEW = "position_skew"
 OUT_OF_RANGE_INDEX = "out_of_range_index"
+HOST_TIER_FLIP = "host_tier_flip"
+LOAD_WRONG_SLOTS = "load_wrong_slots"
+LOAD_BEFORE_BACKUP = "load_before_backup"
+
+# Faults of a host KV tier's backup and load-back; only an engine with such a tier can take them.
+HOST_TIER_CLASSES: tuple[str, ...] = (HOST_TIER_FLIP, LOAD_WRONG_SLOTS, LOAD_BEFORE_BACKUP)
 
 FAULT_CLASSES: tuple[str, ...] = (
     REQ_TO_TOKEN_REDIRECT,
@@ -56,6 +71,7 @@ FAULT_CLASSES: tuple[str, ...] = (
     TOKEN_SWAP,
     POSITION_SKEW,
     OUT_OF_RANGE_INDEX,
+    *HOST_TIER_CLASSES,
 )
 
 # The reason names (``kvcanary.layout.reason_names``) each class is expected to produce; any one of them counts.
@@ -67,6 +83,10 @@ EXPECTED_REASONS: Mapping[str, tuple[str, ...]] = {
     TOKEN_SWAP: ("write_token", "verify_token"),
     POSITION_SKEW: ("write_position", "verify_position"),
     OUT_OF_RANGE_INDEX: ("slot_out_of_range",),
+    # the loaded slot's record carries the fingerprint taken when the forward first wrote the KV
+    HOST_TIER_FLIP: ("verify_real_kv_hash",),
+    LOAD_WRONG_SLOTS: ("verify_real_kv_hash",),
+    LOAD_BEFORE_BACKUP: ("verify_real_kv_hash",),
 }
 
 ENV_FAULT = "KVCANARY_FAULT"
@@ -118,7 +138,8 @@ def redirect_req_to_token(
     return _log(Injection(REQ_TO_TOKEN_REDIRECT, step, slots, f"req_to_token[{row}, {position}]: {old} -> {new_slot}"))
 
 
-def _flip(fault: str, source: RealKvSource, slot: int, byte: int, mask: int, step: int | None) -> Injection:
+def _flip_bytes(source: RealKvSource, slot: int, byte: int, mask: int) -> tuple[int, int]:
+    """XOR ``mask`` into byte ``byte`` of ``slot``'s bytes in ``source``; returns (old, new) value."""
     _check_index("slot", slot, source.num_slots)
     _check_index("byte", byte, source.num_bytes_per_token)
     if not 0 < mask <= 0xFF:
@@ -127,8 +148,13 @@ def _flip(fault: str, source: RealKvSource, slot: int, byte: int, mask: int, ste
     col = col * source.num_bytes_per_token + byte
     old = int(source.kv_bytes[row, col])
     source.kv_bytes[row, col] = old ^ mask
+    return old, old ^ mask
+
+
+def _flip(fault: str, source: RealKvSource, slot: int, byte: int, mask: int, step: int | None) -> Injection:
+    old, new = _flip_bytes(source, slot, byte, mask)
     return _log(Injection(fault, step, (int(slot),),
-                          f"real KV slot {slot} byte {byte}: 0x{old:02x} -> 0x{old ^ mask:02x} (mask 0x{mask:02x})"))
+                          f"real KV slot {slot} byte {byte}: 0x{old:02x} -> 0x{new:02x} (mask 0x{mask:02x})"))
 
 
 def flip_real_kv(
@@ -217,6 +243,93 @@ def out_of_range_slot(
     where = "[" + ", ".join(map(str, key)) + "]"
     detail = f"index{where}: {old} -> {bad} (num_slots {num_slots})"
     return _log(Injection(OUT_OF_RANGE_INDEX, step, (bad, old), detail))
+
+
+# ---------------------------------------------------------------------------------------------- host KV tier
+def _device_slot(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"kvcanary.faults: {name}: expected a device slot (an int >= 0), got {value!r}")
+    return value
+
+
+def _slot_bytes(source: RealKvSource, slot: int) -> torch.Tensor:
+    """The ``num_bytes_per_token`` bytes of ``slot`` in ``source`` (a view: writing it writes the buffer)."""
+    row, col = divmod(_check_index("slot", slot, source.num_slots), source.page_size)
+    n = source.num_bytes_per_token
+    return source.kv_bytes[row, col * n:(col + 1) * n]
+
+
+def flip_host_copy(
+    host_source: RealKvSource, host_slot: int, device_slot: int, byte: int = 0, mask: int = 0xFF, *,
+    step: int | None = None,
+) -> Injection:
+    """XOR ``mask`` into byte ``byte`` of host slot ``host_slot``'s copy in ``host_source`` (a host-tier buffer),
+    which the engine is about to load back into ``device_slot``.
+
+    Touched slot: ``device_slot``, which will hold the bad K/V (the host slot itself is verified by no one).
+    Calling it again with the same arguments restores the byte.
+    """
+    _device_slot("device_slot", device_slot)
+    old, new = _flip_bytes(host_source, host_slot, byte, mask)
+    return _log(Injection(HOST_TIER_FLIP, step, (int(device_slot),),
+                          f"host slot {host_slot} byte {byte}: 0x{old:02x} -> 0x{new:02x} (mask 0x{mask:02x}), "
+                          f"loaded into device slot {device_slot}"))
+
+
+def misdirect_load(device_slots: torch.Tensor, *, step: int | None = None) -> tuple[Injection, torch.Tensor]:
+    """A load-back whose K/V copy writes other device slots than ``device_slots``, the ones the engine (and the
+    canary's records) have for it: returns the slots the K/V copy should use instead, ``device_slots`` rolled by
+    one (host slot ``i``'s K/V lands in device slot ``i + 1``'s place, the last one's in the first's).
+
+    Touched slots: every slot of ``device_slots`` (each now holds another slot's K/V). Needs at least two distinct
+    slots (with one there is nothing to mix up): ``ValueError`` otherwise.
+    """
+    if not isinstance(device_slots, torch.Tensor) or device_slots.dim() != 1:
+        raise ValueError("kvcanary.faults: device_slots: expected a 1-D tensor of device slots")
+    slots = tuple(dict.fromkeys(int(s) for s in device_slots.tolist()))
+    if len(slots) < 2:
+        raise ValueError(f"kvcanary.faults: device_slots: a misdirected load needs >= 2 distinct slots, got {slots}")
+    rolled = torch.roll(device_slots, -1)
+    detail = f"load-back K/V for device slots {device_slots.tolist()} written to {rolled.tolist()}"
+    return _log(Injection(LOAD_WRONG_SLOTS, step, slots, detail)), rolled
+
+
+def stale_host_read(
+    host_sources: Sequence[RealKvSource], host_slots: Sequence[int], device_slots: Sequence[int], *,
+    step: int | None = None,
+) -> tuple[Injection, Callable[[], None]]:
+    """A load-back of ``host_slots`` into ``device_slots`` that reads the host copies before their backup landed:
+    in every source, each host slot's ``num_bytes_per_token`` bytes become stale content (the backed-up bytes XOR
+    0x5A, so always different).
+
+    Returns the injection (touched: the device slots, which will hold the stale K/V) and the undo, which puts the
+    backed-up bytes back (the backup landing): the caller runs it once the load has read the host copies, so that
+    the host tier is right afterwards and only the device copy is not. A second call of the undo does nothing.
+    """
+    host = [int(h) for h in host_slots]
+    device = [_device_slot("device_slots[]", int(d)) for d in device_slots]
+    if not host or len(host) != len(device):
+        raise ValueError(f"kvcanary.faults: stale_host_read: expected as many host slots as device slots (>= 1), "
+                         f"got {len(host)} and {len(device)}")
+    if not host_sources:
+        raise ValueError("kvcanary.faults: stale_host_read: host_sources: expected at least one source")
+    views = [_slot_bytes(src, h) for src in host_sources for h in dict.fromkeys(host)]
+    saved = [v.clone() for v in views]
+    for v in views:
+        v.bitwise_xor_(0x5A)
+    undone = False
+
+    def undo() -> None:
+        nonlocal undone
+        if not undone:
+            undone = True
+            for v, old in zip(views, saved, strict=True):
+                v.copy_(old)
+
+    inj = Injection(LOAD_BEFORE_BACKUP, step, tuple(dict.fromkeys(device)),
+                    f"load-back of host slots {host} into device slots {device} read them before their backup "
+                    f"landed (bytes XOR 0x5a in {len(host_sources)} sources)")
+    return _log(inj), undo
 
 
 # ---------------------------------------------------------------------------------------------- plan

@@ -75,6 +75,91 @@ def test_flip_bytes(caplog, page_size: int, fn, name: str) -> None:
         fn(src, 1, mask=0)
 
 
+def _host_source(page_size: int, rows: int = 6) -> tuple[torch.Tensor, RealKvSource]:
+    buf = (torch.arange(rows * page_size * 32, dtype=torch.int32) * 7).to(torch.uint8).view(rows, page_size * 32)
+    return buf, RealKvSource(buf, page_size, 32, 32)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_flip_host_copy(caplog, page_size: int) -> None:
+    buf, src = _host_source(page_size)
+    before = buf.clone()
+    host_slot = 3 if page_size == 1 else 4 * 2 + 1
+    inj = faults.flip_host_copy(src, host_slot, 77, byte=5, mask=0x30, step=9)
+    row, col = divmod(host_slot, page_size)
+    assert _changed(before, buf) == [(row, col * 32 + 5)]
+    assert int(buf[row, col * 32 + 5]) == int(before[row, col * 32 + 5]) ^ 0x30
+    # the injection names the device slot the bad copy is loaded into: that is where the canary reports it
+    assert inj.fault == "host_tier_flip" and inj.slots == (77,) and inj.step == 9
+    assert f"host slot {host_slot}" in inj.detail and "device slot 77" in inj.detail
+    _logged(caplog, inj)
+    faults.flip_host_copy(src, host_slot, 77, byte=5, mask=0x30)  # the same flip again restores the byte
+    assert torch.equal(buf, before)
+    with pytest.raises(IndexError, match="slot"):
+        faults.flip_host_copy(src, src.num_slots, 1)
+    with pytest.raises(IndexError, match="byte"):
+        faults.flip_host_copy(src, 1, 1, byte=32)
+    with pytest.raises(ValueError, match="mask"):
+        faults.flip_host_copy(src, 1, 1, mask=0x100)
+    with pytest.raises(ValueError, match="device_slot"):
+        faults.flip_host_copy(src, 1, -1)
+    assert torch.equal(buf, before)  # a refused call changes nothing
+
+
+def test_misdirect_load(caplog) -> None:
+    slots = torch.tensor([10, 11, 12, 13])
+    inj, kv_slots = faults.misdirect_load(slots, step=4)
+    assert slots.tolist() == [10, 11, 12, 13]  # the records' slots stay as the engine has them
+    assert kv_slots.tolist() == [11, 12, 13, 10]  # host slot i's K/V lands where slot i + 1 is recorded
+    assert inj.fault == "load_wrong_slots" and inj.slots == (10, 11, 12, 13) and inj.step == 4
+    _logged(caplog, inj)
+    _, two = faults.misdirect_load(torch.tensor([5, 5, 6]))
+    assert two.tolist() == [5, 6, 5]
+    for bad in (torch.tensor([7]), torch.tensor([7, 7]), torch.tensor([], dtype=torch.int64)):
+        with pytest.raises(ValueError, match=">= 2 distinct"):
+            faults.misdirect_load(bad)
+    with pytest.raises(ValueError, match="1-D"):
+        faults.misdirect_load(torch.tensor([[1, 2]]))
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_stale_host_read(caplog, page_size: int) -> None:
+    k_buf, k = _host_source(page_size)
+    v_buf, v = _host_source(page_size)
+    v_buf.add_(3)
+    before_k, before_v = k_buf.clone(), v_buf.clone()
+    host_slots, device_slots = [1, page_size + 2], [40, 41]
+    inj, undo = faults.stale_host_read([k, v], host_slots, device_slots, step=2)
+    assert inj.fault == "load_before_backup" and inj.slots == (40, 41) and inj.step == 2
+    _logged(caplog, inj)
+    for buf, before in ((k_buf, before_k), (v_buf, before_v)):
+        changed = {(r, c) for r, c in _changed(before, buf)}
+        want = {(h // page_size, (h % page_size) * 32 + b) for h in host_slots for b in range(32)}
+        assert changed == want  # every byte of each host slot, in both sources, and nothing else
+        assert torch.equal(buf ^ before, torch.where(before != buf, 0x5A, 0).to(torch.uint8))
+    undo()  # the backup lands: the host copies are right again
+    assert torch.equal(k_buf, before_k) and torch.equal(v_buf, before_v)
+    k_buf[0, 0] ^= 1  # written after the undo ...
+    undo()  # ... and a second undo does not touch it
+    assert int(k_buf[0, 0]) == int(before_k[0, 0]) ^ 1
+    with pytest.raises(ValueError, match="as many"):
+        faults.stale_host_read([k], [1, 2], [3])
+    with pytest.raises(ValueError, match="as many"):
+        faults.stale_host_read([k], [], [])
+    with pytest.raises(ValueError, match="host_sources"):
+        faults.stale_host_read([], [1], [3])
+    with pytest.raises(IndexError, match="slot"):
+        faults.stale_host_read([k], [k.num_slots], [3])
+
+
+def test_host_tier_classes_are_fault_classes() -> None:
+    assert faults.HOST_TIER_CLASSES == ("host_tier_flip", "load_wrong_slots", "load_before_backup")
+    assert faults.FAULT_CLASSES[-3:] == faults.HOST_TIER_CLASSES
+    for c in faults.HOST_TIER_CLASSES:
+        assert faults.EXPECTED_REASONS[c] == ("verify_real_kv_hash",)
+    assert FaultPlan.from_env({"KVCANARY_FAULT": "load_before_backup"}).classes == ("load_before_backup",)
+
+
 def test_swap_tokens(caplog) -> None:
     ids, loc = torch.tensor([10, 11, 12, 13]), torch.tensor([5, 6, 7, 8])
     inj = faults.swap_tokens(ids, 1, 3, out_cache_loc=loc, step=4)
