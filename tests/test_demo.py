@@ -33,6 +33,9 @@ def test_every_fault_class_detected_without_false_positives(result: demo.DemoRes
     # corrupted prefix may report it through its verify too (a time-bounded clean phase on CI made that happen).
     idle = result.faults[faults.CACHED_IDLE_CORRUPTION]
     assert idle.tags["sweep"] >= idle.injected and set(idle.tags) <= {"sweep", "verify"}, idle
+    # a host-tier fault is seen on the loaded-back slots, and the report says the K/V came through the host tier
+    for name in faults.HOST_TIER_CLASSES:
+        assert result.faults[name].via_host_tier == 2, result.faults[name]
 
 
 def test_the_clean_phase_exercises_the_serving_loop(result: demo.DemoResult) -> None:
@@ -41,6 +44,8 @@ def test_the_clean_phase_exercises_the_serving_loop(result: demo.DemoResult) -> 
     w = result.workload
     assert w["evicted_pages"] > 0 and w["chunked_prefill_continuations"] > 0 and w["sweeps"] > 0
     assert w["slot_writes_over_another_request"] > 0
+    assert w["host_pages_backed_up"] > 0 and w["host_load_backs"] > 0
+    assert w["host_slots_loaded_back"] >= w["host_load_backs"]
     assert result.entries_verified > 0 and result.entries_swept > 0 and result.tokens_written > 0
 
 
@@ -48,6 +53,11 @@ def test_text_and_json_forms(result: demo.DemoResult) -> None:
     text = demo.render(result)
     for name in faults.FAULT_CLASSES:
         assert f"\n{name} " in text
+    w = result.workload
+    assert (f"host tier ({demo.HOST_PAGES} pages): {w['host_pages_backed_up']} pages backed up, "
+            f"{w['host_load_backs']} load-backs ({w['host_slots_loaded_back']} slots loaded back)") in text
+    row = next(line for line in text.splitlines() if line.startswith("load_wrong_slots "))
+    assert " 2/2 | " in row and "verify_real_kv_hash" in row  # via=host_tier for both detections
     assert "PASS: every fault class detected, 0 false positives" in text
     # the violation line is the log's own: logging prefix, then the frozen key=value line
     assert result.violation_line and result.violation_line.startswith("WARNING kvcanary.report: kvcanary violation: ")
@@ -55,6 +65,8 @@ def test_text_and_json_forms(result: demo.DemoResult) -> None:
     assert obj["passed"] is True and obj["false_positives"] == 0
     assert set(obj["faults"]) == set(faults.FAULT_CLASSES)
     assert all(v["injected"] == v["detected"] == 2 for v in obj["faults"].values())
+    assert all(obj["faults"][name]["via_host_tier"] == 2 for name in faults.HOST_TIER_CLASSES)
+    assert obj["clean"]["workload"]["host_load_backs"] == result.workload["host_load_backs"]
 
 
 def test_a_missed_fault_fails_the_demo(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -76,6 +88,28 @@ def test_cli_demo_json_exit_zero() -> None:
     assert cli.main([*FAST, "--json"], out=out) == 0, out.getvalue()
     obj = json.loads(out.getvalue())
     assert obj["schema"] == "kvcanary.demo/1" and obj["passed"] is True
+
+
+def test_cli_demo_host_tier_faults_only() -> None:
+    out = io.StringIO()
+    code = cli.main(["demo", "--seconds", "0.2", "--injections", "1", "--faults", ",".join(faults.HOST_TIER_CLASSES),
+                     "--device", "cpu"], out=out)
+    text = out.getvalue()
+    assert code == 0, text
+    assert [ln.split()[0] for ln in text.splitlines() if ln.split() and ln.split()[0] in faults.FAULT_CLASSES] == \
+        list(faults.HOST_TIER_CLASSES)
+    assert "PASS: every fault class detected, 0 false positives" in text
+
+
+def test_a_load_back_that_skips_the_records_fails_the_demo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """If the host tier's records did not follow a load-back, the clean phase reports the loaded slots: FAIL."""
+    from kvcanary.manager import CanaryManager
+
+    monkeypatch.setattr(CanaryManager, "load_from_host", lambda self, host_slots, device_slots: None)
+    result = demo.run_demo(seconds=0, min_forwards=200, per_class=1, fault_classes=[faults.TOKEN_SWAP], device="cpu")
+    assert result.workload["host_load_backs"] > 0
+    assert result.clean_violations > 0 and not result.passed
+    assert "false positive(s)" in demo.render(result)
 
 
 def test_demo_leaves_logging_as_it_found_it() -> None:

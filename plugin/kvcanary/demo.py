@@ -2,9 +2,11 @@
 
 The real :class:`~kvcanary.manager.CanaryManager` and kernels (CPU, or CUDA when present) protect the serving
 simulator of :mod:`kvcanary.sim.engine` (prefix sharing, eviction, slot reuse, chunked prefill, decode, mixed and
-idle forwards) exactly as the SGLang adapter drives them in an engine: ``before_forward`` / ``after_forward`` around
-every forward, ``step()`` after it, the token check fed by ``update_expected_tokens``, the prefix cache swept
-through ``set_sweep_source``. First it serves clean traffic for a few seconds (any violation there is a false
+idle forwards, and a HiCache-like host KV tier: evicted pages backed up to host memory, loaded back into new slots
+when a later request's prefix reaches them) exactly as the SGLang adapter drives them in an engine:
+``before_forward`` / ``after_forward`` around every forward, ``step()`` after it, the token check fed by
+``update_expected_tokens``, the prefix cache swept through ``set_sweep_source``, the host tier's records moved by
+``backup_to_host`` / ``load_from_host``. First it serves clean traffic for a few seconds (any violation there is a false
 positive); then :class:`~kvcanary.sim.injector.FaultDriver` injects each fault class of :mod:`kvcanary.faults` in
 turn, repairs it once reported, and scores the reports.
 
@@ -33,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SECONDS = 3.0
 DEFAULT_PER_CLASS = 3
+NUM_PAGES = 1024
+HOST_PAGES = 2 * NUM_PAGES  # the host tier, at sglang HiCache's default ratio (twice the device pool)
 # The manager as the adapter runs it (log mode, PARTIAL real-KV, drain every 8 forwards), plus the token check and
 # a sweep every 8 forwards, which token swaps and cached-but-idle corruption need.
 SWEEP_EVERY = 8
@@ -70,7 +74,7 @@ class DemoResult:
     clean_seconds: float
     clean_forwards: int
     forward_kinds: dict[str, int]  # clean phase: extend / decode / mixed / idle forwards
-    workload: dict[str, int]  # clean phase: cache hits, evictions, chunked prefills, slot rewrites, sweeps
+    workload: dict[str, int]  # clean phase: cache hits, evictions, chunked prefills, slot rewrites, sweeps, host tier
     clean_violations: int
     forwards: int
     entries_verified: int
@@ -102,7 +106,8 @@ class DemoResult:
             "tokens_written": self.tokens_written,
             "faults": {
                 name: {"injected": r.injected, "detected": r.detected, "reasons": dict(r.reasons),
-                       "tags": dict(r.tags), "latency_forwards": r.latencies, "false_positives": r.false_positives}
+                       "tags": dict(r.tags), "latency_forwards": r.latencies, "false_positives": r.false_positives,
+                       "via_host_tier": r.via_host_tier}
                 for name, r in self.faults.items()
             },
             "false_positives": self.false_positives,
@@ -167,7 +172,7 @@ def run_demo(
     root.addHandler(capture)
     root.propagate = not quiet_log
     try:
-        sim = Simulator(SimConfig(seed=seed, page_size=1, num_pages=1024),
+        sim = Simulator(SimConfig(seed=seed, page_size=1, num_pages=NUM_PAGES, host_pages=HOST_PAGES),
                         mgr_factory=lambda **kw: CanaryManager(config, **kw), hook=driver, device=dev)
         mgr = sim.mgr
         mgr.mark_init_finished()
@@ -190,6 +195,9 @@ def run_demo(
             "slot_writes_over_another_request": sim.stats["slot_rewrites_by_other_request"],
             "requests_finished": sim.stats["finished"],
             "sweeps": sim.stats["sweeps"],
+            "host_pages_backed_up": sim.stats["host_backups"],
+            "host_load_backs": sim.stats["load_backs"],
+            "host_slots_loaded_back": sim.stats["slots_loaded_back"],
         }
 
         _note(progress, f"kvcanary demo: injecting {', '.join(driver.classes)} ({per_class} each) ...")
@@ -255,6 +263,11 @@ def _reasons(r: ClassResult) -> str:
     return f"{names} ({tags})" if tags else names
 
 
+def _via(r: ClassResult) -> str:
+    """Detections whose violation said ``via=host_tier`` (the slot's K/V came back from the host tier), of all."""
+    return f"{r.via_host_tier}/{r.detected}" if r.detected else "-"
+
+
 def _latency(r: ClassResult) -> str:
     if not r.latencies:
         return "-"
@@ -274,14 +287,16 @@ def render(result: DemoResult) -> str:
         f"  {w['requests_finished']} requests finished, prefix-cache hits {w['prefix_cache_hits']} "
         f"({w['prefix_cache_hit_tokens']} tokens), evicted pages {w['evicted_pages']}, chunked-prefill continuations "
         f"{w['chunked_prefill_continuations']},",
+        f"  host tier ({HOST_PAGES} pages): {w['host_pages_backed_up']} pages backed up, {w['host_load_backs']} "
+        f"load-backs ({w['host_slots_loaded_back']} slots loaded back),",
         f"  slots rewritten by another request {w['slot_writes_over_another_request']}, sweeps {w['sweeps']}: "
         f"{result.clean_violations} violations",
         "",
     ]
-    rows = [(name, str(r.injected), str(r.detected), _reasons(r), _latency(r), str(r.false_positives))
+    rows = [(name, str(r.injected), str(r.detected), _reasons(r), _via(r), _latency(r), str(r.false_positives))
             for name, r in result.faults.items()]
     lines.append(format_table(rows, ("fault class", "injected", "detected", "reason reported (by)",
-                                     "latency (forwards)", "false positives"), right=(1, 2, 5)))
+                                     "via=host_tier", "latency (forwards)", "false positives"), right=(1, 2, 4, 6)))
     lines += [
         "",
         f"forwards {result.forwards} | entries verified {result.entries_verified} | entries swept "

@@ -17,6 +17,10 @@ Protocol (one fresh simulator + manager per class, Mode.LOG so the run continues
 * Precision: every violation must name a slot of the open injection, or of one closed less than GRACE
   steps ago (the same fault still draining), else it is a false positive.
 * The next injection waits GAP steps after a close.
+
+Every class runs with the simulator's host KV tier on (``kvcanary demo``'s setting: pages evicted to host memory
+and loaded back into new slots, so a bad record or byte could travel), the classes that need no host tier once more
+without it. The host-tier classes are injected into load-backs; each of their violations must say ``via=host_tier``.
 """
 
 from __future__ import annotations
@@ -33,16 +37,17 @@ WARMUP = 40
 GAP = 3
 DEADLINE = 30
 GRACE = 2
-MAX_STEPS = 4000
+MAX_STEPS = 6000  # a host-tier class waits for load-backs (one every ~10 forwards; >= 2 slots for load_wrong_slots)
+HOST_PAGES = 2048
 
 
-def run_class(fault: str) -> tuple[FaultDriver, Simulator]:
+def run_class(fault: str, host_pages: int = HOST_PAGES) -> tuple[FaultDriver, Simulator]:
     driver = FaultDriver((fault,), seed=FAULT_SEEDS[fault], per_class=TARGET, warmup=WARMUP, gap=GAP,
                          deadline=DEADLINE, grace=GRACE)
     # cached-but-idle corruption is only visible to the sweep: sweep every step so it sees the flip first
     sweep = 1 if fault == faults.CACHED_IDLE_CORRUPTION else 10
-    sim = build_sim(SimConfig(seed=FAULT_SEEDS[fault], page_size=1, num_pages=1024), mode="log",
-                    sweep_interval=sweep, hook=driver)
+    sim = build_sim(SimConfig(seed=FAULT_SEEDS[fault], page_size=1, num_pages=1024, host_pages=host_pages),
+                    mode="log", sweep_interval=sweep, hook=driver)
     while len(driver.closed) < TARGET and sim.step_no < MAX_STEPS:
         sim.step()
         if sim.step_no < WARMUP:
@@ -53,17 +58,20 @@ def run_class(fault: str) -> tuple[FaultDriver, Simulator]:
 
 FAULT_SEEDS = {f: 100 + i for i, f in enumerate(faults.FAULT_CLASSES)}
 RESULTS: dict[str, tuple[int, int, str, str, int, int, int]] = {}
+CASES = [pytest.param(f, HOST_PAGES, id=f"{f}-host_tier") for f in faults.FAULT_CLASSES] + [
+    pytest.param(f, 0, id=f"{f}-no_host_tier") for f in faults.FAULT_CLASSES if f not in faults.HOST_TIER_CLASSES]
 
 
-@pytest.mark.parametrize("fault", faults.FAULT_CLASSES)
-def test_fault_class_detected(fault: str) -> None:
-    driver, sim = run_class(fault)
+@pytest.mark.parametrize(("fault", "host_pages"), CASES)
+def test_fault_class_detected(fault: str, host_pages: int) -> None:
+    driver, sim = run_class(fault, host_pages)
     closed = driver.closed
     detected = [o for o in closed if o.detected_step is not None]
     tags = sorted({t for o in detected for t in o.tags})
     latency = max((o.detected_step - o.step for o in detected), default=0)
-    RESULTS[fault] = (len(closed), len(detected), "/".join(EXPECTED_REASONS[fault]), ",".join(tags),
-                      len(sim.mgr.violations), len(driver.false_positives), latency)
+    key = fault if host_pages else f"{fault} (no host)"
+    RESULTS[key] = (len(closed), len(detected), "/".join(EXPECTED_REASONS[fault]), ",".join(tags),
+                    len(sim.mgr.violations), len(driver.false_positives), latency)
     combos = sorted({"+".join(v.reasons) for v in sim.mgr.violations})
     print(f"\n{fault}: {len(closed)} injections, {len(detected)} detected, tags {tags}, steps {sim.step_no}, "
           f"max latency {latency} steps, {len(sim.mgr.violations)} violations, reasons seen {combos}")
@@ -73,14 +81,19 @@ def test_fault_class_detected(fault: str) -> None:
     assert not driver.false_positives, f"{len(driver.false_positives)} false positives: {driver.false_positives[:3]}"
     if fault == faults.CACHED_IDLE_CORRUPTION:
         assert all("sweep" in o.tags for o in detected), "cached-idle corruption must be caught by the sweep"
+    if fault in faults.HOST_TIER_CLASSES:  # every report is of a loaded-back slot, and says so
+        assert sim.mgr.violations and all(v.via == "host_tier" for v in sim.mgr.violations), \
+            [v for v in sim.mgr.violations if v.via != "host_tier"][:3]
+    # the repairs left every cached copy, device and host, as the model wrote it
+    assert sim.repair_kv() == 0
 
 
 def test_print_fault_table() -> None:
     """Runs last in this module: the summary table of the classes above (skipped if they did not run)."""
     if not RESULTS:
         pytest.skip("no fault class ran")
-    print(f"\n{'fault class':<24} | {'injections':>10} | {'detections':>10} | {'expected reason':<48} | {'tags':<12} "
+    print(f"\n{'fault class':<34} | {'injections':>10} | {'detections':>10} | {'expected reason':<48} | {'tags':<12} "
           f"| {'rate':>5} | {'rows':>5} | {'false pos':>9} | max latency")
     for fault, (n, d, reasons, tags, rows, fp, lat) in RESULTS.items():
-        print(f"{fault:<24} | {n:>10} | {d:>10} | {reasons:<48} | {tags:<12} | {100.0 * d / max(n, 1):>4.0f}% "
+        print(f"{fault:<34} | {n:>10} | {d:>10} | {reasons:<48} | {tags:<12} | {100.0 * d / max(n, 1):>4.0f}% "
               f"| {rows:>5} | {fp:>9} | {lat} steps")

@@ -1,8 +1,9 @@
 """A paged-KV serving simulator and a fault driver, for ``kvcanary demo`` and the tests.
 
 * :mod:`kvcanary.sim.engine`: :class:`~kvcanary.sim.engine.Simulator`, a small SGLang-like serving loop (prefix
-  cache with eviction, slot reuse, chunked prefill, decode, mixed and idle forwards) that drives a real
-  :class:`~kvcanary.manager.CanaryManager` once per forward.
+  cache with eviction, slot reuse, chunked prefill, decode, mixed and idle forwards, optionally a HiCache-like host
+  KV tier with backups and load-backs) that drives a real :class:`~kvcanary.manager.CanaryManager` once per
+  forward.
 * :mod:`kvcanary.sim.injector`: :class:`~kvcanary.sim.injector.FaultDriver`, which injects the fault classes of
   :mod:`kvcanary.faults` into a running simulator one at a time, repairs each after it is reported, and scores
   the canary's reports (detections, latency, false positives).

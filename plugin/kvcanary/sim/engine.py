@@ -23,6 +23,17 @@ Model of the engine (SGLang-like, deliberately small):
   probability ``p_mixed`` a prefill chunk and the decodes share one MIXED forward; with ``p_idle`` a forward is
   IDLE (bs 0). Admission reserves the whole request (prompt + max_new), so decode never runs out of slots.
 * Generated tokens are a function of (request id, position).
+* **Host KV tier** (``host_pages > 0``; HiCache-like): host-memory K/V buffers ``[host_pages, page_size * 64]`` of
+  their own (same per-token layout; host page 0 reserved like device page 0) and a LIFO free list of host pages.
+  Eviction backs a cached page up before freeing it (K/V copied device → host, ``mgr.backup_to_host``; one batched
+  copy per eviction round) and keeps its node in the tree, on the host only; a page already backed up is just
+  freed. A request whose prefix match reaches host-only nodes gets new device pages for them and a load-back
+  (``mgr.load_from_host`` first, so the records are there before the forward that verifies them, then the K/V
+  copy host → device). Host pages run short: host-only leaves are dropped LRU first, then host copies of pages
+  that are on the device again; a page that finds no host page is dropped as before. A finished request whose
+  page is cached on the host only hands its page to that node.
+* Each batch's rows are assigned to their requests (``mgr.assign_requests``), as the SGLang adapter does, so
+  violations name the writing request and a loaded-back slot's say ``via=host_tier``.
 
 Per forward: build the ``BatchView``; ``update_expected_tokens`` with what each row appended since its last
 upload (if the token check is on); ``mgr.before_forward``; the model writes KV; ``mgr.after_forward``;
@@ -30,9 +41,11 @@ upload (if the token check is on); ``mgr.before_forward``; the model writes KV; 
 
 Fault hooks: ``Simulator(hook=fn)`` calls ``fn(point, sim)`` at ``"pre_schedule"`` (before the step's
 scheduling and allocation), ``"pre_forward"`` (batch built and installed in ``sim.batch``, before
-``before_forward``), ``"pre_step"`` (after ``after_forward``, before ``mgr.step()``) and ``"post_step"``. A hook
-may mutate the batch tensors (the model then consumes the mutated batch, as it would in an engine), the KV
-buffers, ``req_to_token``, and use ``abort``, ``free_slot_early``, ``extend_life``.
+``before_forward``), ``"pre_step"`` (after ``after_forward``, before ``mgr.step()``) and ``"post_step"``; with a
+host tier also ``"pre_load"`` (a load-back's records followed, its K/V not copied yet: ``sim.load`` describes it,
+and its ``kv_device_slots`` may be changed) and ``"post_load"`` (the K/V copied). A hook may mutate the batch
+tensors (the model then consumes the mutated batch, as it would in an engine), the KV buffers (device and host),
+``req_to_token``, and use ``abort``, ``free_slot_early``, ``extend_life``, ``pin``/``unpin``, ``repair_kv``.
 """
 
 from __future__ import annotations
@@ -40,7 +53,7 @@ from __future__ import annotations
 import heapq
 import random
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +63,7 @@ from kvcanary.real_kv import RealKvSource
 
 M64 = (1 << 64) - 1
 KV_BYTES = 64  # bytes per token per KV buffer
+NO_PAGE = -1  # Node.page of a node whose K/V is on the host only
 
 
 def mix(*values: int) -> int:
@@ -84,6 +98,8 @@ class SimConfig:
     read_bytes: tuple[int, int] = (64, 32)  # fingerprinted bytes of K, V (mode ALL)
     reserve_tokens: int = 96  # admission keeps room for this many tokens spare (extend_life of fault victims)
     evict_batch: int = 32  # pages evicted at once when the free list runs dry
+    host_evict_batch: int = 128  # host pages freed at once when the host tier is full
+    host_pages: int = 0  # host KV tier pages (0: no host tier); sglang's HiCache defaults to twice the device pool
 
 
 @dataclass
@@ -124,6 +140,23 @@ class Node:
     lock: int = 0
     last_access: int = 0
     serial: int = 0  # creation order: a deterministic LRU tie-break
+    hashes: tuple[int, ...] = ()  # prefix hash of each position of the page: its K/V (Simulator.kv_rows)
+    host_page: int | None = None  # host-tier page holding a copy of the K/V (a backup), if any
+
+    @property
+    def on_device(self) -> bool:
+        return self.page != NO_PAGE
+
+
+@dataclass
+class LoadBack:
+    """One load-back in progress (``Simulator.load`` between the ``pre_load`` and ``post_load`` hooks)."""
+
+    request: Request  # the request whose prefix match reached the host-only nodes
+    nodes: list[Node]  # the nodes loaded, in path order
+    host_slots: list[int]
+    device_slots: list[int]  # the new device slots, as the records (mgr.load_from_host) have them
+    kv_device_slots: torch.Tensor  # where the K/V copy writes host_slots[i] (a fault may misdirect it)
 
 
 class Simulator:
@@ -155,7 +188,22 @@ class Simulator:
         self.batch: BatchView | None = None
         self.batch_reqs: list[Request] = []  # request of each batch row
         self.stats: Counter[str] = Counter()
-        self.slot_writers: dict[int, int] = {}  # slot -> last writer rid
+        self.slot_writers: dict[int, int] = {}  # slot -> last writer rid (a load-back: a negative serial)
+        # The host tier lives in host memory whatever the simulator's device (the engine's pinned host pool).
+        self.host_tier = cfg.host_pages > 0
+        self.num_host_slots = cfg.host_pages * ps
+        self.host_k = torch.zeros((max(cfg.host_pages, 1), ps * KV_BYTES), dtype=torch.uint8)
+        self.host_v = torch.zeros_like(self.host_k)
+        self.host_sources = (RealKvSource(self.host_k, ps, KV_BYTES, cfg.read_bytes[0]),
+                             RealKvSource(self.host_v, ps, KV_BYTES, cfg.read_bytes[1]))
+        # host page 0 is reserved like device page 0: the records' tier sends a bad device-side index to row 0
+        self.free_host_pages = list(range(cfg.host_pages - 1, 0, -1))
+        self._pending_backups: dict[int, int] = {}  # host page -> device page, copied at the end of an eviction
+        # The cached nodes by where their K/V is (insertion-ordered dicts: a run is reproducible): eviction scans
+        # these instead of walking the whole tree, which the host tier makes three times larger.
+        self.device_nodes: dict[Node, None] = {}
+        self.host_nodes: dict[Node, None] = {}  # on the host only
+        self.load: LoadBack | None = None
         self.mgr = None
         if mgr_factory is not None:
             self.mgr = mgr_factory(num_slots=self.num_slots, req_to_token=self.req_to_token, device=self.device,
@@ -163,6 +211,8 @@ class Simulator:
                                    max_tokens_per_forward=cfg.chunk_size + cfg.max_running,
                                    real_kv_sources=self.sources)
             self.mgr.set_sweep_source(self.sweep_source)
+            if self.host_tier:
+                self.mgr.attach_host_tier(self.num_host_slots)
 
     # ---------------------------------------------------------------- pool, cache
     def slot_of(self, page: int, offset: int = 0) -> int:
@@ -177,40 +227,201 @@ class Simulator:
         assert page != 0
         self.free_pages.append(page)
 
+    def nodes(self) -> Iterator[Node]:
+        """Every node of the prefix cache (on the device, then those on the host only)."""
+        yield from list(self.device_nodes)
+        yield from list(self.host_nodes)
+
+    def _place(self, node: Node, page: int) -> None:
+        """Set ``node.page`` (``NO_PAGE``: on the host only) and file the node accordingly."""
+        node.page = page
+        (self.host_nodes if page == NO_PAGE else self.device_nodes)[node] = None
+        (self.device_nodes if page == NO_PAGE else self.host_nodes).pop(node, None)
+
+    def cached(self, node: Node) -> bool:
+        """Whether ``node`` is still in the prefix cache (a dropped node never comes back)."""
+        return node.parent is not None and node.parent.children.get(node.key) is node
+
+    @staticmethod
+    def _device_leaf(n: Node) -> bool:
+        """On the device with no child there: what device eviction may take (host-only children stay)."""
+        return n.on_device and n.lock == 0 and not any(c.on_device for c in n.children.values())
+
     def evictable_leaves(self) -> list[Node]:
-        out, stack = [], [self.root]
-        while stack:
-            n = stack.pop()
-            stack.extend(n.children.values())
-            if n is not self.root and not n.children and n.lock == 0:
-                out.append(n)
-        return out
+        return [n for n in self.device_nodes if self._device_leaf(n)]
 
     def evict(self, pages: int) -> int:
-        """Free up to ``pages`` pages by evicting unlocked leaves, least recently used first."""
+        """Free up to ``pages`` device pages by evicting unlocked leaves, least recently used first; with a host
+        tier each is backed up (once) and stays cached on the host."""
         heap = [(n.last_access, n.serial, n) for n in self.evictable_leaves()]
         heapq.heapify(heap)
         done = 0
         while heap and done < pages:
             _, _, n = heapq.heappop(heap)
-            del n.parent.children[n.key]
-            self.free_page(n.page)
+            page = n.page
+            if self.host_tier and n.host_page is None:
+                n.host_page = self.alloc_host_page()
+                if n.host_page is not None:
+                    self._pending_backups[n.host_page] = page
+            if n.host_page is not None:
+                self._place(n, NO_PAGE)
+                self.stats["evicted_to_host"] += 1
+            else:
+                self.drop(n)
+            self.free_page(page)
             self.stats["evicted_pages"] += 1
             done += 1
             p = n.parent
-            if p is not self.root and not p.children and p.lock == 0:
+            if p is not self.root and self._device_leaf(p):
                 heapq.heappush(heap, (p.last_access, p.serial, p))
+        self._flush_backups()  # before the freed pages are handed out (and rewritten)
         return done
 
-    def evictable_count(self) -> int:
-        """Pages that eviction could free: unlocked nodes (a lock covers a node's whole path to the root, so
-        every unlocked node can be evicted once its unlocked descendants are)."""
-        n, stack = 0, list(self.root.children.values())
+    def drop(self, node: Node) -> None:
+        """Remove ``node`` and its descendants (on the host only, when ``node`` is evicted) from the cache,
+        freeing their host pages; the caller frees ``node``'s device page."""
+        del node.parent.children[node.key]
+        stack = [node]
         while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            n += node.lock == 0
-        return n
+            n = stack.pop()
+            stack.extend(n.children.values())
+            if n is not node and n.on_device:
+                raise AssertionError("simulator: a node on the device below one being dropped")
+            self._release_host_page(n)
+            self.device_nodes.pop(n, None)
+            self.host_nodes.pop(n, None)
+
+    def evictable_count(self) -> int:
+        """Pages that eviction could free: unlocked nodes on the device (a lock covers a node's whole path to the
+        root, so every unlocked node can be evicted once its unlocked descendants are)."""
+        return sum(1 for n in self.device_nodes if n.lock == 0)
+
+    # ---------------------------------------------------------------- host tier
+    def _release_host_page(self, n: Node) -> None:
+        if n.host_page is not None:
+            self._pending_backups.pop(n.host_page, None)  # (a copy that was never made)
+            self.free_host_pages.append(n.host_page)
+            n.host_page = None
+
+    def alloc_host_page(self) -> int | None:
+        """A free host page, evicting host copies when none is free (None: nothing can be evicted)."""
+        if not self.free_host_pages:
+            self.evict_host(self.cfg.host_evict_batch)
+        return self.free_host_pages.pop() if self.free_host_pages else None
+
+    def evict_host(self, pages: int) -> int:
+        """Free up to ``pages`` host pages: unlocked host-only leaves LRU first (dropped from the cache, their
+        parents following once childless), then host copies of pages that are on the device again."""
+        def host_leaf(n: Node) -> bool:
+            return not n.on_device and not n.children and n.lock == 0
+
+        heap = [(n.last_access, n.serial, n) for n in self.host_nodes if host_leaf(n)]
+        heapq.heapify(heap)
+        done = 0
+        while heap and done < pages:
+            _, _, n = heapq.heappop(heap)
+            self.drop(n)
+            done += 1
+            p = n.parent
+            if p is not self.root and host_leaf(p):
+                heapq.heappush(heap, (p.last_access, p.serial, p))
+        if done < pages:
+            copies = sorted((n for n in self.device_nodes if n.host_page is not None),
+                            key=lambda n: (n.last_access, n.serial))
+            for n in copies[: pages - done]:
+                self._release_host_page(n)
+                done += 1
+        self.stats["host_evicted_pages"] += done
+        return done
+
+    def _flush_backups(self) -> None:
+        """Back the pages evicted to the host up: K/V device → host, then the records (one batch)."""
+        if not self._pending_backups:
+            return
+        ps = self.cfg.page_size
+        host = [self.slot_of(h, o) for h in self._pending_backups for o in range(ps)]
+        dev = [self.slot_of(p, o) for p in self._pending_backups.values() for o in range(ps)]
+        self._pending_backups.clear()
+        hidx, didx = torch.tensor(host), torch.tensor(dev, device=self.device)
+        for buf, host_buf in ((self.k_buf, self.host_k), (self.v_buf, self.host_v)):
+            host_buf.view(-1, KV_BYTES).index_copy_(0, hidx, buf.view(self.num_slots, KV_BYTES)[didx].cpu())
+        if self.mgr is not None:
+            self.mgr.backup_to_host(dev, host)
+        self.stats["host_backups"] += len(host) // ps
+        self.stats["slots_backed_up"] += len(host)
+
+    def load_back(self, req: Request, nodes: list[Node]) -> None:
+        """Bring the host-only ``nodes`` (locked, in path order) back into new device pages."""
+        ps = self.cfg.page_size
+        pages = [self.alloc_page() for _ in nodes]  # may evict (and back up) other pages, never the locked path
+        host = [self.slot_of(n.host_page, o) for n in nodes for o in range(ps)]
+        dev = [self.slot_of(p, o) for p in pages for o in range(ps)]
+        if self.mgr is not None:
+            self.mgr.load_from_host(host, dev)  # the records first: the next forward's verify reads them
+        self.load = load = LoadBack(req, nodes, host, dev, torch.tensor(dev, device=self.device))
+        self._hook("pre_load")
+        hidx = torch.tensor(host)
+        for buf, host_buf in ((self.k_buf, self.host_k), (self.v_buf, self.host_v)):
+            values = host_buf.view(-1, KV_BYTES).index_select(0, hidx).to(self.device)
+            buf.view(self.num_slots, KV_BYTES).index_copy_(0, load.kv_device_slots, values)
+        self._hook("post_load")
+        self.load = None
+        for n, p in zip(nodes, pages, strict=True):
+            self._place(n, p)
+        self.stats["load_backs"] += 1
+        self.stats["slots_loaded_back"] += len(dev)
+        for s in dev:  # rewritten, by no request: a serial of its own, so repairs see the slot changed
+            self.slot_writers[s] = -self.stats["load_backs"]
+
+    def pin(self, node: Node, by: int = 1) -> None:
+        """Lock ``node`` and its path to the root (``by=-1`` unlocks): no eviction moves it (a fault driver keeps
+        a corrupted cached page where its detection expects it)."""
+        n: Node | None = node
+        while n is not None and n is not self.root:
+            n.lock += by
+            n = n.parent
+
+    def unpin(self, node: Node) -> None:
+        self.pin(node, -1)
+
+    def kv_rows(self, seeds: list[int]) -> list[torch.Tensor]:
+        """The model's K and V bytes (``[len(seeds), KV_BYTES]`` uint8 each, on the CPU) for the slot seeds."""
+        seed = torch.tensor(seeds, dtype=torch.int64)[:, None] ^ (torch.arange(8) * 0x2545F4914F6CDD1D)
+        out = []
+        for salt in (0, 0x5DEECE66D):
+            x = seed ^ salt
+            for _ in range(2):  # int64 arithmetic wraps: a cheap deterministic scramble
+                x = x ^ (x >> 29)
+                x = x * 0xBF58476D1CE4E5B
+                x = x ^ (x >> 32)
+            out.append(x.view(torch.uint8).reshape(len(seeds), KV_BYTES))
+        return out
+
+    def repair_kv(self, nodes: Iterable[Node] | None = None) -> int:
+        """Rewrite every copy (device page, host page) of the cached ``nodes`` (default: all) that differs from
+        what the model wrote for them; returns the slot copies rewritten (0 when nothing was corrupted). A fault
+        driver's repair: a corrupted page may have been backed up or loaded since the injection."""
+        todo = [n for n in (self.nodes() if nodes is None else nodes) if self.cached(n)]
+        if not todo:
+            return 0
+        ps, fixed = self.cfg.page_size, 0
+        want = self.kv_rows([h >> 1 for n in todo for h in n.hashes])  # the model's seed is the prefix hash >> 1
+        for on_host in (False, True):
+            rows = [i for i, n in enumerate(todo) if (n.host_page is not None if on_host else n.on_device)]
+            if not rows:
+                continue
+            pages = [todo[i].host_page if on_host else todo[i].page for i in rows]
+            idx = torch.tensor([self.slot_of(p, o) for p in pages for o in range(ps)],
+                               device="cpu" if on_host else self.device)
+            sel = torch.tensor([i * ps + o for i in rows for o in range(ps)])
+            bufs = (self.host_k, self.host_v) if on_host else (self.k_buf, self.v_buf)
+            for buf, rows_kv in zip(bufs, want, strict=True):
+                view, expect = buf.view(-1, KV_BYTES), rows_kv[sel].to(idx.device)
+                bad = (view.index_select(0, idx) != expect).any(1)
+                if bool(bad.any()):
+                    view.index_copy_(0, idx[bad], expect[bad])
+                    fixed += int(bad.sum())
+        return fixed
 
     def match(self, tokens: list[int]) -> list[Node]:
         ps, node, path = self.cfg.page_size, self.root, []
@@ -233,7 +444,12 @@ class Simulator:
             child = node.children.get(key)
             if child is None:
                 self.nodes_created += 1
-                child = node.children[key] = Node(key, page, d, node, serial=self.nodes_created)
+                hashes = tuple(req.prefix_hash(p) for p in range(d * ps, (d + 1) * ps))
+                child = node.children[key] = Node(key, page, d, node, serial=self.nodes_created, hashes=hashes)
+                self.device_nodes[child] = None
+            elif not child.on_device:  # cached on the host only: our page (the same K/V) is its device copy now
+                self._place(child, page)
+                self.stats["host_nodes_revived"] += 1
             elif child.page != page:
                 self.stats["duplicate_pages"] += 1  # already cached by another request: ours is freed below
             if child.page == page:
@@ -245,9 +461,10 @@ class Simulator:
                 self.free_page(page)
 
     def sweep_source(self) -> tuple[list[int], list[int], list[int]]:
+        """The cached pages on the device (a host-only node's descendants are host-only too)."""
         slots, prevs, positions = [], [], []
         ps = self.cfg.page_size
-        stack = [(c, -1) for c in self.root.children.values()]
+        stack = [(c, -1) for c in self.root.children.values() if c.on_device]
         while stack:
             n, prev = stack.pop()
             for o in range(ps):
@@ -256,7 +473,7 @@ class Simulator:
                 prevs.append(prev)
                 positions.append(n.depth * ps + o)
                 prev = s
-            stack.extend((c, prev) for c in n.children.values())
+            stack.extend((c, prev) for c in n.children.values() if c.on_device)
         self.stats["sweeps"] += 1
         self.stats["sweep_entries"] += len(slots)
         return slots, prevs, positions
@@ -289,15 +506,19 @@ class Simulator:
     def admit(self, req: Request) -> bool:
         ps = self.cfg.page_size
         path = self.match(req.prompt)
-        need = -(-(len(req.prompt) + req.max_new) // ps) - len(path)
+        on_device = sum(n.on_device for n in path)
+        need = -(-(len(req.prompt) + req.max_new) // ps) - on_device  # (host-only nodes need device pages)
         if not self.free_rows:
             return False
         want = need + self.reserved() + -(-self.cfg.reserve_tokens // ps)
-        if want > len(self.free_pages) and want > len(self.free_pages) + self.evictable_count() - len(path):
+        if want > len(self.free_pages) and want > len(self.free_pages) + self.evictable_count() - on_device:
             return False
         for n in path:
             n.lock += 1
             n.last_access = self.step_no
+        host_only = [n for n in path if not n.on_device]
+        if host_only:
+            self.load_back(req, host_only)
         req.path, req.row = path, self.free_rows.pop()
         req.slots = [self.slot_of(n.page, o) for n in path for o in range(ps)]
         req.kv_len = len(req.slots)
@@ -407,15 +628,8 @@ class Simulator:
         if not slots:
             return
         idx = torch.tensor(slots, device=self.device)
-        seed = torch.tensor(seeds, dtype=torch.int64)[:, None] ^ (torch.arange(8) * 0x2545F4914F6CDD1D)
-        for buf, salt in ((self.k_buf, 0), (self.v_buf, 0x5DEECE66D)):
-            x = seed ^ salt
-            for _ in range(2):  # int64 arithmetic wraps: a cheap deterministic scramble
-                x = x ^ (x >> 29)
-                x = x * 0xBF58476D1CE4E5B
-                x = x ^ (x >> 32)
-            values = x.view(torch.uint8).reshape(len(slots), KV_BYTES).to(self.device)
-            buf.view(self.num_slots, KV_BYTES).index_copy_(0, idx, values)
+        for buf, values in zip((self.k_buf, self.v_buf), self.kv_rows(seeds), strict=True):
+            buf.view(self.num_slots, KV_BYTES).index_copy_(0, idx, values.to(self.device))
 
     def step(self) -> BatchView:
         """Run one forward through the manager; returns its batch."""
@@ -434,6 +648,8 @@ class Simulator:
         self.batch = batch = BatchView(kind, i64(ids), i64(pos), i64(loc), i64([r.row for r, _ in rows]),
                                        i64(prefix), i64([n for _, n in rows]))
         self.stats[f"forward_{kind.value}"] += 1
+        if self.mgr is not None and rows:  # writer attribution, as the adapter does when it builds a batch
+            self.mgr.assign_requests([r.row for r, _ in rows], [r.rid for r, _ in rows])
         self.stats["extend_rows_prefix_gt0"] += sum(1 for r, n in rows if r.prefilling and r.kv_len > 0)
         self.stats["chunk_continuations"] += sum(1 for r, n in rows if r.prefilling and r.kv_len > len(r.path) * ps)
         self.stats["tokens"] += len(ids)

@@ -13,6 +13,13 @@ A :class:`FaultDriver` is the simulator's hook. Protocol:
   (stale reuse, token swap, position skew, an out-of-range ``out_cache_loc``) are aborted (their slots are freed,
   not cached; a freed slot is rewritten before anything verifies it again). Victims get extra decode budget
   (``extend_life``) so they cannot finish, and carry their bad records into the prefix cache, before detection.
+* With a host tier, bad K/V must not travel either: a flipped live slot's request is kept running and a flipped
+  cached page is pinned (``Simulator.pin``) until the detection, so neither is backed up and loaded back into a
+  slot the injection does not name; closing still rewrites any cached copy, device or host, that differs from what
+  the model wrote (``Simulator.repair_kv``). The host-tier classes are injected into a load-back (the
+  ``pre_load`` hook: its request is the victim, kept running): a host copy's byte is flipped (flipped back on
+  close), the K/V copy is sent to the load's slots rolled by one, or the host copies read are stale (the backed-up
+  bytes return at ``post_load``, once the copy has read them); closing rewrites the loaded pages' device copies.
 * Precision: every violation must name a slot of the open injection (one it touched, or one of a victim request
   whose chain it corrupted: that request's next writes build on the bad record), or of one closed fewer than
   ``grace`` forwards ago (the same fault still draining); anything else is a false positive.
@@ -30,8 +37,8 @@ from dataclasses import dataclass, field
 
 from kvcanary import faults
 from kvcanary.faults import EXPECTED_REASONS, Injection
-from kvcanary.report import Violation
-from kvcanary.sim.engine import Request, Simulator
+from kvcanary.report import VIA_HOST_TIER, Violation
+from kvcanary.sim.engine import LoadBack, Node, Request, Simulator
 
 
 @dataclass
@@ -65,6 +72,7 @@ class ClassResult:
     reasons: Counter[str] = field(default_factory=Counter)
     tags: Counter[str] = field(default_factory=Counter)
     false_positives: int = 0  # violations on untouched slots while this class had an injection open
+    via_host_tier: int = 0  # detections whose first violation said via=host_tier (the slot came back from the host)
 
     @property
     def all_detected(self) -> bool:
@@ -105,6 +113,7 @@ class FaultDriver:
         self._turn = 0
         self._counts: Counter[str] = Counter()
         self._fp_by_class: Counter[str] = Counter()
+        self._after_load: list[Callable[[], None]] = []  # run at the load-back's post_load hook
         self._inject: dict[str, tuple[str, Callable[[Simulator], None]]] = {
             faults.REQ_TO_TOKEN_REDIRECT: ("pre_forward", self.redirect),
             faults.REAL_KV_FLIP: ("pre_forward", self.real_kv_flip),
@@ -113,6 +122,9 @@ class FaultDriver:
             faults.TOKEN_SWAP: ("pre_forward", self.token_swap),
             faults.POSITION_SKEW: ("pre_forward", self.position_skew),
             faults.OUT_OF_RANGE_INDEX: ("pre_forward", self.out_of_range),
+            faults.HOST_TIER_FLIP: ("pre_load", self.host_tier_flip),
+            faults.LOAD_WRONG_SLOTS: ("pre_load", self.load_wrong_slots),
+            faults.LOAD_BEFORE_BACKUP: ("pre_load", self.load_before_backup),
         }
 
     # ------------------------------------------------------------------ state
@@ -146,6 +158,7 @@ class FaultDriver:
             if o.detected_step is not None:
                 r.detected += 1
                 r.latencies.append(o.detected_step - o.step)
+                r.via_host_tier += o.first_detection.via == VIA_HOST_TIER
         return out
 
     # ------------------------------------------------------------------ hook entry point
@@ -153,9 +166,16 @@ class FaultDriver:
         if point == "post_step":
             self.score(sim)
             return
+        if point == "post_load":
+            for undo in self._after_load:
+                undo()
+            self._after_load.clear()
+            return
         fault = None if self.open is not None or sim.step_no < self.next_ok else self.current
         if fault is None:
             return
+        if fault in faults.HOST_TIER_CLASSES and not sim.host_tier:  # it would wait for a load-back forever
+            raise ValueError(f"FaultDriver: {fault} needs a simulator with a host tier (SimConfig.host_pages > 0)")
         at, inject = self._inject[fault]
         if point == at:
             inject(sim)
@@ -228,6 +248,12 @@ class FaultDriver:
                 sim.req_to_token[row, pos] = slot
         return repair
 
+    @staticmethod
+    def _holding(sim: Simulator, content: int) -> list[Node]:
+        """The cached nodes with a page of K/V ``content`` (a prefix hash): where a flipped slot's bytes may have
+        been backed up or loaded to since."""
+        return [n for n in sim.nodes() if content in n.hashes]
+
     # ------------------------------------------------------------------ one injector per class
     def redirect(self, sim: Simulator) -> None:
         rows = self.batch_rows(sim, min_prefix=3)
@@ -254,11 +280,16 @@ class FaultDriver:
         src = sim.sources[self.rng.randrange(len(sim.sources))]
         byte, mask = self.rng.randrange(16), self.rng.randrange(1, 256)  # inside the PARTIAL window
         writer = sim.slot_writers.get(slot)
+        content = a.prefix_hash(a.slots.index(slot))  # what the flipped slot holds (the model's K/V of it)
+        if sim.host_tier:  # a finished request's page could be backed up, bad, and loaded into another slot
+            sim.extend_life(a, self.deadline + 5)
         inj = faults.flip_real_kv(src, slot, byte, mask, step=sim.step_no)
 
         def repair() -> None:
             if sim.slot_writers.get(slot) == writer:  # not rewritten by another request since (flipping would corrupt)
                 faults.flip_real_kv(src, slot, byte, mask)
+            if sim.host_tier:
+                sim.repair_kv(self._holding(sim, content))
         self.start(sim, inj, repair)
 
     def stale_reuse(self, sim: Simulator) -> None:
@@ -281,7 +312,7 @@ class FaultDriver:
         while stack:
             n = stack.pop()
             stack.extend(n.children.values())
-            if n.lock == 0 and sim.slot_of(n.page) not in running:
+            if n.on_device and n.lock == 0 and sim.slot_of(n.page) not in running:
                 nodes.append(n)
         if not nodes:
             return
@@ -289,11 +320,16 @@ class FaultDriver:
         slot = sim.slot_of(node.page, self.rng.randrange(sim.cfg.page_size))
         src = sim.sources[self.rng.randrange(len(sim.sources))]
         byte, mask = self.rng.randrange(16), self.rng.randrange(1, 256)
+        if sim.host_tier:  # not backed up (bad) and loaded into another slot before the sweep's report arrives
+            sim.pin(node)
         inj = faults.flip_cached_idle(src, slot, byte, mask, step=sim.step_no)
 
         def repair() -> None:
-            if node.parent is not None and node.parent.children.get(node.key) is node:  # still cached, not reused
+            if sim.cached(node):  # still cached, not reused
                 faults.flip_cached_idle(src, slot, byte, mask)
+            if sim.host_tier:
+                sim.unpin(node)
+                sim.repair_kv(self._holding(sim, node.hashes[slot % sim.cfg.page_size]))
         self.start(sim, inj, repair)
 
     def token_swap(self, sim: Simulator) -> None:
@@ -344,3 +380,43 @@ class FaultDriver:
                                            step=sim.step_no)
             inj = Injection(inj.fault, inj.step, inj.slots + (a.slots[pos + 1],), inj.detail)  # + the successor
             self.start(sim, inj, self._restore_entry(sim, a, pos))
+
+    # ------------------------------------------------------------------ host KV tier (pre_load: sim.load is set)
+    def _loaded(self, sim: Simulator, load: LoadBack) -> Callable[[], None]:
+        """The repair of a bad load-back: the loaded pages' copies as the model wrote them again (those still
+        cached; a page evicted and reused since was rewritten by its new owner)."""
+        nodes = list(load.nodes)
+        return lambda: sim.repair_kv(nodes)
+
+    def host_tier_flip(self, sim: Simulator) -> None:
+        load = sim.load
+        i = self.rng.randrange(len(load.host_slots))
+        host_slot, device_slot = load.host_slots[i], load.device_slots[i]
+        node = load.nodes[i // sim.cfg.page_size]
+        host_page = node.host_page
+        src = sim.host_sources[self.rng.randrange(len(sim.host_sources))]
+        byte, mask = self.rng.randrange(16), self.rng.randrange(1, 256)  # inside the PARTIAL window
+        sim.extend_life(load.request, self.deadline + 5)  # its lock keeps the loaded pages on the device
+        inj = faults.flip_host_copy(src, host_slot, device_slot, byte, mask, step=sim.step_no)
+        reload = self._loaded(sim, load)
+
+        def repair() -> None:
+            if sim.cached(node) and node.host_page == host_page:  # the host page was not dropped and reused
+                faults.flip_host_copy(src, host_slot, device_slot, byte, mask)
+            reload()
+        self.start(sim, inj, repair)
+
+    def load_wrong_slots(self, sim: Simulator) -> None:
+        load = sim.load
+        if len(set(load.device_slots)) < 2:  # one slot cannot be mixed up: wait for a longer load-back
+            return
+        sim.extend_life(load.request, self.deadline + 5)
+        inj, load.kv_device_slots = faults.misdirect_load(load.kv_device_slots, step=sim.step_no)
+        self.start(sim, inj, self._loaded(sim, load))
+
+    def load_before_backup(self, sim: Simulator) -> None:
+        load = sim.load
+        sim.extend_life(load.request, self.deadline + 5)
+        inj, undo = faults.stale_host_read(sim.host_sources, load.host_slots, load.device_slots, step=sim.step_no)
+        self._after_load.append(undo)  # the backup lands once the load has read the stale bytes
+        self.start(sim, inj, self._loaded(sim, load))
