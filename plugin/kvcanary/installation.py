@@ -72,13 +72,14 @@ class HostTime:
     piecewise_hook_ns: int = 0  # the hooks' time in those forwards (part of hook_ns)
     batch_inits: int = 0  # calls of the adapter's batch hook (one per batch the engine builds)
     batch_init_ns: int = 0  # their host time (outside ModelRunner.forward: not in forward_ns)
+    host_tier_ns: int = 0  # the host KV tier's hooks (record copies of backups and load-backs; outside forwards)
 
     def line(self, step: int) -> str:
         n = max(self.forwards, 1)
-        canary = (self.hook_ns + self.in_forward_ns + self.batch_init_ns) / n / 1e3
+        canary = (self.hook_ns + self.in_forward_ns + self.batch_init_ns + self.host_tier_ns) / n / 1e3
         eager_launch = self.in_forward_ns - self.piecewise_launch_ns
         pw = max(self.piecewise_forwards, 1)
-        # batch_init_us goes last: parsers of the older line (without it) still match its prefix
+        # batch_init_us, then host_tier_us (only with a host tier), go last: parsers of the older line still match
         return (
             f"kvcanary host time: step={step} forwards={self.forwards} eager={self.eager_forwards} "
             f"canary_us_per_forward={canary:.1f} hooks_us={self.hook_ns / n / 1e3:.1f} "
@@ -87,6 +88,7 @@ class HostTime:
             f"launch_us_per_piecewise_forward={self.piecewise_launch_ns / pw / 1e3:.1f} "
             f"canary_us_per_piecewise_forward={(self.piecewise_launch_ns + self.piecewise_hook_ns) / pw / 1e3:.1f} "
             f"batch_init_us={self.batch_init_ns / n / 1e3:.1f}"
+            + (f" host_tier_us={self.host_tier_ns / n / 1e3:.1f}" if self.host_tier_ns else "")
         )
 
 
@@ -317,6 +319,10 @@ class Installation:
         every = self.config.stats_every
         if every and host.forwards % every == 0:
             logger.info("%s", host.line(self.steps))
+
+    def account_host_tier(self, ns: int) -> None:
+        """Host time of a host KV tier's hook (a backup's or load-back's record copies), outside any forward."""
+        self.host_time.host_tier_ns += ns
 
     def account_batch_init(self, ns: int) -> None:
         """Host time of one call of the adapter's per-batch hook (where the engine builds a forward's batch)."""

@@ -196,6 +196,9 @@ def host_and_device_sources(controller) -> list[tuple[RealKvSource, RealKvSource
     return pairs
 
 
+FAULT_SLOTS = 4  # slots of one load-back a host-tier fault corrupts (at most)
+
+
 def _xor_first_byte(source: RealKvSource, slot: int) -> None:
     row, col = divmod(slot, source.page_size)
     col *= source.num_bytes_per_token
@@ -245,10 +248,13 @@ class LoadFaults:
         if op is None:
             return  # (a later load with two slots or more)
         pairs = host_and_device_sources(self.controller)
-        host_idx, dev_idx = op.host_indices.clone(), op.device_indices.clone()
+        # the first FAULT_SLOTS slots of the load: a load-back brings hundreds, and one violation each for all of
+        # them would overflow the violation ring and hide the next injection's
+        host_idx, dev_idx = op.host_indices[:FAULT_SLOTS].clone(), op.device_indices[:FAULT_SLOTS].clone()
         restore = None
         if fault == faults.LOAD_WRONG_SLOTS:
-            inj, op.device_indices = faults.misdirect_load(op.device_indices, step=step)
+            inj, head = faults.misdirect_load(dev_idx, step=step)
+            op.device_indices = torch.cat([head.to(op.device_indices.dtype), op.device_indices[FAULT_SLOTS:]])
         elif not pairs:
             logger.warning("kvcanary: fault %s needs the host KV as bytes (MHA, layout layer_first, page_first or "
                            "page_first_direct); not injected", fault)

@@ -283,14 +283,20 @@ class AdapterHooks:
 
     @staticmethod
     def _in_hicache_hook(follower, where: str, action, *args) -> None:
-        """Run a HiCache hook's action; in log mode an error stops kvcanary on the follower's runners (their records
-        no longer follow the KV, so they must stop checking it) and sglang's transfer goes on."""
+        """Run a HiCache hook's action (its host time counted as the canary's); in log mode an error stops kvcanary
+        on the follower's runners (their records no longer follow the KV, so they must stop checking it) and
+        sglang's transfer goes on."""
+        t0 = time.perf_counter_ns()
         try:
             action(*args)
         except Exception as exc:
             stop = [inst.keeps_serving(exc, where) for inst in follower.installations]
             if not all(stop):
                 raise
+        finally:
+            ns = time.perf_counter_ns() - t0
+            for inst in follower.installations:
+                inst.account_host_tier(ns)
 
     def _sweep_source(self, tree, scheduler):
         """The sweep source over ``tree``: the version's own ``sweep_source`` accessor when it has one (a prefix
