@@ -7,8 +7,9 @@ real-KV) although the KV is right.
 
 :class:`HostTierRecords` keeps one record row and one attribution row per host slot, on the canary's device
 (host slots × 48 bytes: 9.4 MB for 196,608 host slots): a backup copies the device slots' rows there, a load-back
-copies them into the new device slots. Both are a gather and a scatter on the device, enqueued on the caller's
-current stream, so they are ordered with the forwards' record writes on that stream and never synchronise.
+copies them into the new device slots. Both take a batch of copies in one call (an adapter may gather the copies
+made between two forwards), are a handful of gathers and scatters on the device, enqueued on the caller's current
+stream (ordered with the forwards' record writes on that stream), and never wait for the device.
 
 What that buys:
 
@@ -24,6 +25,7 @@ What that buys:
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 
@@ -35,28 +37,59 @@ logger = logging.getLogger(__name__)
 __all__ = ["HostTierRecords"]
 
 
-def _index(slots: torch.Tensor | list[int], limit: int, device: torch.device, what: str) -> torch.Tensor:
-    """``slots`` as a 1-D int64 index tensor on ``device``, every entry in ``[0, limit)``.
-
-    An index on the host is checked there (a ValueError naming ``what``). One already on a GPU cannot be read
-    without a sync, and an out-of-range index would be a device-side assert that ends the process: such an entry
-    is redirected to row 0 (the device pool's padding slot, whose record no verify trusts; host row 0 loses
-    nothing that a wrong index had not lost already)."""
+def _host_index(slots: torch.Tensor | Sequence[int], limit: int, device: torch.device) -> torch.Tensor:
+    """Host slot indices (the engine keeps them on the host) as an int64 index tensor on ``device``, every entry
+    checked to lie in ``[0, limit)`` first (one ``aminmax``; a ValueError naming the first bad one)."""
     if not isinstance(slots, torch.Tensor):
         slots = torch.tensor(slots, dtype=torch.int64)
+    _check_1d(slots, "host_slots")
+    if slots.numel():
+        if slots.device.type != "cpu":
+            raise ValueError(f"HostTierRecords: host_slots: expected a host (CPU) tensor, got {slots.device}")
+        low, high = torch.aminmax(slots)
+        if int(low) < 0 or int(high) >= limit:
+            bad = next(int(x) for x in slots.tolist() if not 0 <= x < limit)
+            raise ValueError(f"HostTierRecords: host_slots: index {bad} outside [0, {limit})")
+    slots = slots.to(torch.int64)
+    return slots.to(device, non_blocking=True) if device.type != "cpu" else slots
+
+
+def _device_index(slots: torch.Tensor | Sequence[int], limit: int, device: torch.device) -> torch.Tensor:
+    """Device slot indices as an int64 index tensor on ``device``. Checked on the host when they are there; indices
+    the engine already holds on the GPU are taken as they are: reading them would cost a sync, and the engine's
+    own K/V copy with the same indices touches the same rows (an index it cannot use fails there first)."""
+    if not isinstance(slots, torch.Tensor):
+        slots = torch.tensor(slots, dtype=torch.int64)
+    _check_1d(slots, "device_slots")
+    if slots.device.type == "cpu" and slots.numel():
+        low, high = torch.aminmax(slots)
+        if int(low) < 0 or int(high) >= limit:
+            bad = next(int(x) for x in slots.tolist() if not 0 <= x < limit)
+            raise ValueError(f"HostTierRecords: device_slots: index {bad} outside [0, {limit})")
+    if slots.dtype is not torch.int64:
+        slots = slots.to(torch.int64)
+    return slots.to(device, non_blocking=True) if slots.device != device else slots
+
+
+def _check_1d(slots: torch.Tensor, what: str) -> None:
     if slots.dim() != 1:
         raise ValueError(f"HostTierRecords: {what}: expected a 1-D index tensor, got shape {list(slots.shape)}")
     if slots.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"HostTierRecords: {what}: expected int32 or int64, got {slots.dtype}")
-    if slots.device.type == "cpu":
-        if slots.numel() and not (0 <= int(slots.min()) and int(slots.max()) < limit):
-            bad = next(int(x) for x in slots.tolist() if not 0 <= x < limit)
-            raise ValueError(f"HostTierRecords: {what}: index {bad} outside [0, {limit})")
-        if device.type != "cpu":
-            slots = slots.to(device, non_blocking=True)
-    else:
-        slots = torch.where((slots >= 0) & (slots < limit), slots, 0)
-    return slots if slots.dtype is torch.int64 else slots.to(torch.int64)
+
+
+def _last_wins(dest: torch.Tensor, rows: int, scratch: int) -> torch.Tensor:
+    """``dest`` (indices into a table of ``rows`` rows) with every entry but the last of each repeated index replaced
+    by ``scratch`` (a row nobody reads).
+
+    A batch of hand-offs may name one destination twice (a host slot freed and backed up again, a device slot
+    loaded, freed and loaded again before the next forward); the later copy is the one that stands, and
+    ``index_copy_`` with repeated indices leaves the winner undefined on a GPU. Four device ops, no sync."""
+    n = dest.shape[0]
+    order = torch.arange(n, dtype=torch.int64, device=dest.device)
+    last = torch.full((rows,), -1, dtype=torch.int64, device=dest.device)
+    last.scatter_reduce_(0, dest, order, reduce="amax")
+    return torch.where(last.index_select(0, dest) == order, dest, scratch)
 
 
 class HostTierRecords:
@@ -76,28 +109,33 @@ class HostTierRecords:
         self._device_attribution = slot_attribution
         self.num_host_slots = num_host_slots
         # zero records (never written: a load of a host slot nobody backed up verifies as a slot nobody wrote)
-        self.records = torch.zeros((num_host_slots, canary_buf.shape[1]), dtype=torch.uint8, device=self.device)
-        self.attribution = torch.full((num_host_slots, slot_attribution.shape[1]), layout.META_UNKNOWN,
+        # (one row more than the tier has: the scratch row a repeated destination's earlier copies go to)
+        self.records = torch.zeros((num_host_slots + 1, canary_buf.shape[1]), dtype=torch.uint8, device=self.device)
+        self.attribution = torch.full((num_host_slots + 1, slot_attribution.shape[1]), layout.META_UNKNOWN,
                                       dtype=torch.int64, device=self.device)
         # host-side counts (slots handed off), for the stats line and the end-to-end driver
         self.slots_backed_up = 0
         self.slots_loaded = 0
 
-    def backup(self, device_slots: torch.Tensor | list[int], host_slots: torch.Tensor | list[int]) -> None:
-        """The engine copies device slot ``device_slots[i]`` to host slot ``host_slots[i]``: copy its rows."""
-        dev = _index(device_slots, self._device_records.shape[0], self.device, "device_slots")
-        host = _index(host_slots, self.num_host_slots, self.device, "host_slots")
+    def backup(self, device_slots: torch.Tensor | Sequence[int], host_slots: torch.Tensor | Sequence[int]) -> None:
+        """The engine copies device slot ``device_slots[i]`` to host slot ``host_slots[i]``: copy its rows (a batch
+        of copies in their order: a host slot named twice ends with the later one's rows)."""
+        dev = _device_index(device_slots, self._device_records.shape[0], self.device)
+        host = _host_index(host_slots, self.num_host_slots, self.device)
         self._check_pair(dev, host)
+        host = _last_wins(host, self.num_host_slots + 1, self.num_host_slots)  # (the extra row: scratch)
         self.records.index_copy_(0, host, self._device_records.index_select(0, dev))
         self.attribution.index_copy_(0, host, self._device_attribution.index_select(0, dev))
         self.slots_backed_up += int(host.shape[0])
 
-    def load(self, host_slots: torch.Tensor | list[int], device_slots: torch.Tensor | list[int]) -> None:
+    def load(self, host_slots: torch.Tensor | Sequence[int], device_slots: torch.Tensor | Sequence[int]) -> None:
         """The engine copies host slot ``host_slots[i]`` into device slot ``device_slots[i]``: copy its rows, marking
-        the device slots as loaded from the host tier (their writer serial carries ``LOADED_FROM_HOST_TIER``)."""
-        host = _index(host_slots, self.num_host_slots, self.device, "host_slots")
-        dev = _index(device_slots, self._device_records.shape[0], self.device, "device_slots")
+        the device slots as loaded from the host tier (their writer serial carries ``LOADED_FROM_HOST_TIER``). A
+        batch of copies in their order: a device slot named twice ends with the later one's rows."""
+        host = _host_index(host_slots, self.num_host_slots, self.device)
+        dev = _device_index(device_slots, self._device_records.shape[0], self.device)
         self._check_pair(dev, host)
+        dev = _last_wins(dev, self._device_records.shape[0], 0)  # (scratch: the padding slot 0, never trusted)
         self._device_records.index_copy_(0, dev, self.records.index_select(0, host))
         attribution = self.attribution.index_select(0, host)
         serial = attribution[:, layout.SLOT_ATTRIBUTION_COL_WRITER_SERIAL]

@@ -137,10 +137,7 @@ class Installation:
     # What the metrics were last fed from: that object and the sum of the managers' drain reads then (the counts
     # metrics read move only when a drain reads; an unchanged sum means nothing to add).
     _metrics_fed: tuple[object, int] | None = None
-    # Called before each forward's check launch when set: the adapter orders the check after KV the engine copies
-    # in on a stream of its own (sglang's HiCache load-back: kvcanary.sglang.hicache).
-    before_check: Callable[[], None] | None = None
-    # The adapter's follower of a host KV tier this runner's pool has (None: no host tier).
+    # The adapter's follower of a host KV tier this runner's pool has (None: no host tier; kvcanary.sglang.hicache).
     host_tier: object | None = None
     # Log mode: why kvcanary stopped on this runner after an error in its part of a forward (None: running). Every
     # per-forward entry point (the model.forward wrapper, the adapter's hooks) then calls straight through.
@@ -199,8 +196,6 @@ class Installation:
             if call is WrapperCall.SKIP or install.stopped is not None:
                 return original(input_ids, positions, forward_batch, *args, **kwargs)
             try:
-                if install.before_check is not None:
-                    install.before_check()
                 views = install.to_views(forward_batch, input_ids, positions)
                 for group, view in zip(install.groups, views, strict=False):
                     group.manager.before_forward(view)

@@ -104,8 +104,7 @@ class VersionModule(Protocol):
     # Optional accessors (kvcanary.sglang.hooks falls back to the 0.5.12 behaviour when a module lacks one):
     #   sweep_source(tree_cache, producer_stream) -> SweepSource | None: a prefix cache other than RadixCache;
     #   wrapper_gate(inst) -> () -> WrapperCall: how the model.forward wrapper classifies its calls;
-    #   max_static_tokens(server_args) -> int: most tokens a prefill graph replay hands model.forward;
-    #   forward_stream_of(scheduler) -> () -> Stream | None: the overlap scheduler's forward stream (HiCache).
+    #   max_static_tokens(server_args) -> int: most tokens a prefill graph replay hands model.forward.
 
 
 # name -> the parameter names a version module's function must accept (in order).
@@ -127,7 +126,6 @@ _OPTIONAL_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "sweep_source": ("tree_cache", "producer_stream"),
     "wrapper_gate": ("inst",),
     "max_static_tokens": ("server_args",),
-    "forward_stream_of": ("scheduler",),
 }
 
 

@@ -123,6 +123,18 @@ def repair_token_swaps(inst: Installation, fb) -> None:
     inst.pending_repairs = keep
 
 
+def verified_slots(inst: Installation, fb) -> set[int]:
+    """The slots this forward's verify reads: every batch row's cached prefix (reads slots on the host)."""
+    if fb.req_pool_indices is None or mode_name(fb) not in INJECTABLE_MODES:
+        return set()
+    _, rows, prefixes, _ = batch_rows(fb)
+    out: set[int] = set()
+    for row, prefix in zip(rows, prefixes, strict=False):
+        if row > 0 and prefix > 0:
+            out.update(inst.req_to_token[row, :prefix].tolist())
+    return out
+
+
 def batch_rows(fb) -> tuple[str, list[int], list[int], list[int]]:
     """(mode name, req_to_token rows, cached prefix length per row, extend length per row) of a ForwardBatch."""
     mode = getattr(fb.forward_mode, "name", "")
@@ -169,7 +181,7 @@ def inject_fault(inst: Installation, step: int, fb, cls: str | None, version: Ve
     if cls in faults.HOST_TIER_CLASSES:  # (HiCache: done inside the next load-back, kvcanary.sglang.hicache)
         follower = inst.host_tier
         if follower is not None and follower.faults is not None:
-            return follower.faults.injection_for(inst, cls, step)
+            return follower.faults.injection_for(inst, cls, step, verified_slots(inst, fb))
         logger.warning("kvcanary: fault %s needs HiCache (--enable-hierarchical-cache); skipped", cls)
         inst.pending_fault = None
         inst.fault_skips += 1

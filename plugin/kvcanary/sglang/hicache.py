@@ -9,26 +9,29 @@ loaded-back slot keeps its previous occupant's record and every verify of it fai
 
 What is hooked (sglang 0.5.12's targets, :mod:`kvcanary.sglang.v0_5_12`):
 
-* ``write`` (after): the device slots' records go to the host slots (``CanaryManager.backup_to_host``);
-* ``load`` (after): the host slots' records go to the new device slots, marked as loaded from the host tier
-  (``CanaryManager.load_from_host``: a violation there says ``via=host_tier``);
+* ``write`` (after) and ``load`` (after): the copy is noted (device and host slots, in order);
+* ``ModelRunner.forward`` (the adapter's forward hook, before the forward, on its stream):
+  :meth:`HostTierFollower.before_forward` hands every copy noted since the last forward to the managers, in order,
+  consecutive copies of a kind as one batch (``CanaryManager.backup_to_host``: the device slots' records go to the
+  host-tier table; ``load_from_host``: the host rows go to the new device slots, marked so a violation there says
+  ``via=host_tier``), then makes the forward stream wait for the last layer of a load the forward consumes: its
+  verify fingerprints the loaded slots' K/V (first and last layer by default) before the model would have waited
+  for them. A forward that consumes no load waits for nothing; one that does gives up the overlap of its load
+  with its first layers (the load still overlaps the scheduling work before it);
 * ``start_loading`` (around): fault injection only (the three host-tier classes act on a load's copies);
-* before each forward's check launch (``Installation.before_check``): the forward stream waits for the last
-  layer of a load the forward consumes, because the check fingerprints the loaded slots' K/V (first and last
-  layer by default) before the model would have waited for them. A forward that consumes no load waits for
-  nothing; one that does gives up the overlap of its load with its first layers (the load still overlaps the
-  scheduling work before it);
 * before a sweep: the sweep also reads slots of nodes whose load is still in flight, so it waits for every load
   not yet acknowledged.
 
-Every record copy runs on the stream the forwards run on (the overlap scheduler's forward stream; without overlap
-the scheduler's own, which is then the current one), because that is where the canary writes its records: a copy
-there is ordered after every forward already launched and before every forward launched later. The current
-(scheduling) stream would not do under the overlap scheduler: the round still in flight for a request that just
-finished may still write its freed slots, which a load-back then reuses; a record copy racing that write could
-lose to it (a false report on a correct restore). sglang 0.5.12's own H2D copy is not fenced behind that round
-either (fixed upstream by PR 36738, in 0.5.19): when the late write lands on a restored slot, the K/V is really
-wrong and the canary reports it there (``verify_real_kv_hash``, ``via=host_tier``).
+Why at the next forward, on its stream: that is where the canary writes its records, so the hand-off is ordered
+after every forward already launched and before the forward that reads the slots; and the copies between two
+forwards (a few backups per finished request, a load-back per request whose prefix came from the host) cost one
+batch, not one each. The scheduling stream would not do under the overlap scheduler: the round still in flight
+for a request that just finished may still write its freed slots, which a load-back then reuses; a record copy
+racing that write could lose to it (a false report on a correct restore). Nothing else writes those records in
+between: a backed-up slot changes only when a later forward rewrites it, after the hand-off. sglang 0.5.12's own
+H2D copy is not fenced behind that round either (fixed upstream by PR 36738, in 0.5.19): when the late write
+lands on a restored slot, the K/V is really wrong and the canary reports it there (``verify_real_kv_hash``,
+``via=host_tier``).
 
 The sweep does not read host-resident nodes: their K/V lies in host memory (layouts ``layer_first``,
 ``page_first``, ``page_first_direct``, ``page_head``), which the verify kernel would read across PCIe on every
@@ -40,10 +43,9 @@ record) and a draft pool piggybacking on the controller (EAGLE's draft host copi
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -65,39 +67,53 @@ class HostTierFollower:
 
     controller: object
     installations: list[Installation]
-    # () -> the stream the forwards run on when it is not the current one (the overlap scheduler's), else None
-    forward_stream: Callable[[], object | None] = lambda: None
     faults: LoadFaults | None = None  # fault injection (KVCANARY_FAULT) only
     loads: int = 0
     backups: int = 0
+    # hand-offs since the last forward, in order: (is_load, first, second) = (False, device, host) for a backup,
+    # (True, host, device) for a load-back; handed to the managers in before_forward
+    pending: list[tuple[bool, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     # ------------------------------------------------------------------------------------------ record hand-off
     def backup(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> None:
+        """``HiCacheController.write`` backs ``device_indices`` up to ``host_indices`` (kept for before_forward)."""
         self.backups += 1
-        with self._on_forward_stream():
-            for inst in self._running():
-                inst.manager.backup_to_host(device_indices, host_indices)
+        self.pending.append((False, device_indices, host_indices))
 
     def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
+        """``HiCacheController.load`` loads ``host_indices`` back into ``device_indices`` (kept for before_forward)."""
         self.loads += 1
-        with self._on_forward_stream():
-            for inst in self._running():
-                inst.manager.load_from_host(host_indices, device_indices)
+        self.pending.append((True, host_indices, device_indices))
 
-    def _on_forward_stream(self):
-        stream = self.forward_stream()
-        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-    def _running(self) -> list[Installation]:
-        return [inst for inst in self.installations if inst.stopped is None]
-
-    # ------------------------------------------------------------------------------------------ stream order
-    def wait_for_consumed_load(self) -> None:
-        """Before a forward's check launch: wait for every layer of the load this forward consumes (if any)."""
+    def before_forward(self) -> None:
+        """On the host before each forward, on its stream (the adapter's forward hook): hand every backup and
+        load-back since the last forward to the managers, in order, consecutive ones of a kind as one batch, then
+        make the stream wait for the last layer of a load this forward consumes."""
+        if self.pending:
+            self.flush()
         counter = getattr(self.controller, "layer_done_counter", None)
         if counter is not None and counter.consumer_index >= 0:
             counter.wait_until(counter.num_layers - 1)
 
+    def flush(self) -> None:
+        ops, self.pending = self.pending, []
+        running = [inst for inst in self.installations if inst.stopped is None]
+        begin = 0
+        while begin < len(ops):
+            is_load = ops[begin][0]
+            end = begin + 1
+            while end < len(ops) and ops[end][0] == is_load:
+                end += 1
+            first = _joined([op[1] for op in ops[begin:end]])
+            second = _joined([op[2] for op in ops[begin:end]])
+            for inst in running:
+                if is_load:
+                    inst.manager.load_from_host(first, second)
+                else:
+                    inst.manager.backup_to_host(first, second)
+            begin = end
+
+    # ------------------------------------------------------------------------------------------ stream order
     def wait_for_pending_loads(self) -> None:
         """Before a sweep: wait for every load whose completion sglang has not acknowledged yet."""
         if not torch.cuda.is_available():
@@ -114,16 +130,20 @@ class HostTierFollower:
         return fenced
 
 
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([p if p.dtype is torch.int64 else p.to(torch.int64) for p in parts])
+
+
 def follower_of(controller) -> HostTierFollower | None:
     return getattr(controller, FOLLOWER_ATTR, None)
 
 
-def follow(tree, installations: Sequence[Installation],
-           forward_stream: Callable[[], object | None] = lambda: None) -> HostTierFollower | None:
+def follow(tree, installations: Sequence[Installation]) -> HostTierFollower | None:
     """Follow the HiCache controller of ``tree`` (the scheduler's prefix cache) for ``installations`` (those over
-    its request pool); None when ``tree`` has no HiCache. ``forward_stream()``: the stream the forwards run on when
-    it is not the current one (the overlap scheduler's), else None. Raises UnsupportedSetupError naming the flag
-    for a HiCache setup kvcanary does not follow."""
+    its request pool); None when ``tree`` has no HiCache. Raises UnsupportedSetupError naming the flag for a
+    HiCache setup kvcanary does not follow."""
     controller = getattr(tree, "cache_controller", None)
     if controller is None:
         return None
@@ -154,12 +174,11 @@ def follow(tree, installations: Sequence[Installation],
                 "kvcanary follows HiCache on a single full-attention pool only; remove --enable-hierarchical-cache"
             )
         inst.manager.attach_host_tier(int(host_pool.size))
-    follower = HostTierFollower(controller, mine, forward_stream)
+    follower = HostTierFollower(controller, mine)
     if any(inst.fault_plan is not None for inst in mine):
         follower.faults = LoadFaults(controller)
     setattr(controller, FOLLOWER_ATTR, follower)
     for inst in mine:
-        inst.before_check = follower.wait_for_consumed_load
         inst.host_tier = follower
     logger.info("kvcanary: HiCache followed: %s, %d host slots (write policy %s, io backend %s, layout %s)",
                 name, host_pool.size, getattr(controller, "write_policy", "?"), getattr(controller, "io_backend", "?"),
@@ -227,13 +246,20 @@ class LoadFaults:
         self.injected: list = []  # Injections done inside start_loading, not yet handed to the injector
         self.repairs: list[LoadRepair] = []
 
-    def injection_for(self, inst: Installation, fault: str, step: int):
-        """The injector's call for a host-tier class: the Injection a load took since (its repair is queued after
-        this forward), else arm ``fault`` for the next load-back and return None (the class stays pending)."""
+    def injection_for(self, inst: Installation, fault: str, step: int, verified: set[int]):
+        """The injector's call for a host-tier class before a forward whose verify reads ``verified`` slots: the
+        Injection a load-back took since, when this forward verifies one of its slots (its repair is queued after
+        the forward); else the class is armed for the next load-back and None returned (it stays pending). A
+        load-back this forward does not read (its request was not scheduled after all) is repaired at once and
+        forgotten: nothing would ever report it."""
         if self.injected:
             inj = self.injected.pop(0)
-            inst.undo_after_forward(self.repair)
-            return inj
+            if set(inj.slots) & verified:
+                inst.undo_after_forward(self.repair)
+                return inj
+            logger.warning("kvcanary: fault %s injected into a load-back this forward does not read; repaired, "
+                           "armed again", inj.fault)
+            self.repair()
         self.armed = (fault, step)
         return None
 

@@ -163,6 +163,8 @@ class AdapterHooks:
             mode = mode_name(forward_batch)
             if mode not in modes:
                 raise unsupported_mode(mode, modes, self.version.SGLANG_VERSION)
+            if inst.host_tier is not None:  # HiCache: records of the copies since the last forward, load fence
+                inst.host_tier.before_forward()
             if inst.fault_plan is not None:
                 inst.host_before(lambda i, step, cls: inject_fault(i, step, forward_batch, cls, self.version))
         except Exception as exc:  # (log mode: kvcanary stops on this runner, the forward runs: Installation)
@@ -242,9 +244,7 @@ class AdapterHooks:
         tree, r2t = v.scheduler_cache(scheduler)
         mine = [inst for inst in installations() if r2t is None or inst.req_to_token is r2t]
         # HiCache: records follow backups and load-backs, or the setup is refused here, at start-up
-        stream_of = getattr(v, "forward_stream_of", None)  # (a version without it refuses HiCache by its guards)
-        follower = hicache.follow(tree, mine, stream_of(scheduler) if stream_of else lambda: None) \
-            if tree is not None else None
+        follower = hicache.follow(tree, mine) if tree is not None else None
         for inst in mine:
             source = self._sweep_source(tree, scheduler) if tree is not None else None
             if source is not None and follower is not None:

@@ -220,18 +220,3 @@ def scheduler_stream_of(scheduler, attr: str) -> Callable[[], torch.cuda.Stream 
 
     return stream
 
-
-def forward_stream_of(scheduler, overlap_attr: str, stream_attr: str) -> Callable[[], torch.cuda.Stream | None]:
-    """The stream sglang's overlap scheduler runs its forwards on (``scheduler.<stream_attr>`` when
-    ``scheduler.<overlap_attr>``), read when asked; None without overlap (the forwards then run on the current,
-    scheduling stream) or off CUDA. Weak: never keeps the scheduler alive."""
-    ref = weakref.ref(scheduler)
-
-    def stream() -> torch.cuda.Stream | None:
-        owner = ref()
-        if owner is None or not getattr(owner, overlap_attr, False):
-            return None
-        found = getattr(owner, stream_attr, None)
-        return found if isinstance(found, torch.cuda.Stream) else None
-
-    return stream

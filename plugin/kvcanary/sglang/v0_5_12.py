@@ -77,15 +77,11 @@ POOL_CLASSES = pools.PoolClasses(
 )
 RADIX_CACHE_CLASS = "sglang.srt.mem_cache.radix_cache.RadixCache"
 SCHEDULE_STREAM_ATTR = "schedule_stream"  # Scheduler attribute, set when its event loop starts
-# Scheduler attributes: whether the overlap scheduler runs, and the stream its forwards then run on (without overlap
-# they run on the scheduling stream, the current one in every scheduler hook)
-OVERLAP_ATTR = "enable_overlap"
-FORWARD_STREAM_ATTR = "forward_stream"
 
 __all__ = [
     "SGLANG_VERSION", "VERSION_RANGE", "STARTUP_FAILURE_TARGET", "HOOK_TARGETS", "TARGETS", "FORWARD_MODES",
     "check_supported", "check_after_initialize", "server_args_of", "runner_parts", "runner_ranks", "pool_groups",
-    "batch_view", "batch_requests", "scheduler_cache", "radix_cache", "scheduler_stream_of", "forward_stream_of",
+    "batch_view", "batch_requests", "scheduler_cache", "radix_cache", "scheduler_stream_of",
 ]
 
 
@@ -135,11 +131,6 @@ def scheduler_cache(scheduler) -> tuple[object | None, torch.Tensor | None]:
 def radix_cache(tree_cache):
     """The RadixCache behind the prefix cache (itself, or the one a wrapper holds), or None."""
     return radix.unwrap_radix_cache(tree_cache, pkgutil.resolve_name(RADIX_CACHE_CLASS))
-
-
-def forward_stream_of(scheduler) -> Callable[[], torch.cuda.Stream | None]:
-    """The stream the scheduler's forwards run on when it is not the current one (overlap), read when asked."""
-    return radix.forward_stream_of(scheduler, OVERLAP_ATTR, FORWARD_STREAM_ATTR)
 
 
 def scheduler_stream_of(scheduler) -> Callable[[], torch.cuda.Stream | None]:
