@@ -37,9 +37,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["HostTierRecords"]
 
 
-def _host_index(slots: torch.Tensor | Sequence[int], limit: int, device: torch.device) -> torch.Tensor:
+def _host_index(slots: torch.Tensor | Sequence[int], limit: int, device: torch.device,
+                scratch: int | None = None) -> torch.Tensor:
     """Host slot indices (the engine keeps them on the host) as an int64 index tensor on ``device``, every entry
-    checked to lie in ``[0, limit)`` first (one ``aminmax``; a ValueError naming the first bad one)."""
+    checked to lie in ``[0, limit)`` first (one ``aminmax``; a ValueError naming the first bad one). ``scratch``:
+    they are destinations, and a repeated one keeps only its last entry (the others go to row ``scratch``)."""
     if not isinstance(slots, torch.Tensor):
         slots = torch.tensor(slots, dtype=torch.int64)
     _check_1d(slots, "host_slots")
@@ -51,6 +53,8 @@ def _host_index(slots: torch.Tensor | Sequence[int], limit: int, device: torch.d
             bad = next(int(x) for x in slots.tolist() if not 0 <= x < limit)
             raise ValueError(f"HostTierRecords: host_slots: index {bad} outside [0, {limit})")
     slots = slots.to(torch.int64)
+    if scratch is not None and slots.numel() > 1 and torch.unique(slots).numel() != slots.numel():
+        slots = _last_wins(slots, scratch)
     if device.type == "cpu":
         return slots
     # through pinned memory: a copy from pageable memory makes the host wait for the stream (under sglang's overlap
@@ -83,16 +87,12 @@ def _check_1d(slots: torch.Tensor, what: str) -> None:
         raise ValueError(f"HostTierRecords: {what}: expected int32 or int64, got {slots.dtype}")
 
 
-def _last_wins(dest: torch.Tensor, rows: int, scratch: int) -> torch.Tensor:
-    """``dest`` (indices into a table of ``rows`` rows) with every entry but the last of each repeated index replaced
-    by ``scratch`` (a row nobody reads).
-
-    A batch of hand-offs may name one destination twice (a host slot freed and backed up again, a device slot
-    loaded, freed and loaded again before the next forward); the later copy is the one that stands, and
-    ``index_copy_`` with repeated indices leaves the winner undefined on a GPU. Four device ops, no sync."""
-    n = dest.shape[0]
-    order = torch.arange(n, dtype=torch.int64, device=dest.device)
-    last = torch.full((rows,), -1, dtype=torch.int64, device=dest.device)
+def _last_wins(dest: torch.Tensor, scratch: int) -> torch.Tensor:
+    """``dest`` (host indices, on the host) with every entry but the last of each repeated index replaced by
+    ``scratch`` (a row nobody reads): of two copies to one destination in a batch the later one stands
+    (``index_copy_`` with repeated indices leaves the winner undefined on a GPU). Host ops only."""
+    order = torch.arange(dest.shape[0], dtype=torch.int64)
+    last = torch.full((scratch + 1,), -1, dtype=torch.int64)
     last.scatter_reduce_(0, dest, order, reduce="amax")
     return torch.where(last.index_select(0, dest) == order, dest, scratch)
 
@@ -124,11 +124,11 @@ class HostTierRecords:
 
     def backup(self, device_slots: torch.Tensor | Sequence[int], host_slots: torch.Tensor | Sequence[int]) -> None:
         """The engine copies device slot ``device_slots[i]`` to host slot ``host_slots[i]``: copy its rows (a batch
-        of copies in their order: a host slot named twice ends with the later one's rows)."""
+        of copies in their order: a host slot named twice, freed and backed up again in between, ends with the later
+        one's rows; the earlier go to a scratch row)."""
         dev = _device_index(device_slots, self._device_records.shape[0], self.device)
-        host = _host_index(host_slots, self.num_host_slots, self.device)
+        host = _host_index(host_slots, self.num_host_slots, self.device, scratch=self.num_host_slots)
         self._check_pair(dev, host)
-        host = _last_wins(host, self.num_host_slots + 1, self.num_host_slots)  # (the extra row: scratch)
         self.records.index_copy_(0, host, self._device_records.index_select(0, dev))
         self.attribution.index_copy_(0, host, self._device_attribution.index_select(0, dev))
         self.slots_backed_up += int(host.shape[0])
@@ -136,11 +136,11 @@ class HostTierRecords:
     def load(self, host_slots: torch.Tensor | Sequence[int], device_slots: torch.Tensor | Sequence[int]) -> None:
         """The engine copies host slot ``host_slots[i]`` into device slot ``device_slots[i]``: copy its rows, marking
         the device slots as loaded from the host tier (their writer serial carries ``LOADED_FROM_HOST_TIER``). A
-        batch of copies in their order: a device slot named twice ends with the later one's rows."""
+        batch must name each device slot once: the engine hands a device slot to a load only when it is free, and
+        the slots a load takes stay taken until it has landed (reading device indices to check would be a sync)."""
         host = _host_index(host_slots, self.num_host_slots, self.device)
         dev = _device_index(device_slots, self._device_records.shape[0], self.device)
         self._check_pair(dev, host)
-        dev = _last_wins(dev, self._device_records.shape[0], 0)  # (scratch: the padding slot 0, never trusted)
         self._device_records.index_copy_(0, dev, self.records.index_select(0, host))
         attribution = self.attribution.index_select(0, host)
         serial = attribution[:, layout.SLOT_ATTRIBUTION_COL_WRITER_SERIAL]

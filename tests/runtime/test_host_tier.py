@@ -103,8 +103,8 @@ def test_the_stats_line_counts_the_host_tier(caplog) -> None:
 
 
 def test_a_batch_naming_a_destination_twice_keeps_the_later_copy() -> None:
-    """A host slot freed and backed up again (or a device slot loaded twice) before the next forward: one batch
-    carries both copies, and the later one stands (index_copy_ alone leaves the winner undefined on a GPU)."""
+    """A host slot freed and backed up again before the next forward: one batch carries both copies, and the later
+    one stands (index_copy_ alone leaves the winner undefined on a GPU)."""
     r = OneRequest(Mode.LOG)
     r.forward(4)
     mgr = r.mgr
@@ -112,6 +112,6 @@ def test_a_batch_naming_a_destination_twice_keeps_the_later_copy() -> None:
     mgr.backup_to_host(torch.tensor([1, 2, 3]), torch.tensor([5, 6, 5]))
     tier = mgr.host_tier
     assert torch.equal(tier.records[5], mgr.canary_buf[3]) and torch.equal(tier.records[6], mgr.canary_buf[2])
-    mgr.load_from_host(torch.tensor([6, 5]), torch.tensor([40, 40]))
-    assert torch.equal(mgr.canary_buf[40], tier.records[5])
+    mgr.load_from_host(torch.tensor([6, 5]), torch.tensor([40, 41]))
+    assert torch.equal(mgr.canary_buf[40], tier.records[6]) and torch.equal(mgr.canary_buf[41], tier.records[5])
     assert torch.equal(tier.records[16], mgr.canary_buf[1])  # the earlier copy to host slot 5 went to the scratch row
