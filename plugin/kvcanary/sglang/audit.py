@@ -262,12 +262,10 @@ SETTINGS: tuple[Setting, ...] = (
             is not None, "set", "chunked extends continue a row's chain; e2e chunks at 48 tokens", test=E2E),
     Setting("enable_dynamic_chunking", "--enable-dynamic-chunking", N, truthy("enable_dynamic_chunking"), "set",
             "moves chunk boundaries only (chunked prefill is covered)"),
-    Setting("enable_mixed_chunk", "--enable-mixed-chunk", R, truthy("enable_mixed_chunk"), "set",
-            f"MIXED batches (an extend and decodes in one forward): only the mode mapping is unit-tested; "
-            f"{UNTESTED} in a real engine",
-            refusal="--enable-mixed-chunk runs mixed prefill+decode forwards that kvcanary has not been tested "
-                    "in; remove --enable-mixed-chunk or unset KVCANARY_MODE",
-            example={"enable_mixed_chunk": True}),
+    Setting("enable_mixed_chunk", "--enable-mixed-chunk", C, truthy("enable_mixed_chunk"), "set",
+            "MIXED batches (a chunked extend and the running decodes in one forward) are planned per row like an "
+            "extend", test="tests/adapters/test_sglang_mixed_chunk.py::"
+                            "test_mixed_forwards_are_verified_clean_and_catch_a_corruption"),
     Setting("schedule_conservativeness", "--schedule-conservativeness", C,
             lambda sa, v: float(_get(sa, "schedule_conservativeness", 1.0)) != 1.0, "!= 1.0",
             "more or fewer retractions; a retracted row's tokens are sent whole again",
