@@ -1551,7 +1551,10 @@ def main_parent(args) -> int:
     t0 = time.monotonic()
     pinned = pin_cpus(getattr(args, "cpus", None))
     os.makedirs(args.out, exist_ok=True)
-    groups = make_workload(args.requests, seed=args.seed)
+    if args.phase_list and all(k in HICACHE_PHASES for k in args.phase_list):  # (their own workload)
+        groups = phase_workload({"workload": "hicache", "seed": args.seed})
+    else:
+        groups = make_workload(args.requests, seed=args.seed)
     wl = workload_stats(groups, args.chunk)
     print(f"[e2e] workload: {json.dumps(wl)}", flush=True)
     if args.dry_run:

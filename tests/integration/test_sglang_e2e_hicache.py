@@ -64,6 +64,6 @@ def test_dry_run_of_the_hicache_phases(tmp_path) -> None:
                            "hicache-off,hicache-clean,hicache-writeback,hicache-faults,hicache-race,hicache-race-fixed",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    row = "| 10 hicache-clean | write_through | 640/640 | 12345 | 900 | 2500000 | 31000 | 24000 | 0 (0) | yes | PASS |"
+    row = "| 10 hicache-clean | write_through | 384/384 | 12345 | 900 | 2500000 | 31000 | 24000 | 0 (0) | yes | PASS |"
     assert row in proc.stdout
     assert "| load_wrong_slots | 8 | 8 | 1..1 |" in proc.stdout and "RESULT: PASS" in proc.stdout
