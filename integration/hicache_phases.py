@@ -53,7 +53,8 @@ def hicache_workload(seed: int = 0, *, conversations: int = 48, rounds: int = 8,
     conversation repeats its round ``r-1`` prompt as the prefix (a radix hit once that prompt is cached). Groups mix
     conversations at different rounds (a conversation's round r sits in group r + its offset), outputs of 4 to 40
     tokens end at different times, so requests finish and free slots while other requests' prefixes are being
-    loaded back: the conditions of PR 36738's race. 48 conversations of up to ~1100 tokens, 41k tokens in all, are ~7x the device pool.
+    loaded back: the conditions of PR 36738's race. 48 conversations of up to ~1100 tokens, 41k tokens in all, are
+    ~7x the device pool.
     """
     rng = random.Random(seed + 24)
     prompts = []

@@ -472,7 +472,8 @@ def test_graph_input_zeroing_counts_as_the_forwards_canary_time(monkeypatch) -> 
     recorded: dict[str, int] = {}
     inst = types.SimpleNamespace(
         req_to_token=torch.zeros(1, 1, dtype=torch.int32), fault_plan=None, serving=0, pending_repairs=[], stopped=None,
-        host_tier=None, host_after=lambda: None, account_forward=lambda forward_ns, hook_ns: recorded.update(f=forward_ns, h=hook_ns))
+        host_tier=None, host_after=lambda: None,
+        account_forward=lambda forward_ns, hook_ns: recorded.update(f=forward_ns, h=hook_ns))
     runner = types.SimpleNamespace(_kvcanary=inst)
     bufs = types.SimpleNamespace(req_pool_indices=torch.arange(1, 5), positions=torch.arange(1, 5))
     fb = types.SimpleNamespace(forward_mode=ForwardMode.DECODE)
