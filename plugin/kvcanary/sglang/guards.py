@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvcanary.sglang.refusal import UnsupportedSetupError
+
 if TYPE_CHECKING:
     from kvcanary.sglang.audit import Finding
 
-
-class UnsupportedSetupError(RuntimeError):
-    """An sglang setup kvcanary cannot protect; the message says what to change."""
+__all__ = ["UnsupportedSetupError", "check_supported"]  # (the error is refusal's, named here for the callers)
 
 
 def check_supported(server_args, sglang_version: str) -> None:
@@ -20,7 +20,7 @@ def check_supported(server_args, sglang_version: str) -> None:
     audit's refused rows (:mod:`kvcanary.sglang.audit`) in table order, the first that applies raising with the flag
     as written, then the speculative setups :func:`~kvcanary.sglang.speculative.check_speculative` refuses."""
     from kvcanary.sglang.audit import GUARDS, refused_rows
-    from kvcanary.sglang.speculative import check_speculative  # (it raises this module's UnsupportedSetupError)
+    from kvcanary.sglang.speculative import check_speculative
 
     # Piecewise CUDA graphs (prefill) are supported: the canary runs around each replay (kvcanary.sglang.piecewise).
     for row in refused_rows():

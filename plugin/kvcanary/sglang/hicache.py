@@ -51,8 +51,8 @@ import torch
 
 from kvcanary.installation import Installation
 from kvcanary.real_kv import RealKvSource
-from kvcanary.sglang.guards import UnsupportedSetupError
 from kvcanary.sglang.pools import parse_real_kv_layers, resolve_layers, token_major_source
+from kvcanary.sglang.refusal import UnsupportedSetupError
 
 logger = logging.getLogger(__name__)
 

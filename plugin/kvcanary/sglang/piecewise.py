@@ -38,7 +38,7 @@ import logging
 from collections.abc import Callable
 
 from kvcanary.installation import Installation, WrapperCall
-from kvcanary.sglang.guards import UnsupportedSetupError
+from kvcanary.sglang.refusal import UnsupportedSetupError
 
 logger = logging.getLogger(__name__)
 

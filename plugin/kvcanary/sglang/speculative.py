@@ -70,7 +70,7 @@ SPEC_ATTR = "_kvcanary_spec"  # ModelRunner attribute holding its SpecState
 
 def check_speculative(server_args, sglang_version: str) -> None:
     """Refuse speculative setups kvcanary does not cover, naming what to change (no speculative algorithm: ok)."""
-    from kvcanary.sglang.guards import UnsupportedSetupError
+    from kvcanary.sglang.refusal import UnsupportedSetupError
 
     algo = getattr(server_args, "speculative_algorithm", None)
     if not algo:

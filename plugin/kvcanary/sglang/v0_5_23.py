@@ -48,7 +48,7 @@ from kvcanary.config import Config
 from kvcanary.installation import GroupSpec, Installation, WrapperCall
 from kvcanary.sglang import batches, guards, pools, radix, ranks
 from kvcanary.sglang.contract import RunnerParts
-from kvcanary.sglang.guards import UnsupportedSetupError
+from kvcanary.sglang.refusal import UnsupportedSetupError
 from kvcanary.sglang.targets import Target
 from kvcanary.streams import run_on_producer_stream
 
