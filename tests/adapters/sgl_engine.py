@@ -98,6 +98,23 @@ def ensure_entry_point(tmp_path, monkeypatch) -> None:
     importlib.invalidate_caches()
 
 
+def activate_kvcanary(tmp_path, monkeypatch, env: dict[str, str]) -> dict:
+    """kvcanary loaded through its entry point the way sglang loads plugins, with ``env`` (KVCANARY_* and
+    SGLANG_PLUGINS) and nothing else of the caller's KVCANARY_* environment; returns the hook targets' state to
+    restore at teardown (``hooks_state.restore``)."""
+    import hooks_state
+    import sglang.srt.plugins as plugins
+
+    hooks_state.clear_kvcanary_env(monkeypatch)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    ensure_entry_point(tmp_path, monkeypatch)
+    state = hooks_state.snapshot(hooks_state.all_targets())
+    hooks_state.restore(state)
+    plugins.load_plugins()  # discovers kvcanary through the entry point, registers and applies its hooks
+    return state
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now (for torch.distributed's rendezvous; tests may run side by side)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -122,7 +139,8 @@ def build_runner(sa, nccl_port: int | None = None):
 
 
 def build_tree_cache(mr, sa):
-    """A real RadixCache over the runner's pools, through the real (hooked) Scheduler.init_cache_with_memory_pool."""
+    """A real RadixCache over the runner's pools (a HiRadixCache when ``sa.enable_hierarchical_cache``), through the
+    real (hooked) Scheduler.init_cache_with_memory_pool."""
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
@@ -134,9 +152,11 @@ def build_tree_cache(mr, sa):
     s.tp_worker = types.SimpleNamespace(
         is_hybrid_swa=False, model_runner=mr,
         get_memory_pool=lambda: (mr.req_to_token_pool, mr.token_to_kv_pool_allocator),
+        register_hicache_layer_transfer_counter=lambda counter: None,  # (the pool holds it too)
     )
     s.tp_cpu_group = s.attn_tp_cpu_group = s.attn_cp_cpu_group = None
-    s.enable_metrics = s.enable_kv_cache_events = s.enable_hierarchical_cache = s.enable_hisparse = False
+    s.enable_metrics = s.enable_kv_cache_events = s.enable_hisparse = False
+    s.enable_hierarchical_cache = bool(getattr(sa, "enable_hierarchical_cache", False))
     s.pp_rank, s.pp_size = 0, 1
     s.init_cache_with_memory_pool()
     return s.tree_cache

@@ -1,7 +1,7 @@
 """sglang 0.5.12's HiCache on CPU (test helper, no kvcanary logic): a real HiRadixCache, HiCacheController and
-MHATokenToKVPoolHost over a real CPU ModelRunner, and a MiniScheduler that loads host-resident prefixes back the
-way sglang's PrefillAdder and Scheduler do (``init_load_back``, ``ready_to_load_host_cache``,
-``check_hicache_events``).
+MHATokenToKVPoolHost over a real CPU ModelRunner (``sgl_engine.build_tree_cache`` with
+``enable_hierarchical_cache``), and a MiniScheduler that loads host-resident prefixes back the way sglang's
+PrefillAdder and Scheduler do (``init_load_back``, ``ready_to_load_host_cache``, ``check_hicache_events``).
 
 Two things of sglang's cannot run without a GPU and are replaced here, each by torch code with the same effect:
 the host buffer's allocation (``alloc_with_host_register`` calls ``cudaHostRegister``) and sgl_kernel's
@@ -10,8 +10,6 @@ Everything else (allocation of host slots, write policies, eviction to host, loa
 """
 
 from __future__ import annotations
-
-import types
 
 import torch
 from sgl_engine import MiniScheduler
@@ -29,31 +27,6 @@ def patch_host_memory(monkeypatch) -> None:
 
     monkeypatch.setitem(mph.ALLOC_MEMORY_FUNCS, "cpu", alloc_plain)
     monkeypatch.setattr(mph, "transfer_kv_direct", transfer_kv_direct)
-
-
-def build_hicache_tree(mr, sa):
-    """A real HiRadixCache over the runner's pools, through the real (hooked) Scheduler.init_cache_with_memory_pool."""
-    from sglang.srt.managers.scheduler import Scheduler
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
-    s = object.__new__(Scheduler)
-    s.server_args = sa
-    s.model_config = mr.model_config
-    s.page_size = sa.page_size
-    s.spec_algorithm = SpeculativeAlgorithm.NONE
-    counters = []
-    s.tp_worker = types.SimpleNamespace(
-        is_hybrid_swa=False, model_runner=mr,
-        get_memory_pool=lambda: (mr.req_to_token_pool, mr.token_to_kv_pool_allocator),
-        register_hicache_layer_transfer_counter=counters.append,
-    )
-    s.tp_cpu_group = s.attn_tp_cpu_group = s.attn_cp_cpu_group = None
-    s.enable_metrics = s.enable_kv_cache_events = s.enable_hisparse = False
-    s.enable_hierarchical_cache = True
-    s.pp_rank, s.pp_size = 0, 1
-    s.init_cache_with_memory_pool()
-    assert counters, "HiRadixCache registered no layer transfer counter"
-    return s.tree_cache
 
 
 class HiMiniScheduler(MiniScheduler):

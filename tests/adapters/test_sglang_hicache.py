@@ -37,17 +37,10 @@ MAX_TOTAL_TOKENS = 640  # device KV slots: fewer than the prefixes need, so HiCa
 
 def _engine(tmp_path, monkeypatch, *, mode: str = "raise", policy: str = "write_through",
             layout: str = "layer_first", env: dict[str, str] | None = None):
-    import sglang.srt.plugins as plugins
-
-    hooks_state.clear_kvcanary_env(monkeypatch)
-    for key, value in {"KVCANARY_MODE": mode, "KVCANARY_VERIFY_TOKENS": "1", "KVCANARY_SWEEP_INTERVAL": "5",
-                       "SGLANG_PLUGINS": "kvcanary", **(env or {})}.items():
-        monkeypatch.setenv(key, value)
-    sgl_engine.ensure_entry_point(tmp_path, monkeypatch)
+    state = sgl_engine.activate_kvcanary(tmp_path, monkeypatch, {
+        "KVCANARY_MODE": mode, "KVCANARY_VERIFY_TOKENS": "1", "KVCANARY_SWEEP_INTERVAL": "5",
+        "SGLANG_PLUGINS": "kvcanary", **(env or {})})
     sgl_hicache.patch_host_memory(monkeypatch)
-    state = hooks_state.snapshot(hooks_state.all_targets())
-    hooks_state.restore(state)
-    plugins.load_plugins()
     for t in v0_5_12.TARGETS:
         assert hooks_state.is_patched(t.dotted), t.dotted
     sa = sgl_engine.server_args(
@@ -56,7 +49,8 @@ def _engine(tmp_path, monkeypatch, *, mode: str = "raise", policy: str = "write_
         hicache_io_backend="direct", hicache_mem_layout=layout, hicache_write_policy=policy,
     )
     mr = sgl_engine.build_runner(sa)
-    tree = sgl_hicache.build_hicache_tree(mr, sa)
+    tree = sgl_engine.build_tree_cache(mr, sa)
+    assert mr.token_to_kv_pool.layer_transfer_counter is not None  # HiCache's load fence is registered
     inst = hooks.installation_of(mr)
     assert type(tree).__name__ == "HiRadixCache" and inst is not None
     follower = hicache.follower_of(tree.cache_controller)

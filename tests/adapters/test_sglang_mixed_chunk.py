@@ -23,16 +23,9 @@ from kvcanary.tags import LaunchTag  # noqa: E402
 
 @pytest.fixture
 def engine(tmp_path, monkeypatch):
-    import sglang.srt.plugins as plugins
-
-    hooks_state.clear_kvcanary_env(monkeypatch)
-    for key, value in {"KVCANARY_MODE": "raise", "KVCANARY_VERIFY_TOKENS": "1", "KVCANARY_SWEEP_INTERVAL": "7",
-                       "SGLANG_PLUGINS": "kvcanary"}.items():
-        monkeypatch.setenv(key, value)
-    sgl_engine.ensure_entry_point(tmp_path, monkeypatch)
-    state = hooks_state.snapshot(hooks_state.all_targets())
-    hooks_state.restore(state)
-    plugins.load_plugins()
+    state = sgl_engine.activate_kvcanary(tmp_path, monkeypatch, {
+        "KVCANARY_MODE": "raise", "KVCANARY_VERIFY_TOKENS": "1", "KVCANARY_SWEEP_INTERVAL": "7",
+        "SGLANG_PLUGINS": "kvcanary"})
     try:
         sa = sgl_engine.server_args(sgl_engine.write_model_dir(tmp_path / "tiny-llama"), chunked_prefill_size=32,
                                     enable_mixed_chunk=True)
