@@ -103,10 +103,12 @@ def test_records_follow_backup_and_load_back(tmp_path, monkeypatch, teardown, po
     assert manager.stats.slot_runs[LaunchTag.SWEEP] > 0
 
 
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
 @pytest.mark.parametrize("fault", faults.HOST_TIER_CLASSES)
-def test_host_tier_faults_are_detected_on_the_loaded_slots_only(tmp_path, monkeypatch, teardown, fault) -> None:
+def test_host_tier_faults_are_detected_on_the_loaded_slots_only(tmp_path, monkeypatch, teardown, fault,
+                                                                policy) -> None:
     mr, tree, inst, follower, state = _engine(
-        tmp_path, monkeypatch, mode="log",
+        tmp_path, monkeypatch, mode="log", policy=policy,
         env={"KVCANARY_FAULT": fault, "KVCANARY_FAULT_EVERY": "25", "KVCANARY_FAULT_WARMUP": "20"},
     )
     teardown.append(state)
