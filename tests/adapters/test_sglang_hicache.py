@@ -163,3 +163,15 @@ def test_a_hicache_setup_it_does_not_follow_is_refused_by_name(tree, flag) -> No
 
 def test_a_prefix_cache_without_hicache_is_not_followed() -> None:
     assert hicache.follow(object(), []) is None
+
+
+def test_a_stopped_canary_keeps_no_hand_offs(tmp_path, monkeypatch, teardown) -> None:
+    """Log mode stopped kvcanary on the runner: its forward hook no longer hands copies over, so none may pile up."""
+    mr, tree, inst, follower, state = _engine(tmp_path, monkeypatch, mode="log")
+    teardown.append(state)
+    inst.stopped = "stopped by a test"
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(3, 2000) for _ in range(PREFIX_TOKENS)] for _ in range(PREFIXES)]
+    sched = sgl_hicache.HiMiniScheduler(mr, tree, chunk_size=64)
+    _drive(sched, rng, prefixes, 80)
+    assert sched.load_backs > 0 and follower.backups > 0 and follower.pending == []

@@ -78,12 +78,19 @@ class HostTierFollower:
     def backup(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> None:
         """``HiCacheController.write`` backs ``device_indices`` up to ``host_indices`` (kept for before_forward)."""
         self.backups += 1
-        self.pending.append((False, device_indices, host_indices))
+        if self._any_running():
+            self.pending.append((False, device_indices, host_indices))
 
     def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         """``HiCacheController.load`` loads ``host_indices`` back into ``device_indices`` (kept for before_forward)."""
         self.loads += 1
-        self.pending.append((True, host_indices, device_indices))
+        if self._any_running():
+            self.pending.append((True, host_indices, device_indices))
+
+    def _any_running(self) -> bool:
+        # (log mode stopped kvcanary on every runner of this pool: its forward hook no longer flushes, so nothing
+        # may pile up here)
+        return any(inst.stopped is None for inst in self.installations)
 
     def before_forward(self) -> None:
         """On the host before each forward, on its stream (the adapter's forward hook): hand every backup and
