@@ -32,7 +32,7 @@ from kvcanary import layout
 from kvcanary.device_state import STATE_HEADER, STATUS_COPY_MAX_META, DeviceState, StatusCopy, parse_header
 from kvcanary.pump import PinnedChannel
 from kvcanary.report import VIA_HOST_TIER, Reporter, Violation
-from kvcanary.tags import NUM_LAUNCH_TAGS
+from kvcanary.tags import NUM_LAUNCH_TAGS, is_write
 from kvcanary.writers import loaded_from_host_tier
 
 logger = logging.getLogger(__name__)
@@ -314,7 +314,10 @@ class ViolationDrain:
             request_row=None if request_row == unknown else request_row,
             written_step=written_step,
             writer_rid=self._writer_id(serial),
-            via=VIA_HOST_TIER if loaded_from_host_tier(serial) else None,
+            # (a write row's slot attribution is the content being overwritten: where that came from says nothing
+            # about the token or position being written)
+            via=VIA_HOST_TIER if loaded_from_host_tier(serial) and not is_write(row[layout.VIOLATION_COL_KERNEL_KIND])
+            else None,
         )
 
     def _report_rows(self, rows: list[list[int]], metas: list[list[int]], step: int, offset: int,

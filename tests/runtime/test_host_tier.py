@@ -115,3 +115,24 @@ def test_a_batch_naming_a_destination_twice_keeps_the_later_copy() -> None:
     mgr.load_from_host(torch.tensor([6, 5]), torch.tensor([40, 41]))
     assert torch.equal(mgr.canary_buf[40], tier.records[6]) and torch.equal(mgr.canary_buf[41], tier.records[5])
     assert torch.equal(tier.records[16], mgr.canary_buf[1])  # the earlier copy to host slot 5 went to the scratch row
+
+
+def test_a_write_row_on_a_loaded_slot_does_not_say_via_host_tier() -> None:
+    """A write violation reports the token being written; the slot's old content having come through the host tier
+    says nothing about it (the row's attribution is that old content's)."""
+    from kvcanary.batch import BatchView, ForwardKind
+
+    r = OneRequest(Mode.LOG)
+    r.mgr.assign_requests([1], ["req-a"])
+    assert r.forward(PREFIX) == []
+    new = _backed_up_and_loaded(r)
+    r.mgr.mark_init_finished()  # the chain-position assert: a position that is not its predecessor's + 1 is reported
+    t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    slot = int(new[3])  # overwritten at a position its predecessor (position PREFIX - 1) does not lead to
+    batch = BatchView(kind=ForwardKind.DECODE, input_ids=t([7]), positions=t([PREFIX + 5]), out_cache_loc=t([slot]),
+                      req_pool_indices=t([1]), prefix_lens=t([PREFIX]), extend_lens=t([1]))
+    r.req_to_token[1, PREFIX] = slot
+    r.mgr.before_forward(batch)
+    r.mgr.after_forward(batch)
+    found = [v for v in r.mgr.step() + r.mgr.flush() if v.is_write]
+    assert found and all(v.slot == slot and v.via is None for v in found)
