@@ -1,13 +1,17 @@
 """``kvcanary report``: JSONL files written by the real Reporter (one per rank) are summarised per reason, rank, tag,
 slot and request; injections are matched to violations within their own rank; bad lines (not JSON, cut off, not
-a kvcanary record, a field missing, an unknown schema) are reported as FILE:LINE, skipped, and make the exit
-status 1. On the real tensor-parallel fault run in shared/ the matcher agrees with the e2e driver's own."""
+a kvcanary record, a field missing, an unknown schema, not UTF-8) are reported as FILE:LINE with the line escaped,
+skipped, and make the exit status 1. ``-`` (stdin), FIFOs and /dev/null are read as streams; a directory is refused by
+name. On the real tensor-parallel fault run in shared/ the matcher agrees with the e2e driver's own."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
+import sys
 import tarfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -149,6 +153,57 @@ def test_missing_files(tmp_path: Path, reports: Path, capsys: pytest.CaptureFixt
     assert "no report file to read" in capsys.readouterr().err
     code, _ = _run(["report", str(reports / "kvc-0.jsonl"), str(tmp_path / "gone.jsonl")])
     assert code == 1 and "gone.jsonl: no such file" in capsys.readouterr().err
+
+
+def test_stdin_is_read_for_dash(reports: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = (reports / "kvc-0.jsonl").read_bytes()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+    code, text = _run(["report", "--json", "-", str(reports / "kvc-1.jsonl")])
+    assert code == 0, text
+    s = json.loads(text)
+    assert s["files"] == {summarize.STDIN: 9, str(reports / "kvc-1.jsonl"): 2} and s["violations"] == 6
+
+
+def test_a_fifo_and_dev_null_are_streams(reports: Path, tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    data = (reports / "kvc-0.jsonl").read_bytes()
+    writer = threading.Thread(target=fifo.write_bytes, args=(data,))  # a shell's <(cat kvc-0.jsonl)
+    writer.start()
+    try:
+        code, text = _run(["report", "--json", str(fifo)])
+    finally:
+        writer.join(timeout=10)
+        if writer.is_alive():  # the report never opened the FIFO: open it here, or the writer blocks forever
+            fifo.read_bytes()
+            writer.join()
+    assert code == 0 and json.loads(text)["files"] == {str(fifo): 9}
+    code, text = _run(["report", os.devnull])  # an empty stream is an empty report, not an error
+    assert code == 0 and f"{os.devnull}: 0 records (empty)" in text
+
+
+def test_a_directory_is_refused_by_name(reports: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _ = _run(["report", str(reports)])
+    err = capsys.readouterr().err
+    assert code == 1 and "no such file" not in err
+    assert f"kvcanary report: {reports}: is a directory; give the files or a glob like '{reports}/*.jsonl'\n" in err
+
+
+def test_binary_lines_are_escaped_never_raw(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "kv.bin"
+    path.write_bytes(b"\x7fELF\x1b[2J\xff\x00" * 40 + b"\n" + b"\x1b]0;title\x07 not json\n" + b'{"schema": "\xc3')
+    code, text = _run(["report", str(path)])
+    err = capsys.readouterr().err
+    assert code == 1
+    for out in (err, text):
+        assert not any(c in out for c in "\x1b\x07\x00\ufffd"), out  # no control byte, no lossy replacement
+    lines = [line for line in err.splitlines() if line.startswith(f"kvcanary report: {path}:")]
+    assert lines[0].startswith(f"kvcanary report: {path}:1: not UTF-8 text: b'\\x7fELF\\x1b[2J\\xff\\x00")
+    assert lines[0].endswith("'...") and len(lines[0]) < len(str(path)) + 140  # cut, not 400 bytes of escapes
+    assert lines[1] == f"kvcanary report: {path}:2: not JSON: '\\x1b]0;title\\x07 not json'"
+    # a character cut by the end of the file is a cut line, not a binary one
+    assert lines[2] == f"kvcanary report: {path}:3: truncated line (no newline at the end of the file): " \
+                       "b'{\"schema\": \"\\xc3'"
 
 
 def test_records_without_rank_are_matched_within_their_file(tmp_path: Path) -> None:

@@ -2,7 +2,9 @@
 
 :func:`read_reports` reads every line of every file, checks it against the record schemas of
 :mod:`kvcanary.report` and keeps going past a bad line (not JSON, cut off, not a kvcanary record, a field missing
-or of the wrong type), which it reports as ``file:line: what is wrong``. :class:`ReportSummary` holds what the
+or of the wrong type, not UTF-8), which it reports as ``file:line: what is wrong`` with the line's start escaped
+(a binary file never reaches the terminal raw). ``-`` is stdin; a FIFO or character device is read as a stream
+(``/dev/null`` is an empty report); a directory is refused by name. :class:`ReportSummary` holds what the
 records say: violations per reason, rank, tag, slot and request, the step range, lost and health records, and the
 injections (``kvcanary.injection/1``) matched to violations by :func:`kvcanary.matcher.match_injections`.
 :func:`render` is the text form, :meth:`ReportSummary.to_json` the machine form.
@@ -13,6 +15,8 @@ from __future__ import annotations
 import glob
 import json
 import os
+import stat
+import sys
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +28,8 @@ from kvcanary.table import format_table
 
 TOP = 10  # rows of the top-slots and top-requests tables
 MAX_LISTED = 5  # bad lines, health messages and unexplained violations shown in the text form
+EXCERPT = 80  # characters (bytes, for a line that is not UTF-8) of a bad line or value quoted in its message
+STDIN = "<stdin>"  # how the file ``-`` is named in the summary and the bad-line messages
 _SCHEMA_PREFIX = "kvcanary."
 
 
@@ -70,7 +76,8 @@ class BadLine:
     error: str
 
     def __str__(self) -> str:
-        return f"{self.path}:{self.line}: {self.error}"
+        where = self.path if self.path.isprintable() else repr(self.path)  # a file name is terminal input too
+        return f"{where}: {self.error}" if self.line == 0 else f"{where}:{self.line}: {self.error}"  # 0: the file
 
 
 @dataclass(frozen=True)
@@ -99,18 +106,47 @@ class Record:
 
 
 def expand_paths(patterns: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Paths and glob patterns → (existing files in order, patterns that matched no file)."""
+    """Paths and glob patterns → (what to read, in order; patterns that name nothing).
+
+    A glob keeps the regular files it matches. A plain path is kept when it exists, whatever it is: ``-`` (as
+    :data:`STDIN`), a FIFO or a character device are streams, and a directory or an unreadable file is kept so that
+    :func:`iter_file` says what is wrong with it instead of "no such file".
+    """
     files: list[str] = []
     unmatched: list[str] = []
     for pattern in patterns:
-        if glob.has_magic(pattern):
+        if pattern == "-":
+            found = [STDIN]
+        elif glob.has_magic(pattern):
             found = sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
         else:
-            found = [pattern] if os.path.isfile(pattern) else []
+            found = [pattern] if _exists(pattern) else []
         if not found:
             unmatched.append(pattern)
         files.extend(p for p in found if p not in files)
     return files, unmatched
+
+
+def _exists(path: str) -> bool:
+    try:
+        os.stat(path)  # follows links: /dev/fd/63 of a shell's <(...) is the FIFO behind it
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True  # there, but not for us (a directory we cannot enter): opening it names the reason
+    return True
+
+
+def _short_repr(value: object) -> str:
+    """``repr`` of at most :data:`EXCERPT` characters (and ``...`` when cut): quoted and escaped, so control
+    characters and binary bytes never reach a terminal raw."""
+    if not isinstance(value, (str, bytes)):
+        text = repr(value)
+        return text if len(text) <= EXCERPT else text[:EXCERPT] + "..."
+    n = len(value)
+    while n > 1 and len(repr(value[:n])) > EXCERPT:  # whole escapes only: shorten the value, not its repr
+        n = n * 3 // 4
+    return repr(value[:n]) + ("..." if n < len(value) else "")
 
 
 def check_record(obj: object) -> str | None:
@@ -119,42 +155,59 @@ def check_record(obj: object) -> str | None:
         return f"not a kvcanary record (a JSON {type(obj).__name__}, expected an object with a 'schema')"
     schema = obj.get("schema")
     if not isinstance(schema, str) or not schema.startswith(_SCHEMA_PREFIX):
-        return f"not a kvcanary record (schema {schema!r})"
+        return f"not a kvcanary record (schema {_short_repr(schema)})"
     required = REQUIRED.get(schema)
     if required is None:
-        return f"unsupported kvcanary schema {schema!r} (this kvcanary reads {', '.join(REQUIRED)})"
+        return f"unsupported kvcanary schema {_short_repr(schema)} (this kvcanary reads {', '.join(REQUIRED)})"
     for name, ok in required.items():
         if name not in obj:
             return f"{schema}: missing field {name!r}"
         if not ok(obj[name]):
-            return f"{schema}: field {name!r} has a bad value {obj[name]!r}"
+            return f"{schema}: field {name!r} has a bad value {_short_repr(obj[name])}"
     return None
 
 
 def iter_file(path: str) -> Iterator[Record | BadLine]:
-    """Every line of one JSONL file as a Record or a BadLine (empty lines are skipped)."""
+    """Every line of one JSONL file (or :data:`STDIN`, a FIFO, a device) as a Record or a BadLine; empty lines
+    are skipped. A file that cannot be read at all is one BadLine at line 0."""
+    if path == STDIN:
+        yield from _iter_lines(path, sys.stdin.buffer)  # not closed: stdin is the process's
+        return
     try:
-        f = open(path, "rb")  # noqa: SIM115 - closed below; bytes, so a cut multi-byte character is a bad line
+        if stat.S_ISDIR(os.stat(path).st_mode):
+            yield BadLine(path, 0, f"is a directory; give the files or a glob like {os.path.join(path, '*.jsonl')!r}")
+            return
+        f = open(path, "rb")  # noqa: SIM115 - closed below; bytes, so a line that is not UTF-8 is a bad line
     except OSError as exc:
         yield BadLine(path, 0, f"cannot read: {exc.strerror or exc}")
         return
     with f:
-        for n, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            complete = raw.endswith(b"\n")
-            try:
-                obj = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                excerpt = raw[:80].decode("utf-8", "replace").rstrip()
-                what = "truncated line (no newline at the end of the file)" if not complete else "not JSON"
-                yield BadLine(path, n, f"{what}: {exc.__class__.__name__}: {excerpt!r}")
-                continue
-            error = check_record(obj)
-            if error is not None:
-                yield BadLine(path, n, error)
-            else:
-                yield Record(path, n, obj)
+        yield from _iter_lines(path, f)
+
+
+def _iter_lines(path: str, f: Iterable[bytes]) -> Iterator[Record | BadLine]:
+    for n, raw in enumerate(f, 1):
+        if not raw.strip():
+            continue
+        complete = raw.endswith(b"\n")
+        cut = "truncated line (no newline at the end of the file)"
+        try:
+            text = raw.decode("utf-8")  # strict: json.loads(bytes) would also take UTF-16 and UTF-32
+        except UnicodeDecodeError as exc:
+            at_end = not complete and exc.reason == "unexpected end of data"  # a character cut by the writer
+            excerpt = _short_repr(raw.rstrip(b"\r\n"))  # a bytes repr: binary never reaches the terminal raw
+            yield BadLine(path, n, f"{cut if at_end else 'not UTF-8 text'}: {excerpt}")
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError:
+            yield BadLine(path, n, f"{'not JSON' if complete else cut}: {_short_repr(text.rstrip())}")
+            continue
+        error = check_record(obj)
+        if error is not None:
+            yield BadLine(path, n, error)
+        else:
+            yield Record(path, n, obj)
 
 
 @dataclass
