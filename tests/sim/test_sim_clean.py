@@ -5,7 +5,8 @@ eviction, slot reuse by other requests, and sweeps over the cache."""
 from __future__ import annotations
 
 import pytest
-from engine import SimConfig, build_sim
+
+from kvcanary.sim.engine import SimConfig, build_sim
 
 STEPS = 2000
 

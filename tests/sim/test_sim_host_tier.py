@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine import SimConfig, Simulator, build_sim
 
 from kvcanary import faults
+from kvcanary.sim.engine import SimConfig, Simulator, build_sim
 from kvcanary.sim.injector import FaultDriver
 
 STEPS = 1500
