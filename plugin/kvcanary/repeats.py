@@ -15,37 +15,67 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # kvcanary.report imports this module
-    from kvcanary.report import Violation
+from typing import Generic, Protocol, TypeVar
 
 DEFAULT_MAX_KEYS = 4096
 
 
+class Row(Protocol):
+    """The fields of a violation row the filter reads (``kvcanary.report.Violation`` has them). A protocol rather
+    than the record type: report.py imports this module, and naming its record here closed an import circle."""
+
+    @property
+    def step(self) -> int: ...
+    @property
+    def kernel_kind(self) -> int: ...
+    @property
+    def slot(self) -> int: ...
+    @property
+    def position(self) -> int: ...
+    @property
+    def stored_token(self) -> int: ...
+    @property
+    def expected_token(self) -> int: ...
+    @property
+    def stored_chain_hash(self) -> int: ...
+    @property
+    def expected_aux(self) -> int: ...
+    @property
+    def fail_reason_bits(self) -> int: ...
+    @property
+    def request_row(self) -> int | None: ...
+    @property
+    def written_step(self) -> int | None: ...
+    @property
+    def writer_rid(self) -> str | None: ...
+
+
+RowT = TypeVar("RowT", bound=Row)  # the caller's row type: summaries hand back the rows it admitted
+
+
 @dataclass
-class RepeatSummary:
+class RepeatSummary(Generic[RowT]):
     """Rows of one key that were suppressed and not yet accounted for by a ``repeats=`` on a logged line."""
 
-    violation: Violation  # the last suppressed row
+    violation: RowT  # the last suppressed row
     count: int
     first_step: int
     last_step: int
 
 
 @dataclass
-class _Entry:
+class _Entry(Generic[RowT]):
     last_logged_step: int
-    last_row: Violation
+    last_row: RowT
     suppressed: int = 0
     first_suppressed_step: int = 0
     last_suppressed_step: int = 0
 
-    def summary(self) -> RepeatSummary:
+    def summary(self) -> RepeatSummary[RowT]:
         return RepeatSummary(self.last_row, self.suppressed, self.first_suppressed_step, self.last_suppressed_step)
 
 
-class RepeatFilter:
+class RepeatFilter(Generic[RowT]):
     """Which violation rows to log. ``window`` forward steps (``0``: log every row); at most ``max_keys`` keys."""
 
     def __init__(self, window: int, *, max_keys: int = DEFAULT_MAX_KEYS) -> None:
@@ -55,13 +85,13 @@ class RepeatFilter:
             raise ValueError(f"RepeatFilter: max_keys: expected an int >= 1; got {max_keys!r}")
         self.window = window
         self.max_keys = max_keys
-        self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
-        self._evicted: list[RepeatSummary] = []
+        self._entries: OrderedDict[Hashable, _Entry[RowT]] = OrderedDict()
+        self._evicted: list[RepeatSummary[RowT]] = []
         self.total_suppressed = 0
         self._latest_step: int | None = None
 
     @staticmethod
-    def key(v: Violation) -> Hashable:
+    def key(v: Row) -> Hashable:
         """What makes two rows "the same violation": every recorded field but the step."""
         return (
             v.kernel_kind, v.slot, v.position, v.stored_token, v.expected_token, v.stored_chain_hash,
@@ -75,7 +105,7 @@ class RepeatFilter:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def admit(self, v: Violation) -> int | None:
+    def admit(self, v: RowT) -> int | None:
         """None: suppress this row. Otherwise log it, with this many earlier rows of its key suppressed since
         the previous line (``repeats=``; 0 means none)."""
         if self._latest_step is None or v.step > self._latest_step:
@@ -104,7 +134,7 @@ class RepeatFilter:
                 self._evicted.append(old.summary())
         return 0
 
-    def expired(self) -> list[RepeatSummary]:
+    def expired(self) -> list[RepeatSummary[RowT]]:
         """Summaries due now: keys evicted with suppressed rows, and keys whose window (from their last logged
         line) has passed the latest step seen with suppressed rows left; those keys are forgotten, so their
         next row is logged as new."""
@@ -119,7 +149,7 @@ class RepeatFilter:
             out.append(self._entries.pop(k).summary())
         return out
 
-    def drain(self) -> list[RepeatSummary]:
+    def drain(self) -> list[RepeatSummary[RowT]]:
         """Every pending summary (close): evicted keys and keys with suppressed rows. Forgets every key."""
         out, self._evicted = self._evicted, []
         out.extend(e.summary() for e in self._entries.values() if e.suppressed)

@@ -212,7 +212,7 @@ def parse_repeat_line(line: str) -> dict[str, str]:
     return dict(_FIELD_RE.findall(match.group("fields")))
 
 
-def repeat_line(summary: RepeatSummary, *, rank: Mapping[str, int] | None = None) -> str:
+def repeat_line(summary: RepeatSummary[Violation], *, rank: Mapping[str, int] | None = None) -> str:
     """The summary line for rows of one key that were suppressed and not yet counted on a ``repeats=`` key."""
     v = summary.violation
     parts = [
@@ -493,7 +493,7 @@ class Reporter:
             repeat_window = 0
         elif repeat_window is None:
             repeat_window = log_repeat_window_from_env()
-        self._repeats = RepeatFilter(repeat_window)
+        self._repeats: RepeatFilter[Violation] = RepeatFilter(repeat_window)
         self._sink_error_interval_s = float(sink_error_interval_s)
         self._clock = clock
         self._sink = _SinkErrorState()
@@ -616,7 +616,7 @@ class Reporter:
         with self._lock:
             self._log_summaries(self._repeats.drain() if all_pending else self._repeats.expired())
 
-    def _log_summaries(self, summaries: Iterable[RepeatSummary]) -> None:
+    def _log_summaries(self, summaries: Iterable[RepeatSummary[Violation]]) -> None:
         for summary in summaries:
             self._log.warning("%s", repeat_line(summary, rank=self.rank))
 
