@@ -521,19 +521,23 @@ def test_cache_dir_that_is_a_file(tmp_path, monkeypatch: pytest.MonkeyPatch) -> 
         jit.build("cpu")
 
 
-def test_cache_dir_unwritable(open_tmp) -> None:
+def test_cache_dir_unwritable(open_tmp, monkeypatch: pytest.MonkeyPatch) -> None:
     locked = open_tmp / "locked"
     locked.mkdir()
     locked.chmod(0o555)
     import tvm_ffi.cpp  # noqa: F401 - imported here: the unprivileged child cannot read every site-package
+    from kvcanary import jit
+
+    # Imported and hashed here, as root: the child may not enter the checkout at all (a clone in a 0700 temporary
+    # directory or under /root), and where the checkout lives is not what this test checks.
+    digest = jit.source_digest()
+    monkeypatch.setattr(jit, "source_digest", lambda root=None: digest)
 
     def check() -> None:
         assert f"directory {str(locked)!r} is not writable" in _cache_error(str(locked / "kvc"))
         # an existing read-only cache is accepted at start-up (a prebuilt cache only loads) ...
         assert Config.from_env({"KVCANARY_MODE": "log", "KVCANARY_CACHE_DIR": str(locked)}).cache_dir == str(locked)
         # ... and the JIT names the variable when it would have to build there
-        from kvcanary import jit
-
         os.environ["KVCANARY_CACHE_DIR"] = str(locked)
         try:
             jit.build("cpu", force=True)
