@@ -72,7 +72,7 @@ def test_text_and_json_forms(result: demo.DemoResult) -> None:
 def test_a_missed_fault_fails_the_demo(monkeypatch: pytest.MonkeyPatch) -> None:
     """An injector that changes nothing (a fault the canary cannot see) must turn the demo into a FAIL, exit 1."""
 
-    def no_flip(source, slot, byte=0, mask=0xFF, *, step=None):  # noqa: ANN001, ANN202
+    def no_flip(source, slot, byte=0, mask=0xFF, *, step=None, undo=False):  # noqa: ANN001, ANN202
         return faults.Injection(faults.REAL_KV_FLIP, step, (int(slot),), "nothing flipped")
 
     monkeypatch.setattr(injector.faults, "flip_real_kv", no_flip)

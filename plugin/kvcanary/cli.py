@@ -7,17 +7,24 @@ Subcommands:
     check    judge sglang launch_server arguments: which settings kvcanary covers, refuses, or that move no KV.
 
 ``-v`` (log details) goes before or after the subcommand.
+
+A bad ``KVCANARY_*`` value is one line naming the variable (exit 2), Ctrl-C one line ``interrupted`` (exit 130),
+and a reader that leaves the pipe (``kvcanary doctor | head -1``) a quiet stop (exit 141, as if killed by SIGPIPE):
+never a traceback. An unknown flag is named with the usage of the (sub)command it was given to.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import TextIO
 
+from kvcanary.config import ConfigError
 from kvcanary.table import format_table as _format_table
 
 logger = logging.getLogger(__name__)
@@ -25,6 +32,12 @@ logger = logging.getLogger(__name__)
 _COLUMNS = ("backend", "arch", "build", "self-test", "detail")
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 _MAX_BAD_LINES_ON_STDERR = 100
+# demo limits: a longer run is a typo (--seconds inf, 1e309; an injection count of 23 digits), not a demo
+MAX_DEMO_SECONDS = 3600.0
+MAX_INJECTIONS = 1000
+EXIT_CONFIG_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
 
 
 def format_table(rows: Sequence[Sequence[str]], header: Sequence[str] = _COLUMNS) -> str:
@@ -46,25 +59,67 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    if not 0 < value <= MAX_DEMO_SECONDS:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"expected a number of seconds in (0, {MAX_DEMO_SECONDS:g}], got {text!r}")
     return value
 
 
 def _positive_int(text: str) -> int:
     try:
         value = int(text, 10)
-    except ValueError:
+    except ValueError:  # also a number too long for int() (over 4300 digits)
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    if not 1 <= value <= MAX_INJECTIONS:
+        raise argparse.ArgumentTypeError(f"expected an integer in [1, {MAX_INJECTIONS}], got {text!r}")
     return value
+
+
+def _unknown_message(tokens: Sequence[str], known: Sequence[str]) -> str:
+    """``unrecognized arguments: --verison (did you mean --version?)``."""
+    hints = []
+    for token in tokens:
+        name = token.split("=", 1)[0]
+        # 0.75, not difflib's 0.6: "--bogus" is not a misspelt "--verbose"
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.75) if name.startswith("-") else []
+        hints.append(f"{token} (did you mean {close[0]}?)" if close else token)
+    return "unrecognized arguments: " + " ".join(hints)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that names an unknown flag where it was given. Plain argparse reports one after a subcommand with
+    the top-level usage, and one before any subcommand only as "the following arguments are required: COMMAND"."""
+
+    commands: dict[str, argparse.ArgumentParser]  # the subcommands' parsers (set by _build_parser)
+
+    def _options(self) -> list[str]:
+        return list(self._option_string_actions)
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        argv = sys.argv[1:] if args is None else list(args)
+        commands = getattr(self, "commands", {})
+        leading = []
+        for token in argv:
+            if token in commands or token == "--" or not token.startswith("-"):
+                break
+            leading.append(token)
+        options = self._options()
+        unknown = [t for t in leading if t.split("=", 1)[0] not in options
+                   and not (t.startswith("--") and any(o.startswith(t.split("=", 1)[0]) for o in options))]
+        if unknown:
+            self.error(_unknown_message(unknown, options))
+        ns, extras = self.parse_known_args(argv, namespace)
+        if extras:
+            sub = commands.get(getattr(ns, "command", None) or "")
+            target = sub if isinstance(sub, _Parser) else self
+            target.error(_unknown_message(extras, target._options()))
+        return ns
 
 
 def _build_parser() -> argparse.ArgumentParser:
     from kvcanary import __version__
 
-    parser = argparse.ArgumentParser(prog="kvcanary", description="KV-cache integrity canary tools.")
+    parser = _Parser(prog="kvcanary", description="KV-cache integrity canary tools.")
     parser.add_argument("--version", action="version", version=f"kvcanary {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log build, self-test and run details")
     # The same flag after the subcommand (`kvcanary doctor -v`); SUPPRESS keeps a -v given before it.
@@ -73,6 +128,7 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="log build, self-test and run details")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    parser.commands = sub.choices  # the same dict: subcommands added below are in it
 
     doctor = sub.add_parser(
         "doctor",
@@ -114,7 +170,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     report = sub.add_parser(
         "report",
-        parents=[common],
+        parents=[_verbose_parent("no effect here: report prints its bad-line messages on stderr either way")],
         help="summarise KVCANARY_REPORT JSONL files (one per rank)",
         description=(
             "Read kvcanary JSONL reports (paths or quoted globs, e.g. 'kv-*.jsonl') and summarise them: violations "
@@ -147,6 +203,13 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _verbose_parent(help_text: str) -> argparse.ArgumentParser:
+    """``-v`` after a subcommand whose help says what it does there; SUPPRESS keeps a -v given before it."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=help_text)
+    return parent
+
+
 def _fault_classes() -> tuple[str, ...]:
     from kvcanary.faults import FAULT_CLASSES
 
@@ -158,12 +221,13 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO) -> int:
 
     from kvcanary import __version__, doctor, jit
 
+    doctor.check_environment()  # a bad cache dir or sanitizer: one named line before the header, not a traceback
     out.write(
         f"kvcanary {__version__} | torch {torch.__version__} | tvm-ffi {jit._tvm_ffi_version()} | "
         f"cache {jit.cache_root()}\n"
     )
     out.flush()
-    report = doctor.run_doctor(rebuild=args.rebuild, compile_cuda=args.compile_cuda)
+    report = doctor.run_doctor(rebuild=args.rebuild, compile_cuda=args.compile_cuda, progress=_progress)
     rows = [(r.label, r.arch, r.build_column, r.status, r.detail) for r in report.rows]
     out.write(format_table(rows) + "\n")
     for row in report.rows:
@@ -181,13 +245,10 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
 
     from kvcanary import demo
 
+    settings = demo.settings_from_env()  # the plugin's rules: a bad KVCANARY_* value stops the demo, named
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.stderr.write("kvcanary demo: --device cuda, but torch sees no CUDA device\n")
         return 2
-
-    def progress(text: str) -> None:
-        sys.stderr.write(text + "\n")
-        sys.stderr.flush()
 
     result = demo.run_demo(
         seconds=args.seconds,
@@ -196,13 +257,20 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
         per_class=args.injections,
         seed=args.seed,
         quiet_log=not args.verbose,
-        progress=progress,
+        progress=_progress,
+        settings=settings,
     )
     if args.json:
         out.write(json.dumps(result.to_json(), indent=2) + "\n")
     else:
         out.write(demo.render(result) + "\n")
     return 0 if result.passed else 1
+
+
+def _progress(text: str) -> None:
+    """A progress line on stderr, so that stdout stays the result alone."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 def _cmd_report(args: argparse.Namespace, out: TextIO) -> int:
@@ -244,7 +312,29 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int
     parser = _build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format=LOG_FORMAT)
-    return int(args.func(args, out or sys.stdout))
+    try:
+        return int(args.func(args, out or sys.stdout))
+    except ConfigError as exc:  # a bad KVCANARY_* value: the message names the variable
+        sys.stderr.write(f"kvcanary {args.command}: {exc}\n")
+        return EXIT_CONFIG_ERROR
+    except KeyboardInterrupt:
+        sys.stderr.write(f"kvcanary {args.command}: interrupted\n")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader left (`| head -1`): nothing more to say, and no one to say it to
+        _silence_standard_streams()
+        return EXIT_BROKEN_PIPE
+
+
+def _silence_standard_streams() -> None:
+    """Point stdout and stderr at /dev/null, so that the interpreter's final flush of text still buffered for the
+    closed pipe does not raise again (Python would print "Exception ignored" and exit 120)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):  # not a real file (a test's StringIO): nothing to flush
+            continue
 
 
 if __name__ == "__main__":

@@ -7,13 +7,17 @@ rules, the same for every variable:
 * enum values (``KVCANARY_MODE``, ``KVCANARY_REAL_KV``) are case-insensitive;
 * integers are plain ASCII decimal digits with an optional leading sign (``parse_ascii_int``): ``1_000``,
   ``0x10``, ``1e3`` and non-ASCII digits (``'١٠'``) are rejected, although Python's ``int()`` takes some of them;
-* a bad value raises ``ValueError`` naming the variable, the allowed values and the value given, e.g.
-  ``KVCANARY_MODE: expected one of off, log, raise; got 'loud'``;
+* a bad value raises ``ConfigError`` (a ``ValueError``) naming the variable, the allowed values and the value
+  given, e.g. ``KVCANARY_MODE: expected one of off, log, raise; got 'loud'``; the command line prints it as one
+  line;
+* ``KVCANARY_REPORT`` may hold ``{rank}`` and no other ``{...}`` (a misspelt ``{rnak}`` is refused, not written
+  into a file name);
 * when the canary is enabled (``log``/``raise``), the paths are checked too, so a bad one stops start-up
   naming the variable: ``KVCANARY_REPORT`` (``check_report_path``: not a directory, not under ``/proc`` or
   ``/sys``, writable or creatable) and ``KVCANARY_CACHE_DIR`` (``check_cache_dir``: a directory or creatable;
   a read-only existing cache is accepted here, the JIT names the variable if it then has to build there);
-  ``KVCANARY_CUDA_ARCH`` (owned by ``kvcanary.jit``) is checked by ``parse_cuda_arch`` in every mode;
+  ``KVCANARY_CUDA_ARCH`` and ``KVCANARY_SANITIZE`` (owned by ``kvcanary.jit``) are checked by ``parse_cuda_arch``
+  and ``parse_sanitize`` in every mode;
 * an unknown ``KVCANARY_*`` variable (a typo such as ``KVCANARY_MOD`` or ``KVCANARY_FAULT_EVREY``) is not an
   error: one WARNING line names it. Variables that other modules own are listed by name in ``KNOWN_ENV_VARS``
   (the fault-injection family too), so a typo in them is flagged like any other.
@@ -110,6 +114,10 @@ KNOWN_ENV_PREFIXES: tuple[str, ...] = ()
 # violation_write_index is int32 on the device.
 MAX_RING_CAPACITY = (1 << 31) - 1
 RANK_PLACEHOLDER = "{rank}"
+REPORT_PLACEHOLDERS: tuple[str, ...] = (RANK_PLACEHOLDER,)  # what report_path_for expands
+_PLACEHOLDER_RE = re.compile(r"\{[^{}]*\}")
+# KVCANARY_SANITIZE values kvcanary.jit knows how to build (its flag table is keyed by the same names).
+SANITIZERS: tuple[str, ...] = ("address",)
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -126,8 +134,14 @@ class Mode(enum.Enum):
 _REAL_KV_NAMES: dict[str, RealKvHashMode] = {m.name.lower(): m for m in RealKvHashMode}
 
 
-def _expected_one_of(var: str, allowed: tuple[str, ...] | list[str], raw: str) -> ValueError:
-    return ValueError(f"{var}: expected one of {', '.join(allowed)}; got {raw!r}")
+class ConfigError(ValueError):
+    """A bad ``KVCANARY_*`` value; the message starts with the variable's name. A ``ValueError``, so callers that
+    catch that keep working; the command line catches this class alone and prints the message as one line, while
+    any other exception (a bug) keeps its traceback."""
+
+
+def _expected_one_of(var: str, allowed: tuple[str, ...] | list[str], raw: str) -> ConfigError:
+    return ConfigError(f"{var}: expected one of {', '.join(allowed)}; got {raw!r}")
 
 
 def _parse_choice(var: str, raw: str, choices: Mapping[str, object]) -> object:
@@ -153,15 +167,15 @@ def parse_ascii_int(text: str) -> int:
 
 
 def parse_int_env(var: str, raw: str, *, minimum: int, maximum: int | None = None) -> int:
-    """``raw`` as an int in ``[minimum, maximum]``; a bad value raises ``ValueError`` naming ``var``, e.g.
+    """``raw`` as an int in ``[minimum, maximum]``; a bad value raises ``ConfigError`` naming ``var``, e.g.
     ``KVCANARY_STATS_EVERY: expected an integer >= 0; got '1_000'``."""
     bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
     try:
         value = parse_ascii_int(raw)
     except ValueError:
-        raise ValueError(f"{var}: expected an integer {bounds}; got {raw!r}") from None
+        raise ConfigError(f"{var}: expected an integer {bounds}; got {raw!r}") from None
     if value < minimum or (maximum is not None and value > maximum):
-        raise ValueError(f"{var}: expected an integer {bounds}; got {raw!r}")
+        raise ConfigError(f"{var}: expected an integer {bounds}; got {raw!r}")
     return value
 
 
@@ -182,24 +196,46 @@ def parse_cuda_arch(raw: str, var: str = ENV_CUDA_ARCH) -> str:
 
     Accepts one arch or several separated by spaces or commas (``"8.9 9.0a"``, as tvm-ffi does); returns them
     normalised and space-separated (``"sm_90a"`` → ``"9.0a"``, ``"100a"`` → ``"10.0a"``). A bad value raises
-    ``ValueError`` naming ``var`` and the accepted forms.
+    ``ConfigError`` naming ``var`` and the accepted forms.
     """
     parts = [p for p in re.split(r"[\s,]+", raw.strip()) if p]
     if not parts:
-        raise ValueError(f"{var}: expected a CUDA arch such as {CUDA_ARCH_EXAMPLES}; got {raw!r}")
+        raise ConfigError(f"{var}: expected a CUDA arch such as {CUDA_ARCH_EXAMPLES}; got {raw!r}")
     out: list[str] = []
     for part in parts:
         match = _CUDA_ARCH_RE.fullmatch(part.lower())
         if match is None or not part.isascii():
-            raise ValueError(f"{var}: expected a CUDA arch such as {CUDA_ARCH_EXAMPLES}; got {raw!r}")
+            raise ConfigError(f"{var}: expected a CUDA arch such as {CUDA_ARCH_EXAMPLES}; got {raw!r}")
         if match["packed"] is not None:
             major, minor = match["packed"][:-1], match["packed"][-1]
         else:
             major, minor = match["major"], match["minor"]
         if int(major) == 0:
-            raise ValueError(f"{var}: expected a CUDA arch such as {CUDA_ARCH_EXAMPLES}; got {raw!r}")
+            raise ConfigError(f"{var}: expected a CUDA arch such as {CUDA_ARCH_EXAMPLES}; got {raw!r}")
         out.append(f"{int(major)}.{minor}{match['suffix']}")
     return " ".join(dict.fromkeys(out))
+
+
+def parse_sanitize(raw: str | None, var: str = ENV_SANITIZE) -> str | None:
+    """``KVCANARY_SANITIZE``: one of ``SANITIZERS``, or None when unset or blank; else ``ConfigError`` naming
+    ``var``. Checked at start-up, not first when the CPU build runs (after the engine has loaded its model)."""
+    value = (raw or "").strip()
+    if not value:
+        return None
+    if value not in SANITIZERS:
+        raise ConfigError(f"{var}: expected one of {', '.join(SANITIZERS)} or unset; got {raw!r}")
+    return value
+
+
+def check_report_placeholders(path: str, var: str = ENV_REPORT) -> None:
+    """Every ``{...}`` in a report path must be a known placeholder (``REPORT_PLACEHOLDERS``): a misspelt
+    ``{rnak}`` would otherwise be written into the file name. ``ConfigError`` naming ``var`` and the known ones."""
+    unknown = [m for m in _PLACEHOLDER_RE.findall(path) if m not in REPORT_PLACEHOLDERS]
+    if unknown:
+        raise ConfigError(
+            f"{var}: unknown placeholder {', '.join(dict.fromkeys(unknown))}; the known placeholders are "
+            f"{', '.join(REPORT_PLACEHOLDERS)}; got {path!r}"
+        )
 
 
 # -- paths ---------------------------------------------------------------------------------------------------
@@ -222,15 +258,15 @@ def _check_creatable(var: str, raw: str, path: str, what: str) -> None:
     """``path`` does not exist: its nearest existing ancestor must be a directory we may create entries in."""
     ancestor = _nearest_existing(os.path.dirname(path))
     if not os.path.isdir(ancestor):
-        raise ValueError(f"{var}: cannot create {what} {path!r}: {ancestor!r} is not a directory; got {raw!r}")
+        raise ConfigError(f"{var}: cannot create {what} {path!r}: {ancestor!r} is not a directory; got {raw!r}")
     if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ValueError(
+        raise ConfigError(
             f"{var}: cannot create {what} {path!r}: directory {ancestor!r} is not writable; got {raw!r}"
         )
 
 
 def check_report_path(path: str, var: str = ENV_REPORT, raw: str | None = None) -> None:
-    """Start-up check of a (rank-formatted) JSONL report path; ``ValueError`` naming ``var`` when it cannot work.
+    """Start-up check of a (rank-formatted) JSONL report path; ``ConfigError`` naming ``var`` when it cannot work.
 
     Rejected: a directory; anything under ``/proc`` or ``/sys``; an existing file we may not write; a missing
     file whose nearest existing ancestor is not a writable directory. Character devices (``/dev/stdout``,
@@ -245,29 +281,29 @@ def check_report_path(path: str, var: str = ENV_REPORT, raw: str | None = None) 
     if stat.S_ISCHR(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
         # a stream (/dev/stdout, /dev/null, a pipe): even when its link resolves under /proc
         if not os.access(path, os.W_OK):
-            raise ValueError(f"{var}: {path!r} is not writable; got {raw!r}")
+            raise ConfigError(f"{var}: {path!r} is not writable; got {raw!r}")
         return
     real = os.path.realpath(path)
     for root in _PSEUDO_FS_ROOTS:
         if real == root or real.startswith(root + "/"):
-            raise ValueError(
+            raise ConfigError(
                 f"{var}: {path!r} is under {root}, a kernel pseudo-file system; expected a path for a JSONL "
                 f"file, e.g. /var/log/kvcanary-{{rank}}.jsonl; got {raw!r}"
             )
     if os.path.isdir(real):
-        raise ValueError(
+        raise ConfigError(
             f"{var}: {path!r} is a directory; expected a file path, e.g. "
             f"{os.path.join(path, 'kvcanary-{rank}.jsonl')}; got {raw!r}"
         )
     if os.path.exists(real):
         if not os.access(real, os.W_OK):
-            raise ValueError(f"{var}: {path!r} is not writable; got {raw!r}")
+            raise ConfigError(f"{var}: {path!r} is not writable; got {raw!r}")
         return
     _check_creatable(var, raw, real, "the report file")
 
 
 def check_cache_dir(path: str, var: str = ENV_CACHE_DIR, raw: str | None = None) -> None:
-    """Start-up check of the JIT build cache directory; ``ValueError`` naming ``var`` when it cannot work.
+    """Start-up check of the JIT build cache directory; ``ConfigError`` naming ``var`` when it cannot work.
 
     It must be a directory or creatable (its nearest existing ancestor a writable directory). An existing
     directory that is not writable is accepted: a prebuilt, read-only cache is fine, and ``kvcanary.jit``
@@ -277,7 +313,7 @@ def check_cache_dir(path: str, var: str = ENV_CACHE_DIR, raw: str | None = None)
     real = os.path.realpath(os.path.expanduser(path))
     if os.path.exists(real):
         if not os.path.isdir(real):
-            raise ValueError(f"{var}: {path!r} is not a directory; got {raw!r}")
+            raise ConfigError(f"{var}: {path!r} is not a directory; got {raw!r}")
         return
     _check_creatable(var, raw, real, "the cache directory")
 
@@ -364,6 +400,8 @@ class Config:
                 raise ValueError(f"{name}: out of range; got {value}")
         if self.report_path is not None and not self.report_path:
             raise ValueError("report_path: expected None or a non-empty path")
+        if self.report_path is not None:
+            check_report_placeholders(self.report_path, "report_path")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
@@ -396,11 +434,13 @@ class Config:
         if (raw := get(ENV_VERIFY_TOKENS)) is not None:
             kwargs["verify_tokens"] = _parse_bool(ENV_VERIFY_TOKENS, raw)
         if (raw := get(ENV_REPORT)) is not None:
+            check_report_placeholders(raw.strip())  # named as the variable, before the field check below
             kwargs["report_path"] = os.path.expanduser(raw.strip())
         if (raw := get(ENV_CACHE_DIR)) is not None:
             kwargs["cache_dir"] = raw.strip()
         if (raw := get(ENV_CUDA_ARCH)) is not None:
             parse_cuda_arch(raw)  # read by kvcanary.jit when it builds; a typo should stop start-up, not the build
+        parse_sanitize(env.get(ENV_SANITIZE))  # likewise
         config = cls(**kwargs)  # type: ignore[arg-type]
         if config.enabled:  # filesystem checks only when something will be opened or built
             if config.report_path is not None:
@@ -437,7 +477,7 @@ class Config:
     def report_path_for(self, rank: int) -> str | None:
         """The JSONL report path for one rank: every ``{rank}`` in ``report_path`` replaced by ``rank``.
 
-        Only the literal ``{rank}`` is replaced (other braces are kept as they are); ``None`` when unset.
+        ``{rank}`` is the only placeholder (the constructor refuses any other ``{...}``); ``None`` when unset.
         """
         if self.report_path is None:
             return None

@@ -11,21 +11,47 @@ positive); then :class:`~kvcanary.sim.injector.FaultDriver` injects each fault c
 turn, repairs it once reported, and scores the reports.
 
 :func:`run_demo` returns a :class:`DemoResult`; :func:`render` is its text form (the command's output).
+
+The ``KVCANARY_*`` environment is validated as the plugin validates it (:func:`settings_from_env`: a bad value is
+the same ``ConfigError`` naming the variable). The runtime settings a user may tune (real-KV mode, sweep interval,
+drain, ring, health and repeat windows, token check, stats, the build variables) are honoured; the variables the
+demo cannot honour are named in one line with the reason (:data:`OVERRIDDEN`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kvcanary import faults
-from kvcanary.config import Config, Mode
+from kvcanary import faults, jit
+from kvcanary.config import (
+    ENV_CACHE_DIR,
+    ENV_CUDA_ARCH,
+    ENV_DRAIN_EVERY,
+    ENV_HEALTH_WINDOW,
+    ENV_LOG_REPEAT_WINDOW,
+    ENV_MODE,
+    ENV_REAL_KV,
+    ENV_REAL_KV_LAYERS,
+    ENV_REPORT,
+    ENV_RING_CAPACITY,
+    ENV_SANITIZE,
+    ENV_STATS_EVERY,
+    ENV_SWEEP_INTERVAL,
+    ENV_VERIFY_TOKENS,
+    FAULT_ENV_VARS,
+    Config,
+    Mode,
+    check_cache_dir,
+)
+from kvcanary.layout import RealKvHashMode
 from kvcanary.sim.engine import SimConfig, Simulator
 from kvcanary.sim.injector import ClassResult, FaultDriver
 from kvcanary.table import format_table
@@ -42,6 +68,21 @@ HOST_PAGES = 2 * NUM_PAGES  # the host tier, at sglang HiCache's default ratio (
 SWEEP_EVERY = 8
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"  # what `kvcanary -v ...` and the demo's violation line show
 _MAX_FAULT_FORWARDS_PER_INJECTION = 200  # a class that finds no fitting batch for this long is reported as such
+# What comes after a PASS: the README's "Use with SGLang" line.
+NEXT_STEP = "next: turn it on in sglang: KVCANARY_MODE=log python -m sglang.launch_server --model-path <model>"
+
+# Variables the demo honours when set (it has its own defaults for the sweep, the token check and the stats lines).
+HONOURED: tuple[str, ...] = (
+    ENV_REAL_KV, ENV_SWEEP_INTERVAL, ENV_VERIFY_TOKENS, ENV_DRAIN_EVERY, ENV_RING_CAPACITY, ENV_HEALTH_WINDOW,
+    ENV_LOG_REPEAT_WINDOW, ENV_STATS_EVERY, ENV_CACHE_DIR, ENV_CUDA_ARCH, ENV_SANITIZE,
+)
+# Variables the demo cannot honour, and why; when one is set, one line names it.
+OVERRIDDEN: dict[str, str] = {
+    ENV_MODE: "the demo always runs in log mode: off protects nothing and raise stops at the first injected fault",
+    ENV_REPORT: "not written: the demo's violations are simulated and do not belong in a real report",
+    ENV_REAL_KV_LAYERS: "the simulated KV pool has no model layers",
+    **{var: "the demo injects its own faults" for var in FAULT_ENV_VARS},
+}
 
 
 def default_device() -> str:
@@ -62,6 +103,44 @@ def parse_faults(text: str | None) -> tuple[str, ...]:
         raise ValueError(f"--faults: expected all or a comma-separated list of {', '.join(faults.FAULT_CLASSES)}; "
                          f"got {text!r}")
     return tuple(dict.fromkeys(names))
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """The demo's manager configuration and what the environment did to it."""
+
+    config: Config
+    honoured: tuple[str, ...] = ()  # "VAR=value" of each honoured variable that is set
+    overridden: tuple[str, ...] = ()  # "VAR (why)" of each variable that is set but not applied
+
+
+def settings_from_env(environ: Mapping[str, str] | None = None) -> DemoSettings:
+    """Validate ``KVCANARY_*`` by the plugin's rules (``Config.from_env``; a bad value raises its ``ConfigError``
+    naming the variable, and so does an unusable ``KVCANARY_CACHE_DIR``) and build the demo's configuration."""
+    env = os.environ if environ is None else environ
+    base = Config.from_env(env)
+
+    def is_set(var: str) -> bool:
+        return bool(env.get(var, "").strip())
+
+    if is_set(ENV_CACHE_DIR):  # Config checks it only when the mode is on; the demo builds there in any mode
+        check_cache_dir(env[ENV_CACHE_DIR].strip(), raw=env[ENV_CACHE_DIR])
+    config = Config(
+        mode=Mode.LOG,
+        real_kv=base.real_kv,
+        sweep_interval=base.sweep_interval if is_set(ENV_SWEEP_INTERVAL) else SWEEP_EVERY,
+        verify_tokens=base.verify_tokens if is_set(ENV_VERIFY_TOKENS) else True,
+        stats_every=base.stats_every if is_set(ENV_STATS_EVERY) else 0,
+        ring_capacity=base.ring_capacity,
+        health_window=base.health_window,
+        drain_every=base.drain_every,
+        log_repeat_window=base.log_repeat_window,
+        cache_dir=str(jit.cache_root()),  # the directory the kernels come from (describe() shows it under -v)
+    )
+    overridden = tuple(f"{var} ({why})" for var, why in OVERRIDDEN.items()
+                       if is_set(var) and not (var == ENV_MODE and base.mode is Mode.LOG))
+    honoured = tuple(f"{var}={env[var].strip()}" for var in HONOURED if is_set(var))
+    return DemoSettings(config, honoured, overridden)
 
 
 @dataclass
@@ -85,6 +164,7 @@ class DemoResult:
     violation_line: str | None  # one violation line as the log shows it
     seconds: float
     notes: list[str] = field(default_factory=list)
+    drain_every: int = 8  # the manager's drain interval (bounds the latency column)
 
     @property
     def passed(self) -> bool:
@@ -144,6 +224,7 @@ def run_demo(
     min_forwards: int = 50,
     quiet_log: bool = True,
     progress: Callable[[str], None] | None = None,
+    settings: DemoSettings | None = None,
 ) -> DemoResult:
     """Serve clean traffic for ``seconds`` under the canary, then inject ``per_class`` faults of each class.
 
@@ -151,21 +232,31 @@ def run_demo(
     a function of ``seed`` and ``min_forwards`` alone (the tests' choice), whatever the machine's speed.
     ``quiet_log``: keep kvcanary's WARNING lines (one per violation and per injection) off the console while the
     demo runs; they are captured either way (one is shown in the result).
+    ``settings``: default :func:`settings_from_env` (which raises ``ConfigError`` for a bad ``KVCANARY_*`` value).
     """
-    from kvcanary import jit
     from kvcanary.manager import CanaryManager
 
     started = time.perf_counter()
+    settings = settings_from_env() if settings is None else settings
+    if settings.honoured:
+        _note(progress, f"kvcanary demo: from the environment: {', '.join(settings.honoured)}")
+    if settings.overridden:
+        _note(progress, f"kvcanary demo: not applied: {'; '.join(settings.overridden)}")
     dev = torch.device(device or default_device())
     backend = "cuda" if dev.type == "cuda" else "cpu"
-    _note(progress, f"kvcanary demo: {backend} kernels (built on the first run only; that takes a while) ...")
+    will_build = not jit.is_built(backend)
+    if will_build:
+        _note(progress, f"kvcanary demo: building the {backend} kernels (first run, "
+                        f"~{jit.TYPICAL_BUILD_SECONDS[backend]} s) ...")
     info = jit.build(backend)
     build = "cached" if info.cached else f"built in {info.seconds:.1f} s"
+    if will_build:
+        _note(progress, f"kvcanary demo: {build}")
 
-    config = Config(mode=Mode.LOG, sweep_interval=SWEEP_EVERY, verify_tokens=True, stats_every=0)
-    drain = config.drain_every
+    config = settings.config
+    drain, sweep = config.drain_every, config.sweep_interval
     driver = FaultDriver(fault_classes, seed=seed, per_class=per_class, warmup=1 << 62, gap=3,
-                         deadline=30 + drain, grace=drain + 2, sweep_every=SWEEP_EVERY)
+                         deadline=30 + drain, grace=drain + 2, sweep_every=sweep)
     capture = _Capture(logging.Formatter(LOG_FORMAT))
     root = logging.getLogger("kvcanary")
     saved_propagate = root.propagate
@@ -202,7 +293,9 @@ def run_demo(
 
         _note(progress, f"kvcanary demo: injecting {', '.join(driver.classes)} ({per_class} each) ...")
         driver.arm(sim.step_no + 1)
-        limit = sim.step_no + _MAX_FAULT_FORWARDS_PER_INJECTION * per_class * len(driver.classes)
+        # a slower drain or sweep (from the environment) waits longer for each injection's report
+        per_injection = _MAX_FAULT_FORWARDS_PER_INJECTION + drain + sweep
+        limit = sim.step_no + per_injection * per_class * len(driver.classes)
         while not driver.done and sim.step_no < limit:
             sim.step()
         mgr.flush()
@@ -215,10 +308,15 @@ def run_demo(
     results = driver.results()
     notes = [f"{name}: only {r.injected} of {per_class} injections found a fitting batch"
              for name, r in results.items() if r.injected < per_class]
+    # settings from the environment that blind the canary to some classes: say so next to the FAIL they cause
+    if config.real_kv is RealKvHashMode.NONE:
+        notes.append(f"{ENV_REAL_KV}=none: no K/V byte is fingerprinted, so a fault that changes only K/V is not seen")
+    if sweep == 0 and faults.CACHED_IDLE_CORRUPTION in results:
+        notes.append(f"{ENV_SWEEP_INTERVAL}=0: no sweep, so {faults.CACHED_IDLE_CORRUPTION} is not seen")
     return DemoResult(
         device=str(dev),
-        config=(f"mode=log real_kv={config.real_kv.name.lower()} verify_tokens=true sweep_interval={SWEEP_EVERY} "
-                f"drain_every={drain}"),
+        config=(f"mode=log real_kv={config.real_kv.name.lower()} "
+                f"verify_tokens={str(config.verify_tokens).lower()} sweep_interval={sweep} drain_every={drain}"),
         build=build,
         clean_seconds=clean_seconds,
         clean_forwards=clean_forwards,
@@ -234,6 +332,7 @@ def run_demo(
         violation_line=_example_line(driver, capture),
         seconds=time.perf_counter() - started,
         notes=notes,
+        drain_every=drain,
     )
 
 
@@ -302,7 +401,8 @@ def render(result: DemoResult) -> str:
         f"forwards {result.forwards} | entries verified {result.entries_verified} | entries swept "
         f"{result.entries_swept} | tokens written {result.tokens_written} | false positives {result.false_positives} "
         f"| {result.seconds:.1f} s",
-        "latency: forwards from the injection until the host reported it (the drain runs every 8 forwards)",
+        f"latency: forwards from the injection until the host reported it (the drain runs every "
+        f"{result.drain_every} forwards)",
     ]
     if result.violation_line:
         lines += ["", "one violation, as the log shows it:", f"  {result.violation_line}"]
@@ -310,6 +410,7 @@ def render(result: DemoResult) -> str:
     lines.append("")
     if result.passed:
         lines.append("PASS: every fault class detected, 0 false positives")
+        lines.append(NEXT_STEP)
     else:
         missed = [n for n, r in result.faults.items() if not r.all_detected]
         why = []

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from kvcanary import jit, layout, ref
+from kvcanary.config import ConfigError
 from kvcanary.real_kv import RealKvSource
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class BackendReport:
     cached: bool = False
     library: Path | None = None
     build_error: str | None = None
+    refused: str | None = None  # a bad KVCANARY_* value (the variable named) stopped this backend before its build
     selftest: SelfTestResult | None = None
 
     @property
@@ -94,7 +96,7 @@ class BackendReport:
 
     @property
     def passed(self) -> bool:
-        if self.build_error is not None:
+        if self.build_error is not None or self.refused is not None:
             return False
         if self.compile_only:
             return True
@@ -102,6 +104,8 @@ class BackendReport:
 
     @property
     def build_column(self) -> str:
+        if self.refused is not None:
+            return "refused"
         if self.build_error is not None:
             return "failed"
         if self.cached:
@@ -112,12 +116,14 @@ class BackendReport:
 
     @property
     def status(self) -> str:
-        if self.build_error is None and self.compile_only:
+        if self.build_error is None and self.refused is None and self.compile_only:
             return "n/a"
         return "PASS" if self.passed else "FAIL"
 
     @property
     def detail(self) -> str:
+        if self.refused is not None:
+            return self.refused
         if self.build_error is not None:
             return f"build failed: {self.build_error}"
         if self.compile_only:
@@ -445,12 +451,37 @@ def display_arch(backend: str, arch: str) -> str:
     return "sm_" + arch.replace(".", "")
 
 
-def check_backend(backend: str, *, rebuild: bool = False, compile_only: bool = False) -> BackendReport:
-    """Build ``backend`` (timed; ``rebuild`` forces it) and, unless ``compile_only``, self-test it."""
-    arch = jit.cuda_arch() if backend == "cuda" else "host"
+def check_environment() -> None:
+    """The build variables every backend shares (``KVCANARY_CACHE_DIR``, ``KVCANARY_SANITIZE``): a bad value is a
+    ``ConfigError`` naming it, raised before any row (each row would fail the same way). ``KVCANARY_CUDA_ARCH``
+    concerns the CUDA row alone, which reports it (the CPU row still runs)."""
+    jit.cache_root()
+    jit.sanitizer()
+
+
+def check_backend(
+    backend: str, *, rebuild: bool = False, compile_only: bool = False, progress: Callable[[str], None] | None = None
+) -> BackendReport:
+    """Build ``backend`` (timed; ``rebuild`` forces it) and, unless ``compile_only``, self-test it.
+
+    ``progress`` gets one line before a build that will compile (the cache misses, or ``rebuild``) and one with its
+    time after: a cold build takes tens of seconds, and a silent command looks hung.
+    """
+    try:
+        arch = jit.cuda_arch() if backend == "cuda" else "host"
+    except ConfigError as exc:  # a bad KVCANARY_CUDA_ARCH: this row is refused, naming it; other rows still run
+        return BackendReport(backend=backend, arch="-", compile_only=compile_only, refused=str(exc))
     report = BackendReport(backend=backend, arch=display_arch(backend, arch), compile_only=compile_only)
     try:
-        info = jit.build(backend, arch=arch if backend == "cuda" else None, force=rebuild)
+        build_arch = arch if backend == "cuda" else None
+        will_build = rebuild or not jit.is_built(backend, arch=build_arch)
+        if will_build and progress is not None:
+            why = "--rebuild" if rebuild else "first run"
+            progress(f"kvcanary doctor: building the {backend} kernels ({why}, "
+                     f"~{jit.TYPICAL_BUILD_SECONDS[backend]} s) ...")
+        info = jit.build(backend, arch=build_arch, force=rebuild)
+        if will_build and progress is not None:
+            progress(f"kvcanary doctor: built the {backend} kernels in {info.seconds:.1f} s")
     except Exception as exc:  # noqa: BLE001 - a failed build is a FAIL row, with the compiler's first line
         logger.debug("kvcanary doctor: %s build raised", backend, exc_info=True)
         report.build_error = _first_line(exc)
@@ -464,22 +495,35 @@ def check_backend(backend: str, *, rebuild: bool = False, compile_only: bool = F
     return report
 
 
+def _cuda_arch_error() -> str | None:
+    try:
+        jit.cuda_arch()
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
 def _first_line(exc: BaseException) -> str:
     lines = [line for line in str(exc).splitlines() if line.strip()]
     return f"{type(exc).__name__}: {lines[0].strip() if lines else ''}"
 
 
-def run_doctor(*, rebuild: bool = False, compile_cuda: bool = False) -> DoctorReport:
+def run_doctor(
+    *, rebuild: bool = False, compile_cuda: bool = False, progress: Callable[[str], None] | None = None
+) -> DoctorReport:
     """Build and self-test every backend available here (CPU always; CUDA with a device).
 
     Without a CUDA device the CUDA build is skipped, unless ``compile_cuda`` asks for a compile-only
-    build (needs nvcc).
+    build (needs nvcc); a bad ``KVCANARY_CUDA_ARCH`` is still a refused CUDA row, as the plugin would refuse
+    to start with it. ``progress``: see :func:`check_backend`.
     """
-    report = DoctorReport(rows=[check_backend("cpu", rebuild=rebuild)])
+    report = DoctorReport(rows=[check_backend("cpu", rebuild=rebuild, progress=progress)])
     if cuda_device_available():
-        report.rows.append(check_backend("cuda", rebuild=rebuild))
+        report.rows.append(check_backend("cuda", rebuild=rebuild, progress=progress))
     elif compile_cuda:
-        report.rows.append(check_backend("cuda", rebuild=rebuild, compile_only=True))
+        report.rows.append(check_backend("cuda", rebuild=rebuild, compile_only=True, progress=progress))
+    elif (arch_error := _cuda_arch_error()) is not None:
+        report.rows.append(BackendReport(backend="cuda", arch="-", refused=arch_error))
     else:
         nvcc = find_nvcc()
         if nvcc:

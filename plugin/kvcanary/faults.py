@@ -108,8 +108,12 @@ class Injection:
     detail: str
 
 
-def _log(inj: Injection) -> Injection:
-    logger.warning("kvcanary fault injected: %s step=%s slots=%s %s", inj.fault, inj.step, list(inj.slots), inj.detail)
+def _log(inj: Injection, *, undo: bool = False) -> Injection:
+    if undo:  # a repair flipping the bytes back: logged as what it is, not as a second injection
+        logger.info("kvcanary fault undone: %s step=%s slots=%s %s", inj.fault, inj.step, list(inj.slots), inj.detail)
+    else:
+        logger.warning("kvcanary fault injected: %s step=%s slots=%s %s", inj.fault, inj.step, list(inj.slots),
+                       inj.detail)
     return inj
 
 
@@ -151,28 +155,30 @@ def _flip_bytes(source: RealKvSource, slot: int, byte: int, mask: int) -> tuple[
     return old, old ^ mask
 
 
-def _flip(fault: str, source: RealKvSource, slot: int, byte: int, mask: int, step: int | None) -> Injection:
+def _flip(fault: str, source: RealKvSource, slot: int, byte: int, mask: int, step: int | None,
+          undo: bool) -> Injection:
     old, new = _flip_bytes(source, slot, byte, mask)
     return _log(Injection(fault, step, (int(slot),),
-                          f"real KV slot {slot} byte {byte}: 0x{old:02x} -> 0x{new:02x} (mask 0x{mask:02x})"))
+                          f"real KV slot {slot} byte {byte}: 0x{old:02x} -> 0x{new:02x} (mask 0x{mask:02x})"),
+                undo=undo)
 
 
 def flip_real_kv(
-    source: RealKvSource, slot: int, byte: int = 0, mask: int = 0xFF, *, step: int | None = None
+    source: RealKvSource, slot: int, byte: int = 0, mask: int = 0xFF, *, step: int | None = None, undo: bool = False
 ) -> Injection:
     """XOR ``mask`` into byte ``byte`` of a live slot's real KV bytes (byte < 16 is inside the PARTIAL window).
 
-    Calling it again with the same arguments restores the byte.
+    Calling it again with the same arguments restores the byte (``undo=True`` logs that as an undo).
     """
-    return _flip(REAL_KV_FLIP, source, slot, byte, mask, step)
+    return _flip(REAL_KV_FLIP, source, slot, byte, mask, step, undo)
 
 
 def flip_cached_idle(
-    source: RealKvSource, slot: int, byte: int = 0, mask: int = 0xFF, *, step: int | None = None
+    source: RealKvSource, slot: int, byte: int = 0, mask: int = 0xFF, *, step: int | None = None, undo: bool = False
 ) -> Injection:
     """:func:`flip_real_kv` on a slot that only the prefix cache holds (no running request reads it): only
     the periodic sweep can see it."""
-    return _flip(CACHED_IDLE_CORRUPTION, source, slot, byte, mask, step)
+    return _flip(CACHED_IDLE_CORRUPTION, source, slot, byte, mask, step, undo)
 
 
 def keep_stale_mapping(
@@ -261,19 +267,19 @@ def _slot_bytes(source: RealKvSource, slot: int) -> torch.Tensor:
 
 def flip_host_copy(
     host_source: RealKvSource, host_slot: int, device_slot: int, byte: int = 0, mask: int = 0xFF, *,
-    step: int | None = None,
+    step: int | None = None, undo: bool = False,
 ) -> Injection:
     """XOR ``mask`` into byte ``byte`` of host slot ``host_slot``'s copy in ``host_source`` (a host-tier buffer),
     which the engine is about to load back into ``device_slot``.
 
     Touched slot: ``device_slot``, which will hold the bad K/V (the host slot itself is verified by no one).
-    Calling it again with the same arguments restores the byte.
+    Calling it again with the same arguments restores the byte (``undo=True`` logs that as an undo).
     """
     _device_slot("device_slot", device_slot)
     old, new = _flip_bytes(host_source, host_slot, byte, mask)
     return _log(Injection(HOST_TIER_FLIP, step, (int(device_slot),),
                           f"host slot {host_slot} byte {byte}: 0x{old:02x} -> 0x{new:02x} (mask 0x{mask:02x}), "
-                          f"loaded into device slot {device_slot}"))
+                          f"loaded into device slot {device_slot}"), undo=undo)
 
 
 def misdirect_load(device_slots: torch.Tensor, *, step: int | None = None) -> tuple[Injection, torch.Tensor]:

@@ -6,10 +6,11 @@ Cache layout: ``$KVCANARY_CACHE_DIR`` (default ``~/.cache/kvcanary``) /
 A finished build leaves a ``.complete`` marker; a warm load only dlopens the ``.so``.
 
 Environment (checked here and, at start-up, by ``kvcanary.config.Config.from_env``; a bad value is a
-``ValueError`` naming the variable): ``KVCANARY_CACHE_DIR`` must be a directory or creatable, and writable when
-a build is needed (a prebuilt read-only cache only loads); ``KVCANARY_CUDA_ARCH`` is one or more archs in any of
-the forms ``9.0``, ``9.0a``, ``90``, ``90a``, ``sm_90a``, ``100a``, ``10.0f`` (``config.parse_cuda_arch``),
-normalised to ``major.minor[a|f]`` for tvm-ffi; ``KVCANARY_SANITIZE`` is ``address`` or unset.
+``kvcanary.config.ConfigError`` naming the variable): ``KVCANARY_CACHE_DIR`` must be a directory or creatable,
+and writable when a build is needed (a prebuilt read-only cache only loads); ``KVCANARY_CUDA_ARCH`` is one or
+more archs in any of the forms ``9.0``, ``9.0a``, ``90``, ``90a``, ``sm_90a``, ``100a``, ``10.0f``
+(``config.parse_cuda_arch``), normalised to ``major.minor[a|f]`` for tvm-ffi; ``KVCANARY_SANITIZE`` is ``address``
+or unset (``config.parse_sanitize``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcanary.config import check_cache_dir, parse_cuda_arch
+from kvcanary.config import ConfigError, check_cache_dir, parse_cuda_arch, parse_sanitize
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,10 @@ EXPORT_SOURCE = "kvcanary_ops.cc"
 CACHE_DIR_ENV = "KVCANARY_CACHE_DIR"
 CUDA_ARCH_ENV = "KVCANARY_CUDA_ARCH"
 SANITIZE_ENV = "KVCANARY_SANITIZE"  # "address": CPU build under AddressSanitizer (tests; needs libasan preloaded)
+# Keyed by config.SANITIZERS (the values start-up accepts; tests/test_cli_papercuts.py pins the two together).
 _SANITIZE_FLAGS = {"address": ["-fsanitize=address", "-fno-omit-frame-pointer", "-g"]}
+# What a cold build took on the machines of the GPU checks (CPU 23-37 s, CUDA 52-68 s): the progress line's estimate.
+TYPICAL_BUILD_SECONDS = {"cpu": 30, "cuda": 60}
 _COMPLETE_MARKER = ".complete"
 _CXX_STD = "-std=c++17"
 _OPT = "-O3"
@@ -102,12 +106,12 @@ def _make_build_directory(directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         writable = os.access(directory, os.W_OK | os.X_OK)
     except OSError as exc:
-        raise ValueError(
+        raise ConfigError(
             f"{CACHE_DIR_ENV}: cannot create the build directory {str(directory)!r} under the kernel cache "
             f"{str(cache_root())!r}: {exc.strerror or exc}; point {CACHE_DIR_ENV} at a writable directory"
         ) from exc
     if not writable:
-        raise ValueError(
+        raise ConfigError(
             f"{CACHE_DIR_ENV}: the build directory {str(directory)!r} is not writable and holds no finished build; "
             f"point {CACHE_DIR_ENV} at a writable directory"
         )
@@ -147,10 +151,7 @@ def cuda_arch() -> str:
 
 def sanitizer() -> str | None:
     """The sanitizer the CPU build is instrumented with (``$KVCANARY_SANITIZE``), if any."""
-    value = (os.environ.get(SANITIZE_ENV) or "").strip() or None
-    if value is not None and value not in _SANITIZE_FLAGS:
-        raise ValueError(f"{SANITIZE_ENV}: expected one of {sorted(_SANITIZE_FLAGS)} or unset, got {value!r}")
-    return value
+    return parse_sanitize(os.environ.get(SANITIZE_ENV), SANITIZE_ENV)
 
 
 def build_directory(backend: str, arch: str | None = None) -> Path:
@@ -244,6 +245,13 @@ def build(backend: str, *, arch: str | None = None, force: bool = False) -> Buil
     tmp.replace(marker)
     logger.info("kvcanary: built the %s kernels (%s) in %.1f s into %s", backend, arch, seconds, directory)
     return BuildInfo(backend, arch, directory, Path(path), seconds, cached=False)
+
+
+def is_built(backend: str, *, arch: str | None = None) -> bool:
+    """Whether :func:`build` would find ``backend`` finished in the cache (and so only load it): callers print
+    a "building, this takes a while" line only when it will not."""
+    directory = build_directory(backend, arch)
+    return (directory / _COMPLETE_MARKER).is_file() and (directory / f"{MODULE_NAME}.so").is_file()
 
 
 def load_module(backend: str) -> Any:

@@ -192,7 +192,12 @@ def test_report_path_for_rank() -> None:
     assert cfg.report_path_for(0) == "/r/kv-0/tp0.jsonl"
     assert cfg.report_path_for(3) == "/r/kv-3/tp3.jsonl"
     assert Config(report_path="/r/kv.jsonl").report_path_for(5) == "/r/kv.jsonl"
-    assert Config(report_path="/r/{other}-{rank}.jsonl").report_path_for(1) == "/r/{other}-1.jsonl"
+    # {rank} is the only placeholder: any other {...} (a misspelt {rnak}) is refused, not written into a file name
+    with pytest.raises(ValueError, match=r"^report_path: unknown placeholder \{other\}; the known placeholders are"):
+        Config(report_path="/r/{other}-{rank}.jsonl")
+    with pytest.raises(ValueError, match=r"^KVCANARY_REPORT: unknown placeholder \{rnak\}; .* got '/tmp/kv-\{rnak\}"):
+        Config.from_env({"KVCANARY_REPORT": "/tmp/kv-{rnak}.jsonl"})
+    assert Config(report_path="/r/kv-{rank.jsonl").report_path_for(1) == "/r/kv-{rank.jsonl"  # no {...}: no placeholder
     assert Config().report_path_for(2) is None
 
 
@@ -526,6 +531,7 @@ def test_cache_dir_unwritable(open_tmp, monkeypatch: pytest.MonkeyPatch) -> None
     locked.mkdir()
     locked.chmod(0o555)
     import tvm_ffi.cpp  # noqa: F401 - imported here: the unprivileged child cannot read every site-package
+
     from kvcanary import jit
 
     # Imported and hashed here, as root: the child may not enter the checkout at all (a clone in a 0700 temporary

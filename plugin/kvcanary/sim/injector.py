@@ -287,7 +287,7 @@ class FaultDriver:
 
         def repair() -> None:
             if sim.slot_writers.get(slot) == writer:  # not rewritten by another request since (flipping would corrupt)
-                faults.flip_real_kv(src, slot, byte, mask)
+                faults.flip_real_kv(src, slot, byte, mask, step=sim.step_no, undo=True)
             if sim.host_tier:
                 sim.repair_kv(self._holding(sim, content))
         self.start(sim, inj, repair)
@@ -326,7 +326,7 @@ class FaultDriver:
 
         def repair() -> None:
             if sim.cached(node):  # still cached, not reused
-                faults.flip_cached_idle(src, slot, byte, mask)
+                faults.flip_cached_idle(src, slot, byte, mask, step=sim.step_no, undo=True)
             if sim.host_tier:
                 sim.unpin(node)
                 sim.repair_kv(self._holding(sim, node.hashes[slot % sim.cfg.page_size]))
@@ -402,7 +402,7 @@ class FaultDriver:
 
         def repair() -> None:
             if sim.cached(node) and node.host_page == host_page:  # the host page was not dropped and reused
-                faults.flip_host_copy(src, host_slot, device_slot, byte, mask)
+                faults.flip_host_copy(src, host_slot, device_slot, byte, mask, step=sim.step_no, undo=True)
             reload()
         self.start(sim, inj, repair)
 
