@@ -135,3 +135,14 @@ def test_help_describes_the_command(capsys) -> None:
     assert exc.value.code == 0
     help_text = " ".join(capsys.readouterr().out.split())
     assert "launch_server" in help_text and "Exit status 0" in help_text and "--json" in help_text
+
+
+@pytest.mark.parametrize("lead", [[], ["--json"]])
+def test_sglang_arguments_without_the_double_dash_are_sglangs(model, lead) -> None:
+    """``kvcanary check --enable-mixed-chunk`` (no ``--``): argparse would refuse the sglang flag as unknown with exit
+    status 2, which check uses for a refused setting; the flags after check's own options are sglang's."""
+    code, text = check(*lead, "--model-path", model, "--enable-mixed-chunk")
+    assert code == 0, text
+    assert "--enable-mixed-chunk" in text
+    code, _ = check(*lead, "--model-path", model, "--enable-torch-compile")
+    assert code == 2

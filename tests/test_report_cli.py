@@ -183,10 +183,11 @@ def test_a_fifo_and_dev_null_are_streams(reports: Path, tmp_path: Path) -> None:
 
 
 def test_a_directory_is_refused_by_name(reports: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, _ = _run(["report", str(reports)])
+    code, text = _run(["report", str(reports)])
     err = capsys.readouterr().err
-    assert code == 1 and "no such file" not in err
+    assert code == 2 and "no such file" not in err and text == ""  # nothing to summarise: no empty summary either
     assert f"kvcanary report: {reports}: is a directory; give the files or a glob like '{reports}/*.jsonl'\n" in err
+    assert err.endswith("kvcanary report: no report file to read\n")
 
 
 def test_binary_lines_are_escaped_never_raw(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

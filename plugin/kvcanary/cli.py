@@ -85,6 +85,25 @@ def _unknown_message(tokens: Sequence[str], known: Sequence[str]) -> str:
     return "unrecognized arguments: " + " ".join(hints)
 
 
+# ``kvcanary check``'s own options; everything after them is sglang's (with or without a ``--`` before it)
+_CHECK_OPTIONS = frozenset({"--json", "-v", "--verbose", "-h", "--help"})
+
+
+def _check_args(argv: list[str]) -> list[str]:
+    """``argv`` with a ``--`` put in front of sglang's arguments after ``check`` when the user left it out: an sglang
+    flag is not kvcanary's, and argparse would refuse it as unknown with exit status 2, which ``check`` uses for a
+    refused setting."""
+    i = next((k for k, token in enumerate(argv) if not token.startswith("-")), None)
+    if i is None or argv[i] != "check":
+        return argv
+    j = i + 1
+    while j < len(argv) and argv[j] in _CHECK_OPTIONS:
+        j += 1
+    if j < len(argv) and argv[j] != "--":
+        return [*argv[:j], "--", *argv[j:]]
+    return argv
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that names an unknown flag where it was given. Plain argparse reports one after a subcommand with
     the top-level usage, and one before any subcommand only as "the following arguments are required: COMMAND"."""
@@ -96,7 +115,7 @@ class _Parser(argparse.ArgumentParser):
 
     def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
                    namespace: argparse.Namespace | None = None) -> argparse.Namespace:
-        argv = sys.argv[1:] if args is None else list(args)
+        argv = _check_args(sys.argv[1:] if args is None else list(args))
         commands = getattr(self, "commands", {})
         leading = []
         for token in argv:
@@ -179,7 +198,7 @@ def _build_parser() -> argparse.ArgumentParser:
             "kvcanary record (or is cut off) is reported as FILE:LINE and skipped; the exit status is then 1."
         ),
     )
-    report.add_argument("files", nargs="+", metavar="FILE", help="JSONL report files or glob patterns")
+    report.add_argument("files", nargs="+", metavar="FILE", help="JSONL report files, glob patterns, or - for stdin")
     report.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     report.set_defaults(func=_cmd_report)
 
@@ -277,9 +296,12 @@ def _cmd_report(args: argparse.Namespace, out: TextIO) -> int:
     from kvcanary import summarize
 
     summary, unmatched = summarize.read_reports(args.files)
-    for pattern in unmatched:
-        sys.stderr.write(f"kvcanary report: {pattern}: no such file\n")
-    if not summary.files:
+    for pattern in unmatched:  # (a name with control characters is quoted, never written raw to the terminal)
+        sys.stderr.write(f"kvcanary report: {pattern if pattern.isprintable() else repr(pattern)}: no such file\n")
+    unreadable = {bad.path for bad in summary.bad_lines if bad.line == 0}  # (line 0: the file itself, e.g. a dir)
+    if not summary.files or set(summary.files) <= unreadable:
+        for bad in summary.bad_lines:
+            sys.stderr.write(f"kvcanary report: {bad}\n")
         sys.stderr.write("kvcanary report: no report file to read\n")
         return 2
     for bad in summary.bad_lines[:_MAX_BAD_LINES_ON_STDERR]:
