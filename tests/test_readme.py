@@ -1,6 +1,7 @@
-"""README.md against the code, so the two cannot drift apart: the manager snippet runs as written in a fresh
-environment (on CPU), and the Repository layout table names every module of the package and every entry of
-integration/ (and nothing that is gone)."""
+"""README.md and docs/ against the code, so they cannot drift apart: the manager snippet (docs/manager.md) runs as
+written in a fresh environment (on CPU), the README's Repository layout table names every module of the package and
+every entry of integration/ (and nothing that is gone), and every relative link of every page resolves, anchors
+included."""
 
 from __future__ import annotations
 
@@ -14,23 +15,24 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
+MANAGER_DOC = REPO / "docs" / "manager.md"
 PACKAGE = REPO / "plugin" / "kvcanary"
 INTEGRATION = REPO / "integration"
 # What a user's shell may carry that is not a run setting (the e2e driver passes the same three through).
 PASS_THROUGH = {"KVCANARY_CACHE_DIR", "KVCANARY_CUDA_ARCH", "KVCANARY_SANITIZE"}
 
 
-def section(title: str) -> str:
-    """The text of the README's ``## title`` section, up to the next ``## `` heading."""
-    text = README.read_text(encoding="utf-8")
+def section(title: str, page: Path = README) -> str:
+    """The text of a page's ``## title`` section (the README's by default), up to the next ``## `` heading."""
+    text = page.read_text(encoding="utf-8")
     start = text.index(f"\n## {title}\n")
     end = text.find("\n## ", start + 1)
     return text[start : None if end == -1 else end]
 
 
 def manager_snippet() -> str:
-    blocks = re.findall(r"^```python\n(.*?)^```$", section("Runtime: the manager an engine adapter drives"),
-                        flags=re.DOTALL | re.MULTILINE)
+    text = section("Runtime: the manager an engine adapter drives", MANAGER_DOC)
+    blocks = re.findall(r"^```python\n(.*?)^```$", text, flags=re.DOTALL | re.MULTILINE)
     assert len(blocks) == 1, f"expected one python block in the manager section, found {len(blocks)}"
     return blocks[0]
 
@@ -86,3 +88,31 @@ def test_layout_table_names_no_file_that_is_gone() -> None:
         if re.fullmatch(r"[\w.-]+\.(py|sh|cuh|cc|h)", name) and not (REPO / folder / name).is_file()
     ]
     assert not gone, f"README.md's Repository layout table names files that do not exist there: {gone}"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_relative_link_of_every_page_resolves() -> None:
+    """A section that moves (README -> docs/) must take its links along and leave none dangling."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "integration" / "README.md",
+             REPO / "benchmarks" / "README.md"]
+    anchors: dict[Path, set[str]] = {}
+    bad = []
+    for page in pages:
+        for n, line in enumerate(page.read_text(encoding="utf-8").split("\n"), 1):
+            for _label, target in re.findall(r"\[([^\]]*)\]\(([^)\s]+)\)", line):
+                if re.match(r"^[a-z]+://", target):
+                    continue
+                path, _, anchor = target.partition("#")
+                dest = page if not path else (page.parent / path).resolve()
+                if not dest.exists():
+                    bad.append(f"{page.relative_to(REPO)}:{n}: {target} (no such file)")
+                elif anchor and dest.suffix == ".md":
+                    if dest not in anchors:
+                        anchors[dest] = {_slug(h) for h in re.findall(r"^#{1,6} (.*)$", dest.read_text(), re.M)}
+                    if anchor not in anchors[dest]:
+                        bad.append(f"{page.relative_to(REPO)}:{n}: {target} (no such heading)")
+    assert not bad, "\n".join(bad)
