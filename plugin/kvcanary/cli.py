@@ -2,6 +2,7 @@
 
 Subcommands:
     doctor   build every kernel backend available here, self-test each, print one row per backend.
+    build    build the kernels into the cache once, for an image build (the CUDA kernels need nvcc, not a GPU).
     demo     the real manager and kernels protect a simulated serving loop; inject every fault class; print a table.
     report   summarise JSONL report files (one per rank): violations, lost/health records, injections matched.
     check    judge sglang launch_server arguments: which settings kvcanary covers, refuses, or that move no KV.
@@ -166,6 +167,26 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     doctor.set_defaults(func=_cmd_doctor)
 
+    build = sub.add_parser(
+        "build",
+        parents=[common],
+        help="build the kernels into the cache once (an image build step), without a GPU",
+        description=(
+            "Build the kernels into the build cache ($KVCANARY_CACHE_DIR, default ~/.cache/kvcanary) so that no "
+            "process pays for it at start-up: run it where the image is built, e.g. a Dockerfile's "
+            "'RUN KVCANARY_CACHE_DIR=/opt/kvcanary-cache kvcanary build --backend all --arch 9.0a' with the same "
+            "KVCANARY_CACHE_DIR in the serving environment. The CUDA build needs nvcc, not a GPU. Exit status 0 "
+            "when every asked backend built (or was already in the cache)."
+        ),
+    )
+    build.add_argument("--backend", choices=("cpu", "cuda", "all"), default="all",
+                       help="what to build (default all: cpu, and cuda when nvcc is on PATH or CUDA_HOME)")
+    build.add_argument("--arch", default=None, metavar="ARCH",
+                       help="the CUDA arch to build for (e.g. 9.0a; default $KVCANARY_CUDA_ARCH, else this GPU's, "
+                            "else 9.0a)")
+    build.add_argument("--rebuild", action="store_true", help="rebuild even when the cache has the library")
+    build.set_defaults(func=_cmd_build)
+
     demo = sub.add_parser(
         "demo",
         parents=[common],
@@ -257,6 +278,34 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO) -> int:
         out.write(f"note: {note}\n")
     out.write(("all backends passed" if report.passed else "kvcanary doctor: FAILED") + "\n")
     return 0 if report.passed else 1
+
+
+def _cmd_build(args: argparse.Namespace, out: TextIO) -> int:
+    import shutil
+
+    from kvcanary import doctor, jit
+    from kvcanary.config import parse_cuda_arch
+
+    doctor.check_environment()  # a bad cache dir or sanitizer: one named line
+    arch = parse_cuda_arch(args.arch, "--arch") if args.arch else None
+    backends = ["cpu", "cuda"] if args.backend == "all" else [args.backend]
+    if args.backend == "all" and shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
+        backends = ["cpu"]
+        out.write("kvcanary build: no nvcc on PATH and no CUDA_HOME: the cuda kernels are not built\n")
+    for backend in backends:
+        build_arch = (arch or jit.cuda_arch()) if backend == "cuda" else None
+        if args.rebuild or not jit.is_built(backend, arch=build_arch):
+            _progress(f"kvcanary build: building the {backend} kernels (~{jit.TYPICAL_BUILD_SECONDS[backend]} s) ...")
+        try:
+            info = jit.build(backend, arch=build_arch, force=args.rebuild)
+        except Exception as exc:  # a compiler or toolchain error: its first line, naming the backend
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            hint = " (the CUDA build needs nvcc: on PATH, or CUDA_HOME)" if backend == "cuda" else ""
+            sys.stderr.write(f"kvcanary build: the {backend} build failed: {first}{hint}\n")
+            return 1
+        out.write(f"{backend}\t{info.arch}\t{'cached' if info.cached else f'{info.seconds:.1f} s'}\t{info.library}\n")
+    out.write(f"cache {jit.cache_root()}: set KVCANARY_CACHE_DIR to it where kvcanary runs\n")
+    return 0
 
 
 def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
