@@ -36,7 +36,7 @@ MAX_TOTAL_TOKENS = 640  # device KV slots: fewer than the prefixes need, so HiCa
 
 
 def _engine(tmp_path, monkeypatch, *, mode: str = "raise", policy: str = "write_through",
-            layout: str = "layer_first", env: dict[str, str] | None = None):
+            layout: str = "layer_first", env: dict[str, str] | None = None, page_size: int = 1):
     state = sgl_engine.activate_kvcanary(tmp_path, monkeypatch, {
         "KVCANARY_MODE": mode, "KVCANARY_VERIFY_TOKENS": "1", "KVCANARY_SWEEP_INTERVAL": "5",
         "SGLANG_PLUGINS": "kvcanary", **(env or {})})
@@ -44,7 +44,7 @@ def _engine(tmp_path, monkeypatch, *, mode: str = "raise", policy: str = "write_
     for t in v0_5_12.TARGETS:
         assert hooks_state.is_patched(t.dotted), t.dotted
     sa = sgl_engine.server_args(
-        sgl_engine.write_model_dir(tmp_path / "tiny-llama"), chunked_prefill_size=64,
+        sgl_engine.write_model_dir(tmp_path / "tiny-llama"), page_size=page_size, chunked_prefill_size=64,
         max_total_tokens=MAX_TOTAL_TOKENS, enable_hierarchical_cache=True, hicache_ratio=4.0,
         hicache_io_backend="direct", hicache_mem_layout=layout, hicache_write_policy=policy,
     )
@@ -79,11 +79,13 @@ def teardown():
 
 # (the direct io backend's other layout, page_first_direct, copies through sgl_kernel functions with no torch twin
 # here; the record hand-off does not depend on the layout: it follows the indices write/load are given)
-@pytest.mark.parametrize(("policy", "layout"), [
-    ("write_through", "layer_first"), ("write_through_selective", "layer_first"), ("write_back", "layer_first"),
+@pytest.mark.parametrize(("policy", "layout", "page_size"), [
+    ("write_through", "layer_first", 1), ("write_through_selective", "layer_first", 1),
+    ("write_back", "layer_first", 1), ("write_through", "layer_first", 16),
 ])
-def test_records_follow_backup_and_load_back(tmp_path, monkeypatch, teardown, policy, layout) -> None:
-    mr, tree, inst, follower, state = _engine(tmp_path, monkeypatch, policy=policy, layout=layout)
+def test_records_follow_backup_and_load_back(tmp_path, monkeypatch, teardown, policy, layout, page_size) -> None:
+    mr, tree, inst, follower, state = _engine(tmp_path, monkeypatch, policy=policy, layout=layout,
+                                              page_size=page_size)
     teardown.append(state)
     rng = random.Random(7)
     prefixes = [[rng.randrange(3, 2000) for _ in range(PREFIX_TOKENS)] for _ in range(PREFIXES)]
@@ -92,7 +94,8 @@ def test_records_follow_backup_and_load_back(tmp_path, monkeypatch, teardown, po
     manager = inst.manager
     manager.flush()
     tier = manager.host_tier
-    print(f"{policy}/{layout}: forwards={len(sched.forwards)} backups={follower.backups} load_backs={sched.load_backs} "
+    print(f"{policy}/{layout}/page{page_size}: forwards={len(sched.forwards)} backups={follower.backups} "
+          f"load_backs={sched.load_backs} "
           f"loaded_tokens={sched.loaded_tokens} slots_backed_up={tier.slots_backed_up} "
           f"slots_loaded={tier.slots_loaded} verified={manager.stats.slot_runs[LaunchTag.VERIFY]} "
           f"swept={manager.stats.slot_runs[LaunchTag.SWEEP]}")
