@@ -57,7 +57,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvcanary.layout import RealKvHashMode
-from kvcanary.tags import LaunchTag
 
 logger = logging.getLogger(__name__)
 
@@ -463,16 +462,6 @@ class Config:
         """``real_kv`` as the int the kernels take (``layout.REAL_KV_HASH_MODE_*``)."""
         return int(self.real_kv)
 
-    def expected_launch_tags(self) -> tuple[LaunchTag, ...]:
-        """Tags whose kernel_run_counter must advance every health window: verify and write, plus sweep when on.
-
-        Sweep is expected only when ``sweep_interval <= health_window``; a slower sweep cannot be checked
-        with this window.
-        """
-        tags = [LaunchTag.VERIFY, LaunchTag.WRITE]
-        if 0 < self.sweep_interval <= self.health_window:
-            tags.append(LaunchTag.SWEEP)
-        return tuple(tags)
 
     def report_path_for(self, rank: int) -> str | None:
         """The JSONL report path for one rank: every ``{rank}`` in ``report_path`` replaced by ``rank``.

@@ -7,14 +7,15 @@ forward's snapshot of token ids, positions and slots. Every buffer keeps its add
 (CUDA-graph capture). Every kernel launch of the runtime (``kvcanary.ops``) happens here, and only here (host →
 device uploads live with their owners: the token table, the sweep plan):
 
-* :meth:`DeviceState.before_forward`: one ``canary_check_step`` launch (plan + verify of every batch row's prefix,
-  the write plan, the snapshot of token ids, positions and slots, the forward counter, the drained-ring reuse);
-* :meth:`DeviceState.after_forward`: write;
+* ``DeviceState.check_batch(batch, count_forward, forward_step_value)``: one ``canary_check_step`` launch (plan +
+  verify of every batch row's prefix, the write plan, the snapshot of token ids, positions and slots, the forward
+  counter, the drained-ring reuse);
+* ``DeviceState.write_tokens(num_tokens)``: write;
 * :meth:`DeviceState.sweep`: verify over a sweep plan (tag SWEEP).
 
 The forward counter (kvcanary+). Forward k is the one after which the manager's ``step()`` has run k times
 (``steps``). The header's forward counter holds the number of the forward whose launches run: the check launch of
-every forward sets it, to ``steps + 1`` when ``before_forward`` runs eagerly (the host knows the number), or to
+every forward sets it, to ``steps + 1`` when ``check_batch`` runs eagerly (the host knows the number), or to
 the counter + 1 when the launch is captured in a CUDA graph (each replay counts one forward: no host work, no
 sync). Every violation row gets a metadata row beside it (``violation_meta``; the ring's 8 columns stay the
 seed's) holding the counter value its launch read, the request's req_to_token row and the slot's writer
@@ -43,7 +44,6 @@ from typing import NamedTuple
 import torch
 
 from kvcanary import layout, ops
-from kvcanary.batch import BatchView
 from kvcanary.plan import VerifyPlan, WritePlan
 from kvcanary.real_kv import RealKvSource
 from kvcanary.serial_upload import RowSerialUpload
@@ -112,8 +112,8 @@ class DeviceState:
     header + ring) and its views ``violation_write_index``, ``kernel_run_counters``,
     ``slot_run_counters``, ``violation_ring``, ``forward_counter``; ``violation_meta``, ``slot_attribution``,
     ``row_serials``, ``enable_chain_position_assert``, and the snapshot ``input_ids_snapshot``,
-    ``positions_snapshot``, ``out_cache_loc_snapshot``. Per-forward launches: :meth:`before_forward` /
-    :meth:`after_forward`, or the same launches as the bound calls ``check_batch`` / ``write_tokens``.
+    ``positions_snapshot``, ``out_cache_loc_snapshot``. Per-forward launches: ``check_batch`` / ``write_tokens``
+    (bound calls, below).
     """
 
     def __init__(
@@ -203,9 +203,15 @@ class DeviceState:
             enable_chain_position_assert=self.enable_chain_position_assert, real_kv_sources=self._real_kv_launch,
             real_kv_hash_mode=real_kv_mode,
         )
-        # The two launches as the manager's per-forward path calls them, a frame and a keyword call fewer than the
-        # methods below: ``check_batch(batch, new_forward, forward_step_value)`` is :meth:`before_forward` with 0 / 1
-        # and an int, positionally; ``write_tokens(num_tokens)`` is :meth:`after_forward`.
+        # The two per-forward launches, their fixed arguments bound once, called positionally (a frame and a keyword
+        # call fewer than methods: a forward's host time is the product's cost):
+        # ``check_batch(batch, count_forward, forward_step_value)``: everything that runs before the model writes KV,
+        # as ONE launch (``ops.canary_check_step``): plan and verify every batch row's prefix, store the write plan,
+        # snapshot the batch's token ids, positions and slots, set the forward counter (``count_forward`` 1: to
+        # ``forward_step_value``, or the counter + 1 when that is -1, i.e. captured) and empty a ring the host
+        # acknowledged in full. The batch was validated and fits the capacities (the manager checks both); its
+        # arrays may be int32 or int64. ``write_tokens(num_tokens)``: write the records of the last planned forward's
+        # ``num_tokens`` tokens from the snapshot (after the model wrote KV): one launch.
         self.check_batch = self._check.of_batch
         self.write_tokens = self._write
 
@@ -224,19 +230,6 @@ class DeviceState:
         if tag == LaunchTag.WRITE:
             views["row_serials"] = self.row_serials
         return views
-
-    def before_forward(self, batch: BatchView, *, count_forward: bool, forward_step_value: int) -> None:
-        """Everything that runs before the model writes KV, as ONE launch (``ops.canary_check_step``): plan and verify
-        every batch row's prefix, store the write plan, snapshot the batch's token ids, positions and slots, set the
-        forward counter (``count_forward``: to ``forward_step_value``, or the counter + 1 when that is -1, i.e.
-        captured) and empty a ring the host acknowledged in full. ``batch`` was validated and fits the capacities
-        (the manager checks both); its arrays may be int32 or int64."""
-        self._check.of_batch(batch, int(count_forward), int(forward_step_value))
-
-    def after_forward(self, num_tokens: int) -> None:
-        """Write the records of the last planned forward's ``num_tokens`` tokens from the snapshot (after the model
-        wrote KV): one launch."""
-        self._write(num_tokens)
 
     def sweep(self, plan: VerifyPlan) -> None:
         """Verify ``plan``'s entries with real-KV and no token check, tag SWEEP (host-called, outside capture)."""

@@ -11,12 +11,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
-from kvcanary.tags import tag_name
+from kvcanary.tags import LaunchTag, tag_name
 
 logger = logging.getLogger(__name__)
 _MODULE_LOGGER = logger
 
 STATS_PREFIX = "kvcanary stats:"
+
+
+def expected_launch_tags(sweep_interval: int, health_window: int, sweeping: bool) -> tuple[int, ...]:
+    """Tags whose kernel_run_counter must advance every health window: verify and write, and sweep when a sweep
+    source is set (``sweeping``) and ``0 < sweep_interval <= health_window`` (a slower sweep cannot be checked with
+    that window)."""
+    if sweeping and 0 < sweep_interval <= health_window:
+        return (LaunchTag.VERIFY, LaunchTag.WRITE, LaunchTag.SWEEP)
+    return (LaunchTag.VERIFY, LaunchTag.WRITE)
 
 
 class HealthMonitor:

@@ -34,7 +34,7 @@ from kvcanary.batch import BatchView, ForwardKind
 from kvcanary.config import Config, Mode
 from kvcanary.device_state import DeviceState
 from kvcanary.drain import CanaryStats, ViolationDrain
-from kvcanary.health import HealthMonitor, StatsLogger
+from kvcanary.health import HealthMonitor, StatsLogger, expected_launch_tags
 from kvcanary.host_tier import HostTierRecords
 from kvcanary.real_kv import RealKvSource
 from kvcanary.report import Reporter, Violation
@@ -324,10 +324,8 @@ class CanaryManager:
         self.health.set_expected(self._expected_tags())
 
     def _expected_tags(self) -> tuple[int, ...]:
-        tags = [LaunchTag.VERIFY, LaunchTag.WRITE]
-        if 0 < self.config.sweep_interval <= self.config.health_window and self.sweeper.source is not None:
-            tags.append(LaunchTag.SWEEP)
-        return tuple(tags)
+        return expected_launch_tags(self.config.sweep_interval, self.config.health_window,
+                                    self.sweeper.source is not None)
 
     def sweep(self, slots: Sequence[int] | torch.Tensor, prevs: Sequence[int] | torch.Tensor,
               positions: Sequence[int] | torch.Tensor) -> None:

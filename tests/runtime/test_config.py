@@ -22,6 +22,7 @@ from kvcanary.config import (
     parse_cuda_arch,
     unknown_env_vars,
 )
+from kvcanary.health import expected_launch_tags
 from kvcanary.layout import RealKvHashMode
 from kvcanary.tags import NUM_LAUNCH_TAGS, LaunchTag, is_write, tag_name
 
@@ -260,9 +261,11 @@ def test_describe_is_one_line_with_every_setting() -> None:
 
 
 def test_expected_launch_tags() -> None:
-    assert Config().expected_launch_tags() == (LaunchTag.VERIFY, LaunchTag.WRITE)
-    assert Config(sweep_interval=10).expected_launch_tags() == (LaunchTag.VERIFY, LaunchTag.WRITE, LaunchTag.SWEEP)
-    assert Config(sweep_interval=500, health_window=100).expected_launch_tags() == (LaunchTag.VERIFY, LaunchTag.WRITE)
+    """The one rule the manager's health check uses (kvcanary.health.expected_launch_tags)."""
+    assert expected_launch_tags(0, 100, True) == (LaunchTag.VERIFY, LaunchTag.WRITE)
+    assert expected_launch_tags(10, 100, True) == (LaunchTag.VERIFY, LaunchTag.WRITE, LaunchTag.SWEEP)
+    assert expected_launch_tags(10, 100, False) == (LaunchTag.VERIFY, LaunchTag.WRITE)  # no sweep source: no sweeps
+    assert expected_launch_tags(500, 100, True) == (LaunchTag.VERIFY, LaunchTag.WRITE)
 
 
 def test_launch_tags() -> None:

@@ -312,11 +312,11 @@ def test_acknowledged_ring_is_emptied_by_the_next_forward() -> None:
     t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
     batch = BatchView(ForwardKind.DECODE, t([1]), t([0]), t([1]), t([1]), t([0]), t([1]))
     h.append(6, found_at=0)  # appended after the acknowledgement: the ring must stay
-    h.state.before_forward(batch, count_forward=True, forward_step_value=1)
+    h.state.check_batch(batch, 1, 1)
     header = parse_header(h.state.state.tolist())
     assert (header.write_index, header.ring_epoch) == (2, 0)
     h.drain.drain(steps=1)  # reads row 6, acknowledges 2
-    h.state.before_forward(batch, count_forward=True, forward_step_value=2)
+    h.state.check_batch(batch, 1, 2)
     header = parse_header(h.state.state.tolist())
     assert (header.write_index, header.ring_epoch, header.forward) == (0, 1, 2)
 
