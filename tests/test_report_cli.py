@@ -104,6 +104,7 @@ def test_multi_rank_summary(reports: Path) -> None:
     assert [m["fault"] for m in inj["missed"]] == ["position_skew"]
     # slot 50 (no injection) and rank 1's slots 5 and 6 (rank 0's injection is not theirs)
     assert inj["unexplained"] == 3 and inj["late"] == 1
+    assert s["explanations"] == []  # faults and mixed reasons: no pattern pinned
 
 
 def test_text_form(reports: Path) -> None:
@@ -271,3 +272,86 @@ def test_eagle_reports_pool_rank_keys_and_spec_lines(tmp_path) -> None:
     assert s.speculative == {"tp_rank=0 pool=target": {"step": 40, "drafts_written": 128}}
     assert s.matches is not None and s.matches.classes["real_kv_flip"].detected == 1
     assert "speculative decoding" in render(s)
+
+
+# Draft-pool rows of the H200 eagle-bug run (integration/results/sglang_e2e_h200_eagle.md, sglang 0.5.12, issue 26329):
+# (slot, position, stored token = the token fed, expected token = the request's next token).
+EAGLE_TAILS = [(1875, 1, 1257, 1884), (64, 7, 1455, 7), (388, 63, 777, 1007), (452, 127, 1876, 105)]
+DRAFT = {"tp_rank": 0, "pool": "draft"}
+TARGET = {"tp_rank": 0, "pool": "target"}
+
+
+def _token_row(slot: int, position: int, stored: int, expected: int, *, tag: LaunchTag = LaunchTag.VERIFY,
+               bits: int = R.VERIFY_TOKEN) -> list[int]:
+    return [int(tag), slot, position, stored, expected, 0x1234, 0x1234, int(bits)]
+
+
+def _write_eagle_report(path: Path, *, extra_rows: list[tuple[dict, list[int]]] = (), lost: int = 0,
+                        injection: bool = False) -> None:
+    """What the EAGLE draft being fed the wrong token leaves (draft-pool verify_token rows, the target pool clean),
+    through the real Reporter, plus what a breaking case adds."""
+    with Reporter(Mode.LOG, str(path), rank={"tp_rank": 0}) as rep:
+        if injection:
+            rep.record_injection(Injection("token_swap", 5, (999,), "swap"))
+        for step, (slot, pos, stored, expected) in enumerate(EAGLE_TAILS, 10):
+            rep.report([Violation.from_row(_token_row(slot, pos, stored, expected), step=step, rank=DRAFT,
+                                           request_row=3)])
+            rep.report([Violation.from_row(_token_row(slot, pos, stored, expected), step=step + 1, rank=DRAFT,
+                                           request_row=3)])  # verified again the next forward: same slot
+        for rank, row in extra_rows:
+            rep.report([Violation.from_row(row, step=40, rank=rank)])
+        if lost:
+            rep.report([], lost=lost)
+
+
+def test_an_eagle_draft_fed_the_wrong_token_is_explained(tmp_path: Path) -> None:
+    path = tmp_path / "kvc-0.jsonl"
+    _write_eagle_report(path)
+    code, text = _run(["report", str(path)])
+    assert code == 0, text
+    assert text.splitlines()[-1] == summarize.EXPLANATION_LINES[summarize.EAGLE_DRAFT_WRONG_TOKEN]
+    assert text.splitlines()[-1].startswith("explained: EAGLE draft fed the wrong token (")
+    assert [line for line in text.splitlines() if line.startswith("explained:")] == [text.splitlines()[-1]]
+    code, text = _run(["report", "--json", str(path)])
+    assert code == 0, text
+    assert json.loads(text)["explanations"] == [{
+        "pattern": "eagle_draft_wrong_token", "line": summarize.EXPLANATION_LINES["eagle_draft_wrong_token"],
+        "violations": 2 * len(EAGLE_TAILS), "slots": len(EAGLE_TAILS), "positions": [1, 7, 63, 127]}]
+    # the page the line points to is there
+    assert (REPO / "docs" / "upstream-bugs" / "README.md").is_file()
+
+
+@pytest.mark.parametrize("breaker", [
+    pytest.param(dict(extra_rows=[(TARGET, _token_row(70, 9, 5, 6))]), id="a-target-pool-violation"),
+    pytest.param(dict(extra_rows=[(DRAFT, _token_row(71, 9, 5, 6, bits=R.VERIFY_TOKEN | R.VERIFY_CHAIN_HASH))]),
+                 id="another-reason-beside-verify_token"),
+    pytest.param(dict(extra_rows=[(DRAFT, _token_row(72, 9, 5, 9, bits=R.VERIFY_CHAIN_HASH))]),
+                 id="another-reason-alone"),
+    pytest.param(dict(extra_rows=[(DRAFT, _token_row(73, 9, 5, 9, tag=LaunchTag.WRITE, bits=R.WRITE_POSITION))]),
+                 id="a-write-row"),
+    pytest.param(dict(extra_rows=[(DRAFT, _token_row(74, 9, 5, 6, tag=LaunchTag.SWEEP))]), id="a-sweep-row"),
+    pytest.param(dict(extra_rows=[(DRAFT, _token_row(75, 9, 5, -1))]), id="a-token-not-checked"),
+    pytest.param(dict(extra_rows=[({"tp_rank": 0}, _token_row(76, 9, 5, 6))]), id="a-row-without-a-pool"),
+    pytest.param(dict(lost=2), id="lost-rows"),
+    pytest.param(dict(injection=True), id="an-injection"),
+    pytest.param(dict(bad_line=True), id="a-bad-line"),
+])
+def test_a_report_that_breaks_the_pattern_stays_unexplained(tmp_path: Path, breaker: dict) -> None:
+    """Each way out of the pattern, on top of a report that is explained without it: no line, no JSON entry."""
+    breaker = dict(breaker)
+    bad_line = breaker.pop("bad_line", False)
+    base = tmp_path / "base.jsonl"
+    _write_eagle_report(base)
+    assert summarize.read_reports([str(base)])[0].explanations  # without the breaker: explained
+    path = tmp_path / "kvc-0.jsonl"
+    _write_eagle_report(path, **breaker)
+    if bad_line:
+        with open(path, "ab") as f:
+            f.write(b'{"schema": "kvcanary.violation/1", "step": 50, "tag": "ver\n')
+    s, _ = summarize.read_reports([str(path)])
+    assert s.violations >= 2 * len(EAGLE_TAILS) and s.explanations == []
+    code, text = _run(["report", str(path)])
+    assert code == (1 if bad_line else 0), text
+    assert not [line for line in text.splitlines() if line.startswith("explained:")], text  # ("unexplained:" is
+    # the injection matcher's own word)
+    assert json.loads(_run(["report", "--json", str(path)])[1])["explanations"] == []

@@ -8,6 +8,9 @@ or of the wrong type, not UTF-8), which it reports as ``file:line: what is wrong
 records say: violations per reason, rank, tag, slot and request, the step range, lost and health records, and the
 injections (``kvcanary.injection/1``) matched to violations by :func:`kvcanary.matcher.match_injections`.
 :func:`render` is the text form, :meth:`ReportSummary.to_json` the machine form.
+
+:func:`explain` names a pattern of violations only where the records pin it (:data:`EAGLE_DRAFT_WRONG_TOKEN`); a
+report it cannot pin gets no explanation, never a guess.
 """
 
 from __future__ import annotations
@@ -56,6 +59,14 @@ def _rank_ok(v: object) -> bool:
 
 
 SPEC_SCHEMA = "kvcanary.spec/1"  # speculative-decoding counters per pool (kvcanary.speculative), cumulative
+
+# The one pattern ``kvcanary report`` explains (:func:`explain`): the EAGLE draft was fed a token other than the
+# request's own next token. docs/upstream-bugs/README.md names the sglang bugs known to do that.
+EAGLE_DRAFT_WRONG_TOKEN = "eagle_draft_wrong_token"
+EXPLANATION_LINES: Mapping[str, str] = {
+    EAGLE_DRAFT_WRONG_TOKEN: "explained: EAGLE draft fed the wrong token (sglang #26329 / #28254); "
+                             "see docs/upstream-bugs/README.md",
+}
 
 
 # Fields each schema must carry, with their check; other fields are optional (newer writers may add some).
@@ -210,6 +221,17 @@ def _iter_lines(path: str, f: Iterable[bytes]) -> Iterator[Record | BadLine]:
             yield Record(path, n, obj)
 
 
+@dataclass(frozen=True)
+class Explanation:
+    """A pattern every violation of the report fits (:func:`explain`), with the line ``kvcanary report`` prints."""
+
+    pattern: str
+    line: str
+    violations: int
+    slots: int  # distinct (rank, slot)
+    positions: tuple[int, ...]  # distinct positions, ascending
+
+
 @dataclass
 class RankSummary:
     violations: int = 0
@@ -247,6 +269,7 @@ class ReportSummary:
     health: list[Record] = field(default_factory=list)
     speculative: dict[str, dict[str, Any]] = field(default_factory=dict)  # rank label -> its last spec counters
     matches: MatchResult | None = None  # None without injection records
+    explanations: list[Explanation] = field(default_factory=list)  # explain(): empty unless a pattern is pinned
 
     def rank(self, label: str) -> RankSummary:
         return self.ranks.setdefault(label, RankSummary())
@@ -274,6 +297,8 @@ class ReportSummary:
             "health": [dict(h.data) for h in self.health],
             "speculative": self.speculative,
             "injections": None,
+            "explanations": [{"pattern": e.pattern, "line": e.line, "violations": e.violations, "slots": e.slots,
+                              "positions": list(e.positions)} for e in self.explanations],
         }
         m = self.matches
         if m is not None:
@@ -340,7 +365,39 @@ def summarize(items: Iterable[Record | BadLine], files: Sequence[str] = ()) -> R
                 s.speculative[label] = {"step": d["step"], **d["counters"]}
     if injections:
         s.matches = match_injections(injections, violations)
+    s.explanations = explain(s, violations)
     return s
+
+
+def _wrong_draft_token(d: Mapping[str, Any]) -> bool:
+    """One violation record as the EAGLE draft being fed the wrong token leaves it: in the draft pool, from a verify
+    launch, the token check and nothing else failing (the record's chain hash and position agree with the request,
+    only its token does not), and both tokens known and different."""
+    rank = d.get("rank") or {}
+    stored, expected = d.get("stored_token"), d.get("expected_token")
+    return (rank.get("pool") == "draft" and d["tag"] == "verify" and d["reasons"] == ["verify_token"]
+            and _is_int(stored) and _is_int(expected) and expected >= 0 and stored != expected)
+
+
+def explain(s: ReportSummary, violations: Sequence[tuple[str, Mapping[str, Any]]]) -> list[Explanation]:
+    """The patterns the report's violations (``(rank key, record)``) pin with certainty; empty when they pin none.
+
+    :data:`EAGLE_DRAFT_WRONG_TOKEN`: every violation is a draft-pool (``rank.pool == "draft"``) ``verify_token``
+    row of a verify launch with ``stored_token != expected_token`` (the draft KV at that position was built from a
+    token other than the request's next one: docs/adapter.md, "Speculative decoding"), so none is in the target
+    pool, none has another reason, none is a write or sweep row. Nothing may be hidden from the check either: a
+    bad line, a lost row (the ring overflowed) or an injection (``KVCANARY_FAULT``; the fault matcher accounts for
+    those) leaves the report unexplained. The JSONL carries no chunk boundaries, so the explanation says which
+    token went wrong, not which sglang code path fed it; docs/upstream-bugs/README.md lists the known ones.
+    """
+    if not violations or s.bad_lines or s.lost_rows or s.lost_records or s.matches is not None:
+        return []
+    if not all(_wrong_draft_token(d) for _, d in violations):
+        return []
+    slots = {(key, d["slot"]) for key, d in violations}
+    positions = tuple(sorted({int(d["position"]) for _, d in violations if _is_int(d.get("position"))}))
+    return [Explanation(EAGLE_DRAFT_WRONG_TOKEN, EXPLANATION_LINES[EAGLE_DRAFT_WRONG_TOKEN], len(violations),
+                        len(slots), positions)]
 
 
 def read_reports(patterns: Sequence[str]) -> tuple[ReportSummary, list[str]]:
@@ -431,4 +488,7 @@ def render(s: ReportSummary) -> str:
         lines += [f"  {b}" for b in s.bad_lines[:MAX_LISTED]]
         if len(s.bad_lines) > MAX_LISTED:
             lines.append(f"  ... and {len(s.bad_lines) - MAX_LISTED} more")
+    if s.explanations:
+        lines.append("")
+        lines += [e.line for e in s.explanations]
     return "\n".join(lines)
