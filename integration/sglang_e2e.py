@@ -33,6 +33,10 @@ Phases (``--phases``, default ``1,2,3,4``):
    ``eagle-fixed`` (upstream's fix patched in by that plugin: nothing reported), ``eagle-soak`` (raise, 320
    requests) and ``eagle-faults`` (faults into the target pool); see the EAGLE section below.
 
+15-16. EAGLE after retraction (sglang PR 28254, open upstream): ``eagle-retract`` (temperature 1.0, a KV pool small
+   enough that decode retracts requests, PR 26800's fix patched in so that only the resumed requests' output-region
+   chunk tails stay wrong: kvcanary's draft pool reports each) and ``eagle-retract-fixed`` (both fixes: nothing).
+
 Time: ``--budget`` (default 570 s) caps the whole run; a phase gets at most what is left (and its own cap);
 a phase that cannot start in time is reported SKIPPED, a worker near its deadline stops sending requests and
 reports what it finished (TRUNCATED).
@@ -133,6 +137,7 @@ class Phase:
     engine: tuple[tuple[str, object], ...] = ()
     max_new: tuple[int, int] = (8, 96)  # max_new_tokens range of the workload
     workload: str = "mixed"  # make_workload's mixed serving workload, or an EAGLE phase's (make_eagle_workload)
+    temperature: float = 0.0  # of the measured requests (the Engine's random_seed seeds the sampling)
 
 
 COMMON_ENV = (("KVCANARY_STATS_EVERY", "20"), ("KVCANARY_SWEEP_INTERVAL", "10"), ("KVCANARY_VERIFY_TOKENS", "1"))
@@ -540,7 +545,7 @@ def build_summary(out: str, phases: list[str], results: dict, budget: float, tot
             ok_all &= s["verdict"] in ("PASS", "REPORTED")
             summary["phases"].append(s)
             continue
-        if key in EAGLE_PHASES:
+        if key in EAGLE_PHASES or key in EAGLE_RETRACT_PHASES:
             s, detail = summarize_eagle(phase, pdir, res, seed=res.get("seed", 0))
             summary.setdefault("eagle", []).append(detail)
             ok_all &= s["verdict"] == "PASS"
@@ -820,12 +825,13 @@ TINY_EAGLE = {
 # DECODE forward, and under EAGLE the target only runs extends and target-verify forwards, whose CUDA-graph inputs
 # sglang copies before ModelRunner.forward (replay_prepare in prepare_for_v2_verify), out of the injector's reach.
 EAGLE_FAULTS: tuple[str, ...] = ("req_to_token_redirect", "real_kv_flip", "cached_idle_corruption", "position_skew")
-EAGLE_TAIL_ENV = "E2E_EAGLE_TAIL"  # observe | fix: what the test plugin does to _draft_extend_for_prefill
+EAGLE_TAIL_ENV = "E2E_EAGLE_TAIL"  # observe | fix | fix_prompt: what the test plugin does to _draft_extend_for_prefill
 EAGLE_DRIVER_ENV = "E2E_EAGLE_DRIVER"  # this file, which the test plugin loads in the scheduler process
 EAGLE_PLUGIN = "kvcanary_e2e_eagle"
 EAGLE_CHUNK = 64
 EAGLE_TAIL_RE = re.compile(r"\[e2e-eagle\] draft tail: mode=(?P<mode>\w+) position=(?P<position>\d+) "
-                           r"fed=(?P<fed>-?\d+) next=(?P<next>-?\d+) sampled=(?P<sampled>-?\d+)")
+                           r"fed=(?P<fed>-?\d+) next=(?P<next>-?\d+) sampled=(?P<sampled>-?\d+)"
+                           r"(?: region=(?P<region>\w+))?")
 EAGLE_PATCHED_RE = re.compile(r"\[e2e-eagle\] EagleDraftWorker\._draft_extend_for_prefill replaced: mode=(\w+)")
 SPEC_STATS_RE = re.compile(r"kvcanary spec stats:((?: [a-z_][a-z0-9_]*=\S+)+)")
 # Engine arguments of every EAGLE phase (sglang 0.5.12 clamps num_draft_tokens to num_steps + 1 for topk 1).
@@ -855,6 +861,24 @@ EAGLE_PHASES: dict[str, Phase] = {
         ("KVCANARY_FAULT_WARMUP", "10"), ("KVCANARY_FAULT_SEED", "5"), (EAGLE_TAIL_ENV, "fix")),
         EAGLE_ENGINE + (("cuda_graph_max_bs", 32),), max_new=(8, 24), workload="eagle-faults"),
 }
+# sglang PR 28254 (open upstream; the code is unchanged in 0.5.23): a request retracted under KV pressure is
+# re-prefilled from ``origin_input_ids + output_ids`` in chunks; PR 26800's correction indexes ``origin_input_ids``
+# only, so a chunk tail in the output region still feeds the draft the freshly sampled token. Greedy re-sampling
+# reproduces the request's own token there (invisible); at temperature 1.0 it does not. A pool of 3,072 tokens and
+# an optimistic scheduler (it expects 5 % of max_new_tokens) admit 16 requests of up to 440 tokens each at once, so
+# decode retracts. The Engine's random_seed (0) seeds the sampling; no per-request sampling_seed: with one, sglang
+# samples as a function of (seed, position), which is not what a user's temperature-1.0 request gets.
+EAGLE_RETRACT_ENGINE = EAGLE_ENGINE + (("cuda_graph_max_bs", 32), ("schedule_conservativeness", 0.05))
+EAGLE_RETRACT_PHASES: dict[str, Phase] = {
+    # PR 26800's fix only (fix_prompt): draft-pool verify_token at exactly the wrong output-region tails.
+    "15": Phase("15", "eagle-retract", "log", True, 3072, 190, 110,
+                COMMON_ENV + ((EAGLE_TAIL_ENV, "fix_prompt"),), EAGLE_RETRACT_ENGINE, max_new=(200, 320),
+                workload="eagle-retract", temperature=1.0),
+    # PR 26800's and PR 28254's fixes (fix): the same workload, nothing to report.
+    "16": Phase("16", "eagle-retract-fixed", "log", True, 3072, 190, 110,
+                COMMON_ENV + ((EAGLE_TAIL_ENV, "fix"),), EAGLE_RETRACT_ENGINE, max_new=(200, 320),
+                workload="eagle-retract", temperature=1.0),
+}
 
 
 def is_eagle(phase: Phase) -> bool:
@@ -867,13 +891,20 @@ def make_eagle_workload(kind: str, *, seed: int = 0, max_new: tuple[int, int] = 
 
     ``eagle-chunked``: 16 distinct random prompts of 140-300 tokens (3-5 prefill chunks of 64 each, no shared
     prefix), in groups of 4; ``eagle-soak``: 320 requests of ``make_workload`` (shared prefixes, exact repeats) with
-    prompts of at most 400 tokens; ``eagle-faults``: the same with 640 requests.
+    prompts of at most 400 tokens; ``eagle-faults``: the same with 640 requests; ``eagle-retract``: 32 distinct
+    random prompts of 40-120 tokens (some longer than a chunk: prompt-region tails too) with ``max_new`` tokens each,
+    in 2 groups of 16 (the KV pressure that makes decode retract).
     """
     if kind == "eagle-chunked":
         rng = random.Random(seed + 26329)
         reqs = [Request([rng.randrange(3, vocab) for _ in range(rng.randint(2 * EAGLE_CHUNK + 12, 300))],
                         rng.randint(*max_new), -1) for _ in range(16)]
         return [reqs[i : i + 4] for i in range(0, len(reqs), 4)]
+    if kind == "eagle-retract":
+        rng = random.Random(seed + 28254)
+        reqs = [Request([rng.randrange(3, vocab) for _ in range(rng.randint(40, 120))], rng.randint(*max_new), -1)
+                for _ in range(32)]
+        return [reqs[i : i + 16] for i in range(0, len(reqs), 16)]
     n = {"eagle-soak": 320, "eagle-faults": 640}.get(kind)
     if n is None:
         raise ValueError(f"unknown EAGLE workload {kind!r}")
@@ -947,11 +978,15 @@ def prefill_tails(extend_prefix_lens, extend_seq_lens, seqs) -> list[tuple[int, 
 
 def make_draft_extend_for_prefill(mode: str):
     """sglang 0.5.12's ``EagleDraftWorker._draft_extend_for_prefill``, line for line, with the tail token of each
-    non-final chunk printed (``observe``: still the sampled token, as 0.5.12 feeds it) or corrected to the next
-    prompt token (``fix``: what upstream's PR 26800 feeds). Only the draft's input rotation changes; the draft
-    input's bonus tokens stay the sampled ones, as upstream."""
-    if mode not in ("observe", "fix"):
-        raise ValueError(f"{EAGLE_TAIL_ENV}: expected observe or fix, got {mode!r}")
+    non-final chunk printed (``observe``: still the sampled token, as 0.5.12 feeds it) or corrected to the
+    request's next token (``fix``: PR 26800's correction with PR 28254's ``origin_input_ids + output_ids``, so also
+    a resumed request's output region), or corrected only where the next token is a prompt token (``fix_prompt``:
+    PR 26800 alone, which indexes ``origin_input_ids``; past the prompt it falls back to the sampled token, the
+    path PR 28254 fixes). Only the draft's input rotation changes; the draft input's bonus tokens stay the sampled
+    ones, as upstream. A tail whose next token is an output token (a request resumed after retraction) is printed
+    with ``region=output``."""
+    if mode not in ("observe", "fix", "fix_prompt"):
+        raise ValueError(f"{EAGLE_TAIL_ENV}: expected observe or fix (or fix_prompt: PR 26800 alone), got {mode!r}")
 
     def _draft_extend_for_prefill(self, batch, target_hidden_states, next_token_ids, mm_input_embeds=None):
         import torch
@@ -966,14 +1001,18 @@ def make_draft_extend_for_prefill(mode: str):
             found = prefill_tails(batch.extend_prefix_lens, batch.extend_seq_lens, seqs)
             if found:
                 sampled = next_token_ids.tolist()  # a host sync per chunked prefill: this is a test driver
-                if mode == "fix":
+                fixed = {i for i, pos, _ in found if mode == "fix" or (
+                    mode == "fix_prompt" and pos + 1 < len(batch.reqs[i].origin_input_ids))}
+                if fixed:
                     tails = next_token_ids.clone()
                     for i, _, nxt in found:
-                        tails[i] = nxt
+                        if i in fixed:
+                            tails[i] = nxt
                 for i, pos, nxt in found:
-                    fed = nxt if mode == "fix" else sampled[i]
+                    fed = nxt if i in fixed else sampled[i]
+                    region = " region=output" if pos + 1 >= len(batch.reqs[i].origin_input_ids) else ""
                     print(f"[e2e-eagle] draft tail: mode={mode} position={pos} fed={fed} next={nxt} "
-                          f"sampled={sampled[i]} rid={batch.reqs[i].rid}", flush=True)
+                          f"sampled={sampled[i]}{region} rid={batch.reqs[i].rid}", flush=True)
             pt = 0
             for i, extend_len in enumerate(batch.extend_seq_lens):
                 input_ids = batch.input_ids[pt : pt + extend_len]
@@ -1024,7 +1063,9 @@ def parse_spec_stats(log_text: str) -> dict[str, dict]:
 
 
 def parse_tails(log_text: str) -> list[dict]:
-    return [{k: (v if k == "mode" else int(v)) for k, v in m.groupdict().items()}
+    """The tails the test plugin printed: mode, position, fed, next, sampled, and ``region: "output"`` for a tail
+    in a resumed request's output region (no region key: a prompt tail)."""
+    return [{k: (v if k in ("mode", "region") else int(v)) for k, v in m.groupdict().items() if v is not None}
             for m in EAGLE_TAIL_RE.finditer(log_text)]
 
 
@@ -1085,6 +1126,91 @@ def match_eagle(rows: list[dict], tails: list[dict], groups: list[list[Request]]
     return res
 
 
+@dataclass
+class RetractMatch:
+    """Violations against the chunk tails of requests resumed after retraction (phases eagle-retract, -fixed)."""
+
+    output_tails: int = 0  # tails printed in the output region (resumed requests)
+    wrong: list = field(default_factory=list)  # output-region tails fed a token other than the request's
+    prompt_tails: int = 0
+    prompt_wrong: list = field(default_factory=list)  # prompt-region tails fed wrong (PR 26800's fix missing)
+    detected: int = 0  # wrong output-region tails with a matching draft-pool verify_token violation
+    missed: list = field(default_factory=list)
+    unexplained: list = field(default_factory=list)  # draft-pool violations no wrong output-region tail explains
+    target: list = field(default_factory=list)  # violations in the target pool
+    pools: dict = field(default_factory=dict)  # pool -> {"rows", "slots", "verify_token", "other"}
+    # position -> {"tails", "wrong", "violations" (distinct draft-pool ones), "detected"}
+    positions: dict = field(default_factory=dict)
+
+
+def match_eagle_retract(rows: list[dict], tails: list[dict]) -> RetractMatch:
+    """A wrong output-region tail (position p, fed f, next t: the request's own output token at p + 1) is detected by
+    a draft-pool ``verify_token`` violation at position p with stored token f and expected token t. Every draft-pool
+    violation must be such a one; the target pool must have none."""
+    res = RetractMatch()
+    vio = [r for r in rows if r.get("schema") == VIOLATION_SCHEMA]
+    out = [t for t in tails if t.get("region") == "output"]
+    prompt = [t for t in tails if t.get("region") != "output"]
+    res.output_tails, res.prompt_tails = len(out), len(prompt)
+    res.prompt_wrong = [t for t in prompt if t["fed"] != t["next"]]
+    wrong = {(t["position"], t["fed"], t["next"]): t for t in out if t["fed"] != t["next"]}
+    res.wrong = list(wrong.values())
+    res.target = [v for v in vio if _pool(v) != "draft"]
+    hit, distinct = set(), set()
+    for v in vio:
+        pool = _pool(v)
+        p = res.pools.setdefault(pool, {"rows": 0, "slots": set(), "verify_token": 0, "other": 0})
+        p["rows"] += 1
+        p["slots"].add(int(v["slot"]))
+        p["verify_token" if v["reasons"] == ["verify_token"] else "other"] += 1
+        if pool != "draft":
+            continue
+        key = (int(v["position"]), int(v.get("stored_token", -1)), int(v.get("expected_token", -1)))
+        distinct.add((int(v["slot"]),) + key)
+        if key in wrong and v["reasons"] == ["verify_token"]:
+            hit.add(key)
+        else:
+            res.unexplained.append(v)
+    for p in res.pools.values():
+        p["slots"] = len(p["slots"])
+    res.detected = len(hit)
+    res.missed = [t for k, t in wrong.items() if k not in hit]
+    for t in out:
+        d = res.positions.setdefault(t["position"], {"tails": 0, "wrong": 0, "violations": 0, "detected": 0})
+        d["tails"] += 1
+    for pos, _, _ in wrong:
+        res.positions[pos]["wrong"] += 1
+    for pos, _, _ in hit:
+        res.positions[pos]["detected"] += 1
+    for _, pos, _, _ in distinct:
+        res.positions.setdefault(pos, {"tails": 0, "wrong": 0, "violations": 0, "detected": 0})["violations"] += 1
+    res.positions = dict(sorted(res.positions.items()))
+    return res
+
+
+def verdict_eagle_retract(m: RetractMatch, mode: str | None, retractions: int, violations: int) -> list[str]:
+    """Why an eagle-retract (``fix_prompt``) or eagle-retract-fixed (``fix``) phase fails (empty: it passes)."""
+    why = []
+    if not retractions:
+        why.append("no retraction happened (shrink max_total_tokens)")
+    if not m.output_tails:
+        why.append("no chunk tail in a resumed request's output region (PR 28254's path not exercised)")
+    if m.prompt_wrong:
+        why.append(f"{len(m.prompt_wrong)} prompt-region tail(s) fed wrong (PR 26800's fix not applied?)")
+    if m.target:
+        why.append(f"{len(m.target)} violation(s) in the target pool")
+    if mode == "fix_prompt":
+        if not m.wrong:
+            why.append("no wrong output-region tail observed (sampling greedy, or sglang fixed already?)")
+        if m.missed:
+            why.append(f"{len(m.missed)}/{len(m.wrong)} wrong output-region tails not detected")
+        if m.unexplained:
+            why.append(f"{len(m.unexplained)} draft-pool violation(s) no wrong output-region tail explains")
+    elif violations or m.wrong:
+        why.append(f"violations={violations}, wrong output-region tails fed={len(m.wrong)} (expected 0 with the fix)")
+    return why
+
+
 def summarize_eagle(phase: Phase, pdir: str, res: dict, seed: int = 0) -> tuple[dict, dict]:
     """One EAGLE phase: the summary row (with its verdict) and the details for the EAGLE tables."""
     log_text = _read(os.path.join(pdir, "worker.log"))
@@ -1136,6 +1262,10 @@ def summarize_eagle(phase: Phase, pdir: str, res: dict, seed: int = 0) -> tuple[
                 why.append(f"{m.requests_detected}/{m.chunked_requests} chunked requests with a detected wrong tail")
         elif s["violations"] or m.tails:
             why.append(f"violations={s['violations']}, wrong tails fed={len(m.tails)} (expected 0 with the fix)")
+    elif phase.workload == "eagle-retract":
+        m = match_eagle_retract(rows, tails)
+        detail["retract"], detail["retractions"] = m, s["retractions"]
+        why += verdict_eagle_retract(m, mode, s["retractions"], s["violations"])
     elif phase.workload == "eagle-faults":
         m = match_injections(rows)
         detail["faults"] = m
@@ -1189,6 +1319,7 @@ def render_eagle(details: list[dict]) -> list[str]:
                     lines.append(f"| {p} | {r} | {s} | {pos} | {st} | {ex} | {n} | {'yes' if hit else 'no'} |")
                 if len(m.groups) > 40:
                     lines.append(f"| … {len(m.groups) - 40} more | | | | | | | |")
+        lines += render_eagle_retract(d)
         f = d.get("faults")
         if f is not None:
             lines += ["", f"| {d['phase']}: fault class (target pool) | injections | detected | rate | reasons | "
@@ -1200,6 +1331,31 @@ def render_eagle(details: list[dict]) -> list[str]:
                 tags = ", ".join(f"{a}×{b}" for a, b in sorted(f.tags.get(c, {}).items())) or "-"
                 lines.append(f"| {c} | {n} | {k} | {f'{100.0 * k / n:.0f} %' if n else '-'} | {reasons} | {tags} |")
             lines.append(f"| violations on untouched slots (any pool) | {len(f.unexplained)} | | | | |")
+    return lines
+
+
+def render_eagle_retract(d: dict) -> list[str]:
+    """An eagle-retract phase's tables: retractions and tails, violations per pool, per position."""
+    m = d.get("retract")
+    if m is None:
+        return []
+    lines = ["", f"{d['phase']}: retractions {d.get('retractions')}; chunk tails in resumed requests' output region "
+                 f"{m.output_tails}, fed a wrong token {len(m.wrong)}, detected {m.detected}; prompt-region tails "
+                 f"{m.prompt_tails} (fed wrong {len(m.prompt_wrong)}); draft-pool violations no wrong tail explains "
+                 f"{len(m.unexplained)}; target-pool violations {len(m.target)}",
+             "", f"| {d['phase']}: pool | violation rows | distinct slots | verify_token only | other reasons |",
+             "|---|---|---|---|---|"]
+    for pool in ("target", "draft"):
+        p = m.pools.get(pool) or {}
+        lines.append(f"| {pool} | {p.get('rows', 0)} | {p.get('slots', 0)} | {p.get('verify_token', 0)} | "
+                     f"{p.get('other', 0)} |")
+    if m.positions:
+        lines += ["", f"| {d['phase']}: position | output-region tails | wrong tails | draft-pool violations "
+                      "(distinct) | wrong tails detected |", "|---|---|---|---|---|"]
+        for pos, c in list(m.positions.items())[:40]:
+            lines.append(f"| {pos} | {c['tails']} | {c['wrong']} | {c['violations']} | {c['detected']} |")
+        if len(m.positions) > 40:
+            lines.append(f"| … {len(m.positions) - 40} more | | | | |")
     return lines
 
 
@@ -1225,6 +1381,26 @@ def dry_run_eagle(phase: Phase, pdir: str, base: dict, seed: int = 0) -> dict:
                                        "reasons": ["verify_token"], "slot": slot + end - 1, "position": end - 1,
                                        "stored_token": fed, "expected_token": nxt, "rank": rank_d})
             slot += 400
+    retractions = 0
+    if phase.workload == "eagle-retract":  # 3 requests retracted after 100-140 output tokens, resumed in chunks
+        rng = random.Random(seed)
+        for j, r in enumerate(reqs[:3]):
+            log.append("KV cache pool is full. Retract requests. #retracted_reqs: 1, #new_token_ratio: 0.35 -> 0.9")
+            retractions += 1
+            seq = r.input_ids + [rng.randrange(3, 2048) for _ in range(100 + 20 * j)]
+            # the resumed prefill shares the 64-token budget with other requests: its first chunk is shorter
+            for end in range(EAGLE_CHUNK - 8 * j, len(seq), EAGLE_CHUNK):
+                nxt, output = seq[end], end >= len(r.input_ids)
+                sampled = (nxt + 1) % 2048
+                fed = sampled if output and mode == "fix_prompt" else nxt
+                log.append(f"[e2e-eagle] draft tail: mode={mode} position={end - 1} fed={fed} next={nxt} "
+                           f"sampled={sampled}{' region=output' if output else ''} rid=x{j}")
+                if fed != nxt:
+                    for rep in range(2):
+                        report.append({"schema": VIOLATION_SCHEMA, "step": step + rep, "tag": "verify",
+                                       "reasons": ["verify_token"], "slot": slot + end - 1, "position": end - 1,
+                                       "stored_token": fed, "expected_token": nxt, "rank": rank_d})
+            slot += 600
     if phase.workload == "eagle-faults":
         rng = random.Random(seed)
         for c in EAGLE_FAULTS * 22:
@@ -1246,11 +1422,13 @@ def dry_run_eagle(phase: Phase, pdir: str, base: dict, seed: int = 0) -> dict:
         f.write("[dry-run]\n" + "\n".join(log) + "\n")
     with open(os.path.join(pdir, "kvc-0.jsonl"), "w") as f:
         f.write("".join(json.dumps(r) + "\n" for r in report))
-    return dict(base, requests_sent=len(reqs), requests_ok=len(reqs), cached_tokens=4321)
+    return dict(base, requests_sent=len(reqs), requests_ok=len(reqs), cached_tokens=4321, retractions=retractions)
 
 
 PHASES.update(EAGLE_PHASES)
 PHASE_NAMES.update({p.name: k for k, p in EAGLE_PHASES.items()})
+PHASES.update(EAGLE_RETRACT_PHASES)
+PHASE_NAMES.update({p.name: k for k, p in EAGLE_RETRACT_PHASES.items()})
 
 # ---------------------------------------------------------------------------------------------------- HiCache
 # integration/hicache_phases.py: sglang's host KV tier with a device pool ~7x smaller than the workload's prefixes.
@@ -1460,6 +1638,7 @@ def run_phases(args, runner=run_worker) -> dict:
                 "requests": args.requests, "seed": args.seed, "chunk": args.chunk, "out": pdir,
                 "deadline": time.time() + timeout - 25,  # the worker stops sending requests then, and shuts down
                 "max_new": list(phase.max_new), "warm_groups": 3 if key == "4" else 0, "workload": phase.workload,
+                "temperature": phase.temperature,
                 "keep_outputs": key in HICACHE_PHASES}
         spec_path = os.path.join(pdir, f"spec{'-' + '-'.join(s for s in subs if s)}.json")
         with open(spec_path, "w") as f:
@@ -1602,7 +1781,7 @@ def dry_run_reports(args, groups: list[list[Request]]) -> dict:
                 "kvcanary host time: step=1200 forwards=1200 eager=240 canary_us_per_forward=64.7 hooks_us=40.2 " \
                 "launch_us_per_eager_forward=106.5 forward_us=2210.0 piecewise=0 launch_us_per_piecewise_forward=0.0 " \
                 "canary_us_per_piecewise_forward=0.0 batch_init_us=3.2\n"
-        if key in EAGLE_PHASES:
+        if key in EAGLE_PHASES or key in EAGLE_RETRACT_PHASES:
             results[key] = dry_run_eagle(phase, pdir, dict(base, seed=args.seed), args.seed)
             continue
         if key in HICACHE_PHASES:
@@ -1798,7 +1977,8 @@ def run_engine(Engine, spec: dict, groups: list[list[Request]], res: dict, res_p
                 res["status"] = "TRUNCATED"
                 res["note"] = f"deadline reached after {gi} of {len(groups)} groups"
                 break
-            sps = [dict(temperature=0.0, max_new_tokens=r.max_new_tokens, ignore_eos=True) for r in group]
+            sps = [dict(temperature=spec.get("temperature", 0.0), max_new_tokens=r.max_new_tokens, ignore_eos=True)
+                   for r in group]
             res["requests_sent"] += len(group)
             t = time.perf_counter()
             outs = engine.generate(input_ids=[r.input_ids for r in group], sampling_params=sps)
@@ -1841,7 +2021,8 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--phases", default="1,2,3,4", help="comma-separated: 1 clean, 2 graph, 3 faults, 4 overhead, "
                     "5 eagle-bug, 6 eagle-fixed, 7 eagle-soak, 8 eagle-faults, 9 hicache-off, 10 hicache-clean, "
-                    "11 hicache-writeback, 12 hicache-faults, 13 hicache-race, 14 hicache-race-fixed")
+                    "11 hicache-writeback, 12 hicache-faults, 13 hicache-race, 14 hicache-race-fixed, "
+                    "15 eagle-retract, 16 eagle-retract-fixed")
     ap.add_argument("--draft-model", default=None, help="EAGLE draft model path (default: a one-layer "
                     "LlamaForCausalLMEagle config, dummy weights)")
     ap.add_argument("--budget", type=float, default=570.0, help="seconds for the whole run (default 570)")

@@ -86,16 +86,19 @@ def _verify_on_cpu(backend) -> None:
 
 
 @pytest.fixture
-def eagle(tmp_path, monkeypatch):
+def eagle(tmp_path, monkeypatch, request):
+    """The two runners; indirect parametrisation may pass KVCANARY_* settings that replace the defaults below."""
     import sglang.srt.plugins as plugins
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.mem_cache import memory_pool
     from sglang.srt.model_executor.model_runner import ModelRunner
 
     hooks_state.clear_kvcanary_env(monkeypatch)
-    for k, v in (("KVCANARY_MODE", "log"), ("KVCANARY_VERIFY_TOKENS", "1"), ("KVCANARY_DRAIN_EVERY", "1"),
-                 ("KVCANARY_STATS_EVERY", "5"), ("KVCANARY_LOG_REPEAT_WINDOW", "0"),
-                 ("KVCANARY_REPORT", str(tmp_path / "kvc-{rank}.jsonl")), ("SGLANG_PLUGINS", "kvcanary")):
+    env = {"KVCANARY_MODE": "log", "KVCANARY_VERIFY_TOKENS": "1", "KVCANARY_DRAIN_EVERY": "1",
+           "KVCANARY_STATS_EVERY": "5", "KVCANARY_LOG_REPEAT_WINDOW": "0",
+           "KVCANARY_REPORT": str(tmp_path / "kvc-{rank}.jsonl"), "SGLANG_PLUGINS": "kvcanary"}
+    env.update(getattr(request, "param", None) or {})
+    for k, v in env.items():
         monkeypatch.setenv(k, v)
     sgl_engine.ensure_entry_point(tmp_path, monkeypatch)
     # EAGLE turns on the KV pool's move kernel, whose warm-up is a Triton launch (no CPU driver): skip the warm-up.
