@@ -25,6 +25,7 @@ import json
 import random
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -186,13 +187,28 @@ class MiniEagle:
 
     # ------------------------------------------------------------------------------------------ prefill
     def prefill(self, prompt: list[int], max_new: int) -> None:
+        req = self._new_req(prompt, max_new)
+
+        def on_tail(end: int, fed: int) -> None:  # what 0.5.12 feeds the draft at a non-final chunk's last position
+            if not self.fixed_tail:
+                self.wrong_tails.append((end - 1, fed, prompt[end]))
+
+        self.prefill_chunks(req, prompt, on_tail=on_tail)
+
+    def prefill_chunks(self, req, seq: list[int], *, first_budget: int = CHUNK,
+                       sample: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                       on_tail: Callable[[int, int], None] | None = None) -> None:
+        """Prefill ``seq`` (the request's tokens: a prompt, or a resumed request's prompt and output) in chunks of
+        CHUNK tokens (the first ``first_budget``), each the target's EXTEND and the draft's extend built by
+        ``draft_extend_for_prefill``, the way sglang's scheduler runs a chunked prefill; ``sample`` turns the
+        target's logits into the next token (default greedy); ``on_tail(end, fed)`` sees each non-final chunk's end
+        and the token sampled there. The request then runs (committed ``len(seq)``)."""
         from sglang.srt.managers.schedule_batch import ScheduleBatch
         from sglang.srt.mem_cache.common import maybe_cache_unfinished_req
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-        req = self._new_req(prompt, max_new)
-        first = True
+        budget, first = first_budget, True
         while True:
             if first:
                 req.init_next_round_input(self.tree)
@@ -200,9 +216,10 @@ class MiniEagle:
             else:
                 maybe_cache_unfinished_req(req, self.tree, chunked=True)
                 req.init_next_round_input()
+            assert req.fill_ids[: len(seq)] == seq
             extend = len(req.fill_ids) - len(req.prefix_indices)
-            chunked = extend > CHUNK
-            req.set_extend_input_len(min(extend, CHUNK))
+            chunked = extend > budget
+            req.set_extend_input_len(min(extend, budget))
             req.fill_ids = req.fill_ids[: len(req.prefix_indices) + req.extend_input_len]
             batch = ScheduleBatch.init_new(
                 reqs=[req], req_to_token_pool=self.target.req_to_token_pool, token_to_kv_pool_allocator=self.alloc,
@@ -212,20 +229,21 @@ class MiniEagle:
             mwb = batch.get_model_worker_batch()
             mwb.capture_hidden_mode = CaptureHiddenMode.FULL
             out = self._forward(self.target, mwb)
-            next_ids = torch.argmax(out.next_token_logits, dim=-1)
-            end = len(req.fill_ids)
-            if chunked and not self.fixed_tail:  # what 0.5.12 feeds the draft at this chunk's last position
-                self.wrong_tails.append((end - 1, int(next_ids[0]), prompt[end]))
+            logits = out.next_token_logits
+            next_ids = sample(logits) if sample is not None else torch.argmax(logits, dim=-1)
+            if chunked and on_tail is not None:
+                on_tail(len(req.fill_ids), int(next_ids[0]))
             mwb.capture_hidden_mode = CaptureHiddenMode.LAST
             mwb.spec_algorithm = SpeculativeAlgorithm.EAGLE
             self.modes["draft"].append("EXTEND")
             nxt = self.draft_extend_for_prefill(self.worker, mwb, out.hidden_states, next_ids, None)
+            budget = CHUNK
             if not chunked:
                 break
-        self.committed[id(req)] = len(prompt)
+        self.committed[id(req)] = len(seq)
         self.bonus[id(req)] = int(next_ids[0])
         self.hidden[id(req)] = nxt.hidden_states[-1:].clone()
-        req.kv_committed_len = req.kv_allocated_len = len(prompt)
+        req.kv_committed_len = req.kv_allocated_len = len(seq)
         self.lagging.append((req, [int(next_ids[0])]))
         self.running.append(req)
 

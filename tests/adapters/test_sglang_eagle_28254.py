@@ -77,52 +77,17 @@ class ResumingEagle(base.MiniEagle):
     def resume(self, req, first_chunk: int = base.CHUNK) -> None:
         """The retracted request prefilled again, ``origin_input_ids + output_ids`` in chunks, sampled at 1.0."""
         from sglang.srt.layers.sampler import sampling_from_probs_torch
-        from sglang.srt.managers.schedule_batch import ScheduleBatch
-        from sglang.srt.mem_cache.common import maybe_cache_unfinished_req
-        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
-        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
         seq = list(req.origin_input_ids) + list(req.output_ids)
-        budget, first = first_chunk, True
-        while True:
-            if first:
-                req.init_next_round_input(self.tree)
-                first = False
-            else:
-                maybe_cache_unfinished_req(req, self.tree, chunked=True)
-                req.init_next_round_input()
-            assert req.fill_ids[: len(seq)] == seq
-            extend = len(req.fill_ids) - len(req.prefix_indices)
-            chunked = extend > budget
-            req.set_extend_input_len(min(extend, budget))
-            req.fill_ids = req.fill_ids[: len(req.prefix_indices) + req.extend_input_len]
-            batch = ScheduleBatch.init_new(
-                reqs=[req], req_to_token_pool=self.target.req_to_token_pool, token_to_kv_pool_allocator=self.alloc,
-                tree_cache=self.tree, model_config=self.target.model_config, enable_overlap=False,
-                spec_algorithm=SpeculativeAlgorithm.NONE)
-            batch.prepare_for_extend()
-            mwb = batch.get_model_worker_batch()
-            mwb.capture_hidden_mode = CaptureHiddenMode.FULL
-            out = self._forward(self.target, mwb)
-            probs = torch.softmax(out.next_token_logits.float() / TEMPERATURE, dim=-1)
-            next_ids = sampling_from_probs_torch(probs).to(torch.int64)
-            end = len(req.fill_ids)
-            if chunked:
-                region = "output" if end >= len(req.origin_input_ids) else "prompt"
-                self.resumed_tails.append((end - 1, int(next_ids[0]), seq[end], region))
-            mwb.capture_hidden_mode = CaptureHiddenMode.LAST
-            mwb.spec_algorithm = SpeculativeAlgorithm.EAGLE
-            self.modes["draft"].append("EXTEND")
-            nxt = self.draft_extend_for_prefill(self.worker, mwb, out.hidden_states, next_ids, None)
-            budget = base.CHUNK
-            if not chunked:
-                break
-        self.committed[id(req)] = len(seq)
-        self.bonus[id(req)] = int(next_ids[0])
-        self.hidden[id(req)] = nxt.hidden_states[-1:].clone()
-        req.kv_committed_len = req.kv_allocated_len = len(seq)
-        self.lagging.append((req, [int(next_ids[0])]))
-        self.running.append(req)
+
+        def sample(logits: torch.Tensor) -> torch.Tensor:
+            return sampling_from_probs_torch(torch.softmax(logits.float() / TEMPERATURE, dim=-1)).to(torch.int64)
+
+        def on_tail(end: int, fed: int) -> None:
+            region = "output" if end >= len(req.origin_input_ids) else "prompt"
+            self.resumed_tails.append((end - 1, fed, seq[end], region))
+
+        self.prefill_chunks(req, seq, first_budget=first_chunk, sample=sample, on_tail=on_tail)
 
 
 def _run_28254(env, *, tail_mode: str) -> ResumingEagle:
