@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import sys
 import tarfile
 import threading
@@ -355,3 +356,17 @@ def test_a_report_that_breaks_the_pattern_stays_unexplained(tmp_path: Path, brea
     assert not [line for line in text.splitlines() if line.startswith("explained:")], text  # ("unexplained:" is
     # the injection matcher's own word)
     assert json.loads(_run(["report", "--json", str(path)])[1])["explanations"] == []
+
+
+def test_violations_on_slots_loaded_from_a_host_tier_are_counted_apart(tmp_path: Path) -> None:
+    """A HiCache run's report says how many violations were on slots whose content came back from the host tier."""
+    rows = [{"schema": "kvcanary.violation/1", "step": 5 + i, "tag": "verify", "reasons": ["verify_real_kv_hash"],
+             "slot": 10 + i, "request_row": 1, "rank": {"tp_rank": 0}, **({"via": "host_tier"} if i < 2 else {})}
+            for i in range(3)]
+    path = tmp_path / "kv.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, text = _run(["report", str(path)])
+    assert code == 0
+    assert re.search(r"slot content came via \| violations\n[-+]+\nhost_tier +\| +2\n", text), text
+    code, text = _run(["report", "--json", str(path)])
+    assert json.loads(text)["by_via"] == {"host_tier": 2}

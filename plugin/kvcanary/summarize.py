@@ -259,6 +259,8 @@ class ReportSummary:
     by_reason: Counter[str] = field(default_factory=Counter)  # each reason a violation carries counts once
     by_combo: Counter[str] = field(default_factory=Counter)  # the "+"-joined reasons of each violation
     by_tag: Counter[str] = field(default_factory=Counter)
+    # how the slot's content got there when not by a forward's write ("host_tier": loaded back from a host KV tier)
+    by_via: Counter[str] = field(default_factory=Counter)
     ranks: dict[str, RankSummary] = field(default_factory=dict)  # rank label -> summary
     slots: Counter[tuple[str, int]] = field(default_factory=Counter)  # (rank label, slot)
     slot_reasons: dict[tuple[str, int], Counter[str]] = field(default_factory=dict)
@@ -289,6 +291,7 @@ class ReportSummary:
             "by_reason": dict(self.by_reason.most_common()),
             "by_reasons_combination": dict(self.by_combo.most_common()),
             "by_tag": dict(self.by_tag.most_common()),
+            "by_via": dict(self.by_via.most_common()),
             "by_rank": {label: vars(r) for label, r in sorted(self.ranks.items())},
             "top_slots": top(self.slots, "slot"),
             "top_request_rows": top(self.request_rows, "request_row"),
@@ -341,6 +344,9 @@ def summarize(items: Iterable[Record | BadLine], files: Sequence[str] = ()) -> R
             s.by_reason.update(d["reasons"])
             s.by_combo["+".join(d["reasons"]) or "-"] += 1
             s.by_tag[d["tag"]] += 1
+            via = d.get("via")
+            if isinstance(via, str) and via:
+                s.by_via[via] += 1
             s.slots[(label, d["slot"])] += 1
             s.slot_reasons.setdefault((label, d["slot"]), Counter())["+".join(d["reasons"])] += 1
             if d.get("request_row") is not None:
@@ -437,6 +443,9 @@ def render(s: ReportSummary) -> str:
                                    ("reasons (as reported together)", "violations"), right=(1,))]
         lines += ["", format_table([(t, str(n)) for t, n in s.by_tag.most_common()], ("tag", "violations"),
                                    right=(1,))]
+        if s.by_via:  # (only when a slot's content came another way than a forward's write: a host KV tier)
+            lines += ["", format_table([(v, str(n)) for v, n in s.by_via.most_common()],
+                                       ("slot content came via", "violations"), right=(1,))]
     if s.ranks:
         rows = [(label, str(r.violations), _steps(r.first_step, r.last_step), str(r.lost), str(r.health),
                  str(r.injections)) for label, r in sorted(s.ranks.items())]
