@@ -615,7 +615,8 @@ def dry_runner(cmd: list[str], env: dict, log_path: str, result_path: str, start
     cost = 0.99 if on else 1.0
     canary = rng.gauss(1.0, 0.04)  # this Engine's host speed for kvcanary's own work
     first = os.path.basename(edir).startswith("engine-00-")  # the machine's first Engine: cold JIT caches
-    res = {"status": "OK", "mode": spec["mode"], "dry_run": True, "shapes": {}, "errors": [], "import_s": round(rng.gauss(24, 1), 2),
+    res = {"status": "OK", "mode": spec["mode"], "dry_run": True, "shapes": {}, "errors": [],
+           "import_s": round(rng.gauss(24, 1), 2),
            "engine_start_s": round(rng.gauss(48, 3) + (40 if first else 0), 2), "warmup_s": round(rng.gauss(9, 1), 2)}
     log = [f"[brs-worker] import sglang: {res['import_s']} s; KVCANARY_MODE={env.get('KVCANARY_MODE')}",
            "server_args=ServerArgs(model_path='integration/models/llama-8b-shape', attention_backend='fa3', ...)",
