@@ -258,13 +258,10 @@ def worker_main(spec_path: str) -> int:
 
         traceback.print_exc()
     finally:
-        t = time.perf_counter()
         try:
-            engine.shutdown()
+            e2e.shutdown_engine(engine, res)
         finally:
-            res["shutdown_s"] = round(time.perf_counter() - t, 2)
             e2e._write_json(res_path, res)
-            time.sleep(1.0)  # let the scheduler process flush its last log lines
     return rc
 
 

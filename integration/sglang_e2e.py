@@ -2007,12 +2007,18 @@ def run_engine(Engine, spec: dict, groups: list[list[Request]], res: dict, res_p
         if res["status"] == "RUNNING":
             res["status"] = "OK"
     finally:
-        t = time.perf_counter()
-        try:
-            engine.shutdown()
-        finally:
-            res["shutdown_s"] = round(time.perf_counter() - t, 2)
-            time.sleep(1.0)  # let the scheduler process flush its last log lines
+        shutdown_engine(engine, res)
+
+
+def shutdown_engine(engine, res: dict) -> None:
+    """Shut an Engine down, its time in ``res["shutdown_s"]`` (also when shutdown raises), then give the scheduler
+    process a second to flush its last log lines (the parent parses them)."""
+    t = time.perf_counter()
+    try:
+        engine.shutdown()
+    finally:
+        res["shutdown_s"] = round(time.perf_counter() - t, 2)
+        time.sleep(1.0)
 
 
 # ---------------------------------------------------------------------------------------------------- cli
