@@ -118,6 +118,64 @@ def kvcanary_uploads(dev: torch.device) -> None:
     timed("PinnedChannel start + wait + take, 1 segment", lambda: status_copy(header))
 
 
+def kvcanary_launches(dev: torch.device) -> None:
+    """What one bound check or write call costs on this host, against tvm-ffi's own call floor (``testing.nop``
+    with the same number of CUDA tensors: DLPack exchange + the stream query, no C++ wrapper, no launch), and whether
+    the batch's size or a busy device moves a launch's host time (issue 25: the engine's eager launches measured
+    ~2x the bench's)."""
+    import tvm_ffi
+
+    from kvcanary.batch import BatchView, ForwardKind
+    from kvcanary.config import Config, Mode
+    from kvcanary.manager import CanaryManager
+    from kvcanary.real_kv import RealKvSource
+
+    nop = tvm_ffi.get_global_func("testing.nop")
+    six = [torch.zeros(64, dtype=torch.int64, device=dev) for _ in range(6)]
+    timed("tvm-ffi testing.nop(), no arguments", nop)
+    timed("tvm-ffi testing.nop, 6 CUDA tensors + 2 ints (the bound check's call floor)", lambda: nop(*six, 1, 5))
+    timed("tvm-ffi testing.nop, 3 CUDA tensors (the bound write's call floor)", lambda: nop(*six[:3]))
+    slots, rows, ctx = 65536, 65, 1024
+    r2t = torch.arange(rows * ctx, dtype=torch.int32, device=dev).reshape(rows, ctx) % (slots - 1) + 1
+    kv = [torch.zeros((slots, 256), dtype=torch.uint8, device=dev) for _ in range(2)]
+    mgr = CanaryManager(Config(mode=Mode.LOG, stats_every=0, health_window=1 << 30), num_slots=slots,
+                        req_to_token=r2t, device=dev, max_batch_size=rows, max_tokens_per_forward=8192,
+                        real_kv_sources=[RealKvSource(k, 1, 256, 256) for k in kv])
+    mgr.mark_init_finished()
+    empty = torch.zeros(0, dtype=torch.int64, device=dev)
+    idle = BatchView(ForwardKind.IDLE, empty, empty, empty, empty, empty, empty)
+
+    def decode(bs: int, context: int) -> BatchView:
+        t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
+        rows_ = list(range(1, bs + 1))
+        return BatchView(ForwardKind.DECODE, t([7] * bs), t([context] * bs), t([1 + r for r in rows_]), t(rows_),
+                         t([context] * bs), t([1] * bs))
+
+    fn = mgr.device_state.check_batch
+    timed("bound check call, IDLE batch (C++ wrapper + launch, no entries)", lambda: fn(idle, 0, 5))
+    one, wide = decode(1, 64), decode(64, 1000)
+    timed("bound check call, decode bs 1 x 64 context", lambda: fn(one, 0, 5))
+    timed("bound check call, decode bs 64 x 1000 context, back to back (device busy)", lambda: fn(wide, 0, 5))
+    sync = torch.cuda.synchronize
+    base = _per_call(sync)
+    print(f"| bound check call, decode bs 64 x 1000 context, device idle (each call after a sync; sync's "
+          f"{base:.2f} taken off) | {_per_call(lambda: (sync(), fn(wide, 0, 5))) - base:.2f} |", flush=True)
+    timed("after_forward, decode bs 64 (the bound write)", lambda: mgr.after_forward(wide))
+
+
+def _per_call(fn: Callable[[], object]) -> float:
+    """Host µs of one ``fn()``: the best of ROUNDS rounds of CALLS // 10 calls."""
+    for _ in range(50):
+        fn()
+    best = float("inf")
+    for _ in range(ROUNDS):
+        t0 = time.perf_counter()
+        for _ in range(CALLS // 10):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / (CALLS // 10) * 1e6)
+    return best
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_torch_primitives: needs a CUDA device")
@@ -127,6 +185,7 @@ def main() -> None:
     small_ops(dev)
     streams_and_events(dev)
     kvcanary_uploads(dev)
+    kvcanary_launches(dev)
 
 
 if __name__ == "__main__":

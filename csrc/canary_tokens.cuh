@@ -267,6 +267,28 @@ inline TokenTableArgs token_table_args(const char* fn, const TensorView& expecte
 }
 
 /*!
+ * \brief The part both exports share once their arguments are checked: on CUDA the device guard and the staging's
+ *   device address (checked pinned), which is the address the kernel reads; nothing more for no update; else
+ *   `check_updates()` (host-side checks of the staged updates, throwing for the first bad one; returns whether a row
+ *   repeats), then `launch(params, repeated_rows)` with the staging's address in the params, the guard still held.
+ */
+template <typename CheckUpdates, typename Launch>
+inline void run_token_staging(const char* fn, TokenTableArgs& args, CheckUpdates check_updates, Launch launch) {
+#if KVCANARY_DEVICE_BUILD
+  tvm::ffi::CUDADeviceGuard guard(args.device.device_id);
+  const int64_t* staging = pinned_device_address(fn, "staging", args.host_staging);
+#else
+  const int64_t* staging = args.host_staging;
+#endif
+  if (args.params.num_updates == 0) {
+    return;
+  }
+  const bool repeated_rows = check_updates();
+  args.params.staging = staging;
+  launch(args.params, repeated_rows);
+}
+
+/*!
  * \brief Apply `num_updates` updates staged in `staging[0, staged_len)` (see the file comment).
  *   expected_tokens int32 [rows, width] (unit stride in the last dimension), valid_lens_by_row int64 [rows], on
  *   the build's device; staging int64 [staging_len] contiguous: CUDA: pinned host memory; CPU: a CPU tensor.
@@ -280,32 +302,23 @@ inline void canary_token_update(TensorView expected_tokens, TensorView valid_len
   KVCANARY_CHECK_ARG(headers <= staged_len && staged_len <= args.staging_len, ValueError, kFn, "staged_len")
       << "expected " << kTokenUpdateFields << " * num_updates = " << headers << " <= staged_len <= staging length "
       << args.staging_len << ", got " << staged_len;
+  // 2-4. the headers checked on the host (the staging is host memory), then the launch on the caller's stream: a
+  //      block per update (grid-stride past kTokenUpdateMaxBlocks); one block, in batch order, when a row repeats.
+  run_token_staging(
+      kFn, args,
+      [&] {
+        return token_update_check_headers(kFn, args.host_staging, num_updates, staged_len, args.rows, args.width);
+      },
+      [&](const TokenUpdateParams& p, bool repeated_rows) {
 #if KVCANARY_DEVICE_BUILD
-  tvm::ffi::CUDADeviceGuard guard(args.device.device_id);
-  const int64_t* device_staging = pinned_device_address(kFn, "staging", args.host_staging);
-#endif
-  if (num_updates == 0) {
-    return;
-  }
-  // 2. validate the headers (on the host: the staging is host memory) and look for a repeated row
-  const bool repeated_rows =
-      token_update_check_headers(kFn, args.host_staging, num_updates, staged_len, args.rows, args.width);
-
-  // 3. parameters: args.params, but for the staging's address
-  TokenUpdateParams& p = args.params;
-#if KVCANARY_DEVICE_BUILD
-  // 4. launch on the caller's stream: a block per update (grid-stride past kTokenUpdateMaxBlocks); one block, in
-  //    batch order, when a row repeats.
-  p.staging = device_staging;
-  const int64_t blocks = repeated_rows ? 1 : std::min(num_updates, kTokenUpdateMaxBlocks);
-  launch_kernel(canary_token_update_kernel, static_cast<uint32_t>(blocks), kTokenUpdateThreads,
-                current_stream(args.device), p);
+        const int64_t blocks = repeated_rows ? 1 : std::min(num_updates, kTokenUpdateMaxBlocks);
+        launch_kernel(canary_token_update_kernel, static_cast<uint32_t>(blocks), kTokenUpdateThreads,
+                      current_stream(args.device), p);
 #else
-  // 4. CPU: the updates in batch order.
-  (void)repeated_rows;
-  p.staging = args.host_staging;
-  canary_token_update_cpu(p);
+        (void)repeated_rows;  // CPU: the updates in batch order
+        canary_token_update_cpu(p);
 #endif
+      });
 }
 
 /*!
@@ -321,35 +334,24 @@ inline void canary_token_append(TensorView expected_tokens, TensorView valid_len
   KVCANARY_CHECK_ARG(staged <= args.staging_len, ValueError, kFn, "num_updates")
       << "expected " << kTokenAppendFields << " * num_updates = " << staged << " <= staging length "
       << args.staging_len;
+  // 2-4. the updates checked on the host, then the launch on the caller's stream: a thread per update (grid-stride
+  //      past kTokenUpdateMaxBlocks blocks); one thread, in batch order, when a row repeats.
+  run_token_staging(
+      kFn, args, [&] { return token_append_check_updates(kFn, args.host_staging, num_updates, args.rows, args.width); },
+      [&](const TokenUpdateParams& p, bool repeated_rows) {
 #if KVCANARY_DEVICE_BUILD
-  tvm::ffi::CUDADeviceGuard guard(args.device.device_id);
-  const int64_t* device_staging = pinned_device_address(kFn, "staging", args.host_staging);
-#endif
-  if (num_updates == 0) {
-    return;
-  }
-  // 2. validate the updates (on the host: the staging is host memory) and look for a repeated row
-  const bool repeated_rows = token_append_check_updates(kFn, args.host_staging, num_updates, args.rows, args.width);
-
-  // 3. parameters: args.params, but for the staging's address
-  TokenUpdateParams& p = args.params;
-#if KVCANARY_DEVICE_BUILD
-  // 4. launch on the caller's stream: a thread per update (grid-stride past kTokenUpdateMaxBlocks blocks); one
-  //    thread, in batch order, when a row repeats.
-  p.staging = device_staging;
-  if (repeated_rows) {
-    launch_kernel(canary_token_append_ordered_kernel, 1U, 1U, current_stream(args.device), p);
-  } else {
-    const int64_t blocks = std::min(ceil_div(num_updates, kTokenUpdateThreads), kTokenUpdateMaxBlocks);
-    launch_kernel(canary_token_append_kernel, static_cast<uint32_t>(blocks), kTokenUpdateThreads,
-                  current_stream(args.device), p);
-  }
+        if (repeated_rows) {
+          launch_kernel(canary_token_append_ordered_kernel, 1U, 1U, current_stream(args.device), p);
+        } else {
+          const int64_t blocks = std::min(ceil_div(num_updates, kTokenUpdateThreads), kTokenUpdateMaxBlocks);
+          launch_kernel(canary_token_append_kernel, static_cast<uint32_t>(blocks), kTokenUpdateThreads,
+                        current_stream(args.device), p);
+        }
 #else
-  // 4. CPU: the updates in batch order.
-  (void)repeated_rows;
-  p.staging = args.host_staging;
-  canary_token_append_cpu(p);
+        (void)repeated_rows;  // CPU: the updates in batch order
+        canary_token_append_cpu(p);
 #endif
+      });
 }
 
 }  // namespace host

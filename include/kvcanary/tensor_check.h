@@ -17,6 +17,7 @@
 #include <tvm/ffi/error.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <initializer_list>
 #include <sstream>
@@ -36,6 +37,8 @@
 
 // Validation code is cold: keeping it out of line keeps host wrappers small and builds fast.
 #define KVCANARY_COLD __attribute__((noinline, cold))
+// Out of line but not cold: what every call runs (a tensor's checks), kept out of the wrappers' bodies only.
+#define KVCANARY_OUT_OF_LINE __attribute__((noinline))
 
 namespace kvcanary {
 namespace host {
@@ -142,15 +145,18 @@ inline T* data_of(const TensorView& t) {
   return reinterpret_cast<T*>(static_cast<char*>(t.data_ptr()) + t.byte_offset());
 }
 
-/*! \brief A size shared by several tensors; bound on first use. */
+/*!
+ * \brief A size shared by several tensors; bound on first use. Names are argument names (string literals): the
+ *   checks run on every call of an export, so binding copies a pointer, never a string (a heap allocation each).
+ */
 class SymbolicSize {
  public:
   explicit SymbolicSize(const char* name) : name_(name) {}
   const char* name() const { return name_; }
   bool bound() const { return value_ >= 0; }
   int64_t value() const { return value_; }
-  const std::string& bound_by() const { return bound_by_; }
-  void bind(int64_t value, const std::string& by) {
+  const char* bound_by() const { return bound_by_; }
+  void bind(int64_t value, const char* by) {
     value_ = value;
     bound_by_ = by;
   }
@@ -158,7 +164,7 @@ class SymbolicSize {
  private:
   const char* name_;
   int64_t value_ = -1;
-  std::string bound_by_;
+  const char* bound_by_ = "";
 };
 
 /*! \brief The device every tensor of one call must share; bound on first use. */
@@ -168,8 +174,8 @@ class SymbolicDevice {
   int32_t required_type() const { return required_type_; }
   bool bound() const { return bound_; }
   DLDevice value() const { return device_; }
-  const std::string& bound_by() const { return bound_by_; }
-  void bind(DLDevice device, const std::string& by) {
+  const char* bound_by() const { return bound_by_; }
+  void bind(DLDevice device, const char* by) {  // (an argument name: see SymbolicSize)
     device_ = device;
     bound_ = true;
     bound_by_ = by;
@@ -179,12 +185,13 @@ class SymbolicDevice {
   int32_t required_type_;
   DLDevice device_{};
   bool bound_ = false;
-  std::string bound_by_;
+  const char* bound_by_ = "";
 };
 
 /*! \brief One expected dimension: a fixed extent or a symbolic size. */
 class Dim {
  public:
+  Dim() = default;
   Dim(int64_t fixed) : fixed_(fixed) {}  // NOLINT(google-explicit-constructor)
   Dim(int fixed) : fixed_(fixed) {}      // NOLINT(google-explicit-constructor)
   Dim(SymbolicSize& symbol) : symbol_(&symbol) {}  // NOLINT(google-explicit-constructor)
@@ -203,7 +210,14 @@ class Dim {
  */
 class TensorMatcher {
  public:
-  TensorMatcher(const char* fn, std::initializer_list<Dim> dims) : fn_(fn), dims_(dims) {}
+  // (the dims are held inline, no std::vector: a matcher is built for every tensor of every export call)
+  TensorMatcher(const char* fn, std::initializer_list<Dim> dims) : fn_(fn), rank_(dims.size()) {
+    if (dims.size() > kMaxRank) {
+      TVM_FFI_THROW(InternalError) << fn << ": a TensorMatcher of rank " << dims.size() << " (at most " << kMaxRank
+                                   << ")";
+    }
+    std::copy(dims.begin(), dims.end(), dims_.begin());
+  }
 
   template <typename T>
   TensorMatcher& dtype() {
@@ -225,7 +239,7 @@ class TensorMatcher {
     return *this;
   }
 
-  KVCANARY_COLD const TensorMatcher& verify(const TensorView& t, const char* arg) const {
+  KVCANARY_OUT_OF_LINE const TensorMatcher& verify(const TensorView& t, const char* arg) const {
     check_dtype(t, arg);
     check_device(t, arg);
     check_shape(t, arg);
@@ -237,7 +251,7 @@ class TensorMatcher {
   std::string expected_shape_string() const {
     std::ostringstream os;
     os << "[";
-    for (size_t i = 0; i < dims_.size(); ++i) {
+    for (size_t i = 0; i < rank_; ++i) {
       os << (i ? ", " : "");
       const Dim& d = dims_[i];
       if (d.symbol() == nullptr) {
@@ -280,7 +294,7 @@ class TensorMatcher {
   }
 
   void check_shape(const TensorView& t, const char* arg) const {
-    const int64_t rank = static_cast<int64_t>(dims_.size());
+    const int64_t rank = static_cast<int64_t>(rank_);
     KVCANARY_CHECK_ARG(t.ndim() == rank, ValueError, fn_, arg)
         << "expected a " << rank << "-d tensor " << expected_shape_string() << ", got shape "
         << shape_string(t);
@@ -317,8 +331,10 @@ class TensorMatcher {
         << "expected a contiguous tensor, got shape " << shape_string(t) << " with non-compact strides";
   }
 
+  static constexpr size_t kMaxRank = 4;
   const char* fn_;
-  std::vector<Dim> dims_;
+  std::array<Dim, kMaxRank> dims_{};
+  size_t rank_;
   DLDataType dtype_{};
   bool has_dtype_ = false;
   SymbolicDevice* device_ = nullptr;

@@ -197,8 +197,11 @@ class Installation:
                 return original(input_ids, positions, forward_batch, *args, **kwargs)
             try:
                 views = install.to_views(forward_batch, input_ids, positions)
+                # A real forward's adapter hook asked the device already (it runs nothing while a capture is in
+                # progress): no second driver query here. Outside one (a graph capture calling model.forward), ask.
+                capturing = False if install.serving else None
                 for group, view in zip(install.groups, views, strict=False):
-                    group.manager.before_forward(view)
+                    group.manager.before_forward(view, capturing=capturing)
             except Exception as exc:  # (log mode: this forward and the rest run without the canary)
                 if not install.keeps_serving(exc, "before the forward (plan/verify launch)"):
                     raise

@@ -186,11 +186,13 @@ class CanaryManager:
                 f"CanaryManager: batch has {n} tokens, more than max_tokens_per_forward={self.max_tokens_per_forward}"
             )
 
-    def before_forward(self, batch: BatchView, *, new_forward: bool = True) -> None:
+    def before_forward(self, batch: BatchView, *, new_forward: bool = True, capturing: bool | None = None) -> None:
         """Plan and verify (before the model writes KV): one launch. Graph-capturable; never synchronises.
 
         ``new_forward=False``: plan and verify without touching the forward counter (its launches read the
         current value), e.g. an adapter rewriting records of a forward that ``step()`` already counted.
+        ``capturing``: whether a CUDA graph capture is in progress, when the caller already knows (saves a driver
+        query per forward); ``None`` asks the device.
         Raises ``TypeError`` / ``ValueError`` naming the BatchView field for a malformed batch.
         """
         # (attribute reads and compares inline, no helper calls: this runs on every forward.) The batch's tensors are
@@ -205,7 +207,8 @@ class CanaryManager:
             self.device_state.check_batch(
                 batch, 1 if new_forward else 0,
                 # captured: -1, each replay adds 1
-                -1 if self._cuda and torch.cuda.is_current_stream_capturing() else self._steps + 1,
+                -1 if self._cuda and (torch.cuda.is_current_stream_capturing() if capturing is None else capturing)
+                else self._steps + 1,
             )
         except Exception:
             self._validate(batch)  # a malformed batch: its error names the field
