@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hicache_phases  # noqa: E402  (integration/hicache_phases.py: the HiCache phases 9-14)
+import hunt_phases  # noqa: E402  (integration/hunt_phases.py: the hunt phases 17-20, issue 27)
 import loop_probe  # noqa: E402  (integration/loop_probe.py: --loop-probe)
 from test_plugin import write_test_plugin  # noqa: E402
 
@@ -503,6 +504,7 @@ def render(summary: dict) -> str:
                          f"forward |")
     lines += render_eagle(summary.get("eagle") or [])
     lines += hicache_phases.render(summary.get("hicache") or [])
+    lines += hunt_phases.render(summary.get("hunt") or [])
     for row in summary.get("hicache") or []:
         f = row.get("faults")
         if f:
@@ -539,6 +541,12 @@ def build_summary(out: str, phases: list[str], results: dict, budget: float, tot
             ok_all &= overhead_pairs(summary, pdir, results)
             continue
         res = results.get(key, {"status": "SKIPPED"})
+        if key in HUNT_PHASES:
+            s = summarize_hunt(phase, pdir, res)
+            summary.setdefault("hunt", []).append(s)
+            ok_all &= s["verdict"] in HUNT_OK
+            summary["phases"].append(s)
+            continue
         if key in HICACHE_PHASES:
             s = summarize_hicache(phase, pdir, res, results)
             summary.setdefault("hicache", []).append(s)
@@ -869,20 +877,26 @@ EAGLE_PHASES: dict[str, Phase] = {
 # decode retracts. The Engine's random_seed (0) seeds the sampling; no per-request sampling_seed: with one, sglang
 # samples as a function of (seed, position), which is not what a user's temperature-1.0 request gets.
 EAGLE_RETRACT_ENGINE = EAGLE_ENGINE + (("cuda_graph_max_bs", 32), ("schedule_conservativeness", 0.05))
+# A wrong draft slot stays in its request's context: every later draft forward of that request finds it again, one
+# violation row each (2026-12-02 H200: 4,409 rows on 28 slots, and 1,643 more the default ring of 1,024 rows could
+# not keep, as the ring is emptied only at a forward that adds no row). A ring of 65,536 rows keeps them all, so
+# every row can be matched against a wrong tail.
+EAGLE_RETRACT_ENV = COMMON_ENV + (("KVCANARY_RING_CAPACITY", "65536"),)
 EAGLE_RETRACT_PHASES: dict[str, Phase] = {
     # PR 26800's fix only (fix_prompt): draft-pool verify_token at exactly the wrong output-region tails.
     "15": Phase("15", "eagle-retract", "log", True, 3072, 190, 110,
-                COMMON_ENV + ((EAGLE_TAIL_ENV, "fix_prompt"),), EAGLE_RETRACT_ENGINE, max_new=(200, 320),
+                EAGLE_RETRACT_ENV + ((EAGLE_TAIL_ENV, "fix_prompt"),), EAGLE_RETRACT_ENGINE, max_new=(200, 320),
                 workload="eagle-retract", temperature=1.0),
     # PR 26800's and PR 28254's fixes (fix): the same workload, nothing to report.
     "16": Phase("16", "eagle-retract-fixed", "log", True, 3072, 190, 110,
-                COMMON_ENV + ((EAGLE_TAIL_ENV, "fix"),), EAGLE_RETRACT_ENGINE, max_new=(200, 320),
+                EAGLE_RETRACT_ENV + ((EAGLE_TAIL_ENV, "fix"),), EAGLE_RETRACT_ENGINE, max_new=(200, 320),
                 workload="eagle-retract", temperature=1.0),
 }
 
 
 def is_eagle(phase: Phase) -> bool:
-    return phase.workload.startswith("eagle")
+    """An EAGLE phase: the EAGLE phases' workloads, or a phase whose Engine runs EAGLE (hunt-spec-abort)."""
+    return phase.workload.startswith("eagle") or dict(phase.engine).get("speculative_algorithm") == "EAGLE"
 
 
 def make_eagle_workload(kind: str, *, seed: int = 0, max_new: tuple[int, int] = (16, 32),
@@ -917,6 +931,8 @@ def phase_workload(spec: dict) -> list[list[Request]]:
     if kind == "hicache":
         return [[Request(ids, new, -1) for ids, new in group]
                 for group in hicache_phases.hicache_workload(spec["seed"])]
+    if kind.startswith("hunt-"):
+        return []  # hunt_phases.run_workload sends its own schedule
     if kind.startswith("eagle"):
         return make_eagle_workload(kind, seed=spec["seed"], max_new=tuple(spec["max_new"]))
     return make_workload(spec["requests"], seed=spec["seed"], max_new=tuple(spec["max_new"]))
@@ -1508,6 +1524,99 @@ def summarize_hicache(phase: Phase, pdir: str, res: dict, results: dict) -> dict
     return s
 
 
+# ---------------------------------------------------------------------------------------------------- hunt
+# integration/hunt_phases.py: kvcanary under the triggers of open upstream sglang bugs (issue 27, item 5).
+_HU = hunt_phases
+
+
+def _hunt_phase(key: str, kind: str, cap_s: int, min_s: int, env: tuple = ()) -> Phase:
+    return Phase(key, f"hunt-{kind}", "log", True, _HU.HUNT_POOL[kind], cap_s, min_s,
+                 COMMON_ENV + ((_HU.HUNT_ENV, kind),) + env, _HU.HUNT_ENGINE[kind], max_new=(8, 96),
+                 workload=f"hunt-{kind}")
+
+
+HUNT_PHASES: dict[str, Phase] = {
+    "17": _hunt_phase("17", "overlap-cached", 110, 60),
+    # the 26329 chunk-tail fix patched in (test-only): that known bug stays out of the hunt
+    "18": _hunt_phase("18", "spec-abort", 150, 90, ((EAGLE_TAIL_ENV, "fix"),)),
+    "19": _hunt_phase("19", "determ-radix", 110, 60),
+    "20": _hunt_phase("20", "hicache-hostfree", 150, 80),
+}
+PHASES.update(HUNT_PHASES)
+PHASE_NAMES.update({p.name: k for k, p in HUNT_PHASES.items()})
+HUNT_OK = ("CLEAN", "CAUGHT", "NOT TRIGGERED")  # a finding either way; FAIL and FALSE POSITIVE fail the run
+
+
+def hunt_kind(phase: Phase) -> str | None:
+    return phase.workload[len("hunt-"):] if phase.workload.startswith("hunt-") else None
+
+
+def hunt_env(env: dict, phase: Phase, pdir: str) -> dict:
+    """A hunt phase's worker environment: the test-only observer plugin on PYTHONPATH, and where it finds
+    hunt_phases.py."""
+    if hunt_kind(phase) is None:
+        return env
+    root = write_test_plugin(os.path.join(pdir, "hunt-plugin"), _HU.HUNT_PLUGIN,
+                             about="integration/hunt_phases.py, the hunt observers", gate_env=_HU.HUNT_ENV,
+                             file_env=_HU.HUNT_DRIVER_ENV, module="_kvcanary_e2e_hunt",
+                             function="install_hunt_observer")
+    env = dict(env)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env[_HU.HUNT_DRIVER_ENV] = os.path.abspath(_HU.__file__)
+    if env.get("SGLANG_PLUGINS"):
+        env["SGLANG_PLUGINS"] += f",{_HU.HUNT_PLUGIN}"
+    return env
+
+
+def summarize_hunt(phase: Phase, pdir: str, res: dict) -> dict:
+    """A hunt phase's row: the clean-phase counts, the trigger the observer (or the requests) showed, the
+    violations (distinct slots, examples), the verdict."""
+    kind = hunt_kind(phase)
+    log_text = _read(os.path.join(pdir, "worker.log"))
+    rows = read_jsonl(sorted(glob.glob(os.path.join(pdir, "kvc-*.jsonl"))))
+    s = summarize_phase(phase, res, log_text, rows)
+    for k in ("aborts_sent", "aborted_finished_abort", "retries_ok", "prefix_hits_exact_64", "repeats",
+              "repeats_differ"):
+        s[k] = res.get(k, 0)
+    s["triggers"], s["evidence"] = _HU.trigger_count(kind, _HU.parse_hunt_lines(log_text), res)
+    s["upstream"] = _HU.KINDS[kind][0]
+    vio = [r for r in rows if r.get("schema") == VIOLATION_SCHEMA]
+    s["distinct_slots"] = len({(_pool(r), r.get("slot")) for r in vio})
+    s["violation_examples"] = vio[:8]
+    s["verdict"], s["why"] = _HU.verdict(kind, s, s["triggers"])
+    return s
+
+
+def dry_run_hunt(phase: Phase, pdir: str, base: dict, seed: int = 0) -> dict:
+    """A hunt phase's worker output, synthesized: every request completes (aborted ones end aborted, retries
+    complete), the observer printed a few trigger lines, kvcanary verified entries and found nothing."""
+    kind = hunt_kind(phase)
+    records = []
+    for r in _HU.make_schedule(kind, seed):
+        aborted = r["abort_after"] is not None
+        n = 3 if aborted else r["max_new"]
+        cached = (_HU.SHARED_PREFIX_DETERM if kind == "determ-radix" and r["wave"] > 0 and "-d" in r["name"]
+                  else len(r["input_ids"]) - 1 if kind == "overlap-cached" and r["wave"] > 0 else 0)
+        records.append({"name": r["name"], "retry_of": r["retry_of"], "max_new": r["max_new"],
+                        "prompt_len": len(r["input_ids"]), "abort_sent": aborted, "output_len": n,
+                        "cached_tokens": cached, "finish": "abort" if aborted else "length",
+                        "output_ids": [7] * n})
+    res = dict(base)
+    _HU.summarize_requests(records, res, kind, seed)
+    lines = {
+        "overlap-cached": "[e2e-hunt] overlap-cached: rid=x position=40 fresh_slot=900 tree_slot=17 "
+                          "launched_decode=1 overlap=1\n",
+        "spec-abort": "[e2e-hunt] spec-abort: rid=x running=1 waiting=0 chunked=0\n",
+        "determ-radix": "",
+        "hicache-hostfree": "[e2e-hunt] hicache-hostfree: freed=256 loading_freed=64 loading=300\n",
+    }[kind] * 8
+    with open(os.path.join(pdir, "worker.log"), "w") as f:
+        f.write("[dry-run]\n" + lines + "kvcanary stats: step=800 forwards=800 tokens_written=90000 "
+                "entries_verified=1500000 entries_swept=40000 violations=0 lost=0\n")
+    open(os.path.join(pdir, "kvc-0.jsonl"), "w").close()
+    return res
+
+
 # ---------------------------------------------------------------------------------------------------- parent
 def phase_env(phase: Phase, report_dir: str, base: dict | None = None, mode: str | None = None,
               fault_rank: int | None = None, overrides: dict[str, str] | None = None) -> dict:
@@ -1638,7 +1747,7 @@ def run_phases(args, runner=run_worker) -> dict:
                 "requests": args.requests, "seed": args.seed, "chunk": args.chunk, "out": pdir,
                 "deadline": time.time() + timeout - 25,  # the worker stops sending requests then, and shuts down
                 "max_new": list(phase.max_new), "warm_groups": 3 if key == "4" else 0, "workload": phase.workload,
-                "temperature": phase.temperature,
+                "temperature": phase.temperature, "hunt": hunt_kind(phase),
                 "keep_outputs": key in HICACHE_PHASES}
         spec_path = os.path.join(pdir, f"spec{'-' + '-'.join(s for s in subs if s)}.json")
         with open(spec_path, "w") as f:
@@ -1651,6 +1760,7 @@ def run_phases(args, runner=run_worker) -> dict:
                                   overrides=parse_kvcanary_env(getattr(args, "kvcanary_env", None) or [])),
                         phase, pdir)
         env = hicache_env(env, phase, pdir)
+        env = hunt_env(env, phase, pdir)
         if getattr(args, "loop_probe", False):
             env = loop_probe.probe_env(env, os.path.join(pdir, "loop-probe-plugin"))
         rc = runner(cmd, env, os.path.join(pdir, "worker.log"), timeout)
@@ -1786,6 +1896,9 @@ def dry_run_reports(args, groups: list[list[Request]]) -> dict:
             continue
         if key in HICACHE_PHASES:
             results[key] = dry_run_hicache(phase, pdir, base, rng)
+            continue
+        if key in HUNT_PHASES:
+            results[key] = dry_run_hunt(phase, pdir, base, args.seed)
             continue
         if args.piecewise:
             stats = dry_run_piecewise_log()
@@ -1972,6 +2085,9 @@ def run_engine(Engine, spec: dict, groups: list[list[Request]], res: dict, res_p
         wall = 0.0
         print(MEASURED_MARKER, flush=True)  # the parent counts the canary's forwards from here
         print(f"{loop_probe.WINDOW_START}{time.time():.3f}", flush=True)  # --loop-probe's window
+        if spec.get("hunt"):  # a hunt phase: its own timed schedule (waves, aborts, retries)
+            hunt_phases.run_workload(engine, spec, res, lambda: _write_json(res_path, res))
+            groups = []
         for gi, group in enumerate(groups):
             if time.time() > spec["deadline"]:
                 res["status"] = "TRUNCATED"
@@ -2028,7 +2144,8 @@ def parse_args(argv=None):
     ap.add_argument("--phases", default="1,2,3,4", help="comma-separated: 1 clean, 2 graph, 3 faults, 4 overhead, "
                     "5 eagle-bug, 6 eagle-fixed, 7 eagle-soak, 8 eagle-faults, 9 hicache-off, 10 hicache-clean, "
                     "11 hicache-writeback, 12 hicache-faults, 13 hicache-race, 14 hicache-race-fixed, "
-                    "15 eagle-retract, 16 eagle-retract-fixed")
+                    "15 eagle-retract, 16 eagle-retract-fixed, 17 hunt-overlap-cached, 18 hunt-spec-abort, "
+                    "19 hunt-determ-radix, 20 hunt-hicache-hostfree")
     ap.add_argument("--draft-model", default=None, help="EAGLE draft model path (default: a one-layer "
                     "LlamaForCausalLMEagle config, dummy weights)")
     ap.add_argument("--budget", type=float, default=570.0, help="seconds for the whole run (default 570)")
