@@ -142,7 +142,7 @@ def test_item3_unbounded_demo_arguments_are_refused(tmp_path: Path, capsys: pyte
 def test_item5_the_demo_validates_and_honours_the_environment(tmp_path: Path) -> None:
     proc = _run(["demo"], tmp_path, KVCANARY_MODE="bogus")
     assert proc.returncode == 2
-    _one_named_line(proc, "kvcanary demo: KVCANARY_MODE: expected one of off, log, raise; got 'bogus'")
+    _one_named_line(proc, "kvcanary demo: KVCANARY_MODE: expected one of off, log, raise, protect; got 'bogus'")
 
     report = tmp_path / "kv.jsonl"
     proc = _run(["-v", *QUICK_DEMO, "--json"], tmp_path, KVCANARY_REAL_KV="all", KVCANARY_DRAIN_EVERY="4",

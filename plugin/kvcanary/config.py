@@ -39,6 +39,9 @@ Defaults and why:
   inside a busy engine), which a CPU-bound scheduler loop (a small model with CUDA-graph decode) pays in full;
   every 8th forward keeps it near 1 % of a ~2 ms forward, and a violation is still reported at most 8 forwards
   (a few ms) after the forward that found it. ``1`` reads every forward.
+* ``protect_hold=false`` (``KVCANARY_PROTECT_HOLD``, protect mode only): the scheduler does not wait for the
+  device before it processes a batch's results, so a violation is acted on a drain later (the detection window,
+  ``kvcanary.protect``); ``true`` closes the window at the price of one device sync per batch.
 * ``log_repeat_window=1000`` forwards: in ``log`` mode one corrupted slot found again every forward logs one
   line per 1000 forwards with a repeat count instead of one per forward (``kvcanary.report``); the JSONL report
   keeps every row. ``0`` logs every row.
@@ -73,6 +76,7 @@ ENV_CACHE_DIR = "KVCANARY_CACHE_DIR"
 ENV_HEALTH_WINDOW = "KVCANARY_HEALTH_WINDOW"
 ENV_DRAIN_EVERY = "KVCANARY_DRAIN_EVERY"
 ENV_LOG_REPEAT_WINDOW = "KVCANARY_LOG_REPEAT_WINDOW"
+ENV_PROTECT_HOLD = "KVCANARY_PROTECT_HOLD"
 # Read by other modules; named here so that Config can check them at start-up and the typo check knows them.
 ENV_CUDA_ARCH = "KVCANARY_CUDA_ARCH"  # kvcanary.jit
 ENV_SANITIZE = "KVCANARY_SANITIZE"  # kvcanary.jit
@@ -101,6 +105,7 @@ KNOWN_ENV_VARS: frozenset[str] = frozenset(
         ENV_HEALTH_WINDOW,
         ENV_DRAIN_EVERY,
         ENV_LOG_REPEAT_WINDOW,
+        ENV_PROTECT_HOLD,
         ENV_CUDA_ARCH,
         ENV_SANITIZE,
         ENV_REAL_KV_LAYERS,
@@ -123,11 +128,19 @@ _FALSE = ("0", "false", "no", "off")
 
 
 class Mode(enum.Enum):
-    """What the canary does: ``off`` installs nothing; ``log`` logs violations; ``raise`` stops the engine."""
+    """What the canary does: ``off`` installs nothing; ``log`` logs violations; ``raise`` stops the engine;
+    ``protect`` logs like ``log`` and acts on each violation (the request recomputed or aborted, the prefix-cache
+    nodes holding bad slots evicted: :mod:`kvcanary.protect`), and keeps serving like ``log``."""
 
     OFF = "off"
     LOG = "log"
     RAISE = "raise"
+    PROTECT = "protect"
+
+    @property
+    def keeps_serving(self) -> bool:
+        """Whether nothing the canary does may stop serving (``log`` and ``protect``)."""
+        return self is Mode.LOG or self is Mode.PROTECT
 
 
 _REAL_KV_NAMES: dict[str, RealKvHashMode] = {m.name.lower(): m for m in RealKvHashMode}
@@ -378,6 +391,7 @@ class Config:
     health_window: int = 100
     drain_every: int = 8
     log_repeat_window: int = DEFAULT_LOG_REPEAT_WINDOW
+    protect_hold: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, Mode):
@@ -397,6 +411,8 @@ class Config:
                 raise ValueError(f"{name}: expected an int; got {value!r}")
             if value < minimum or (maximum is not None and value > maximum):
                 raise ValueError(f"{name}: out of range; got {value}")
+        if not isinstance(self.protect_hold, bool):
+            raise ValueError(f"protect_hold: expected a bool; got {self.protect_hold!r}")
         if self.report_path is not None and not self.report_path:
             raise ValueError("report_path: expected None or a non-empty path")
         if self.report_path is not None:
@@ -432,6 +448,8 @@ class Config:
         kwargs["log_repeat_window"] = log_repeat_window_from_env(env)
         if (raw := get(ENV_VERIFY_TOKENS)) is not None:
             kwargs["verify_tokens"] = _parse_bool(ENV_VERIFY_TOKENS, raw)
+        if (raw := get(ENV_PROTECT_HOLD)) is not None:
+            kwargs["protect_hold"] = _parse_bool(ENV_PROTECT_HOLD, raw)
         if (raw := get(ENV_REPORT)) is not None:
             check_report_placeholders(raw.strip())  # named as the variable, before the field check below
             kwargs["report_path"] = os.path.expanduser(raw.strip())
@@ -481,4 +499,5 @@ class Config:
             f"log_repeat_window={self.log_repeat_window} "
             f"verify_tokens={str(self.verify_tokens).lower()} report={self.report_path or '-'} "
             f"cache_dir={self.cache_dir or '-'}"
+            + (f" protect_hold={str(self.protect_hold).lower()}" if self.mode is Mode.PROTECT else "")
         )

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcanary.batch import BatchView
-from kvcanary.config import Config, Mode
+from kvcanary.config import Config
 from kvcanary.manager import CanaryManager, SweepSource
 from kvcanary.metrics import CanaryMetrics, NoMetrics, metrics_for
 from kvcanary.real_kv import RealKvSource
@@ -142,6 +142,8 @@ class Installation:
     # Log mode: why kvcanary stopped on this runner after an error in its part of a forward (None: running). Every
     # per-forward entry point (the model.forward wrapper, the adapter's hooks) then calls straight through.
     stopped: str | None = None
+    # Protect mode (KVCANARY_MODE=protect): the adapter's protector of this runner (kvcanary.sglang.protect), or None.
+    protect: object | None = None
 
     @property
     def manager(self) -> CanaryManager:
@@ -152,8 +154,9 @@ class Installation:
         """Whether the engine's forward goes on after ``exc`` was raised by kvcanary's part of it (``where``, e.g.
         "before the forward"). Log mode: yes, and kvcanary stops on this runner (``stopped``; one ERROR line with the
         traceback): nothing kvcanary does may stop serving, and a canary that failed half-way through a forward
-        cannot be trusted on the next. Raise and off modes: no, the caller re-raises."""
-        if self.config.mode is not Mode.LOG:
+        cannot be trusted on the next. Protect mode: the same as log mode. Raise and off modes: no, the caller
+        re-raises."""
+        if not self.config.mode.keeps_serving:
             return False
         if self.stopped is None:
             self.stopped = f"{where}: {type(exc).__name__}: {exc}"

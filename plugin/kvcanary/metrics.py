@@ -18,7 +18,10 @@ Counters (``<what>_total``; labels ``model_name``, ``tp_rank``, ``pp_rank``, ``d
 * ``sglang:kv_canary_lost_rows_total``: violation rows the ring overflowed and could not keep;
 * ``sglang:kv_canary_health_errors_total``: health errors (a launch that should run showed no progress);
 * ``sglang:kv_canary_drafts_rolled_back_total``: draft records a speculative-decoding engine left past a
-  committed length (only when the adapter feeds it; absent otherwise).
+  committed length (only when the adapter feeds it; absent otherwise);
+* ``sglang:kv_canary_requests_recomputed_total`` / ``..._requests_aborted_total``: requests protect mode
+  (``KVCANARY_MODE=protect``, :mod:`kvcanary.protect`) recomputed from their tokens or aborted with a named finish
+  reason after a violation (absent in the other modes).
 
 The counters are fed by deltas from what each manager already keeps (``CanaryManager.stats``, its reporter's totals
 and the violations it reported), so a counter only goes up and nothing is counted twice when several managers (KV
@@ -65,7 +68,11 @@ COUNTERS: Mapping[str, str] = {
     "health_errors_total": "Canary health errors (a launch that should run showed no progress, or the canary stopped "
                            "on a runner after an error of its own in log mode).",
     "drafts_rolled_back_total": "Speculative-decoding draft records left past a committed length.",
+    "requests_recomputed_total": "Requests kvcanary's protect mode recomputed from their tokens after a violation.",
+    "requests_aborted_total": "Requests kvcanary's protect mode aborted (named finish reason) after a violation.",
 }
+# Fed by protect mode only (kvcanary.protect; CanaryMetrics.add_actions): absent from a scrape in other modes.
+ACTION_COUNTERS: tuple[str, ...] = ("requests_recomputed_total", "requests_aborted_total")
 
 
 @dataclass
@@ -172,6 +179,7 @@ class CanaryMetrics:
         self._by_reason: dict[str, Any] = {}
         self._drafts: Any = None  # created on the first draft count: absent on engines without speculation
         self._drafts_seen: dict[int, int] = {}
+        self._actions: dict[str, Any] = {}  # protect mode's counters, created on first use (ACTION_COUNTERS)
         self._seen: weakref.WeakKeyDictionary[Any, _Seen] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
         self._broken = False
@@ -220,6 +228,22 @@ class CanaryMetrics:
                     self._drafts = self._counters["drafts_rolled_back_total"].labels(**self.labels)
                 self._drafts.inc(rolled_back - high)
                 self._drafts_seen[id(source)] = int(rolled_back)
+
+    def add_actions(self, *, recomputed: int = 0, aborted: int = 0) -> None:
+        """Protect mode: ``recomputed`` more requests recomputed, ``aborted`` more aborted (``requests_*_total``).
+        Never raises (a metrics failure must not stop serving)."""
+        if self._broken:
+            return
+        try:
+            with self._lock:
+                for name, count in (("requests_recomputed_total", recomputed), ("requests_aborted_total", aborted)):
+                    if count > 0:
+                        child = self._actions.get(name)
+                        if child is None:
+                            child = self._actions[name] = self._counters[name].labels(**self.labels)
+                        child.inc(count)
+        except Exception:  # noqa: BLE001 - see observe
+            self._fail()
 
     def observe(self, managers: Iterable[Any]) -> None:
         """The serving loop's feed (after a drain read): :meth:`update` for each manager whose alert counts
@@ -274,6 +298,9 @@ class NoMetrics:
         return None
 
     def update_drafts(self, source: Any, rolled_back: int) -> None:
+        return None
+
+    def add_actions(self, *, recomputed: int = 0, aborted: int = 0) -> None:
         return None
 
     def observe(self, managers: Iterable[Any]) -> None:

@@ -489,7 +489,7 @@ class Reporter:
         self.total_lines_dropped = 0
         self._log = logger if logger is not None else _MODULE_LOGGER
         self._lock = threading.Lock()
-        if self.mode is not Mode.LOG:  # only log mode suppresses: raise and off ignore the setting
+        if not self.mode.keeps_serving:  # only log (and protect) mode suppresses: raise and off ignore it
             repeat_window = 0
         elif repeat_window is None:
             repeat_window = log_repeat_window_from_env()
@@ -611,7 +611,7 @@ class Reporter:
 
     def flush_repeats(self, *, all_pending: bool = False) -> None:
         """Log the summary lines that are due (``all_pending``: every key with suppressed rows, as at close)."""
-        if self.mode is not Mode.LOG:
+        if not self.mode.keeps_serving:
             return
         with self._lock:
             self._log_summaries(self._repeats.drain() if all_pending else self._repeats.expired())
@@ -639,13 +639,13 @@ class Reporter:
         now = time.time()
         with self._lock:
             for v in violations:
-                if self.mode is Mode.LOG:
+                if self.mode.keeps_serving:
                     repeats = self._repeats.admit(v)
                     if repeats is not None:
                         self._log.warning("%s", v.log_line(repeats=repeats))
                 else:
                     self._log.warning("%s", v.log_line())
-            if self.mode is Mode.LOG:
+            if self.mode.keeps_serving:
                 self._log_summaries(self._repeats.expired())
             if lost:
                 self._log.warning(
@@ -685,7 +685,7 @@ class Reporter:
         with self._lock:
             self.total_health_errors += 1
             error = self._write_lines([record])
-            if self.mode is Mode.LOG or error is not None:
+            if self.mode.keeps_serving or error is not None:
                 self._log.error("%s", line)
         if self.mode is Mode.RAISE:
             if error is not None:

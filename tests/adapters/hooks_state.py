@@ -53,7 +53,8 @@ def _reset_adapter_hooks() -> None:
 def all_targets():
     from kvcanary.sglang import v0_5_12
 
-    return [t.dotted for t in v0_5_12.TARGETS] + [v0_5_12.STARTUP_FAILURE_TARGET]
+    protect = [t.dotted for t in v0_5_12.PROTECT_HOOK_TARGETS.values()]
+    return list(dict.fromkeys([t.dotted for t in v0_5_12.TARGETS] + protect + [v0_5_12.STARTUP_FAILURE_TARGET]))
 
 
 def is_patched(dotted: str) -> bool:

@@ -134,8 +134,8 @@ def test_empty_value_means_unset(var: str, raw: str) -> None:
 @pytest.mark.parametrize(
     ("var", "raw", "allowed"),
     [
-        ("KVCANARY_MODE", "loud", "off, log, raise"),
-        ("KVCANARY_MODE", "1", "off, log, raise"),
+        ("KVCANARY_MODE", "loud", "off, log, raise, protect"),
+        ("KVCANARY_MODE", "1", "off, log, raise, protect"),
         ("KVCANARY_REAL_KV", "some", "none, partial, all"),
         ("KVCANARY_REAL_KV", "1", "none, partial, all"),
         ("KVCANARY_SWEEP_INTERVAL", "-1", ">= 0"),
@@ -171,7 +171,7 @@ def test_bad_value_names_variable_allowed_values_and_value(var: str, raw: str, a
 
 
 def test_mode_error_message_exact() -> None:
-    with pytest.raises(ValueError, match=r"^KVCANARY_MODE: expected one of off, log, raise; got 'loud'$"):
+    with pytest.raises(ValueError, match=r"^KVCANARY_MODE: expected one of off, log, raise, protect; got 'loud'$"):
         Config.from_env({"KVCANARY_MODE": "loud"})
 
 

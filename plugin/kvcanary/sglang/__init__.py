@@ -116,7 +116,7 @@ def register() -> None:
 
 def _register_version(adapter: ModuleType) -> None:
     """Validate the configuration, verify every target of ``adapter``, register its hooks."""
-    from kvcanary.config import Config
+    from kvcanary.config import Config, Mode
     from kvcanary.sglang.fault_injection import fault_plan_from_env
     from kvcanary.sglang.hooks import hooks_for
     from kvcanary.sglang.pools import parse_real_kv_layers
@@ -126,6 +126,10 @@ def _register_version(adapter: ModuleType) -> None:
     parse_real_kv_layers()
     fault_plan_from_env()
     table = hooks_for(adapter).table
+    if config.mode is Mode.PROTECT:  # (its hooks are registered in protect mode only; refused where there are none)
+        from kvcanary.sglang.protect import hooks_for as protect_hooks_for
+
+        table = table + protect_hooks_for(adapter).table
     register_hooks(table)
     logger.info("kvcanary: SGLang %s adapter registered %d hooks; %s", adapter.SGLANG_VERSION, len(table),
                 config.describe())

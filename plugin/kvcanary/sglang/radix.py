@@ -111,6 +111,14 @@ def mutation_counter(tree, radix_cls: type) -> Callable[[], int] | None:
     return count
 
 
+def note_mutation(tree) -> None:
+    """Count a change of ``tree``'s cached entries made outside its :data:`RADIX_MUTATORS` (protect mode evicts
+    chosen nodes through the tree's internal ``_delete_leaf``), so the sweep walks the tree again."""
+    count = _counters.get(tree)
+    if count is not None:
+        count.value += 1
+
+
 def _counted(method: Callable, count: _MutationCount) -> Callable:
     @functools.wraps(method)
     def counted(*args, **kwargs):

@@ -61,6 +61,18 @@ HOOK_TARGETS: dict[str, Target] = {
 }
 TARGETS: tuple[Target, ...] = tuple(HOOK_TARGETS.values())
 
+# KVCANARY_MODE=protect only (kvcanary.sglang.protect): registered after HOOK_TARGETS, in no other mode.
+_SCHED = "sglang.srt.managers.scheduler.Scheduler"
+PROTECT_HOOK_TARGETS: dict[str, Target] = {
+    "protect_after_init_cache": Target(T_INIT_CACHE, "AFTER", ("self",)),
+    "protect_after_forward_batch_init": Target(T_FB_INIT_NEW, "AFTER", ("cls", "batch", "model_runner"),
+                                               classmethod=True),
+    # between forwards, where sglang's own retraction runs (update_running_batch, inside it)
+    "protect_before_schedule": Target(f"{_SCHED}.get_next_batch_to_run", "BEFORE", ("self",)),
+    # KVCANARY_PROTECT_HOLD: before a batch's tokens are appended and sent
+    "protect_before_results": Target(f"{_SCHED}.process_batch_result", "BEFORE", ("self", "batch", "result")),
+}
+
 # sglang ForwardMode name -> kvcanary ForwardKind. Anything else is refused (spec-v1 DRAFT_EXTEND, split prefill,
 # prebuilt, dLLM); an EAGLE runner adds its pool's TARGET_VERIFY or DRAFT_EXTEND_V2 (kvcanary.sglang.speculative).
 FORWARD_MODES: dict[str, ForwardKind] = {
