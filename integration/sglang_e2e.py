@@ -69,6 +69,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hicache_phases  # noqa: E402  (integration/hicache_phases.py: the HiCache phases 9-14)
 import hunt_phases  # noqa: E402  (integration/hunt_phases.py: the hunt phases 17-20, issue 27)
 import loop_probe  # noqa: E402  (integration/loop_probe.py: --loop-probe)
+import protect_phases  # noqa: E402  (integration/protect_phases.py: the protect phases 21-23, issue 26)
 from test_plugin import write_test_plugin  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------- facts
@@ -505,6 +506,7 @@ def render(summary: dict) -> str:
     lines += render_eagle(summary.get("eagle") or [])
     lines += hicache_phases.render(summary.get("hicache") or [])
     lines += hunt_phases.render(summary.get("hunt") or [])
+    lines += protect_phases.render(summary.get("protect") or [], E2E_FAULTS)
     for row in summary.get("hicache") or []:
         f = row.get("faults")
         if f:
@@ -541,6 +543,12 @@ def build_summary(out: str, phases: list[str], results: dict, budget: float, tot
             ok_all &= overhead_pairs(summary, pdir, results)
             continue
         res = results.get(key, {"status": "SKIPPED"})
+        if key in PROTECT_PHASES:
+            s = summarize_protect(phase, pdir, res, results)
+            summary.setdefault("protect", []).append(s)
+            ok_all &= s["verdict"] == "PASS"
+            summary["phases"].append(s)
+            continue
         if key in HUNT_PHASES:
             s = summarize_hunt(phase, pdir, res)
             summary.setdefault("hunt", []).append(s)
@@ -1617,6 +1625,42 @@ def dry_run_hunt(phase: Phase, pdir: str, base: dict, seed: int = 0) -> dict:
     return res
 
 
+# ---------------------------------------------------------------------------------------------------- protect
+# integration/protect_phases.py: KVCANARY_MODE=protect under phase 3's faults (issue 26, GPU acceptance item 2).
+# sglang's defaults (overlap scheduler, radix cache, decode graphs), phase 3's workload; ~80 s a phase warm.
+_PR = protect_phases
+_PROTECT_FAULT_ENV = tuple(kv for kv in PHASES["3"].env if kv[0] != "KVCANARY_MODE")  # phase 3's faults, cadence
+
+
+def _protect_phase(key: str, name: str, env: tuple) -> Phase:
+    return Phase(key, name, "protect", True, PHASES["3"].max_total_tokens, 140, 80, env, workload="protect")
+
+
+PROTECT_PHASES: dict[str, Phase] = {
+    _PR.CLEAN_KEY: _protect_phase(_PR.CLEAN_KEY, "protect-clean", COMMON_ENV),  # the reference outputs
+    "22": _protect_phase("22", "protect", _PROTECT_FAULT_ENV),
+    "23": _protect_phase("23", "protect-hold", _PROTECT_FAULT_ENV + (("KVCANARY_PROTECT_HOLD", "1"),)),
+}
+PROTECT_KIND = {_PR.CLEAN_KEY: "clean", "22": "protect", "23": "hold"}
+PHASES.update(PROTECT_PHASES)
+PHASE_NAMES.update({p.name: k for k, p in PROTECT_PHASES.items()})
+
+
+def summarize_protect(phase: Phase, pdir: str, res: dict, results: dict) -> dict:
+    """A protect phase's row: the clean-phase counts, the fault match (phase 3's), the action records per class,
+    the outputs against protect-clean's, the detection window, the verdict."""
+    kind = PROTECT_KIND[phase.key]
+    log_text = _read(os.path.join(pdir, "worker.log"))
+    rows = read_jsonl(sorted(glob.glob(os.path.join(pdir, "kvc-*.jsonl"))))
+    s = summarize_phase(phase, res, log_text, rows)
+    clean = results.get(_PR.CLEAN_KEY)
+    match = match_injections(rows) if kind != "clean" else None
+    _PR.summarize(kind, s, rows, res, clean, match, E2E_FAULTS, log_text)
+    why = _PR.verdict(kind, s, kind == "clean" or bool((clean or {}).get("outputs")))
+    s["verdict"], s["why"] = ("PASS" if not why else "FAIL"), why
+    return s
+
+
 # ---------------------------------------------------------------------------------------------------- parent
 def phase_env(phase: Phase, report_dir: str, base: dict | None = None, mode: str | None = None,
               fault_rank: int | None = None, overrides: dict[str, str] | None = None) -> dict:
@@ -1748,7 +1792,7 @@ def run_phases(args, runner=run_worker) -> dict:
                 "deadline": time.time() + timeout - 25,  # the worker stops sending requests then, and shuts down
                 "max_new": list(phase.max_new), "warm_groups": 3 if key == "4" else 0, "workload": phase.workload,
                 "temperature": phase.temperature, "hunt": hunt_kind(phase),
-                "keep_outputs": key in HICACHE_PHASES}
+                "keep_outputs": key in HICACHE_PHASES, "protect": key in PROTECT_PHASES}
         spec_path = os.path.join(pdir, f"spec{'-' + '-'.join(s for s in subs if s)}.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f, indent=1)
@@ -1899,6 +1943,9 @@ def dry_run_reports(args, groups: list[list[Request]]) -> dict:
             continue
         if key in HUNT_PHASES:
             results[key] = dry_run_hunt(phase, pdir, base, args.seed)
+            continue
+        if key in PROTECT_PHASES:
+            results[key] = protect_phases.dry_run(PROTECT_KIND[key], pdir, base, groups, E2E_FAULTS, EXPECTED_REASONS)
             continue
         if args.piecewise:
             stats = dry_run_piecewise_log()
@@ -2088,6 +2135,9 @@ def run_engine(Engine, spec: dict, groups: list[list[Request]], res: dict, res_p
         if spec.get("hunt"):  # a hunt phase: its own timed schedule (waves, aborts, retries)
             hunt_phases.run_workload(engine, spec, res, lambda: _write_json(res_path, res))
             groups = []
+        if spec.get("protect"):  # a protect phase: per-request outputs and endings (an abort raises per request)
+            protect_phases.run_workload(engine, groups, spec, res, lambda: _write_json(res_path, res))
+            groups = []
         for gi, group in enumerate(groups):
             if time.time() > spec["deadline"]:
                 res["status"] = "TRUNCATED"
@@ -2145,7 +2195,7 @@ def parse_args(argv=None):
                     "5 eagle-bug, 6 eagle-fixed, 7 eagle-soak, 8 eagle-faults, 9 hicache-off, 10 hicache-clean, "
                     "11 hicache-writeback, 12 hicache-faults, 13 hicache-race, 14 hicache-race-fixed, "
                     "15 eagle-retract, 16 eagle-retract-fixed, 17 hunt-overlap-cached, 18 hunt-spec-abort, "
-                    "19 hunt-determ-radix, 20 hunt-hicache-hostfree")
+                    "19 hunt-determ-radix, 20 hunt-hicache-hostfree, 21 protect-clean, 22 protect, 23 protect-hold")
     ap.add_argument("--draft-model", default=None, help="EAGLE draft model path (default: a one-layer "
                     "LlamaForCausalLMEagle config, dummy weights)")
     ap.add_argument("--budget", type=float, default=570.0, help="seconds for the whole run (default 570)")
