@@ -11,7 +11,10 @@ What a violation condemns
   first ``seq_len(F)`` positions of its sequence (``Verdict.keep_len``) and everything it produced from F on is
   discarded and recomputed. The KV that F and later forwards wrote for it (positions from ``prefix(F)`` on,
   ``Verdict.taint_from``) was computed over the bad KV: where the prefix cache took those slots in (a prefill
-  inserts its prompt), those nodes are evicted too.
+  inserts its prompt), those nodes are evicted too. A token record that disagrees with the sequence at a position
+  whose mapping is right (``verify_token`` without ``verify_chain_hash``: a token swap) means the forward that
+  wrote that position was fed a wrong token, seen only when the row is verified next, after that forward produced
+  a token from it: the request then keeps only the positions up to that one (``keep_len`` = position + 1).
 * **The slot, when its content is bad** (:func:`slot_scoped`: ``verify_real_kv_hash``, or any sweep row): every
   prefix-cache node holding the slot is evicted from that slot on (the positions before it stay cached), with its
   subtree (every later position attended to it). Rows whose mapping is wrong (a redirected or stale
@@ -65,6 +68,8 @@ EVICT = "evict"  # prefix-cache nodes evicted (a sweep violation, or nodes whose
 MAX_RECOMPUTES = 3
 
 _REAL_KV = "verify_real_kv_hash"
+_WRONG_TOKEN = "verify_token"
+_CHAIN = "verify_chain_hash"
 
 
 def slot_scoped(violation: Violation) -> bool:
@@ -155,12 +160,17 @@ def judge(violations: Iterable[Violation], histories: Sequence[BatchHistory]) ->
             unattributed.append(v)
             continue
         request, seq_len, prefix_len = found
+        keep, taint = int(seq_len), int(prefix_len)
+        wrong_input = _WRONG_TOKEN in v.reasons and _CHAIN not in v.reasons and 0 <= v.position < keep
+        if wrong_input:  # written from a wrong token: what the request produced after that position goes too
+            keep, taint = int(v.position) + 1, min(taint, int(v.position))
         verdict = by_request.get(id(request))
         if verdict is None:
-            verdict = by_request[id(request)] = Verdict(request, int(v.request_row), int(seq_len), int(prefix_len),
-                                                        int(v.step))
+            verdict = by_request[id(request)] = Verdict(request, int(v.request_row), keep, taint, int(v.step))
         elif v.step < verdict.first_step:
-            verdict.keep_len, verdict.taint_from, verdict.first_step = int(seq_len), int(prefix_len), int(v.step)
+            verdict.keep_len, verdict.taint_from, verdict.first_step = keep, taint, int(v.step)
+        elif wrong_input:
+            verdict.keep_len, verdict.taint_from = min(verdict.keep_len, keep), min(verdict.taint_from, taint)
         if not v.out_of_range:
             verdict.slots.add(int(v.slot))
         verdict.reasons.update(v.reasons)

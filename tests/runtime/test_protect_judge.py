@@ -1,0 +1,43 @@
+"""kvcanary.protect.judge on its own (no engine): what a violation condemns of its request."""
+
+from __future__ import annotations
+
+from kvcanary import layout, protect
+from kvcanary.report import Violation
+from kvcanary.tags import LaunchTag
+
+
+def _violation(step: int, row: int, slot: int, position: int, bits: int) -> Violation:
+    return Violation(int(LaunchTag.VERIFY), slot, position, 0, 0, 0, 0, bits, step, request_row=row)
+
+
+def _history(req) -> protect.BatchHistory:
+    h = protect.BatchHistory(8)
+    # decode forwards of one request in row 3: forward s feeds position 40 + s (prefix 40 + s, seq_len 41 + s)
+    for s in range(1, 6):
+        h.note(s, [3], [41 + s], [40 + s], [req])
+    return h
+
+
+def test_a_bad_slot_keeps_what_the_verifying_forward_fed() -> None:
+    req = object()
+    j = protect.judge([_violation(4, 3, 900, 30, layout.REASON_VERIFY_REAL_KV_HASH)], [_history(req)])
+    (v,) = j.verdicts
+    assert (v.keep_len, v.taint_from, v.first_step) == (45, 44, 4) and j.bad_slots == {900}
+
+
+def test_a_swapped_token_drops_what_was_produced_after_it() -> None:
+    """A token swap fed forward 3 a wrong token at position 43; forward 4's verify sees the record (verify_token):
+    forward 3's output (position 44) was computed from it and must not be kept."""
+    req = object()
+    j = protect.judge([_violation(4, 3, 777, 43, layout.REASON_VERIFY_TOKEN)], [_history(req)])
+    (v,) = j.verdicts
+    assert (v.keep_len, v.taint_from) == (44, 43) and not j.bad_slots
+    # a redirected mapping (chain hash too) condemns only what the verifying forward read
+    j = protect.judge([_violation(4, 3, 777, 20, layout.REASON_VERIFY_TOKEN | layout.REASON_VERIFY_CHAIN_HASH)],
+                      [_history(req)])
+    assert (j.verdicts[0].keep_len, j.verdicts[0].taint_from) == (45, 44)
+    # the earliest bound wins when both come in one drain
+    j = protect.judge([_violation(4, 3, 900, 30, layout.REASON_VERIFY_REAL_KV_HASH),
+                       _violation(4, 3, 777, 43, layout.REASON_VERIFY_TOKEN)], [_history(req)])
+    assert (j.verdicts[0].keep_len, j.verdicts[0].taint_from, j.verdicts[0].violations) == (44, 43, 2)
