@@ -17,10 +17,11 @@
  *   - forward counter (state[kStateForward]): with new_forward it becomes forward_step_value (>= 0) or the
  *     counter + 1 (< 0: each CUDA-graph replay counts one forward), and every metadata row of this launch
  *     carries the NEW value; without new_forward it is only read.
- *   - drained-ring reuse BEFORE any append of this launch: if drained_to > 0 and the write index equals it
- *     (the host read every row and none was appended since), index = 0, epoch += 1, drained_to = -1; this
- *     launch's rows then start at index 0 (a forward that finds violations again still gets the emptied ring).
- *     drained_to <= 0: nothing acknowledged (a zeroed header is a valid initial state).
+ *   - drained-ring reuse BEFORE any append (see check_ring_reuse_plan): drained_to = (E << 32) | D, the host read
+ *     every row below D in epoch E (<= 0 or another epoch: nothing). Write index I: D <= I <= capacity, I-D <= D:
+ *     rows [D, I) and their metadata move to [0, I-D), index = I-D; D >= capacity <= I: the I-D rows never stored
+ *     are counted in kStateRingLostAtReset, index = 0; then epoch += 1, drained_to = -1, kStateRingReusedAt = D.
+ *     Else nothing. This launch's rows follow the kept ones.
  * State: the manager's flat int64 buffer as ONE argument: the kState* header of kvcanary/layout.h, then the
  *   ring [ring_capacity, kViolationFields], ring_capacity = (length - kStateHeaderFields) / kViolationFields.
  * Grid:  CUDA: min(SMs x min(occupancy, kCheckMaxBlocksPerSm), ceil(batch_rows x (max_context + 2) /
@@ -130,19 +131,92 @@ KVCANARY_HD T check_load_fresh(const T* addr) {
 #endif
 }
 
+/*! \brief What the drained-ring reuse at the start of a launch does (see the file comment). */
+struct RingReuse {  // (no member initializers: a __shared__ copy must be trivially constructible)
+  bool reset;
+  int64_t acked;  // the acknowledged index applied (kStateRingReusedAt)
+  int64_t from;   // the first row kept: rows [from, from + count) move to [0, count)
+  int64_t count;  // rows kept (the new write index)
+  int64_t lost;   // rows past the acknowledgement that were never stored (kStateRingLostAtReset)
+};
+
 /*!
- * \brief Start of the launch, before any append: empty the ring if the host read every row and none was appended
- * since its acknowledgement (the old manager's order: reuse, then this forward's appends). Run by one thread while
- * no thread of the launch can append yet (the CPU loop's start; on the device the gate's opener).
+ * \brief Decide the reuse from the header (read once, by the one thread that applies it). Rows appended after the
+ * host's acknowledgement are kept (moved to the front) rather than blocking the reuse: before 2026-12-02 only
+ * I == D emptied the ring, so a violation found again on every forward (a corrupted slot a running request reads
+ * each step) kept it from ever emptying (the H200's EAGLE phase 15 lost 1,643 rows). The move must not overlap
+ * (I - D <= D: a later acknowledgement catches up); after an overflow only once every stored row was read (D >=
+ * capacity). kStateRingReusedAt tells the host which acknowledgement was applied: it may have acknowledged a later
+ * index of the old epoch since, too late for this launch.
+ */
+KVCANARY_HD RingReuse check_ring_reuse_plan(const CheckParams& p) {
+  RingReuse r{false, 0, 0, 0, 0};
+  const int64_t drained_to = check_load_fresh(p.state + kStateDrainedTo);
+  if (drained_to <= 0) {
+    return r;
+  }
+  const int64_t acked = drained_to & ((int64_t{1} << kDrainedToEpochShift) - 1);
+  if (acked <= 0 || (drained_to >> kDrainedToEpochShift) != check_load_fresh(p.state + kStateRingEpoch)) {
+    return r;  // nothing read, or read in an epoch already emptied
+  }
+  const int64_t index = check_load_fresh(check_write_index(p));
+  const int64_t capacity = p.ring_capacity;
+  if (index < acked) {
+    return r;  // a wrapped (negative) index: the count of rows is unknown
+  }
+  r.acked = acked;
+  if (index <= capacity) {
+    if (index - acked <= acked) {  // the rows to keep lie past the ones they replace: an in-order move is safe
+      r.reset = true;
+      r.from = acked;
+      r.count = index - acked;
+    }
+    return r;
+  }
+  if (acked >= capacity) {
+    r.reset = true;
+    r.lost = index - acked;
+  }
+  return r;
+}
+
+/*! \brief Row `from + i` of the ring (and of the metadata) to row i. Rows [from, from + count) never overlap
+ *  [0, count) (count <= from), so threads may move rows in any order. */
+KVCANARY_HD void check_ring_move_row(const CheckParams& p, int64_t from, int64_t i) {
+  int64_t* ring = p.state + kStateHeaderFields;
+  for (int32_t f = 0; f < kViolationFields; ++f) {
+    ring[i * kViolationFields + f] = ring[(from + i) * kViolationFields + f];
+  }
+  if (p.violation_meta != nullptr) {
+    for (int32_t f = 0; f < kViolationMetaFields; ++f) {
+      p.violation_meta[i * kViolationMetaFields + f] = p.violation_meta[(from + i) * kViolationMetaFields + f];
+    }
+  }
+}
+
+/*! \brief The header after a reuse (by one thread, once every row moved). */
+KVCANARY_HD void check_ring_reuse_finish(const CheckParams& p, const RingReuse& r) {
+  *check_write_index(p) = static_cast<int32_t>(r.count);
+  p.state[kStateRingEpoch] += 1;
+  p.state[kStateDrainedTo] = -1;
+  p.state[kStateRingLostAtReset] += r.lost;
+  p.state[kStateRingReusedAt] = r.acked;
+}
+
+/*!
+ * \brief Start of the launch, before any append: the drained-ring reuse (see the file comment), by one thread while
+ * no thread of the launch can append yet (the CPU loop's start; on the device the gate's opener block moves the rows
+ * with all its threads, check_reuse_gate).
  */
 KVCANARY_HD void check_reuse_drained_ring(const CheckParams& p) {
-  int32_t* index = check_write_index(p);
-  const int64_t drained_to = check_load_fresh(p.state + kStateDrainedTo);
-  if (drained_to > 0 && static_cast<int64_t>(check_load_fresh(index)) == drained_to) {
-    *index = 0;
-    p.state[kStateRingEpoch] += 1;
-    p.state[kStateDrainedTo] = -1;
+  const RingReuse r = check_ring_reuse_plan(p);
+  if (!r.reset) {
+    return;
   }
+  for (int64_t i = 0; i < r.count; ++i) {
+    check_ring_move_row(p, r.from, i);
+  }
+  check_ring_reuse_finish(p, r);
 }
 
 /*!
@@ -165,25 +239,48 @@ KVCANARY_HD void check_entry(const CheckParams& p, const ViolationSink& sink, in
 #if KVCANARY_DEVICE_BUILD
 
 /*!
- * \brief The reuse gate, by thread 0 of each block before the block's first append: one block reuses the ring and
- * opens the gate, every other block waits until it is open. The opener is the block whose arrival ticket is a
- * multiple of the grid size: ticket 0 (the first to arrive) at rest, and still exactly one block if a dead launch
- * left the ticket count non-zero, so no launch can wait on a gate nobody opens. Capturable: no host sync.
+ * \brief The reuse gate, by every thread of each block before the block's first append: one block reuses the ring
+ * (its threads move the kept rows) and opens the gate, every other block waits until it is open. The opener is the
+ * block whose arrival ticket is a multiple of the grid size: ticket 0 (the first to arrive) at rest, and still
+ * exactly one block if a dead launch left the ticket count non-zero, so no launch can wait on a gate nobody opens.
+ * Capturable: no host sync. Called block-uniformly (every thread of the block, no divergent branch around it).
  */
 __device__ __forceinline__ void check_reuse_gate(const CheckParams& p) {
+  __shared__ bool s_opener;
+  __shared__ RingReuse s_reuse;
   int32_t* arrivals = reinterpret_cast<int32_t*>(p.state + kStateArrivals);
   int32_t* gate = reinterpret_cast<int32_t*>(p.state + kStateReuseGate);
-  const uint32_t ticket = static_cast<uint32_t>(atomicAdd(arrivals, 1));
-  if (ticket % gridDim.x == 0) {
-    check_reuse_drained_ring(p);
-    __threadfence();  // the reset index, epoch and drained_to before the open gate, device-wide
-    atomicExch(gate, 1);
+  if (threadIdx.x == 0) {
+    const uint32_t ticket = static_cast<uint32_t>(atomicAdd(arrivals, 1));
+    s_opener = ticket % gridDim.x == 0;
+    if (s_opener) {
+      s_reuse = check_ring_reuse_plan(p);
+    }
+  }
+  __syncthreads();
+  if (s_opener) {  // (block-uniform: shared)
+    if (s_reuse.reset) {
+      for (int64_t i = threadIdx.x; i < s_reuse.count; i += blockDim.x) {
+        check_ring_move_row(p, s_reuse.from, i);
+      }
+      __threadfence();  // each thread's moved rows, device-wide, before the header says they are there
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        check_ring_reuse_finish(p, s_reuse);
+      }
+    }
+    if (threadIdx.x == 0) {
+      __threadfence();  // the reset index, epoch and drained_to before the open gate, device-wide
+      atomicExch(gate, 1);
+    }
     return;
   }
-  while (check_load_fresh(gate) == 0) {
-    __nanosleep(64);
+  if (threadIdx.x == 0) {
+    while (check_load_fresh(gate) == 0) {
+      __nanosleep(64);
+    }
+    __threadfence();  // nothing of this block's below is ordered before the gate it saw open
   }
-  __threadfence();  // nothing of this block's below is ordered before the gate it saw open
 }
 
 __global__ void __launch_bounds__(kCheckThreads, kCheckMinBlocksPerSm)
@@ -211,9 +308,7 @@ __global__ void __launch_bounds__(kCheckThreads, kCheckMinBlocksPerSm)
   for (int64_t i = g; i < p.num_tokens; i += stride) {
     check_snapshot(p, i);
   }
-  if (threadIdx.x == 0) {
-    check_reuse_gate(p);  // after the snapshot (no appends there): the opener has usually done the reuse by now
-  }
+  check_reuse_gate(p);  // after the snapshot (no appends there): the opener has usually done the reuse by now
   __syncthreads();
 
   const bool stores_write_plan = blockIdx.x == 0;

@@ -98,19 +98,27 @@ constexpr int32_t kNumLaunchTags = 3;
 // ([ring_capacity, kViolationFields]), so that one copy drains the header and the first rows. Offsets are in
 // int64 elements. canary_check_step takes the whole buffer as one tensor.
 constexpr int32_t kStateWriteIndex = 0;  // the ring's int32 write index, in the low half (little-endian)
-constexpr int32_t kStateReserved1 = 1;   // unused (no kernel writes it): keeps the fields after it where they are
+// Rows dropped by ring resets after an overflow (cumulative): rows appended past an acknowledgement made when every
+// stored row had been read were never stored (canary_check.cuh, the drained-ring reuse); the host counts them lost.
+constexpr int32_t kStateRingLostAtReset = 1;
 constexpr int32_t kStateKernelRuns = 2;  // [kNumLaunchTags] launches per tag
 constexpr int32_t kStateSlotRuns = kStateKernelRuns + kNumLaunchTags;  // [kNumLaunchTags] entries per tag
 constexpr int32_t kStateRingEpoch = kStateSlotRuns + kNumLaunchTags;   // times the drained ring was emptied
 constexpr int32_t kStateForward = kStateRingEpoch + 1;    // the device forward counter
-constexpr int32_t kStateDrainedTo = kStateForward + 1;    // ring index the host has read up to (<= 0: none)
+// The host's acknowledgement: (ring epoch << kDrainedToEpochShift) | the ring index it has read every row below
+// (<= 0: none). An acknowledgement of an older epoch is ignored (the ring was emptied since).
+constexpr int32_t kStateDrainedTo = kStateForward + 1;
 constexpr int32_t kStateDoneBlocks = kStateDrainedTo + 1;  // scratch: blocks finished (int32, low half; 0 at rest)
 // Scratch of canary_check_step's start (int32, low half; 0 at rest): blocks arrived (arrival tickets), and the gate
 // the reusing block opens (1) once the drained-ring reuse is done, before any block of the launch appends.
 constexpr int32_t kStateArrivals = kStateDoneBlocks + 1;
 constexpr int32_t kStateReuseGate = kStateArrivals + 1;
+// The acknowledged index the last drained-ring reuse applied: where the emptied epoch ended for the host (which may
+// have acknowledged a later index since, in that epoch, too late for the reuse).
+constexpr int32_t kStateRingReusedAt = kStateReuseGate + 1;
 constexpr int32_t kStateHeaderFields = 16;
-static_assert(kStateReuseGate < kStateHeaderFields, "state header too small");
+static_assert(kStateRingReusedAt < kStateHeaderFields, "state header too small");
+constexpr int32_t kDrainedToEpochShift = 32;
 
 // Fail-reason bits (column 7). Bit 6 is kvcanary's own: an index the engine handed the canary lies
 // outside the buffer it indexes; the row's expected_aux column carries the offending index.
@@ -204,7 +212,7 @@ constexpr LayoutConstant kLayoutConstantTable[] = {
     {"LAUNCH_TAG_SWEEP", kLaunchTagSweep},
     {"NUM_LAUNCH_TAGS", kNumLaunchTags},
     {"STATE_WRITE_INDEX", kStateWriteIndex},
-    {"STATE_RESERVED_1", kStateReserved1},
+    {"STATE_RING_LOST_AT_RESET", kStateRingLostAtReset},
     {"STATE_KERNEL_RUNS", kStateKernelRuns},
     {"STATE_SLOT_RUNS", kStateSlotRuns},
     {"STATE_RING_EPOCH", kStateRingEpoch},
@@ -213,7 +221,9 @@ constexpr LayoutConstant kLayoutConstantTable[] = {
     {"STATE_DONE_BLOCKS", kStateDoneBlocks},
     {"STATE_ARRIVALS", kStateArrivals},
     {"STATE_REUSE_GATE", kStateReuseGate},
+    {"STATE_RING_REUSED_AT", kStateRingReusedAt},
     {"STATE_HEADER_FIELDS", kStateHeaderFields},
+    {"DRAINED_TO_EPOCH_SHIFT", kDrainedToEpochShift},
     {"REASON_VERIFY_CHAIN_HASH", kReasonVerifyChainHash},
     {"REASON_VERIFY_POSITION", kReasonVerifyPosition},
     {"REASON_VERIFY_REAL_KV_HASH", kReasonVerifyRealKvHash},

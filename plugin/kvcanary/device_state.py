@@ -61,6 +61,8 @@ STATE_SLOT_RUNS = layout.STATE_SLOT_RUNS
 STATE_RING_EPOCH = layout.STATE_RING_EPOCH
 STATE_FORWARD = layout.STATE_FORWARD
 STATE_DRAINED_TO = layout.STATE_DRAINED_TO
+STATE_RING_LOST_AT_RESET = layout.STATE_RING_LOST_AT_RESET
+STATE_RING_REUSED_AT = layout.STATE_RING_REUSED_AT
 _KERNEL_RUNS = slice(STATE_KERNEL_RUNS, STATE_KERNEL_RUNS + NUM_LAUNCH_TAGS)
 _SLOT_RUNS = slice(STATE_SLOT_RUNS, STATE_SLOT_RUNS + NUM_LAUNCH_TAGS)
 _MAX_CACHED_SEGMENTS = 64  # status-copy source views kept (one per (first, peek_end) the drain asks for)
@@ -77,6 +79,8 @@ class StateHeader(NamedTuple):
     slot_runs: tuple[int, ...]  # per launch tag
     ring_epoch: int  # how many times the drained ring was emptied
     forward: int  # the device forward counter
+    lost_at_reset: int  # rows never stored that ring resets counted (cumulative; the host reports them lost)
+    reused_at: int  # the acknowledged index the last ring reuse applied (where the emptied epoch ended)
 
 
 class StatusCopy(NamedTuple):
@@ -94,7 +98,7 @@ def parse_header(values: Sequence[int]) -> StateHeader:
     index = index - (1 << 32) if index >= 1 << 31 else index  # the int32 in the low half
     # (positional: a NamedTuple built by keywords costs ~1 us more, and the drain parses one header per read)
     return StateHeader(index, tuple(values[_KERNEL_RUNS]), tuple(values[_SLOT_RUNS]), values[STATE_RING_EPOCH],
-                       values[STATE_FORWARD])
+                       values[STATE_FORWARD], values[STATE_RING_LOST_AT_RESET], values[STATE_RING_REUSED_AT])
 
 
 def _staged(values: list[int], device: torch.device) -> torch.Tensor:
@@ -286,10 +290,13 @@ class DeviceState:
         """Ring rows ``first..end`` and their metadata rows, both flat."""
         return self.violation_ring[first:end].view(-1), self.violation_meta[first:end].view(-1)
 
-    def acknowledge_ring(self, index: int) -> None:
-        """Tell the device the host read every ring row up to write index ``index`` (> 0; the next forward's check
-        launch may then empty the ring). A non-blocking copy, stream-ordered before the next forward."""
-        self._ring_drained_to.copy_(_staged([index], self.device), non_blocking=True)
+    def acknowledge_ring(self, index: int, epoch: int) -> None:
+        """Tell the device the host read every ring row below write index ``index`` (> 0) in ring epoch ``epoch``:
+        the next forward's check launch may then empty the ring, keeping the rows appended since (an
+        acknowledgement of an epoch the device already emptied is ignored; csrc/canary_check.cuh). A non-blocking
+        copy, stream-ordered before the next forward."""
+        value = (epoch << layout.DRAINED_TO_EPOCH_SHIFT) | index
+        self._ring_drained_to.copy_(_staged([value], self.device), non_blocking=True)
 
     def synchronize(self) -> None:
         """Wait for all device work (shutdown and tests only)."""

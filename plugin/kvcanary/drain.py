@@ -8,10 +8,13 @@ step before every N-th and is read on that step when it is ready at once (CPU, i
 (:meth:`ViolationDrain.on_step`).
 
 Ring epochs. The kernels only append to the ring. Once the host has read every row up to index ``I`` it
-acknowledges ``I`` (:meth:`kvcanary.device_state.DeviceState.acknowledge_ring`); the next forward empties the
-ring if the index still equals ``I`` and increments the epoch in the header. The host sees the new epoch in the
-next status copy and adds the acknowledged rows to its running total (at most one reset per acknowledgement).
-Rows a burst could not keep (index beyond the capacity) are reported as lost.
+acknowledges ``I`` in the ring's epoch (:meth:`kvcanary.device_state.DeviceState.acknowledge_ring`); the next
+forward's check launch reuses the ring and increments the epoch in the header: the rows appended since ``I`` move
+to the front, in order (so a violation found again on every forward never keeps the ring from emptying), or, after
+an overflow, the rows past ``I`` that were never stored are counted in the header's lost-at-reset field. The host
+sees the new epoch in the next status copy and adds the acknowledged rows to its running total (at most one reuse
+per acknowledgement; an acknowledgement of an emptied epoch is ignored). Rows a burst could not keep (index beyond
+the capacity) are reported as lost.
 
 Which forward found a violation (kvcanary+). Every row's metadata holds the device forward counter its launch
 read (see :mod:`kvcanary.device_state`). Every status copy carries the counter too, and the host labels rows with
@@ -133,6 +136,7 @@ class ViolationDrain:
         self._lost_reported = 0
         self._epoch = 0
         self._index_base = 0  # violations counted in ring epochs already emptied
+        self._lost_at_reset = 0  # the header's count of rows ring resets dropped, as last read
         self._last_index = 0
         # host step = device forward counter - _step_offset (as of the last drained snapshot)
         self._step_offset = 0
@@ -237,11 +241,9 @@ class ViolationDrain:
         # The snapshot was taken after forward `step` (stream order), when the device counter read
         # header.forward: forwards the host never stepped (warm-up, capture) are the difference.
         self._step_offset = header.forward - step
-        if header.ring_epoch != self._epoch:  # the device emptied the ring after we acknowledged every row
-            # at most one reset per acknowledgement: the emptied epoch ended at the index we acknowledged
-            self._index_base += self.acknowledged_index or 0
-            self._epoch, self._rows_requested, self._lost_reported = header.ring_epoch, 0, 0
-            self.acknowledged_index = None
+        reported: list[Violation] = []
+        if header.ring_epoch != self._epoch:  # the device reused the ring after our acknowledgement
+            reported += self._new_epoch(header, step)
         self._last_index = index
         stats = self._stats
         stats.kernel_runs, stats.slot_runs = header.kernel_runs, header.slot_runs
@@ -250,7 +252,6 @@ class ViolationDrain:
         capacity = self._capacity
         kept = min(index, capacity) if index >= 0 else capacity  # a wrapped int32 index: the ring is full
         lost_total = max(0, index - capacity) if index >= 0 else 0
-        reported: list[Violation] = []
         if not self._rows_channel.busy and kept > self._rows_requested:
             have = min(kept, peek_end)
             peeked: list[list[int]] = []
@@ -272,6 +273,29 @@ class ViolationDrain:
         self._acknowledge_drained_rows()
         self._on_counters(steps, header.kernel_runs)
         return reported
+
+    def _new_epoch(self, header, step: int) -> list[Violation]:
+        """The device reused the ring after an acknowledgement (at most one reuse per acknowledgement;
+        csrc/canary_check.cuh), the one at ``header.reused_at`` (this drain may have acknowledged a later index of
+        the old epoch since, too late for that launch): the rows appended since moved to the front, in order, so the
+        ones this drain already read past that index are the new epoch's first rows; or, when the reuse dropped the
+        rows past it (never stored: the ring had overflowed), they are lost, less those already reported lost.
+        Reports the newly lost rows; returns no violation."""
+        acked = header.reused_at
+        dropped = header.lost_at_reset - self._lost_at_reset
+        self._lost_at_reset = header.lost_at_reset
+        read_past = max(0, self._rows_requested - acked)  # rows of the old epoch past the acknowledgement, read
+        lost_past = max(0, self._lost_reported - max(0, acked - self._capacity))  # ... reported lost
+        self._index_base += acked + dropped
+        self._epoch = header.ring_epoch
+        self._rows_requested = 0 if dropped else read_past
+        self._lost_reported = 0
+        self.acknowledged_index = None
+        newly_lost = dropped - lost_past
+        if newly_lost <= 0:
+            return []
+        self._reporter.report([], lost=newly_lost, step=step)
+        return []
 
     def _read_rows(self) -> list[Violation]:
         self.reads += 1
@@ -295,7 +319,7 @@ class ViolationDrain:
         capacity = self._capacity
         if self._rows_requested < min(index, capacity) or self._lost_reported < max(0, index - capacity):
             return
-        self._state.acknowledge_ring(index)
+        self._state.acknowledge_ring(index, self._epoch)
         self.acknowledged_index = index
 
     # ------------------------------------------------------------------------------------------ reports

@@ -97,18 +97,24 @@ NUM_LAUNCH_TAGS = 3
 # The manager's flat int64 state buffer: a header of STATE_HEADER_FIELDS elements, then the violation ring
 # [ring_capacity, VIOLATION_FIELDS]. Offsets in int64 elements; canary_check_step takes the whole buffer.
 STATE_WRITE_INDEX = 0  # the ring's int32 write index, in the low half
-STATE_RESERVED_1 = 1  # unused (no kernel writes it): keeps the fields after it where they are
+# rows dropped by ring resets after an overflow (cumulative; the host counts them lost: canary_check.cuh)
+STATE_RING_LOST_AT_RESET = 1
 STATE_KERNEL_RUNS = 2  # [NUM_LAUNCH_TAGS] launches per tag
 STATE_SLOT_RUNS = STATE_KERNEL_RUNS + NUM_LAUNCH_TAGS  # [NUM_LAUNCH_TAGS] entries per tag
 STATE_RING_EPOCH = STATE_SLOT_RUNS + NUM_LAUNCH_TAGS  # times the drained ring was emptied
 STATE_FORWARD = STATE_RING_EPOCH + 1  # the device forward counter
-STATE_DRAINED_TO = STATE_FORWARD + 1  # ring index the host has read up to (<= 0: none)
+# the host's acknowledgement: (ring epoch << DRAINED_TO_EPOCH_SHIFT) | the index it has read every row below (<= 0:
+# none); one of an older epoch is ignored
+STATE_DRAINED_TO = STATE_FORWARD + 1
 STATE_DONE_BLOCKS = STATE_DRAINED_TO + 1  # scratch of canary_check_step: blocks finished (int32, low half)
 # scratch of canary_check_step's start (int32, low half; 0 at rest): arrival tickets, and the gate the reusing block
 # opens once the drained-ring reuse is done (no block appends before it)
 STATE_ARRIVALS = STATE_DONE_BLOCKS + 1
 STATE_REUSE_GATE = STATE_ARRIVALS + 1
+# the acknowledged index the last drained-ring reuse applied (where the emptied epoch ended for the host)
+STATE_RING_REUSED_AT = STATE_REUSE_GATE + 1
 STATE_HEADER_FIELDS = 16
+DRAINED_TO_EPOCH_SHIFT = 32
 
 # token-table staging (canary_token_update): int64, a field-major header (field f of update u at f * num_updates + u)
 # of TOKEN_UPDATE_FIELDS runs, then the updates' tokens packed; the offset is an absolute staging index

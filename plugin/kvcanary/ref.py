@@ -394,6 +394,40 @@ def canary_plan_step(
             verify_plan.verify_request_rows[e] = entry_rows[e]
 
 
+def reuse_drained_ring(state: torch.Tensor, violation_meta: torch.Tensor | None = None) -> None:
+    """The drained-ring reuse at the start of ``canary_check_step`` (contract: csrc/canary_check.cuh), in place on
+    ``state`` (the header, then the ring) and ``violation_meta``: with the host's acknowledgement (epoch E, index D) of
+    the ring's current epoch, the rows appended since D move to the front (when they fit below D and the ring did not
+    overflow), or, when every stored row was read and the rows past D were never stored (D >= capacity), they are
+    counted in ``STATE_RING_LOST_AT_RESET``; either way the epoch advances and the acknowledgement is consumed."""
+    drained_to = int(state[layout.STATE_DRAINED_TO])
+    if drained_to <= 0:
+        return
+    shift = layout.DRAINED_TO_EPOCH_SHIFT
+    acked = drained_to & ((1 << shift) - 1)
+    if acked <= 0 or drained_to >> shift != int(state[layout.STATE_RING_EPOCH]):
+        return  # nothing read, or read in an epoch already emptied
+    write_index = state[layout.STATE_WRITE_INDEX : layout.STATE_WRITE_INDEX + 1].view(torch.int32)[0:1]
+    index = int(write_index[0])
+    capacity = (int(state.shape[0]) - layout.STATE_HEADER_FIELDS) // layout.VIOLATION_FIELDS
+    kept, lost = 0, 0
+    if acked <= index <= capacity and index - acked <= acked:
+        kept = index - acked
+        ring = state[layout.STATE_HEADER_FIELDS :].view(-1, layout.VIOLATION_FIELDS)
+        ring[:kept] = ring[acked:index].clone()
+        if violation_meta is not None:
+            violation_meta[:kept] = violation_meta[acked:index].clone()
+    elif index > capacity and acked >= capacity and index >= acked:
+        lost = index - acked
+    else:
+        return  # an overlapping move, unread stored rows past D, or a wrapped index: the host acknowledges again
+    write_index[0] = kept
+    state[layout.STATE_RING_EPOCH] += 1
+    state[layout.STATE_DRAINED_TO] = -1
+    state[layout.STATE_RING_LOST_AT_RESET] += lost
+    state[layout.STATE_RING_REUSED_AT] = acked
+
+
 def canary_check_step(
     *,
     state: torch.Tensor,
@@ -426,11 +460,7 @@ def canary_check_step(
     the plan and verify references composed over a verify plan that cannot overflow, and the per-forward small ops."""
     i64 = torch.int64
     write_index = state[layout.STATE_WRITE_INDEX : layout.STATE_WRITE_INDEX + 1].view(torch.int32)[0:1]
-    drained_to = int(state[layout.STATE_DRAINED_TO])
-    if drained_to > 0 and int(write_index[0]) == drained_to:  # the host read every row, none appended since
-        write_index[0] = 0  # before this launch's appends: they start at row 0 of the emptied ring
-        state[layout.STATE_RING_EPOCH] += 1
-        state[layout.STATE_DRAINED_TO] = -1
+    reuse_drained_ring(state, violation_meta)  # before this launch's appends: they follow the rows kept
     n = int(input_ids.shape[0])
     for src, dst in ((input_ids, input_ids_out), (positions, positions_out), (out_cache_loc, out_cache_loc_out)):
         dst[:n] = src.to(i64)

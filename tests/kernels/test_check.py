@@ -61,6 +61,11 @@ def _sources(rng: random.Random, num_slots: int) -> list[RealKvSource]:
     return out
 
 
+
+def ack(epoch: int, index: int) -> int:
+    """The host's acknowledgement of ring rows below ``index`` in ring epoch ``epoch`` (``STATE_DRAINED_TO``)."""
+    return (epoch << layout.DRAINED_TO_EPOCH_SHIFT) | index
+
 def random_check_case(rng: random.Random, *, bs_max: int = 8, ctx_max: int = 40) -> dict[str, Any]:
     """One launch's arguments (CPU tensors), over a canary buffer whose chains mostly verify clean.
 
@@ -178,14 +183,22 @@ def random_check_case(rng: random.Random, *, bs_max: int = 8, ctx_max: int = 40)
         case["expected_tokens"] = None
         case["expected_valid_lens_by_row"] = None
     ring_capacity = rng.choice([0, 1, 4, 64, 64])
-    state = _ints([rng.randint(0, 1000) for _ in range(H)] + [SENTINEL] * (ring_capacity * layout.VIOLATION_FIELDS))
-    start = rng.choice([0, 0, 1, 3, 70])
+    # ring rows of earlier launches, distinct: a reuse that moves rows changes which rows the ring holds
+    state = _ints([rng.randint(0, 1000) for _ in range(H)]
+                  + [rng.randint(0, 1 << 40) for _ in range(ring_capacity * layout.VIOLATION_FIELDS)])
+    start = rng.choice([0, 0, 1, 3, 20, 40, 40, 70])
     state[layout.STATE_WRITE_INDEX] = start
-    state[layout.STATE_DRAINED_TO] = rng.choice([-1, 0, start, start, start + 1])
+    epoch = int(state[layout.STATE_RING_EPOCH])
+    # the host's acknowledgement: every row read (emptied), some rows appended since (moved, when they fit below
+    # it), rows not read yet, of a stale epoch, or (ring_capacity: after an overflow) every stored row read
+    acked = rng.choice([start, start, start + 1, max(1, start // 2), max(1, start - 1), max(1, start - 1),
+                        max(1, 2 * start // 3), ring_capacity])
+    state[layout.STATE_DRAINED_TO] = rng.choice([-1, 0, ack(epoch, acked), ack(epoch, acked), ack(epoch, acked),
+                                                 ack(epoch + 1, acked), acked])
     for scratch in (layout.STATE_DONE_BLOCKS, layout.STATE_ARRIVALS, layout.STATE_REUSE_GATE):
         state[scratch] = 0  # canary_check_step's scratch is 0 at rest
     case["state"] = state
-    case["violation_meta"] = (torch.full((ring_capacity, layout.VIOLATION_META_FIELDS), SENTINEL, dtype=torch.int64)
+    case["violation_meta"] = (torch.randint(0, 1 << 40, (ring_capacity, layout.VIOLATION_META_FIELDS))
                               if rng.random() < 0.85 else None)
     case["slot_attribution"] = (torch.tensor([[rng.randint(1, 999), rng.randint(1, 999)] for _ in range(num_slots)],
                                              dtype=torch.int64) if rng.random() < 0.8 else None)
@@ -219,13 +232,14 @@ def run_composed(case: dict[str, Any], device: str) -> dict[str, Any]:
     """What the manager did before canary_check_step: plan + verify launches and the small torch ops."""
     kw = _on(case, device)
     state = kw["state"]
-    # _reuse_drained_ring, before the launch's appends (drained_to <= 0: nothing acknowledged)
+    # the drained-ring reuse, before the launch's appends (the reference's, on the host: a test helper)
+    host_state = state.cpu()
+    host_meta = kw["violation_meta"].cpu() if kw["violation_meta"] is not None else None
+    ref.reuse_drained_ring(host_state, host_meta)
+    state.copy_(host_state)
+    if host_meta is not None:
+        kw["violation_meta"].copy_(host_meta)
     write_index = state[layout.STATE_WRITE_INDEX : layout.STATE_WRITE_INDEX + 1].view(torch.int32)[0:1]
-    drained_to = state[layout.STATE_DRAINED_TO : layout.STATE_DRAINED_TO + 1]
-    drained = (write_index.to(torch.int64) == drained_to) & (drained_to > 0)
-    write_index.masked_fill_(drained, 0)
-    state[layout.STATE_RING_EPOCH : layout.STATE_RING_EPOCH + 1].add_(drained)
-    drained_to.masked_fill_(drained, -1)
     n = kw["input_ids"].shape[0]
     for src, dst in (("input_ids", "input_ids_out"), ("positions", "positions_out"),
                      ("out_cache_loc", "out_cache_loc_out")):
@@ -382,8 +396,10 @@ def test_many_rows_and_many_entries(backend: str) -> None:
 
 
 def _hand(device: str, *, index: int, drained_to: int, corrupt: bool, new_forward: bool = True,
-          step_value: int = -1, forward: int = 41) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Request row 1 holds a 4-token chain at slots 11..14; the batch decodes it (prefix 4, extend 1)."""
+          step_value: int = -1, forward: int = 41, epoch: int = 0,
+          marked_rows: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Request row 1 holds a 4-token chain at slots 11..14; the batch decodes it (prefix 4, extend 1). The ring
+    holds 4 rows; ``marked_rows``: ring row i of earlier launches is all 100 + i (its metadata row 200 + i)."""
     case = random_check_case(random.Random(3))
     canary = torch.zeros((16, 32), dtype=torch.uint8)
     table = torch.zeros((2, 8), dtype=torch.int32)
@@ -403,6 +419,11 @@ def _hand(device: str, *, index: int, drained_to: int, corrupt: bool, new_forwar
     state[layout.STATE_WRITE_INDEX] = index
     state[layout.STATE_DRAINED_TO] = drained_to
     state[layout.STATE_FORWARD] = forward
+    state[layout.STATE_RING_EPOCH] = epoch
+    meta = torch.full((4, layout.VIOLATION_META_FIELDS), SENTINEL, dtype=torch.int64)
+    if marked_rows:
+        state[H:] = (100 + torch.arange(4)).repeat_interleave(layout.VIOLATION_FIELDS)
+        meta[:] = (200 + torch.arange(4)).unsqueeze(1)
     case.update({
         "canary_buf": canary, "req_to_token": table, "req_pool_indices": _ints([1], torch.int32),
         "prefix_lens": _ints([4], torch.int32), "extend_lens": _ints([1], torch.int32),
@@ -412,7 +433,7 @@ def _hand(device: str, *, index: int, drained_to: int, corrupt: bool, new_forwar
         "out_cache_loc": _ints([15], torch.int32), "input_ids_out": _ints([0, 0]), "positions_out": _ints([0, 0]),
         "out_cache_loc_out": _ints([0, 0]), "real_kv_hash_mode": 0, "check_tokens": False,
         "new_forward": new_forward, "forward_step_value": step_value, "state": state,
-        "violation_meta": torch.full((4, layout.VIOLATION_META_FIELDS), SENTINEL, dtype=torch.int64),
+        "violation_meta": meta,
         "slot_attribution": torch.full((16, 2), layout.META_UNKNOWN, dtype=torch.int64), "write_capacity": 2,
         "sources": [],
     })
@@ -431,7 +452,7 @@ def test_hand_built_decode(backend: str) -> None:
     header = out["header"].tolist()
     assert header[layout.STATE_KERNEL_RUNS + V] == 1 and header[layout.STATE_SLOT_RUNS + V] == 4
     assert header[layout.STATE_FORWARD] == 42 and header[layout.STATE_WRITE_INDEX] == 0
-    assert header[layout.STATE_DONE_BLOCKS] == 0 and header[layout.STATE_RESERVED_1] == 0
+    assert header[layout.STATE_DONE_BLOCKS] == 0 and header[layout.STATE_RING_LOST_AT_RESET] == 0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -476,43 +497,60 @@ def test_forward_counter_and_row_step(backend: str, new_forward: bool, step_valu
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize(("index", "drained_to", "corrupt", "reused"), [
-    (5, 5, False, True),  # acknowledged, nothing appended since: emptied
-    (5, 5, True, True),  # acknowledged: emptied first, this launch's 2 rows then start at row 0 (issue 15)
-    (5, 3, False, False),  # rows 3..4 not read yet: the index moved since the acknowledgement
-    (5, 3, True, False),  # ... and this launch's rows go past the capacity (4): counted, not kept
-    (0, 0, True, False),  # a zeroed header: nothing acknowledged
-    (0, -1, False, False),
-    (0, -1, True, False),
+@pytest.mark.parametrize(("index", "acked", "stale", "corrupt", "kept_from", "kept", "lost"), [
+    (5, 5, False, False, 5, 0, 0),  # acknowledged, nothing appended since: emptied
+    (5, 5, False, True, 5, 0, 0),  # emptied first, this launch's 2 rows then start at row 0 (issue 15)
+    (3, 2, False, False, 2, 1, 0),  # one row appended since the acknowledgement: it moves to row 0
+    (3, 2, False, True, 2, 1, 0),  # ... and this launch's 2 rows follow it (the persistent-violation case)
+    (4, 2, False, True, 2, 2, 0),  # two rows since, the ring full: both kept, this launch's rows counted lost
+    (4, 1, False, False, None, 0, 0),  # three rows since the acknowledgement of one: a move would overlap, none
+    (5, 3, False, False, None, 0, 0),  # rows 3 (stored) and 4 (lost) not read yet: none
+    (6, 4, False, True, 4, 0, 2),  # every stored row read (4 >= capacity): the 2 rows never stored counted lost
+    (5, 5, True, False, None, 0, 0),  # an acknowledgement of an epoch already emptied: ignored
+    (0, 0, False, True, None, 0, 0),  # a zeroed header: nothing acknowledged
+    (0, -1, False, False, None, 0, 0),
+    (0, -1, False, True, None, 0, 0),
 ])
-def test_drained_ring_reuse(backend: str, index: int, drained_to: int, corrupt: bool, reused: bool) -> None:
+def test_drained_ring_reuse(backend: str, index: int, acked: int, stale: bool, corrupt: bool, kept_from: int | None,
+                            kept: int, lost: int) -> None:
     """The reuse happens before the launch's appends (the old manager's order), so a forward that finds violations
-    again still gets the emptied ring instead of counting them all as lost."""
+    again still gets the emptied ring instead of counting them all as lost; the rows appended since the host's
+    acknowledgement move to the front in order, with their metadata (the H200's phase 15, 2026-12-02: a violation
+    repeated on every forward never let the ring empty, and 1,643 rows were lost)."""
     _skip_unavailable(backend)
-    case, out = _hand(backend, index=index, drained_to=drained_to, corrupt=corrupt)
+    epoch = 7
+    drained_to = ack(epoch - 1 if stale else epoch, acked) if acked > 0 else acked
+    case, out = _hand(backend, index=index, drained_to=drained_to, corrupt=corrupt, epoch=epoch, marked_rows=True)
     header = out["header"].tolist()
-    epoch = int(case["state"][layout.STATE_RING_EPOCH])
     rows = 2 if corrupt else 0  # slot 12's position and slot 13's chain
     assert header[layout.STATE_ARRIVALS] == 0 and header[layout.STATE_REUSE_GATE] == 0  # scratch back at rest
+    reused = kept_from is not None
+    first = kept if reused else index  # where this launch's rows start
     if reused:
-        assert header[layout.STATE_WRITE_INDEX] == rows and header[layout.STATE_DRAINED_TO] == -1
-        assert header[layout.STATE_RING_EPOCH] == epoch + 1
+        assert header[layout.STATE_WRITE_INDEX] == kept + rows and header[layout.STATE_DRAINED_TO] == -1
+        assert header[layout.STATE_RING_EPOCH] == epoch + 1 and header[layout.STATE_RING_LOST_AT_RESET] == lost
+        moved = list(range(100 + kept_from, 100 + kept_from + kept))
+        assert out["ring"][:kept, 0].tolist() == moved and out["ring"][:kept].eq(out["ring"][:kept, :1]).all()
+        assert out["meta"][:kept, 0].tolist() == [m + 100 for m in moved], "metadata moves with its rows"
     else:
         assert header[layout.STATE_WRITE_INDEX] == index + rows
         assert header[layout.STATE_DRAINED_TO] == drained_to and header[layout.STATE_RING_EPOCH] == epoch
-    first = 0 if reused else index
-    kept = max(0, min(first + rows, 4) - first)  # the ring holds 4 rows
-    assert sorted(out["ring"][first : first + kept, layout.VIOLATION_COL_SLOT].tolist()) == [12, 13][:kept]
-    assert out["meta"][first : first + kept, layout.VIOLATION_META_COL_STEP].tolist() == [42] * kept
-    untouched = [i for i in range(4) if not first <= i < first + kept]
-    assert not out["ring"][untouched].any(), "rows outside this launch's appends stay as they were"
+        assert header[layout.STATE_RING_LOST_AT_RESET] == 0
+    stored = max(0, min(first + rows, 4) - first)  # the ring holds 4 rows
+    assert sorted(out["ring"][first : first + stored, layout.VIOLATION_COL_SLOT].tolist()) == [12, 13][:stored]
+    assert out["meta"][first : first + stored, layout.VIOLATION_META_COL_STEP].tolist() == [42] * stored
+    untouched = [i for i in range(4) if not (reused and i < kept) and not first <= i < first + stored]
+    assert out["ring"][untouched, 0].tolist() == [100 + i for i in untouched], "rows nothing moved stay"
+    assert_same(out, run_fused(ref.canary_check_step, case, "cpu"), backend + " vs ref", ordered=backend == "cpu")
 
 
 @pytest.mark.gpu
-def test_many_blocks_all_append_after_the_reuse() -> None:
+@pytest.mark.parametrize("kept", [0, 8000])
+def test_many_blocks_all_append_after_the_reuse(kept: int) -> None:
     """A batch whose failing entries span every block of a many-block grid, into a ring the host acknowledged
     nearly full: the ring is emptied before ANY block appends (the reuse gate), so the kept rows are 0..count-1,
-    nothing is lost, and the count equals the failing entries (the CPU loop's, same rows as a multiset)."""
+    nothing is lost, and the count equals the failing entries (the CPU loop's, same rows as a multiset).
+    ``kept``: rows appended after the acknowledgement, moved to the front by the opener block's threads first."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     rng = random.Random(11)
@@ -539,8 +577,12 @@ def test_many_blocks_all_append_after_the_reuse() -> None:
     ring_capacity = 32768
     state = torch.zeros(H + ring_capacity * layout.VIOLATION_FIELDS, dtype=torch.int64)
     state[H:] = SENTINEL
-    state[layout.STATE_WRITE_INDEX] = state[layout.STATE_DRAINED_TO] = ring_capacity - 3  # read nearly full
+    index = ring_capacity - 3 if not kept else 20_000  # read nearly full, or with rows appended since
+    state[layout.STATE_WRITE_INDEX] = index
+    state[layout.STATE_DRAINED_TO] = ack(4, index - kept)
     state[layout.STATE_RING_EPOCH] = 4
+    ring = state[H:].view(ring_capacity, layout.VIOLATION_FIELDS)
+    ring[index - kept : index] = torch.arange(1, kept + 1).unsqueeze(1)  # row i of them: all i + 1
     state[layout.STATE_FORWARD] = 99
     rps = [rng.randrange(1, req_rows) for _ in range(bs)]
     case = random_check_case(random.Random(3))
@@ -559,13 +601,14 @@ def test_many_blocks_all_append_after_the_reuse() -> None:
     got = run_fused(ops.canary_check_step, case, "cuda")
     count = int(want["header"][layout.STATE_WRITE_INDEX])
     # about 2/3 of the 30720 entries (one per thread of a ~126-block grid) fail: every block appends, all are kept
-    assert 15_000 < count < ring_capacity
+    assert 15_000 + kept < count < ring_capacity
     header = got["header"].tolist()
     assert header[layout.STATE_WRITE_INDEX] == count and header[layout.STATE_RING_EPOCH] == 5
     assert header[layout.STATE_DRAINED_TO] == -1 and header[layout.STATE_FORWARD] == 100
     assert header[layout.STATE_ARRIVALS] == header[layout.STATE_REUSE_GATE] == header[layout.STATE_DONE_BLOCKS] == 0
     assert not (got["ring"][:count] == SENTINEL).any() and (got["ring"][count:] == SENTINEL).all()
-    assert (got["meta"][:count, layout.VIOLATION_META_COL_STEP] == 100).all()
+    assert got["ring"][:kept, 0].tolist() == list(range(1, kept + 1)), "the kept rows, moved in order"
+    assert (got["meta"][kept:count, layout.VIOLATION_META_COL_STEP] == 100).all()
     assert_same(got, want, "many blocks", ordered=False)
 
 

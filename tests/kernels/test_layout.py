@@ -29,9 +29,9 @@ def test_launch_tags_and_state_header_agree_with_the_python_names() -> None:
     assert (LaunchTag.VERIFY, LaunchTag.WRITE, LaunchTag.SWEEP) == (
         layout.LAUNCH_TAG_VERIFY, layout.LAUNCH_TAG_WRITE, layout.LAUNCH_TAG_SWEEP)
     assert NUM_LAUNCH_TAGS == layout.NUM_LAUNCH_TAGS
-    header = [layout.STATE_WRITE_INDEX, layout.STATE_RESERVED_1,
+    header = [layout.STATE_WRITE_INDEX, layout.STATE_RING_LOST_AT_RESET,
               *range(layout.STATE_KERNEL_RUNS, layout.STATE_KERNEL_RUNS + layout.NUM_LAUNCH_TAGS),
               *range(layout.STATE_SLOT_RUNS, layout.STATE_SLOT_RUNS + layout.NUM_LAUNCH_TAGS),
               layout.STATE_RING_EPOCH, layout.STATE_FORWARD, layout.STATE_DRAINED_TO, layout.STATE_DONE_BLOCKS,
-              layout.STATE_ARRIVALS, layout.STATE_REUSE_GATE]
+              layout.STATE_ARRIVALS, layout.STATE_REUSE_GATE, layout.STATE_RING_REUSED_AT]
     assert len(set(header)) == len(header) and max(header) < layout.STATE_HEADER_FIELDS  # disjoint, in the header

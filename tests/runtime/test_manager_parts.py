@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcanary import layout, writers
+from kvcanary import layout, ref, writers
 from kvcanary.batch import BatchView, ForwardKind
 from kvcanary.config import Mode
 from kvcanary.device_state import (
@@ -85,8 +85,9 @@ class HandDrain:
         self.index = 0
 
     def append(self, slot: int, *, found_at: int, serial: int = 0) -> None:
-        """One verify row for ``slot``, found by the launch that read forward counter ``found_at``."""
-        i = self.index
+        """One verify row for ``slot``, found by the launch that read forward counter ``found_at``, at the device's
+        write index (a check launch may have reused the ring since)."""
+        i = self.index = int(self.state.violation_write_index[0])
         if i < self.state.ring_capacity:
             row = [0] * layout.VIOLATION_FIELDS
             row[layout.VIOLATION_COL_KERNEL_KIND] = int(LaunchTag.VERIFY)
@@ -99,10 +100,12 @@ class HandDrain:
         self.state.violation_write_index.fill_(self.index)
 
     def empty_ring(self) -> None:
-        """What the next forward does after an acknowledgement: index back to 0, one more epoch."""
+        """What the next forward's check launch does after an acknowledgement (nothing appended since): index back
+        to 0, one more epoch (the reference's drained-ring reuse, csrc/canary_check.cuh)."""
+        epoch = int(self.state.state[STATE_RING_EPOCH])
+        ref.reuse_drained_ring(self.state.state, self.state.violation_meta)
+        assert int(self.state.state[STATE_RING_EPOCH]) == epoch + 1, "no acknowledgement to reuse the ring with"
         self.index = 0
-        self.state.violation_write_index.fill_(0)
-        self.state.state[STATE_RING_EPOCH] += 1
 
 
 def test_drain_reports_rows_once_with_host_steps_and_writer_ids() -> None:
@@ -302,23 +305,104 @@ def test_manager_step_calls_the_drain_only_when_due() -> None:
     assert eng.mgr.stats.forwards == 15
 
 
-def test_acknowledged_ring_is_emptied_by_the_next_forward() -> None:
-    """The device half of the protocol: the check launch empties the ring only when the index still equals the
-    acknowledged one."""
+def test_acknowledged_ring_is_reused_by_the_next_forward() -> None:
+    """The device half of the protocol: after the host's acknowledgement the check launch reuses the ring, keeping
+    the rows appended since (moved to the front, in order), and the host reads every row exactly once. Before
+    2026-12-02 the ring was emptied only when nothing had been appended since, and a violation found again on every
+    forward kept it from ever emptying (the H200's phase 15 lost 1,643 rows)."""
     h = HandDrain()
     h.append(5, found_at=0)
     h.drain.drain(steps=0)
     assert h.drain.acknowledged_index == 1
     t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
     batch = BatchView(ForwardKind.DECODE, t([1]), t([0]), t([1]), t([1]), t([0]), t([1]))
-    h.append(6, found_at=0)  # appended after the acknowledgement: the ring must stay
+    h.append(6, found_at=0)  # appended after the acknowledgement: kept, as the new epoch's row 0
     h.state.check_batch(batch, 1, 1)
     header = parse_header(h.state.state.tolist())
-    assert (header.write_index, header.ring_epoch) == (2, 0)
-    h.drain.drain(steps=1)  # reads row 6, acknowledges 2
-    h.state.check_batch(batch, 1, 2)
+    assert (header.write_index, header.ring_epoch, header.lost_at_reset) == (1, 1, 0)
+    assert int(h.state.violation_ring[0, layout.VIOLATION_COL_SLOT]) == 6
+    for steps in (1, 2):  # the new epoch's status, then its row
+        h.drain.drain(steps=steps)
+    assert [v.slot for v in h.drain.violations] == [5, 6]
+    assert h.drain.acknowledged_index == 1 and h.reporter.total_lost == 0
+    h.state.check_batch(batch, 1, 3)
     header = parse_header(h.state.state.tolist())
-    assert (header.write_index, header.ring_epoch, header.forward) == (0, 1, 2)
+    assert (header.write_index, header.ring_epoch, header.forward) == (0, 2, 3)
+
+
+def test_a_violation_repeated_on_every_forward_never_fills_the_ring() -> None:
+    """A corrupted slot a running request reads on every forward appends a row per forward: with the drain
+    reading every few forwards, the ring keeps being reused and nothing is lost, far past its capacity."""
+    h = HandDrain()
+    capacity = h.state.ring_capacity
+    t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    batch = BatchView(ForwardKind.DECODE, t([1]), t([0]), t([1]), t([1]), t([0]), t([1]))
+    forwards = 3 * capacity
+    for step in range(1, forwards + 1):
+        h.state.check_batch(batch, 1, step)  # the reuse, at the launch's start
+        if step % 3 == 0:  # the host reads (and acknowledges) a snapshot ...
+            h.drain.drain(steps=step)
+        h.append(7, found_at=step)  # ... and the device finds the slot again before the next check sees the ack
+    h.drain.flush(forwards)
+    assert h.reporter.total_lost == 0
+    assert len(h.drain.violations) == forwards and {v.slot for v in h.drain.violations} == {7}
+
+
+@pytest.mark.parametrize("seen_before_reuse", [False, True])
+def test_rows_past_an_overflowed_ring_are_counted_lost_once(seen_before_reuse: bool) -> None:
+    """After an overflow the host reads every stored row, counts the rest lost and acknowledges the index; the next
+    check launch empties the ring and counts the rows appended since (never stored) in the header, and the host
+    reports exactly those it had not already reported lost: every row appended is read or counted lost, once."""
+    h = HandDrain(ring_capacity=8)
+    t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    batch = BatchView(ForwardKind.DECODE, t([1]), t([0]), t([1]), t([1]), t([0]), t([1]))
+    for _ in range(10):
+        h.append(5, found_at=0)
+    h.drain.drain(steps=0)  # 8 rows read, 2 lost, index 10 acknowledged
+    assert (len(h.drain.violations), h.reporter.total_lost, h.drain.acknowledged_index) == (8, 2, 10)
+    for _ in range(3):
+        h.append(6, found_at=0)  # never stored
+        if seen_before_reuse:
+            h.drain.drain(steps=0)  # a later snapshot of the same epoch: reported lost already
+    h.state.check_batch(batch, 1, 1)
+    header = parse_header(h.state.state.tolist())
+    # (seen: the host counted them lost and acknowledged the later index, so the launch drops nothing it did not)
+    assert (header.write_index, header.ring_epoch, header.lost_at_reset) == (0, 1, 0 if seen_before_reuse else 3)
+    h.append(7, found_at=1)
+    for steps in (1, 2):
+        h.drain.drain(steps=steps)
+    assert h.reporter.total_lost == 5  # 2 + 3: every row appended past the capacity, once
+    assert [v.slot for v in h.drain.violations] == [5] * 8 + [7]
+    assert h.stats.violations_seen == 14
+
+
+def test_a_snapshot_older_than_the_reuse_counts_no_row_twice() -> None:
+    """The GPU's order: the host acknowledges index 10 (of an overflowed 8-row ring), the device appends 2 more
+    rows (never stored), the next check launch reuses the ring with that acknowledgement (2 rows counted in the
+    header), and only then does the host read a snapshot taken before the launch (index 12: it reports the 2 lost
+    and acknowledges 12 in the old epoch, which the device ignores). The new epoch's status must not report those 2
+    again."""
+    h = HandDrain(ring_capacity=8)
+    t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    batch = BatchView(ForwardKind.DECODE, t([1]), t([0]), t([1]), t([1]), t([0]), t([1]))
+    for _ in range(10):
+        h.append(5, found_at=0)
+    h.drain.drain(steps=0)
+    assert (h.reporter.total_lost, h.drain.acknowledged_index) == (2, 10)
+    for _ in range(2):
+        h.append(6, found_at=0)
+    before = h.state.state.clone()  # the snapshot the host reads late
+    h.state.check_batch(batch, 1, 1)
+    after = h.state.state.clone()
+    assert parse_header(after.tolist()).lost_at_reset == 2
+    h.state.state.copy_(before)
+    h.drain.drain(steps=1)  # reads the old epoch at index 12: 2 more lost, acknowledges 12 (stale by now)
+    assert (h.reporter.total_lost, h.drain.acknowledged_index) == (4, 12)
+    h.state.state.copy_(after)  # (the device's state: the stale acknowledgement changed nothing there)
+    for steps in (2, 3):
+        h.drain.drain(steps=steps)
+    assert h.reporter.total_lost == 4 and h.stats.violations_seen == 12
+    assert len(h.drain.violations) == 8
 
 
 # ---------------------------------------------------------------------------------------------- writers
