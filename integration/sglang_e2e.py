@@ -70,7 +70,7 @@ import hicache_phases  # noqa: E402  (integration/hicache_phases.py: the HiCache
 import hunt_phases  # noqa: E402  (integration/hunt_phases.py: the hunt phases 17-20, issue 27)
 import loop_probe  # noqa: E402  (integration/loop_probe.py: --loop-probe)
 import protect_phases  # noqa: E402  (integration/protect_phases.py: the protect phases 21-23, issue 26)
-from test_plugin import write_test_plugin  # noqa: E402
+from test_plugin import plugin_env, write_test_plugin  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------- facts
 # The fault classes a live engine can take through KVCANARY_FAULT, and the reason names kvcanary reports for
@@ -980,12 +980,7 @@ def eagle_env(env: dict, phase: Phase, pdir: str) -> dict:
     if not is_eagle(phase):
         return env
     root = write_eagle_plugin(os.path.join(pdir, "eagle-plugin"))
-    env = dict(env)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env[EAGLE_DRIVER_ENV] = os.path.abspath(__file__)
-    if env.get("SGLANG_PLUGINS"):
-        env["SGLANG_PLUGINS"] += f",{EAGLE_PLUGIN}"
-    return env
+    return plugin_env(env, root, EAGLE_PLUGIN, file_env=EAGLE_DRIVER_ENV, driver_file=__file__)
 
 
 def prefill_tails(extend_prefix_lens, extend_seq_lens, seqs) -> list[tuple[int, int, int]]:
@@ -1489,12 +1484,7 @@ def hicache_env(env: dict, phase: Phase, pdir: str) -> dict:
                              about="integration/hicache_phases.py, PR 36738's fence", gate_env=_HC.FENCE_ENV,
                              file_env=_HC.FENCE_DRIVER_ENV, module="_kvcanary_e2e_hicache",
                              function="install_hicache_fence")
-    env = dict(env)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env[_HC.FENCE_DRIVER_ENV] = os.path.abspath(_HC.__file__)
-    if env.get("SGLANG_PLUGINS"):
-        env["SGLANG_PLUGINS"] += f",{_HC.FENCE_PLUGIN}"
-    return env
+    return plugin_env(env, root, _HC.FENCE_PLUGIN, file_env=_HC.FENCE_DRIVER_ENV, driver_file=_HC.__file__)
 
 
 def summarize_hicache(phase: Phase, pdir: str, res: dict, results: dict) -> dict:
@@ -1568,12 +1558,7 @@ def hunt_env(env: dict, phase: Phase, pdir: str) -> dict:
                              about="integration/hunt_phases.py, the hunt observers", gate_env=_HU.HUNT_ENV,
                              file_env=_HU.HUNT_DRIVER_ENV, module="_kvcanary_e2e_hunt",
                              function="install_hunt_observer")
-    env = dict(env)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env[_HU.HUNT_DRIVER_ENV] = os.path.abspath(_HU.__file__)
-    if env.get("SGLANG_PLUGINS"):
-        env["SGLANG_PLUGINS"] += f",{_HU.HUNT_PLUGIN}"
-    return env
+    return plugin_env(env, root, _HU.HUNT_PLUGIN, file_env=_HU.HUNT_DRIVER_ENV, driver_file=_HU.__file__)
 
 
 def summarize_hunt(phase: Phase, pdir: str, res: dict) -> dict:

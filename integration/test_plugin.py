@@ -42,3 +42,15 @@ def register():
     mod.{function}(value)
 ''')
     return root
+
+
+def plugin_env(env: dict, root: str, plugin: str, *, file_env: str, driver_file: str) -> dict:
+    """A copy of ``env`` that loads the plugin written at ``root``: ``root`` first on PYTHONPATH, ``file_env``
+    naming ``driver_file`` (the file whose function the plugin calls), and the plugin added to SGLANG_PLUGINS when
+    the caller restricts sglang's plugins to a list."""
+    env = dict(env)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env[file_env] = os.path.abspath(driver_file)
+    if env.get("SGLANG_PLUGINS"):
+        env["SGLANG_PLUGINS"] += f",{plugin}"
+    return env
