@@ -22,7 +22,15 @@ Model of the engine (SGLang-like, deliberately small):
   several EXTEND forwards with prefix > 0). Running requests decode one token per DECODE forward; with
   probability ``p_mixed`` a prefill chunk and the decodes share one MIXED forward; with ``p_idle`` a forward is
   IDLE (bs 0). Admission reserves the whole request (prompt + max_new), so decode never runs out of slots.
-* Generated tokens are a function of (request id, position).
+* Generated tokens are a function of (request id, position); with ``SimConfig.kv_sampling`` also of a digest of
+  the K/V bytes the request reads through its ``req_to_token`` row (every position with KV, as the table maps them:
+  a redirected or out-of-range entry reads another slot, or zeros), so KV that is not what the model wrote changes
+  what the request generates from then on. The clean KV of a position is a function of the tokens up to it, so
+  :meth:`Simulator.clean_tokens` computes, without running anything, the tokens a request generates over clean KV.
+* **Retraction** (:meth:`Simulator.retract`, protect mode's recompute): a running request is released without
+  caching its KV and requeued (at the head of the waiting queue) as a new request with the same id, the tokens it
+  keeps as its prompt and the rest of its output to generate; :meth:`Simulator.discard` drops prefix-cache nodes
+  with their subtrees (device pages freed, host copies dropped).
 * **Host KV tier** (``host_pages > 0``; HiCache-like): host-memory K/V buffers ``[host_pages, page_size * 64]`` of
   their own (same per-token layout; host page 0 reserved like device page 0) and a LIFO free list of host pages.
   Eviction backs a cached page up before freeing it (K/V copied device → host, ``mgr.backup_to_host``; one batched
@@ -41,7 +49,8 @@ upload (if the token check is on); ``mgr.before_forward``; the model writes KV; 
 
 Fault hooks: ``Simulator(hook=fn)`` calls ``fn(point, sim)`` at ``"pre_schedule"`` (before the step's
 scheduling and allocation), ``"pre_forward"`` (batch built and installed in ``sim.batch``, before
-``before_forward``), ``"pre_step"`` (after ``after_forward``, before ``mgr.step()``) and ``"post_step"``; with a
+``before_forward``), ``"pre_step"`` (after ``after_forward``, before ``mgr.step()``), ``"pre_results"`` (after ``mgr.step()``, before
+the forward's tokens are appended to its requests) and ``"post_step"``; with a
 host tier also ``"pre_load"`` (a load-back's records followed, its K/V not copied yet: ``sim.load`` describes it,
 and its ``kv_device_slots`` may be changed) and ``"post_load"`` (the K/V copied). A hook may mutate the batch
 tensors (the model then consumes the mutated batch, as it would in an engine), the KV buffers (device and host),
@@ -100,9 +109,10 @@ class SimConfig:
     evict_batch: int = 32  # pages evicted at once when the free list runs dry
     host_evict_batch: int = 128  # host pages freed at once when the host tier is full
     host_pages: int = 0  # host KV tier pages (0: no host tier); sglang's HiCache defaults to twice the device pool
+    kv_sampling: bool = False  # sampled tokens also depend on the K/V the request reads (module docstring)
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     rid: int
     prompt: list[int]
@@ -116,6 +126,18 @@ class Request:
     kv_len: int = 0  # positions whose KV is written
     generated: int = 0
     expected_len: int = 0  # tokens[:expected_len] are uploaded to the manager's token check
+    origin_len: int = -1  # length of the prompt the client sent (a retracted request's prompt also holds outputs)
+    recomputes: int = 0  # times retracted and requeued
+    fate: str = ""  # "finished", "aborted" or "retracted" once it left the running list
+
+    def __post_init__(self) -> None:
+        if self.origin_len < 0:
+            self.origin_len = len(self.prompt)
+
+    @property
+    def output(self) -> list[int]:
+        """The tokens generated for the client's prompt (a retracted request's kept outputs included)."""
+        return self.tokens[self.origin_len:]
 
     @property
     def prefilling(self) -> bool:
@@ -204,6 +226,12 @@ class Simulator:
         self.device_nodes: dict[Node, None] = {}
         self.host_nodes: dict[Node, None] = {}  # on the host only
         self.load: LoadBack | None = None
+        # kv_sampling: the digest's weights, one per (position, K/V, byte), below 2**31 so a digest (at most
+        # max_ctx * 128 products of a byte and a weight) never overflows int64.
+        gen = torch.Generator().manual_seed(cfg.seed ^ 0x5EED)
+        self.digest_weights = torch.randint(1, 1 << 31, (cfg.max_ctx, 2, KV_BYTES), dtype=torch.int64, generator=gen)
+        self._device_weights = self.digest_weights.to(self.device) if cfg.kv_sampling else None
+        self.finished: list[Request] = []  # (kv_sampling) requests that finished normally, in finishing order
         self.mgr = None
         if mgr_factory is not None:
             self.mgr = mgr_factory(num_slots=self.num_slots, req_to_token=self.req_to_token, device=self.device,
@@ -496,7 +524,39 @@ class Simulator:
         return req
 
     def sample(self, req: Request) -> int:
-        return mix(req.rid, len(req.tokens)) % self.cfg.vocab
+        if not self.cfg.kv_sampling:
+            return mix(req.rid, len(req.tokens)) % self.cfg.vocab
+        return mix(req.rid, len(req.tokens), self.kv_digest(req)) % self.cfg.vocab
+
+    def kv_digest(self, req: Request) -> int:
+        """Digest of the K/V ``req`` reads: positions ``0..kv_len-1`` through its ``req_to_token`` row (an entry
+        outside the pool reads the padding slot's zeros)."""
+        n = req.kv_len
+        idx = self.req_to_token[req.row, :n].to(torch.int64)
+        idx = torch.where((idx > 0) & (idx < self.num_slots), idx, torch.zeros_like(idx))
+        w = self._device_weights[:n]
+        total = torch.zeros((), dtype=torch.int64, device=self.device)
+        for i, buf in enumerate((self.k_buf, self.v_buf)):
+            total += (buf.view(self.num_slots, KV_BYTES).index_select(0, idx).to(torch.int64) * w[:, i]).sum()
+        return int(total)
+
+    def clean_tokens(self, rid: int, prompt: list[int], length: int) -> list[int]:
+        """The first ``length`` tokens (prompt included) request ``rid`` has over clean K/V (``kv_sampling``):
+        what it generates when every slot it reads holds what the model wrote for its own tokens."""
+        ref = Request(rid, list(prompt), 0, tokens=list(prompt))
+        digest, done = 0, 0
+        while len(ref.tokens) < length:
+            n = len(ref.tokens)  # positions with K/V when the next token is sampled
+            seeds = [ref.prefix_hash(p) >> 1 for p in range(done, n)]
+            for i, rows in enumerate(self.kv_rows(seeds)):
+                digest += int((rows.to(torch.int64) * self.digest_weights[done:n, i]).sum())
+            done = n
+            ref.tokens.append(mix(rid, n, digest) % self.cfg.vocab)
+        return ref.tokens[:length]
+
+    def output_is_clean(self, req: Request) -> bool:
+        """Whether ``req``'s tokens are those it has over clean K/V (``kv_sampling``)."""
+        return req.tokens == self.clean_tokens(req.rid, req.tokens[:req.origin_len], len(req.tokens))
 
     def reserved(self) -> int:
         """Pages running requests may still need (worst case)."""
@@ -543,12 +603,51 @@ class Simulator:
         self.req_to_token[req.row].zero_()
         self.free_rows.append(req.row)
         req.row = 0
+        req.fate = "finished" if cache else "aborted"
 
     def abort(self, req: Request) -> None:
         """Retire a request without caching it (its own slots go back to the allocator)."""
         if req in self.running:
             self.release(req, cache=False)
             self.stats["aborted"] += 1
+
+    def retract(self, req: Request, keep_len: int) -> Request:
+        """Protect mode's recompute: release the running ``req`` without caching its KV and requeue, at the head of
+        the waiting queue, a new request with its id that keeps its first ``keep_len`` tokens (never fewer than the
+        client's prompt) as its prompt and generates the rest of its output again."""
+        keep = max(min(keep_len, len(req.tokens)), req.origin_len)
+        again = Request(req.rid, req.tokens[:keep], req.origin_len + req.max_new - keep, tokens=req.tokens[:keep],
+                        origin_len=req.origin_len, recomputes=req.recomputes + 1)
+        self.release(req, cache=False)
+        req.fate = "retracted"
+        self.waiting.insert(0, again)
+        self.stats["retracted"] += 1
+        return again
+
+    def discard(self, node: Node) -> tuple[int, int]:
+        """Drop the cached ``node`` and its subtree from the prefix cache, on the device and on the host (nothing is
+        backed up); returns (nodes, device pages freed). Every node of the subtree must be unlocked."""
+        order, stack = [], [node]
+        while stack:
+            n = stack.pop()
+            order.append(n)
+            stack.extend(n.children.values())
+        pages = 0
+        for n in order:
+            if n.lock:
+                raise AssertionError("simulator: discarding a locked node")
+            if n.on_device:
+                self._pending_backups = {h: p for h, p in self._pending_backups.items() if p != n.page}
+                self.free_page(n.page)
+                pages += 1
+            self._release_host_page(n)
+            self.device_nodes.pop(n, None)
+            self.host_nodes.pop(n, None)
+        del node.parent.children[node.key]
+        for n in order:  # (so that ``cached`` is False for every node of the subtree, not only for ``node``)
+            n.children = {}
+        self.stats["discarded_nodes"] += len(order)
+        return len(order), pages
 
     def free_slot_early(self, req: Request, pos: int) -> int:
         """The stale-reuse bug: give the (own, page_size 1) slot at ``pos`` back while ``req`` still maps it.
@@ -670,15 +769,20 @@ class Simulator:
         self._hook("pre_step")
         if self.mgr is not None:
             self.mgr.step()
+        self._hook("pre_results")
         for req, n in rows:  # host bookkeeping after the forward
+            if req.row == 0:  # retracted or aborted since the batch was built
+                continue
             req.kv_len += n
-            if req.prefilling or req.row == 0:
+            if req.prefilling:
                 continue
             req.tokens.append(self.sample(req))
             req.generated += 1
             if req.generated >= req.max_new:
                 self.release(req, cache=True)
                 self.stats["finished"] += 1
+                if self.cfg.kv_sampling:
+                    self.finished.append(req)
         self._hook("post_step")
         return batch
 

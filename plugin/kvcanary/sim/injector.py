@@ -20,6 +20,11 @@ A :class:`FaultDriver` is the simulator's hook. Protocol:
   ``pre_load`` hook: its request is the victim, kept running): a host copy's byte is flipped (flipped back on
   close), the K/V copy is sent to the load's slots rolled by one, or the host copies read are stale (the backed-up
   bytes return at ``post_load``, once the copy has read them); closing rewrites the loaded pages' device copies.
+* Protect mode (:class:`kvcanary.sim.protect.SimProtect` acts before the driver scores): the victims are
+  recomputed rather than aborted (closing aborts only a request still running), and a request protect recomputed
+  is never chosen again (it would be aborted after ``kvcanary.protect.MAX_RECOMPUTES``, and each injection's
+  actions are its own). :meth:`FaultDriver.note_action` attributes each ``kvcanary.action/1`` record to the
+  injection it answers (the open one, else the last closed).
 * Precision: every violation must name a slot of the open injection (one it touched, or one of a victim request
   whose chain it corrupted: that request's next writes build on the bad record), or of one closed fewer than
   ``grace`` forwards ago (the same fault still draining); anything else is a false positive.
@@ -54,6 +59,9 @@ class OpenInjection:
     first_detection: Violation | None = None
     tags: Counter[str] = field(default_factory=Counter)
     reasons: Counter[str] = field(default_factory=Counter)  # "+"-joined reasons of the matching violations
+    actions: Counter[str] = field(default_factory=Counter)  # protect mode: recompute / abort / missed / evict
+    nodes_evicted: int = 0
+    acted_rids: set[str] = field(default_factory=set)  # requests protect recomputed, aborted or missed for it
 
     @property
     def latency(self) -> int | None:
@@ -73,6 +81,10 @@ class ClassResult:
     tags: Counter[str] = field(default_factory=Counter)
     false_positives: int = 0  # violations on untouched slots while this class had an injection open
     via_host_tier: int = 0  # detections whose first violation said via=host_tier (the slot came back from the host)
+    acted_on: int = 0  # protect mode: injections with at least one action
+    actions: Counter[str] = field(default_factory=Counter)  # protect mode: recompute / abort / missed / evict records
+    nodes_evicted: int = 0
+    acted_rids: set[str] = field(default_factory=set)
 
     @property
     def all_detected(self) -> bool:
@@ -155,6 +167,10 @@ class FaultDriver:
             r.injected += 1
             r.reasons.update(o.reasons)
             r.tags.update(o.tags)
+            r.actions.update(o.actions)
+            r.nodes_evicted += o.nodes_evicted
+            r.acted_rids |= o.acted_rids
+            r.acted_on += bool(o.actions)
             if o.detected_step is not None:
                 r.detected += 1
                 r.latencies.append(o.detected_step - o.step)
@@ -179,6 +195,16 @@ class FaultDriver:
         at, inject = self._inject[fault]
         if point == at:
             inject(sim)
+
+    def note_action(self, record: dict) -> None:
+        """A protect-mode ``kvcanary.action/1`` record: counted for the open injection, else the last closed."""
+        o = self.open if self.open is not None else (self.closed[-1] if self.closed else None)
+        if o is None:
+            return
+        o.actions[record["action"]] += 1
+        o.nodes_evicted += int(record.get("nodes_evicted", 0))
+        if record.get("request_id") is not None:
+            o.acted_rids.add(str(record["request_id"]))
 
     def start(self, sim: Simulator, inj: Injection, repair: Callable[[], object],
               victims: tuple[Request, ...] = ()) -> None:
@@ -226,7 +252,7 @@ class FaultDriver:
         out = []
         prefix_lens, extend_lens = b.prefix_lens.tolist(), b.extend_lens.tolist()
         for i, req in enumerate(sim.batch_reqs):
-            if prefix_lens[i] < min_prefix:
+            if prefix_lens[i] < min_prefix or req.recomputes:
                 continue
             if decode_only and (extend_lens[i] != 1 or req.kv_len < len(req.prompt)):
                 continue
@@ -293,7 +319,7 @@ class FaultDriver:
         self.start(sim, inj, repair)
 
     def stale_reuse(self, sim: Simulator) -> None:
-        cands = [(a, p) for a in sim.running if a.kv_len >= len(a.prompt) and a.kv_len >= 3
+        cands = [(a, p) for a in sim.running if a.kv_len >= len(a.prompt) and a.kv_len >= 3 and not a.recomputes
                  for p in range(a.kv_len - 1) if a.slots[p] in a.owned]
         if not cands:
             return
@@ -390,6 +416,8 @@ class FaultDriver:
 
     def host_tier_flip(self, sim: Simulator) -> None:
         load = sim.load
+        if load.request.recomputes:
+            return
         i = self.rng.randrange(len(load.host_slots))
         host_slot, device_slot = load.host_slots[i], load.device_slots[i]
         node = load.nodes[i // sim.cfg.page_size]
@@ -408,7 +436,7 @@ class FaultDriver:
 
     def load_wrong_slots(self, sim: Simulator) -> None:
         load = sim.load
-        if len(set(load.device_slots)) < 2:  # one slot cannot be mixed up: wait for a longer load-back
+        if len(set(load.device_slots)) < 2 or load.request.recomputes:  # one slot cannot be mixed up: wait for a longer load-back
             return
         sim.extend_life(load.request, self.deadline + 5)
         inj, load.kv_device_slots = faults.misdirect_load(load.kv_device_slots, step=sim.step_no)
@@ -416,6 +444,8 @@ class FaultDriver:
 
     def load_before_backup(self, sim: Simulator) -> None:
         load = sim.load
+        if load.request.recomputes:
+            return
         sim.extend_life(load.request, self.deadline + 5)
         inj, undo = faults.stale_host_read(sim.host_sources, load.host_slots, load.device_slots, step=sim.step_no)
         self._after_load.append(undo)  # the backup lands once the load has read the stale bytes
