@@ -162,6 +162,42 @@ def build_tree_cache(mr, sa):
     return s.tree_cache
 
 
+
+def admit_prefills(tree, chunked_req, waiting: list, chunk: int, *, max_reqs: int) -> tuple[list, object]:
+    """sglang 0.5.12's prefill admission, as the CPU mirrors of its scheduler run it: the chunked request's next chunk
+    first (its cached part stashed), then requests from ``waiting`` (popped, prefix matched in ``tree`` and locked)
+    while the ``chunk``-token budget lasts, the last one chunked when it does not fit. Returns the requests to
+    prefill and the new chunked request (its ``is_chunked`` counted), or None."""
+    from sglang.srt.mem_cache.common import maybe_cache_unfinished_req
+
+    budget, can_run, new_chunked = chunk, [], None
+    if chunked_req is not None:
+        req = chunked_req
+        maybe_cache_unfinished_req(req, tree, chunked=True)  # stash_chunked_request
+        req.init_next_round_input()
+        req.set_extend_input_len(min(len(req.fill_ids) - len(req.prefix_indices), budget))
+        req.fill_ids = req.fill_ids[: len(req.prefix_indices) + req.extend_input_len]
+        budget -= req.extend_input_len
+        can_run.append(req)
+        if len(req.fill_ids) < len(req.origin_input_ids):
+            new_chunked = req
+    while waiting and budget > 0 and new_chunked is None and len(can_run) < max_reqs:
+        req = waiting.pop(0)
+        req.init_next_round_input(tree)
+        tree.inc_lock_ref(req.last_node)
+        extend = len(req.fill_ids) - len(req.prefix_indices)
+        if extend > budget:
+            req.set_extend_input_len(budget)
+            req.fill_ids = req.fill_ids[: len(req.prefix_indices) + budget]
+            new_chunked = req
+        else:
+            req.set_extend_input_len(extend)
+        budget -= req.extend_input_len
+        can_run.append(req)
+    if new_chunked is not None:
+        new_chunked.is_chunked += 1
+    return can_run, new_chunked
+
 class MiniScheduler:
     """The scheduler's prefill/decode life cycle on sglang's own objects (one forward per ``step``)."""
 
@@ -228,38 +264,10 @@ class MiniScheduler:
         req.check_finished()
 
     def _prefill_batch(self):
-        from sglang.srt.mem_cache.common import maybe_cache_unfinished_req
-
-        budget = self.chunk
-        can_run = []
-        new_chunked = None
-        if self.chunked_req is not None:
-            req = self.chunked_req
-            maybe_cache_unfinished_req(req, self.tree, chunked=True)  # stash_chunked_request
-            req.init_next_round_input()
-            req.set_extend_input_len(min(len(req.fill_ids) - len(req.prefix_indices), budget))
-            req.fill_ids = req.fill_ids[: len(req.prefix_indices) + req.extend_input_len]
-            budget -= req.extend_input_len
-            can_run.append(req)
-            if len(req.fill_ids) < len(req.origin_input_ids):
-                new_chunked = req
-        while self.waiting and budget > 0 and new_chunked is None and len(can_run) < 4:
-            req = self.waiting.pop(0)
-            req.init_next_round_input(self.tree)
-            self.cached_tokens += len(req.prefix_indices)
-            self.tree.inc_lock_ref(req.last_node)
-            extend = len(req.fill_ids) - len(req.prefix_indices)
-            if extend > budget:
-                req.set_extend_input_len(budget)
-                req.fill_ids = req.fill_ids[: len(req.prefix_indices) + budget]
-                new_chunked = req
-            else:
-                req.set_extend_input_len(extend)
-            budget -= req.extend_input_len
-            can_run.append(req)
+        can_run, new_chunked = admit_prefills(self.tree, self.chunked_req, self.waiting, self.chunk, max_reqs=4)
+        self.cached_tokens += sum(len(r.prefix_indices) for r in can_run if r is not self.chunked_req)
         self.chunked_req = new_chunked
         if new_chunked is not None:
-            new_chunked.is_chunked += 1
             self.chunked_steps += 1
         return can_run
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 import types
 from collections import deque
 
+from sgl_engine import admit_prefills
+
 
 def build_scheduler(mr, sa):
     from sglang.srt.managers.scheduler import Scheduler
@@ -119,8 +121,6 @@ class OverlapLoop:
         )
 
     def _next_batch(self):
-        from sglang.srt.mem_cache.common import maybe_cache_unfinished_req
-
         s = self.s
         last = s.last_batch
         if last is not None and last.forward_mode.is_extend():
@@ -131,33 +131,8 @@ class OverlapLoop:
                     s.running_batch = last
                 else:
                     s.running_batch.merge_batch(last)
-        budget, can_run, new_chunked = self.chunk, [], None
-        if s.chunked_req is not None:
-            req = s.chunked_req
-            maybe_cache_unfinished_req(req, s.tree_cache, chunked=True)  # stash_chunked_request
-            req.init_next_round_input()
-            req.set_extend_input_len(min(len(req.fill_ids) - len(req.prefix_indices), budget))
-            req.fill_ids = req.fill_ids[: len(req.prefix_indices) + req.extend_input_len]
-            budget -= req.extend_input_len
-            can_run.append(req)
-            if len(req.fill_ids) < len(req.origin_input_ids):
-                new_chunked = req
-        while s.waiting_queue and budget > 0 and new_chunked is None and len(can_run) < self.max_prefill_reqs:
-            req = s.waiting_queue.pop(0)
-            req.init_next_round_input(s.tree_cache)
-            s.tree_cache.inc_lock_ref(req.last_node)
-            extend = len(req.fill_ids) - len(req.prefix_indices)
-            if extend > budget:
-                req.set_extend_input_len(budget)
-                req.fill_ids = req.fill_ids[: len(req.prefix_indices) + budget]
-                new_chunked = req
-            else:
-                req.set_extend_input_len(extend)
-            budget -= req.extend_input_len
-            can_run.append(req)
-        s.chunked_req = new_chunked
-        if new_chunked is not None:
-            new_chunked.is_chunked += 1
+        can_run, s.chunked_req = admit_prefills(s.tree_cache, s.chunked_req, s.waiting_queue, self.chunk,
+                                                max_reqs=self.max_prefill_reqs)
         if can_run:
             batch = self._new_batch(can_run)
             batch.prepare_for_extend()
