@@ -15,6 +15,9 @@ What a violation condemns
   whose mapping is right (``verify_token`` without ``verify_chain_hash``: a token swap) means the forward that
   wrote that position was fed a wrong token, seen only when the row is verified next, after that forward produced
   a token from it: the request then keeps only the positions up to that one (``keep_len`` = position + 1).
+  Likewise a slot that was written (``written_step``, by any request: a stale slot reuse) during the request's
+  previous forward P, after P's verify: P read it too, so the request keeps only what P was fed
+  (``keep_len`` = seq_len(P), ``taint_from`` = prefix(P)).
 * **The slot, when its content is bad** (:func:`slot_scoped`: ``verify_real_kv_hash``, or any sweep row): every
   prefix-cache node holding the slot is evicted from that slot on (the positions before it stay cached), with its
   subtree (every later position attended to it). Rows whose mapping is wrong (a redirected or stale
@@ -113,6 +116,16 @@ class BatchHistory:
                     return record.requests[i], record.seq_lens[i], record.prefix_lens[i]
         return None
 
+    def previous(self, step: int, request: Any) -> tuple[int, int, int] | None:
+        """(step, seq_len, prefix_len) of the last kept forward before ``step`` that had ``request``."""
+        for record in reversed(self._records):
+            if record.step >= step:
+                continue
+            for i, r in enumerate(record.requests):
+                if r is request:
+                    return record.step, record.seq_lens[i], record.prefix_lens[i]
+        return None
+
     def __len__(self) -> int:
         return len(self._records)
 
@@ -164,6 +177,15 @@ def judge(violations: Iterable[Violation], histories: Sequence[BatchHistory]) ->
         wrong_input = _WRONG_TOKEN in v.reasons and _CHAIN not in v.reasons and 0 <= v.position < keep
         if wrong_input:  # written from a wrong token: what the request produced after that position goes too
             keep, taint = int(v.position) + 1, min(taint, int(v.position))
+        if v.written_step is not None and v.kernel_kind == int(LaunchTag.VERIFY):
+            prev = None
+            for history in histories:
+                prev = history.previous(v.step, request)
+                if prev is not None:
+                    break
+            if prev is not None and v.written_step >= prev[0]:  # rewritten while its previous forward read it
+                keep, taint = min(keep, int(prev[1])), min(taint, int(prev[2]))
+                wrong_input = True  # (merged below like a wrong input's bound: the lower one wins)
         verdict = by_request.get(id(request))
         if verdict is None:
             verdict = by_request[id(request)] = Verdict(request, int(v.request_row), keep, taint, int(v.step))

@@ -41,3 +41,18 @@ def test_a_swapped_token_drops_what_was_produced_after_it() -> None:
     j = protect.judge([_violation(4, 3, 900, 30, layout.REASON_VERIFY_REAL_KV_HASH),
                        _violation(4, 3, 777, 43, layout.REASON_VERIFY_TOKEN)], [_history(req)])
     assert (j.verdicts[0].keep_len, j.verdicts[0].taint_from, j.verdicts[0].violations) == (44, 43, 2)
+
+
+def test_a_slot_rewritten_during_the_previous_forward_drops_that_forwards_output() -> None:
+    """A stale slot reuse: another request wrote slot 555 in forward 3, which this request's forward 3 read (after
+    forward 3's verify); forward 4's verify sees it. Forward 3's output (position 44, fed in forward 4) was computed
+    over it: the request keeps what forward 3 was fed (seq_len 44), its KV from forward 3's prefix (43) is bad."""
+    req = object()
+    bits = layout.REASON_VERIFY_CHAIN_HASH | layout.REASON_VERIFY_TOKEN
+    v = Violation(int(LaunchTag.VERIFY), 555, 20, 0, 0, 0, 0, bits, 4, request_row=3, written_step=3)
+    (verdict,) = protect.judge([v], [_history(req)]).verdicts
+    assert (verdict.keep_len, verdict.taint_from) == (44, 43)
+    # written before the previous forward's verify: that verify saw it clean, so the previous output stands
+    old = Violation(int(LaunchTag.VERIFY), 555, 20, 0, 0, 0, 0, bits, 4, request_row=3, written_step=2)
+    (verdict,) = protect.judge([old], [_history(req)]).verdicts
+    assert (verdict.keep_len, verdict.taint_from) == (45, 44)
