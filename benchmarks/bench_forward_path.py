@@ -44,8 +44,8 @@ import torch
 
 from kvcanary import ops
 from kvcanary.installation import HostTime, Installation, WrapperCall
+from kvcanary.sglang import base, piecewise, pools, v0_5_12
 from kvcanary.sglang import hooks as hooks_module
-from kvcanary.sglang import piecewise, pools, v0_5_12
 from kvcanary.sglang.hooks import AdapterHooks, installation_of
 from kvcanary.sglang.radix import mutation_counter, radix_sweep_source
 
@@ -207,10 +207,7 @@ def bench_version() -> types.ModuleType:
     v.__dict__.update({k: getattr(v0_5_12, k) for k in dir(v0_5_12) if not k.startswith("__")})
     classes = pools.PoolClasses(mha=f"{__name__}.StandInMHAPool", mla=f"{__name__}.StandInMLAPool",
                                 swa=f"{__name__}.StandInSWAPool")
-
-    def pool_groups(pool, config, *, sliding_window_size=None, layers=None):
-        return pools.pool_groups(pool, config, classes, v0_5_12.SGLANG_VERSION,
-                                 sliding_window_size=sliding_window_size, layers=layers)
+    pool_groups = base.pool_groups_of(v0_5_12.SGLANG_VERSION, classes)
 
     def wrapper_gate(inst):  # sglang's two piecewise flags are module globals; here, always off
         return piecewise.wrapper_gate(inst, flags=(lambda: False, lambda: False))

@@ -94,16 +94,37 @@ def test_contract_check_names_what_a_module_misses() -> None:
     broken.HOOK_TARGETS = {k: t for k, t in v0_5_12.HOOK_TARGETS.items() if k != "around_forward"}
     broken.TARGETS = v0_5_12.TARGETS
     broken.FORWARD_MODES = {"EXTEND": "extend"}
+    broken.PROTECT_HOOK_TARGETS = {"protect_bogus": v0_5_12.TARGETS[0]}
     broken.batch_view = lambda fb, input_ids: None
-    del broken.radix_cache
+    del broken.radix_cache, broken.sweep_source  # (no member the hooks read is optional)
     problems = "\n".join(contract.contract_problems(broken))
     for expected in ("SGLANG_VERSION 0.5.11 is outside VERSION_RANGE >=0.5.12",
                      "missing required hook(s) ['around_forward']",
                      "TARGETS: expected HOOK_TARGETS' values", "FORWARD_MODES", "batch_view: expected parameters",
-                     "radix_cache: missing"):
+                     "radix_cache: missing", "sweep_source: missing", "RADIX_CACHE_CLASS: expected a str",
+                     "PROTECT_HOOK_TARGETS: unknown hook(s) ['protect_bogus']"):
         assert expected in problems, (expected, problems)
     with pytest.raises(TypeError, match="does not satisfy the contract"):
         contract.check_version_module(broken)
+
+
+def test_version_modules_state_only_what_differs_from_the_base() -> None:
+    """0.5.12's reading is the base's: its module states its targets and the members bound to its version string;
+    0.5.23 states what moved. Protect mode's hook names are ProtectHooks' methods."""
+    from kvcanary.sglang import base, protect, v0_5_23
+
+    own = {name for name in base.__all__ if getattr(v0_5_12, name) is not getattr(base, name)}
+    assert own == {"PROTECT_HOOK_TARGETS"}, own
+    own = {name for name in base.__all__ if getattr(v0_5_23, name) is not getattr(base, name)}
+    assert own == {"check_after_initialize", "runner_parts", "runner_ranks", "batch_requests", "sweep_source",
+                   "wrapper_gate", "max_static_tokens"}, own
+    assert not v0_5_23.PROTECT_HOOK_TARGETS
+    with pytest.raises(protect.ProtectRefused, match="supported on sglang 0.5.12 only"):
+        protect.hooks_for(v0_5_23)
+    assert set(v0_5_12.PROTECT_HOOK_TARGETS) == set(contract.PROTECT_HOOK_NAMES)
+    assert all(callable(getattr(protect.ProtectHooks, name)) for name in contract.PROTECT_HOOK_NAMES)
+    for name in contract.HOOK_NAMES:
+        assert callable(getattr(adapter_hooks.AdapterHooks, name)), name
 
 
 @pytest.mark.parametrize("version", ["0.5.12", "0.5.12.post1", "0.5.12+cpu"])

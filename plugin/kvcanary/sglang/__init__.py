@@ -16,10 +16,11 @@ sglang's ``load_plugins()`` logs and swallows exceptions raised by a plugin, so 
 server on its own: on any error ``register()`` also registers a hook on ``ModelRunner.__init__`` that raises
 the same error, so the scheduler process (and the launch) stops with a message naming the variable or target.
 
-Layout: this module (entry point, version table); ``contract`` (what a version module provides); one thin
-module of facts per version (``v0_5_12``, ``v0_5_23``); the shared pieces ``targets`` (hook targets, registration),
-``hooks`` (hook bodies, install), ``guards``, ``pools``, ``batches``, ``radix``, ``tokens``, ``ranks`` and
-``fault_injection``; the engine-agnostic per-runner glue is :mod:`kvcanary.installation`.
+Layout: this module (entry point, version table); ``contract`` (what a version module provides); ``base`` (the
+defaults every supported version shares); one thin module per version stating only what differs from them
+(``v0_5_12``, ``v0_5_23``); the shared pieces ``targets`` (hook targets, registration), ``hooks`` (hook bodies,
+install), ``installed`` (where a runner's Installation lives), ``guards``, ``pools``, ``batches``, ``radix``,
+``tokens``, ``ranks`` and ``fault_injection``; the engine-agnostic per-runner glue is :mod:`kvcanary.installation`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """The per-version contract: what every sglang version module (``kvcanary.sglang.v0_5_12``, ...) provides.
 
 A version module holds one sglang version range's facts: hook targets and their parameters, the forward-mode
-table, pool classes, where the prefix cache and the scheduler stream are, and the accessors the shared hook
-bodies (:mod:`kvcanary.sglang.hooks`) read engine objects through. :class:`VersionModule` is that contract as a
-typing Protocol; :func:`check_version_module` checks a module against it (names, kinds, parameter names, hook
-table, version range), and ``tests/adapters`` runs it on every module in ``kvcanary.sglang.SUPPORTED``.
+table, the prefix-cache class, and the accessors the shared hook bodies (:mod:`kvcanary.sglang.hooks`,
+:mod:`kvcanary.sglang.protect`, :mod:`kvcanary.sglang.fault_injection`) read engine objects through: every member
+they read, none optional. It starts from the shared defaults of :mod:`kvcanary.sglang.base` and states what differs.
+:class:`VersionModule` is that contract as a typing Protocol; :func:`check_version_module` checks a module against
+it (names, kinds, parameter names, hook tables, version range), and ``tests/adapters`` runs it on every module in
+``kvcanary.sglang.SUPPORTED``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 
 from kvcanary.batch import BatchView, ForwardKind
 from kvcanary.config import Config
-from kvcanary.installation import GroupSpec
+from kvcanary.installation import GroupSpec, Installation, WrapperCall
 from kvcanary.sglang.targets import Target
 
 # The hook bodies of kvcanary.sglang.hooks.AdapterHooks a version can attach to targets; a version module's
@@ -38,6 +40,12 @@ SPECULATIVE_HOOKS: frozenset[str] = frozenset({"around_draft_replay", "around_dr
 HICACHE_HOOKS: frozenset[str] = frozenset({"after_hicache_write", "after_hicache_load",
                                            "around_hicache_start_loading"})
 REQUIRED_HOOKS: frozenset[str] = frozenset(HOOK_NAMES) - {"after_populate"} - SPECULATIVE_HOOKS - HICACHE_HOOKS
+# The hooks of kvcanary.sglang.protect.ProtectHooks (KVCANARY_MODE=protect); a version module's PROTECT_HOOK_TARGETS
+# maps each to its target, or is empty where protect mode is not taught (it is refused there).
+PROTECT_HOOK_NAMES: tuple[str, ...] = (
+    "protect_after_init_cache", "protect_after_forward_batch_init", "protect_before_schedule",
+    "protect_before_results",
+)
 
 
 @dataclass(frozen=True)
@@ -75,7 +83,9 @@ class VersionModule(Protocol):
     STARTUP_FAILURE_TARGET: str  # dotted callable that re-raises a start-up error (ModelRunner.__init__)
     HOOK_TARGETS: Mapping[str, Target]  # hook name (HOOK_NAMES) -> target
     TARGETS: tuple[Target, ...]  # HOOK_TARGETS' values, in registration order
+    PROTECT_HOOK_TARGETS: Mapping[str, Target]  # protect hook name (PROTECT_HOOK_NAMES) -> target; empty: refused
     FORWARD_MODES: Mapping[str, ForwardKind]  # sglang ForwardMode name -> kind; anything else is refused
+    RADIX_CACHE_CLASS: str  # dotted name of the RadixCache class (protect mode evicts from exactly that class)
 
     def check_supported(self, server_args) -> None: ...
 
@@ -101,10 +111,15 @@ class VersionModule(Protocol):
 
     def scheduler_stream_of(self, scheduler) -> Callable[[], torch.cuda.Stream | None]: ...
 
-    # Optional accessors (kvcanary.sglang.hooks falls back to the 0.5.12 behaviour when a module lacks one):
-    #   sweep_source(tree_cache, producer_stream) -> SweepSource | None: a prefix cache other than RadixCache;
-    #   wrapper_gate(inst) -> () -> WrapperCall: how the model.forward wrapper classifies its calls;
-    #   max_static_tokens(server_args) -> int: most tokens a prefill graph replay hands model.forward.
+    def sweep_source(self, tree_cache, producer_stream: Callable[[], torch.cuda.Stream | None] | None = None
+                     ) -> Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
+        """``() -> (slots, prevs, positions)`` of every slot the prefix cache holds; None: it cannot be swept."""
+
+    def wrapper_gate(self, inst: Installation) -> Callable[[], WrapperCall]:
+        """How kvcanary's ``model.forward`` wrapper classifies each of its calls (``inst.wrapper_call``)."""
+
+    def max_static_tokens(self, server_args) -> int:
+        """Most tokens a prefill graph replay hands ``model.forward`` (0: none beyond the pool's slot count)."""
 
 
 # name -> the parameter names a version module's function must accept (in order).
@@ -120,9 +135,6 @@ _FUNCTIONS: dict[str, tuple[str, ...]] = {
     "scheduler_cache": ("scheduler",),
     "radix_cache": ("tree_cache",),
     "scheduler_stream_of": ("scheduler",),
-}
-# Optional accessors: checked like _FUNCTIONS when a module defines them.
-_OPTIONAL_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "sweep_source": ("tree_cache", "producer_stream"),
     "wrapper_gate": ("inst",),
     "max_static_tokens": ("server_args",),
@@ -135,7 +147,7 @@ def contract_problems(module: ModuleType) -> list[str]:
 
     name = module.__name__
     problems: list[str] = []
-    for attr in ("SGLANG_VERSION", "VERSION_RANGE", "STARTUP_FAILURE_TARGET"):
+    for attr in ("SGLANG_VERSION", "VERSION_RANGE", "STARTUP_FAILURE_TARGET", "RADIX_CACHE_CLASS"):
         if not isinstance(getattr(module, attr, None), str):
             problems.append(f"{name}.{attr}: expected a str")
     version_range, version = getattr(module, "VERSION_RANGE", None), getattr(module, "SGLANG_VERSION", None)
@@ -157,13 +169,18 @@ def contract_problems(module: ModuleType) -> list[str]:
             problems.append(f"{name}.HOOK_TARGETS: missing required hook(s) {missing}")
         if tuple(getattr(module, "TARGETS", ())) != tuple(hooks.values()):
             problems.append(f"{name}.TARGETS: expected HOOK_TARGETS' values in order")
+    protect = getattr(module, "PROTECT_HOOK_TARGETS", None)
+    if not isinstance(protect, Mapping) or not all(isinstance(t, Target) for t in protect.values()):
+        problems.append(f"{name}.PROTECT_HOOK_TARGETS: expected a mapping of protect hook name -> Target (may be "
+                        "empty)")
+    elif sorted(set(protect) - set(PROTECT_HOOK_NAMES)):
+        problems.append(f"{name}.PROTECT_HOOK_TARGETS: unknown hook(s) {sorted(set(protect) - set(PROTECT_HOOK_NAMES))}"
+                        f" (known: {list(PROTECT_HOOK_NAMES)})")
     modes = getattr(module, "FORWARD_MODES", None)
     if not isinstance(modes, Mapping) or not all(isinstance(k, ForwardKind) for k in modes.values()):
         problems.append(f"{name}.FORWARD_MODES: expected a mapping of ForwardMode name -> ForwardKind")
-    for fn_name, params in {**_FUNCTIONS, **_OPTIONAL_FUNCTIONS}.items():
+    for fn_name, params in _FUNCTIONS.items():
         fn = getattr(module, fn_name, None)
-        if fn is None and fn_name in _OPTIONAL_FUNCTIONS:
-            continue
         if not callable(fn):
             problems.append(f"{name}.{fn_name}: missing (expected a function of {', '.join(params)})")
             continue

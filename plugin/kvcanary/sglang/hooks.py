@@ -10,7 +10,7 @@ version's targets with the bound hook (built once, so ``HookRegistry`` sees the 
 * ``after_initialize``: init finished (warm-up and graph capture are over): the chain-position assert goes on;
 * ``after_populate``: with an EAGLE pool, zero the padded rows' ``req_pool_indices`` of a decode graph that 0.5.12
   leaves stale (without one nothing: the plan treats a row whose first token is on the padding slot as padding);
-* ``after_init_cache``: the RadixCache becomes the sweep source;
+* ``after_init_cache``: the prefix cache becomes the sweep source (the version's ``sweep_source``);
 * ``after_forward_batch_init``: token-table uploads (``KVCANARY_VERIFY_TOKENS``), request facts for the injector.
 """
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import pkgutil
 import time
 from collections.abc import Callable
 from types import ModuleType
@@ -34,7 +33,7 @@ from kvcanary.sglang import hicache, piecewise, speculative
 from kvcanary.sglang.batches import BatchConverter, mode_name, unsupported_mode
 from kvcanary.sglang.contract import VersionModule
 from kvcanary.sglang.fault_injection import fault_plan_for_rank, inject_fault, repair_token_swaps, rows_remaining
-from kvcanary.sglang.radix import mutation_counter, radix_sweep_source
+from kvcanary.sglang.installed import INSTALL_ATTR, installation_of
 from kvcanary.sglang.targets import Target
 from kvcanary.sglang.tokens import expected_token_updates
 
@@ -44,15 +43,6 @@ logger = logging.getLogger(__name__)
 # enters through a prefill (EXTEND or MIXED) on every runner, EAGLE's draft runner included; a verify and a draft
 # extend follow a decode step of requests already there (their attribution would be a lookup per row, every step).
 _NO_NEW_REQUESTS = frozenset({"DECODE", "IDLE", speculative.TARGET_VERIFY, speculative.DRAFT_EXTEND_V2})
-
-# The attribute of a ModelRunner that holds its Installation.
-INSTALL_ATTR = "_kvcanary"
-
-
-def installation_of(runner) -> Installation | None:
-    """The Installation on ``runner`` (None when kvcanary is not installed there)."""
-    return getattr(runner, INSTALL_ATTR, None)
-
 
 class AdapterHooks:
     """The hooks of one sglang version module (``version``); see the module docstring."""
@@ -89,7 +79,7 @@ class AdapterHooks:
         device = r2t.device
         max_bs = max(parts.max_running_requests + 1, parts.cuda_graph_max_bs)
         # a piecewise prefill replay hands model.forward its batch padded up to the next capture size
-        max_tokens = max(max_bs, getattr(v, "max_static_tokens", piecewise.max_static_tokens)(v.server_args_of(runner)))
+        max_tokens = max(max_bs, v.max_static_tokens(v.server_args_of(runner)))
         rank, report_rank = v.runner_ranks(runner)
         role = speculative.pool_role(runner, v.server_args_of(runner))  # EAGLE: target or draft pool (pool=...)
         if role is not None:
@@ -122,8 +112,8 @@ class AdapterHooks:
             fault_plan=fault_plan_for_rank(report_rank) if role is None or role.inject_faults else None,
             model_name=getattr(v.server_args_of(runner), "served_model_name", None),  # the metrics' model_name label
         )
-        # set before piecewise graphs capture (they call the wrapper); a version may classify calls its own way
-        inst.wrapper_call = getattr(v, "wrapper_gate", piecewise.wrapper_gate)(inst)
+        # set before piecewise graphs capture (they call the wrapper); each version classifies calls its own way
+        inst.wrapper_call = v.wrapper_gate(inst)
         inst.wrap_model_forward(parts.model)
         setattr(runner, INSTALL_ATTR, inst)
         speculative.attach(runner, inst, role, v.server_args_of(runner))
@@ -246,7 +236,7 @@ class AdapterHooks:
         # HiCache: records follow backups and load-backs, or the setup is refused here, at start-up
         follower = hicache.follow(tree, mine) if tree is not None else None
         for inst in mine:
-            source = self._sweep_source(tree, scheduler) if tree is not None else None
+            source = v.sweep_source(tree, v.scheduler_stream_of(scheduler)) if tree is not None else None
             if source is not None and follower is not None:
                 source = follower.fenced_sweep_source(source)  # (a node's load may still be in flight)
             if source is None:
@@ -297,23 +287,6 @@ class AdapterHooks:
             ns = time.perf_counter_ns() - t0
             for inst in follower.installations:
                 inst.account_host_tier(ns)
-
-    def _sweep_source(self, tree, scheduler):
-        """The sweep source over ``tree``: the version's own ``sweep_source`` accessor when it has one (a prefix
-        cache other than RadixCache), else the shared RadixCache walker over ``radix_cache(tree)``, which reuses
-        its last walk while the cache's mutation counter stands still (exactly the version's RadixCache class:
-        :func:`kvcanary.sglang.radix.mutation_counter`); None when the cache cannot be walked."""
-        v = self.version
-        stream = v.scheduler_stream_of(scheduler)
-        own = getattr(v, "sweep_source", None)
-        if own is not None:
-            return own(tree, stream)
-        radix = v.radix_cache(tree)
-        if radix is None:
-            return None
-        radix_class = getattr(v, "RADIX_CACHE_CLASS", None)  # (0.5.12, 0.5.23: the dotted name of RadixCache)
-        changes = mutation_counter(radix, pkgutil.resolve_name(radix_class)) if radix_class else None
-        return radix_sweep_source(radix, stream, changes)
 
     def after_forward_batch_init(self, result, cls, batch, model_runner, *args, **kwargs):
         t0 = time.perf_counter_ns()

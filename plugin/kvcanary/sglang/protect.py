@@ -54,6 +54,7 @@ from kvcanary import protect
 from kvcanary.config import Config, Mode
 from kvcanary.installation import Installation, installations
 from kvcanary.metrics import metrics_for
+from kvcanary.sglang.installed import installation_of
 from kvcanary.sglang.radix import cached_nodes, note_mutation
 
 logger = logging.getLogger(__name__)
@@ -445,8 +446,7 @@ def attach(scheduler, version: ModuleType) -> SchedulerProtect | None:
         raise ProtectRefused("KVCANARY_PROTECT_HOLD=1 with --disable-overlap-schedule: without the overlap scheduler "
                              "sglang processes a batch's results in the batch being processed, where a request "
                              "cannot be retracted; drop the flag or KVCANARY_PROTECT_HOLD")
-    radix_name = getattr(version, "RADIX_CACHE_CLASS", None)
-    radix_cls = pkgutil.resolve_name(radix_name) if radix_name else None
+    radix_cls = pkgutil.resolve_name(version.RADIX_CACHE_CLASS)
     radix = version.radix_cache(tree) if tree is not None else None
     for inst in insts:
         if inst.protect is None:
@@ -471,8 +471,6 @@ class ProtectHooks:
         return result
 
     def protect_after_forward_batch_init(self, result, cls, batch, model_runner, *args, **kwargs):
-        from kvcanary.sglang.hooks import installation_of
-
         inst = installation_of(model_runner)
         if inst is not None and inst.protect is not None and inst.stopped is None:
             t0 = time.perf_counter_ns()
@@ -502,7 +500,7 @@ _HOOKS: dict[str, ProtectHooks] = {}
 
 def hooks_for(version: ModuleType) -> ProtectHooks:
     """The one ProtectHooks of ``version`` in this process; ProtectRefused when the version has no protect targets."""
-    if not getattr(version, "PROTECT_HOOK_TARGETS", None):
+    if not version.PROTECT_HOOK_TARGETS:
         raise ProtectRefused(f"KVCANARY_MODE=protect is supported on sglang 0.5.12 only (installed: "
                              f"{version.SGLANG_VERSION}); use KVCANARY_MODE=log")
     found = _HOOKS.get(version.__name__)

@@ -30,7 +30,9 @@ What moved since 0.5.12 (read from the 0.5.23 wheel, and run on CPU against a re
   ``runtime_context.get_parallel()`` (0.5.12: ModelRunner attributes).
 * sglang 0.5.23 has its own canary (``--kv-canary none|log|raise``): kvcanary refuses to install twice.
 
-The contract it satisfies is :class:`kvcanary.sglang.contract.VersionModule`.
+The rest is the shared default (:mod:`kvcanary.sglang.base`: the forward-mode table, which the eager runner keeps
+by turning MIXED into EXTEND before the model runs, pool and RadixCache classes, ``schedule_stream``, the Scheduler
+accessors). The contract it satisfies is :class:`kvcanary.sglang.contract.VersionModule`.
 """
 
 from __future__ import annotations
@@ -43,11 +45,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvcanary.batch import ForwardKind
-from kvcanary.config import Config
-from kvcanary.installation import GroupSpec, Installation, WrapperCall
-from kvcanary.sglang import batches, guards, pools, radix, ranks
+from kvcanary.installation import Installation, WrapperCall
+from kvcanary.sglang import base, guards, radix, ranks
+from kvcanary.sglang.base import *  # noqa: F403  (the shared defaults; what follows is what 0.5.23 states)
 from kvcanary.sglang.contract import RunnerParts
+from kvcanary.sglang.installed import installation_of
 from kvcanary.sglang.refusal import UnsupportedSetupError
 from kvcanary.sglang.targets import Target
 from kvcanary.streams import run_on_producer_stream
@@ -57,55 +59,35 @@ logger = logging.getLogger(__name__)
 SGLANG_VERSION = "0.5.23"
 VERSION_RANGE = ">=0.5.23,<0.5.24"  # post releases of 0.5.23 included
 
-_MR = "sglang.srt.model_executor.model_runner.ModelRunner"
+_MR = base.MODEL_RUNNER
 T_ALLOC_MEMORY_POOL = f"{_MR}.alloc_memory_pool"
-T_FORWARD = f"{_MR}.forward"
 T_INIT_CUDA_GRAPHS = f"{_MR}.init_cuda_graphs"
-T_SCHEDULER_INIT = "sglang.srt.managers.scheduler.Scheduler.__init__"
-T_FB_INIT_NEW = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
-STARTUP_FAILURE_TARGET = f"{_MR}.__init__"
+T_SCHEDULER_INIT = f"{base.SCHEDULER}.__init__"
 
 # Hook name (kvcanary.sglang.hooks.AdapterHooks) -> target, in registration order. No after_populate: 0.5.23's
 # buffer registry zeroes the padded rows itself.
 HOOK_TARGETS: dict[str, Target] = {
     "after_init_memory_pool": Target(T_ALLOC_MEMORY_POOL, "AFTER", ("self", "memory_pool_config")),
-    "around_forward": Target(T_FORWARD, "AROUND", ("self", "forward_batch")),
+    "around_forward": Target(base.T_FORWARD, "AROUND", ("self", "forward_batch")),
     "after_initialize": Target(T_INIT_CUDA_GRAPHS, "AFTER", ("self", "capture_decode_cuda_graph")),
     # Scheduler.__init__ has built the prefix cache (tree_cache) over its req_to_token_pool by the time it returns.
     "after_init_cache": Target(T_SCHEDULER_INIT, "AFTER", ("self", "server_args")),
-    "after_forward_batch_init": Target(T_FB_INIT_NEW, "AFTER", ("cls", "batch", "model_runner"), classmethod=True),
+    "after_forward_batch_init": Target(base.T_FB_INIT_NEW, "AFTER", ("cls", "batch", "model_runner"),
+                                       classmethod=True),
 }
 TARGETS: tuple[Target, ...] = tuple(HOOK_TARGETS.values())
 
-# sglang ForwardMode name -> kvcanary ForwardKind; anything else (TARGET_VERIFY, DRAFT_EXTEND_V2, SPLIT_PREFILL,
-# PREBUILT, DLLM_EXTEND) is refused by name. The eager runner turns MIXED into EXTEND before the model runs.
-FORWARD_MODES: dict[str, ForwardKind] = {
-    "EXTEND": ForwardKind.EXTEND,
-    "DECODE": ForwardKind.DECODE,
-    "MIXED": ForwardKind.MIXED,
-    "IDLE": ForwardKind.IDLE,
-}
-
-POOL_CLASSES = pools.PoolClasses(
-    mha="sglang.srt.mem_cache.memory_pool.MHATokenToKVPool",
-    mla="sglang.srt.mem_cache.memory_pool.MLATokenToKVPool",
-    swa="sglang.srt.mem_cache.swa_memory_pool.SWAKVPool",
-)
-RADIX_CACHE_CLASS = "sglang.srt.mem_cache.radix_cache.RadixCache"
 UNIFIED_RADIX_CACHE_CLASS = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
-SCHEDULE_STREAM_ATTR = "schedule_stream"  # Scheduler attribute, created in init_model_worker
 UNIFIED_POOL_FLAG = "--enable-unified-memory"
 NO_PREFILL_GRAPHS_FLAG = "--cuda-graph-backend-prefill disabled"
 # Prefill graph backends whose replay calls the top-level model.forward eagerly around the captured layer stack
 # (PrefillCudaGraphRunner._uses_eager_prefill_tail; ``tc_piecewise`` was removed in 0.5.23).
 EAGER_TAIL_PREFILL_BACKENDS = ("breakable", "full")
 
-__all__ = [
-    "SGLANG_VERSION", "VERSION_RANGE", "STARTUP_FAILURE_TARGET", "HOOK_TARGETS", "TARGETS", "FORWARD_MODES",
-    "check_supported", "check_after_initialize", "server_args_of", "runner_parts", "runner_ranks", "pool_groups",
-    "batch_view", "batch_requests", "scheduler_cache", "radix_cache", "scheduler_stream_of", "sweep_source",
-    "wrapper_gate", "max_static_tokens", "RequestView",
-]
+# Bound to this version's string (refusals, pool errors and unsupported forward modes name it); ``out_cache_loc``
+# holds physical ids, which on the pools kvcanary accepts are the slot ids ``req_to_token`` stores.
+pool_groups = base.pool_groups_of(SGLANG_VERSION)
+batch_view = base.batch_view_of(SGLANG_VERSION)
 
 
 # ----------------------------------------------------------------------------------------------- guards
@@ -129,8 +111,6 @@ def check_after_initialize(runner) -> None:
     """After ``init_cuda_graphs``: every graph kvcanary runs in pads within the canary's buffers (refused by name
     otherwise), and a prefill graph runner is one kvcanary knows to call ``model.forward`` eagerly around its
     replay."""
-    from kvcanary.sglang.hooks import installation_of
-
     inst = installation_of(runner)
     if inst is None:
         return
@@ -165,10 +145,6 @@ def check_after_initialize(runner) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- accessors
-def server_args_of(runner):
-    return runner.server_args
-
-
 def _decode_graph_max_bs() -> int:
     """The decode graphs' largest batch as the published config states it (0: not stated or not published)."""
     try:
@@ -212,18 +188,6 @@ def runner_ranks(runner) -> tuple[dict[str, int], int]:
     )
     return ranks.runner_ranks(view)
 
-
-def pool_groups(pool, config: Config, *, sliding_window_size: int | None = None,
-                layers: Sequence[int] | None = None) -> list[GroupSpec]:
-    """The KV groups of a 0.5.23 token-to-KV pool (MHA, MLA, SWA; see :func:`kvcanary.sglang.pools.pool_groups`)."""
-    return pools.pool_groups(pool, config, POOL_CLASSES, SGLANG_VERSION, sliding_window_size=sliding_window_size,
-                             layers=layers)
-
-
-# batch_view(fb, input_ids, positions, ones, empty): one 0.5.23 ForwardBatch as a BatchView (SPEC §4.3 mode table;
-# ``out_cache_loc`` holds physical ids, which on the pools kvcanary accepts are the slot ids ``req_to_token``
-# stores), bound to this version's mode table once (the per-forward path: kvcanary.sglang.batches.batch_view_of).
-batch_view = batches.batch_view_of(FORWARD_MODES, SGLANG_VERSION)
 
 class RequestView:
     """A 0.5.23 ``Req`` as the shared token check and fault injector read requests (0.5.12's names): the row is
@@ -277,23 +241,6 @@ def batch_requests(batch) -> Sequence[object]:
     return out
 
 
-def scheduler_cache(scheduler) -> tuple[object | None, torch.Tensor | None]:
-    """(prefix cache, req_to_token of its request pool) of a Scheduler; either None when it has none."""
-    r2t_pool = getattr(scheduler, "req_to_token_pool", None)
-    return getattr(scheduler, "tree_cache", None), getattr(r2t_pool, "req_to_token", None)
-
-
-def radix_cache(tree_cache):
-    """The legacy RadixCache behind the prefix cache (0.5.23 still ships it; the fault injector walks its nodes), or
-    None (the default UnifiedRadixCache keeps its nodes in its tree core: see :func:`sweep_source`)."""
-    return radix.unwrap_radix_cache(tree_cache, pkgutil.resolve_name(RADIX_CACHE_CLASS))
-
-
-def scheduler_stream_of(scheduler) -> Callable[[], torch.cuda.Stream | None]:
-    """The scheduler's ``schedule_stream``, read when asked (weakly; None off CUDA)."""
-    return radix.scheduler_stream_of(scheduler, SCHEDULE_STREAM_ATTR)
-
-
 def sweep_source(tree_cache, producer_stream: Callable[[], torch.cuda.Stream | None] | None = None
                  ) -> Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
     """``() -> (slots, prevs, positions)`` of every slot the prefix cache holds, or None for a cache kvcanary cannot
@@ -314,7 +261,7 @@ def sweep_source(tree_cache, producer_stream: Callable[[], torch.cuda.Stream | N
             return run_on_producer_stream(producer, walk)
 
         return source
-    legacy = radix_cache(tree_cache)
+    legacy = base.radix_cache(tree_cache)
     return radix.radix_sweep_source(legacy, producer_stream) if legacy is not None else None
 
 
