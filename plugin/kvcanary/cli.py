@@ -195,7 +195,12 @@ def _build_parser() -> argparse.ArgumentParser:
             "The real CanaryManager and kernels protect a simulated paged-KV serving loop (prefix sharing, eviction, "
             "slot reuse, chunked prefill, decode) for a few seconds of clean traffic, then each fault class is "
             "injected and repaired in turn. Prints what was verified, what was detected, how fast, and the false "
-            "positives. Exit status 0 only if every injection was detected and nothing else was reported."
+            "positives. Exit status 0 only if every injection was detected and nothing else was reported. "
+            "With --mode protect (or KVCANARY_MODE=protect) the same faults are acted on as protect mode does in "
+            "sglang (the request recomputed from the tokens it keeps, the prefix-cache nodes holding bad slots "
+            "evicted; KVCANARY_PROTECT_HOLD=0 acts only when the drain reports), the simulated tokens depend on the "
+            "K/V each request reads, and every finished request's output is compared with its output over clean K/V; "
+            "exit status 0 only if, in addition, every injection was acted on and every output equals the clean one."
         ),
     )
     demo.add_argument("--seconds", type=_positive_float, default=3.0, help="clean serving before the faults (3)")
@@ -205,6 +210,9 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", choices=("cpu", "cuda"), default=None,
                       help="where the canary runs (default: cuda when available, else cpu)")
     demo.add_argument("--seed", type=int, default=0, help="seeds the workload and the injections (0)")
+    demo.add_argument("--mode", choices=("log", "protect"), default=None,
+                      help="log: report the faults; protect: act on them and compare the outputs with a clean run's "
+                           "(default: protect when KVCANARY_MODE=protect, else log)")
     demo.add_argument("--json", action="store_true", help="print the result as one JSON object")
     demo.set_defaults(func=_cmd_demo)
 
@@ -327,6 +335,7 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
         quiet_log=not args.verbose,
         progress=_progress,
         settings=settings,
+        mode=args.mode,
     )
     if args.json:
         out.write(json.dumps(result.to_json(), indent=2) + "\n")

@@ -10,6 +10,14 @@ when a later request's prefix reaches them) exactly as the SGLang adapter drives
 positive); then :class:`~kvcanary.sim.injector.FaultDriver` injects each fault class of :mod:`kvcanary.faults` in
 turn, repairs it once reported, and scores the reports.
 
+Protect mode (``--mode protect``, or ``KVCANARY_MODE=protect``; issue 26): the same faults, with
+:class:`~kvcanary.sim.protect.SimProtect` acting on every violation as the sglang adapter does (the request
+recomputed from the tokens it keeps, the prefix-cache nodes holding bad slots dropped, the requests holding them
+recomputed), by default with ``KVCANARY_PROTECT_HOLD`` behaviour (drained before a forward's tokens are appended).
+The simulator's sampled tokens then depend on the K/V each request reads (``SimConfig.kv_sampling``), so a corrupted
+read changes the output; every finished request's output is compared with its output over clean K/V
+(:meth:`~kvcanary.sim.engine.Simulator.clean_tokens`, which needs no second run).
+
 :func:`run_demo` returns a :class:`DemoResult`; :func:`render` is its text form (the command's output).
 
 The ``KVCANARY_*`` environment is validated as the plugin validates it (:func:`settings_from_env`: a bad value is
@@ -38,6 +46,7 @@ from kvcanary.config import (
     ENV_HEALTH_WINDOW,
     ENV_LOG_REPEAT_WINDOW,
     ENV_MODE,
+    ENV_PROTECT_HOLD,
     ENV_REAL_KV,
     ENV_REAL_KV_LAYERS,
     ENV_REPORT,
@@ -52,8 +61,10 @@ from kvcanary.config import (
     check_cache_dir,
 )
 from kvcanary.layout import RealKvHashMode
-from kvcanary.sim.engine import SimConfig, Simulator
+from kvcanary.protect import ACTION_LOG_PREFIX, RECOMPUTE
+from kvcanary.sim.engine import Request, SimConfig, Simulator
 from kvcanary.sim.injector import ClassResult, FaultDriver
+from kvcanary.sim.protect import SimProtect, chain
 from kvcanary.table import format_table
 from kvcanary.tags import LaunchTag
 
@@ -70,15 +81,19 @@ LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"  # what `kvcanary -v ...` and
 _MAX_FAULT_FORWARDS_PER_INJECTION = 200  # a class that finds no fitting batch for this long is reported as such
 # What comes after a PASS: the README's "Use with SGLang" line.
 NEXT_STEP = "next: turn it on in sglang: KVCANARY_MODE=log python -m sglang.launch_server --model-path <model>"
+NEXT_STEP_PROTECT = ("next: turn it on in sglang: KVCANARY_MODE=protect python -m sglang.launch_server --model-path "
+                     "<model> (docs/sglang.md#protect-mode)")
+MODES = ("log", "protect")
+_MAX_SETTLE_FORWARDS = 2000  # after the faults: forwards to let the requests acted on finish
 
 # Variables the demo honours when set (it has its own defaults for the sweep, the token check and the stats lines).
 HONOURED: tuple[str, ...] = (
     ENV_REAL_KV, ENV_SWEEP_INTERVAL, ENV_VERIFY_TOKENS, ENV_DRAIN_EVERY, ENV_RING_CAPACITY, ENV_HEALTH_WINDOW,
-    ENV_LOG_REPEAT_WINDOW, ENV_STATS_EVERY, ENV_CACHE_DIR, ENV_CUDA_ARCH, ENV_SANITIZE,
+    ENV_LOG_REPEAT_WINDOW, ENV_STATS_EVERY, ENV_CACHE_DIR, ENV_CUDA_ARCH, ENV_SANITIZE, ENV_PROTECT_HOLD,
 )
 # Variables the demo cannot honour, and why; when one is set, one line names it.
 OVERRIDDEN: dict[str, str] = {
-    ENV_MODE: "the demo always runs in log mode: off protects nothing and raise stops at the first injected fault",
+    ENV_MODE: "the demo runs in log or protect mode: off protects nothing and raise stops at the first injected fault",
     ENV_REPORT: "not written: the demo's violations are simulated and do not belong in a real report",
     ENV_REAL_KV_LAYERS: "the simulated KV pool has no model layers",
     **{var: "the demo injects its own faults" for var in FAULT_ENV_VARS},
@@ -126,7 +141,8 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> DemoSettings:
     if is_set(ENV_CACHE_DIR):  # Config checks it only when the mode is on; the demo builds there in any mode
         check_cache_dir(env[ENV_CACHE_DIR].strip(), raw=env[ENV_CACHE_DIR])
     config = Config(
-        mode=Mode.LOG,
+        mode=Mode.PROTECT if base.mode is Mode.PROTECT else Mode.LOG,  # (--mode overrides it)
+        protect_hold=base.protect_hold if is_set(ENV_PROTECT_HOLD) else True,  # the demo's default: hold
         real_kv=base.real_kv,
         sweep_interval=base.sweep_interval if is_set(ENV_SWEEP_INTERVAL) else SWEEP_EVERY,
         verify_tokens=base.verify_tokens if is_set(ENV_VERIFY_TOKENS) else True,
@@ -138,8 +154,10 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> DemoSettings:
         cache_dir=str(jit.cache_root()),  # the directory the kernels come from (describe() shows it under -v)
     )
     overridden = tuple(f"{var} ({why})" for var, why in OVERRIDDEN.items()
-                       if is_set(var) and not (var == ENV_MODE and base.mode is Mode.LOG))
+                       if is_set(var) and not (var == ENV_MODE and base.mode in (Mode.LOG, Mode.PROTECT)))
     honoured = tuple(f"{var}={env[var].strip()}" for var in HONOURED if is_set(var))
+    if base.mode is Mode.PROTECT:
+        honoured = (f"{ENV_MODE}={env[ENV_MODE].strip()}", *honoured)
     return DemoSettings(config, honoured, overridden)
 
 
@@ -165,10 +183,25 @@ class DemoResult:
     seconds: float
     notes: list[str] = field(default_factory=list)
     drain_every: int = 8  # the manager's drain interval (bounds the latency column)
+    mode: str = "log"  # "log" or "protect"
+    hold: bool = False  # protect mode: drained and acted on before a forward's tokens are appended
+    # Outputs compared with a clean run's (protect mode, or check_outputs): finished requests whose tokens equal
+    # those they have over clean K/V, of all finished requests. None: not compared.
+    outputs_clean: int | None = None
+    outputs_total: int = 0
+    # protect mode, per fault class: (outputs equal to a clean run's, finished, not finished) of the requests acted on
+    class_outputs: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    protect: dict[str, int] | None = None  # protect mode's counters (kvcanary.protect.ProtectStats)
+    action_line: str | None = None  # one recompute action, as the log shows it
 
     @property
     def passed(self) -> bool:
-        return bool(self.faults) and all(r.all_detected for r in self.faults.values()) and self.false_positives == 0
+        ok = bool(self.faults) and all(r.all_detected for r in self.faults.values()) and self.false_positives == 0
+        if self.mode == "protect":
+            ok = ok and all(r.acted_on == r.injected for r in self.faults.values())
+            ok = ok and self.outputs_clean == self.outputs_total
+            ok = ok and not any(pending for _, _, pending in self.class_outputs.values())
+        return ok
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -194,7 +227,26 @@ class DemoResult:
             "violation_line": self.violation_line,
             "seconds": round(self.seconds, 3),
             "notes": self.notes,
+            **self._protect_json(),
         }
+
+    def _protect_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"mode": self.mode}
+        if self.outputs_clean is not None:
+            out["outputs"] = {"equal_to_clean_run": self.outputs_clean, "finished": self.outputs_total}
+        if self.mode == "protect":
+            out["protect"] = {
+                "hold": self.hold,
+                **(self.protect or {}),
+                "classes": {name: {"acted_on": r.acted_on, "actions": dict(r.actions),
+                                   "nodes_evicted": r.nodes_evicted,
+                                   "outputs_equal_to_clean_run": self.class_outputs.get(name, (0, 0, 0))[0],
+                                   "finished": self.class_outputs.get(name, (0, 0, 0))[1],
+                                   "not_finished": self.class_outputs.get(name, (0, 0, 0))[2]}
+                            for name, r in self.faults.items()},
+                "action_line": self.action_line,
+            }
+        return out
 
 
 class _Capture(logging.Handler):
@@ -225,6 +277,8 @@ def run_demo(
     quiet_log: bool = True,
     progress: Callable[[str], None] | None = None,
     settings: DemoSettings | None = None,
+    mode: str | None = None,
+    check_outputs: bool | None = None,
 ) -> DemoResult:
     """Serve clean traffic for ``seconds`` under the canary, then inject ``per_class`` faults of each class.
 
@@ -233,6 +287,8 @@ def run_demo(
     ``quiet_log``: keep kvcanary's WARNING lines (one per violation and per injection) off the console while the
     demo runs; they are captured either way (one is shown in the result).
     ``settings``: default :func:`settings_from_env` (which raises ``ConfigError`` for a bad ``KVCANARY_*`` value).
+    ``mode``: ``log`` or ``protect`` (default: the settings', i.e. ``KVCANARY_MODE=protect`` or log).
+    ``check_outputs``: compare every finished request's output with its clean run's (default: in protect mode).
     """
     from kvcanary.manager import CanaryManager
 
@@ -254,6 +310,12 @@ def run_demo(
         _note(progress, f"kvcanary demo: {build}")
 
     config = settings.config
+    if mode is not None:
+        if mode not in MODES:
+            raise ValueError(f"mode: expected one of {', '.join(MODES)}; got {mode!r}")
+        config = config.replace(mode=Mode(mode))
+    protecting = config.mode is Mode.PROTECT
+    compare = protecting if check_outputs is None else bool(check_outputs)
     drain, sweep = config.drain_every, config.sweep_interval
     driver = FaultDriver(fault_classes, seed=seed, per_class=per_class, warmup=1 << 62, gap=3,
                          deadline=30 + drain, grace=drain + 2, sweep_every=sweep)
@@ -263,8 +325,12 @@ def run_demo(
     root.addHandler(capture)
     root.propagate = not quiet_log
     try:
-        sim = Simulator(SimConfig(seed=seed, page_size=1, num_pages=NUM_PAGES, host_pages=HOST_PAGES),
-                        mgr_factory=lambda **kw: CanaryManager(config, **kw), hook=driver, device=dev)
+        protector = (SimProtect(hold=config.protect_hold, drain_every=drain, on_action=driver.note_action)
+                     if protecting else None)
+        sim = Simulator(SimConfig(seed=seed, page_size=1, num_pages=NUM_PAGES, host_pages=HOST_PAGES,
+                                  kv_sampling=compare),
+                        mgr_factory=lambda **kw: CanaryManager(config, **kw), hook=chain(protector, driver),
+                        device=dev)
         mgr = sim.mgr
         mgr.mark_init_finished()
 
@@ -298,14 +364,26 @@ def run_demo(
         limit = sim.step_no + per_injection * per_class * len(driver.classes)
         while not driver.done and sim.step_no < limit:
             sim.step()
+        if compare:  # the requests in flight (those acted on among them) finish, so that their outputs count
+            _note(progress, "kvcanary demo: letting the requests in flight finish, then comparing every output with "
+                            "a clean run's ...")
+            in_flight = {r.rid for r in sim.running + sim.waiting}
+            settle = sim.step_no + _MAX_SETTLE_FORWARDS
+            while sim.step_no < settle and any(r.rid in in_flight for r in sim.running + sim.waiting):
+                sim.step()
         mgr.flush()
         driver.score(sim)
+        if protector is not None:
+            protector.act(sim)  # (whatever the last flush drained)
         stats = mgr.stats
     finally:
         root.removeHandler(capture)
         root.propagate = saved_propagate
 
     results = driver.results()
+    outputs_clean, class_outputs = None, {}
+    if compare:
+        outputs_clean, class_outputs = _compare_outputs(sim, results)
     notes = [f"{name}: only {r.injected} of {per_class} injections found a fitting batch"
              for name, r in results.items() if r.injected < per_class]
     # settings from the environment that blind the canary to some classes: say so next to the FAIL they cause
@@ -313,9 +391,14 @@ def run_demo(
         notes.append(f"{ENV_REAL_KV}=none: no K/V byte is fingerprinted, so a fault that changes only K/V is not seen")
     if sweep == 0 and faults.CACHED_IDLE_CORRUPTION in results:
         notes.append(f"{ENV_SWEEP_INTERVAL}=0: no sweep, so {faults.CACHED_IDLE_CORRUPTION} is not seen")
+    if protecting and not config.protect_hold:
+        notes.append(f"{ENV_PROTECT_HOLD}=0: protect acts when the drain reports (every {drain} forwards), so a "
+                     "request can finish over bad K/V before it acts (missed); the demo's default holds")
     return DemoResult(
         device=str(dev),
-        config=(f"mode=log real_kv={config.real_kv.name.lower()} "
+        config=(f"mode={config.mode.value}"
+                + (f" protect_hold={str(config.protect_hold).lower()}" if protecting else "")
+                + f" real_kv={config.real_kv.name.lower()} "
                 f"verify_tokens={str(config.verify_tokens).lower()} sweep_interval={sweep} drain_every={drain}"),
         build=build,
         clean_seconds=clean_seconds,
@@ -333,7 +416,43 @@ def run_demo(
         seconds=time.perf_counter() - started,
         notes=notes,
         drain_every=drain,
+        mode=config.mode.value,
+        hold=protecting and config.protect_hold,
+        outputs_clean=outputs_clean,
+        outputs_total=len(sim.finished),
+        class_outputs=class_outputs,
+        protect=None if protector is None else _protect_counts(protector),
+        action_line=_example_action(capture),
     )
+
+
+def _compare_outputs(sim: Simulator, results: dict[str, ClassResult]) -> tuple[int, dict[str, tuple[int, int, int]]]:
+    """Finished requests whose output equals their clean run's; per class, (equal, finished, not finished) of the
+    requests acted on for it (a recomputed request counts once, as it finally finished)."""
+    clean: dict[int, bool] = {id(r): sim.output_is_clean(r) for r in sim.finished}
+    last: dict[str, Request] = {str(r.rid): r for r in sim.finished}
+    per_class = {}
+    for name, r in results.items():
+        done = [last[rid] for rid in r.acted_rids if rid in last]
+        per_class[name] = (sum(clean[id(q)] for q in done), len(done), len(r.acted_rids) - len(done))
+    return sum(clean.values()), per_class
+
+
+def _protect_counts(protector: SimProtect) -> dict[str, int]:
+    st = protector.stats
+    return {"recomputed": st.recomputed, "aborted": st.aborted, "missed": st.missed,
+            "nodes_evicted": st.nodes_evicted, "slots_evicted": st.slots_evicted,
+            "tokens_discarded": st.tokens_discarded, "tokens_sent": st.tokens_sent,
+            "window_forwards_max": st.window_forwards_max, "window_tokens_max": st.window_tokens_max}
+
+
+def _example_action(capture: _Capture) -> str | None:
+    """The log line of the first recompute action (else of any action)."""
+    lines = [(msg, line) for msg, line in capture.lines if msg.startswith(ACTION_LOG_PREFIX)]
+    for msg, line in lines:
+        if f" action={RECOMPUTE} " in msg:
+            return line
+    return lines[0][1] if lines else None
 
 
 def _example_line(driver: FaultDriver, capture: _Capture) -> str | None:
@@ -392,6 +511,8 @@ def render(result: DemoResult) -> str:
         f"{result.clean_violations} violations",
         "",
     ]
+    if result.mode == "protect":
+        return _render_protect(result, lines)
     rows = [(name, str(r.injected), str(r.detected), _reasons(r), _via(r), _latency(r), str(r.false_positives))
             for name, r in result.faults.items()]
     lines.append(format_table(rows, ("fault class", "injected", "detected", "reason reported (by)",
@@ -416,6 +537,69 @@ def render(result: DemoResult) -> str:
         why = []
         if missed:
             why.append(f"not every injection detected: {', '.join(missed)}")
+        if result.false_positives:
+            why.append(f"{result.false_positives} false positive(s)")
+        lines.append("FAIL: " + "; ".join(why))
+    return "\n".join(lines)
+
+
+_HOLD_TEXT = "hold: drained before each forward's tokens are appended"
+
+
+def _outputs_cell(cell: tuple[int, int, int] | None) -> str:
+    if cell is None or not (cell[1] or cell[2]):
+        return "-"
+    equal, finished, pending = cell
+    return f"{equal}/{finished}" + (f" ({pending} unfinished)" if pending else "")
+
+
+def _render_protect(result: DemoResult, lines: list[str]) -> str:
+    """Protect mode's table and verdict (after the common head)."""
+    rows = [(name, str(r.injected), str(r.detected), str(r.acted_on), str(r.actions["recompute"]),
+             str(r.actions["abort"]), str(r.actions["missed"]), str(r.nodes_evicted),
+             _outputs_cell(result.class_outputs.get(name)), _latency(r))
+            for name, r in result.faults.items()]
+    lines.append(format_table(rows, ("fault class", "injected", "detected", "acted on", "recomputed", "aborted",
+                                     "missed", "nodes evicted", "outputs = clean run", "latency (forwards)"),
+                              right=(1, 2, 3, 4, 5, 6, 7)))
+    p = result.protect or {}
+    recomputed = sum(r.actions["recompute"] for r in result.faults.values())
+    lines += [
+        "",
+        f"forwards {result.forwards} | entries verified {result.entries_verified} | entries swept "
+        f"{result.entries_swept} | tokens written {result.tokens_written} | false positives {result.false_positives} "
+        f"| {result.seconds:.1f} s",
+        f"protect ({_HOLD_TEXT if result.hold else 'no hold'}): {p.get('recomputed', 0)} requests recomputed "
+        f"({p.get('tokens_discarded', 0)} tokens over bad K/V "
+        f"discarded), {p.get('aborted', 0)} aborted, {p.get('missed', 0)} missed, {p.get('nodes_evicted', 0)} "
+        f"prefix-cache nodes evicted ({p.get('slots_evicted', 0)} slots)",
+        f"outputs equal to a clean run: {result.outputs_clean}/{result.outputs_total} finished requests "
+        f"(every request of the run, the {recomputed} recomputed included); the clean output is computed from the "
+        "request's tokens, over the K/V the model writes for them",
+        "acted on: injections with an action; outputs = clean run: of the requests acted on for the class, those "
+        "that finished",
+    ]
+    if result.action_line:
+        lines += ["", "one action, as the log shows it:", f"  {result.action_line}"]
+    lines += [f"note: {n}" for n in result.notes]
+    lines.append("")
+    if result.passed:
+        lines.append("PASS: every fault class detected and acted on, every output equal to a clean run's, "
+                     "0 false positives")
+        lines.append(NEXT_STEP_PROTECT)
+    else:
+        why = []
+        missed = [n for n, r in result.faults.items() if not r.all_detected]
+        if missed:
+            why.append(f"not every injection detected: {', '.join(missed)}")
+        idle = [n for n, r in result.faults.items() if r.acted_on < r.injected]
+        if idle:
+            why.append(f"not every injection acted on: {', '.join(idle)}")
+        if result.outputs_clean != result.outputs_total:
+            why.append(f"{result.outputs_total - (result.outputs_clean or 0)} output(s) differ from a clean run's")
+        pending = sum(c[2] for c in result.class_outputs.values())
+        if pending:
+            why.append(f"{pending} request(s) acted on did not finish")
         if result.false_positives:
             why.append(f"{result.false_positives} false positive(s)")
         lines.append("FAIL: " + "; ".join(why))

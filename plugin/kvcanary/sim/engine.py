@@ -49,10 +49,10 @@ upload (if the token check is on); ``mgr.before_forward``; the model writes KV; 
 
 Fault hooks: ``Simulator(hook=fn)`` calls ``fn(point, sim)`` at ``"pre_schedule"`` (before the step's
 scheduling and allocation), ``"pre_forward"`` (batch built and installed in ``sim.batch``, before
-``before_forward``), ``"pre_step"`` (after ``after_forward``, before ``mgr.step()``), ``"pre_results"`` (after ``mgr.step()``, before
-the forward's tokens are appended to its requests) and ``"post_step"``; with a
-host tier also ``"pre_load"`` (a load-back's records followed, its K/V not copied yet: ``sim.load`` describes it,
-and its ``kv_device_slots`` may be changed) and ``"post_load"`` (the K/V copied). A hook may mutate the batch
+``before_forward``), ``"pre_step"`` (after ``after_forward``, before ``mgr.step()``), ``"pre_results"`` (after
+``mgr.step()``, before the forward's tokens are appended to its requests) and ``"post_step"``; with a host tier
+also ``"pre_load"`` (a load-back's records followed, its K/V not copied yet: ``sim.load`` describes it, and its
+``kv_device_slots`` may be changed) and ``"post_load"`` (the K/V copied). A hook may mutate the batch
 tensors (the model then consumes the mutated batch, as it would in an engine), the KV buffers (device and host),
 ``req_to_token``, and use ``abort``, ``free_slot_early``, ``extend_life``, ``pin``/``unpin``, ``repair_kv``.
 """

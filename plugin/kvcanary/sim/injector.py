@@ -436,8 +436,8 @@ class FaultDriver:
 
     def load_wrong_slots(self, sim: Simulator) -> None:
         load = sim.load
-        if len(set(load.device_slots)) < 2 or load.request.recomputes:  # one slot cannot be mixed up: wait for a longer load-back
-            return
+        if len(set(load.device_slots)) < 2 or load.request.recomputes:  # (one slot cannot be mixed up: wait for a
+            return  # longer load-back)
         sim.extend_life(load.request, self.deadline + 5)
         inj, load.kv_device_slots = faults.misdirect_load(load.kv_device_slots, step=sim.step_no)
         self.start(sim, inj, self._loaded(sim, load))

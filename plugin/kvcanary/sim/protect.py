@@ -7,8 +7,9 @@ sglang's scheduler, done with the simulator's own calls between forwards, over t
 * ``pre_forward``: the forward's rows, requests, sequence and prefix lengths (:class:`kvcanary.protect.BatchHistory`);
 * ``pre_results`` (``hold``, the ``KVCANARY_PROTECT_HOLD=1`` behaviour): wait for the device and drain
   (``mgr.flush()``), then act, before the forward's tokens are appended to its requests;
-* ``pre_schedule``: act on what the asynchronous drain reported since (without ``hold``, the only place it acts, as
-  sglang's ``get_next_batch_to_run`` hook), and evict marked nodes their holders have released since.
+* ``post_step`` (the forward's tokens appended; sglang's ``get_next_batch_to_run`` hook, the only place it acts
+  without ``hold``) and ``pre_schedule``: act on what the asynchronous drain reported since, and evict marked nodes
+  their holders have released since. (Chained before a fault driver, it acts before the driver scores and repairs.)
 
 Acting: every request a violation condemns is recomputed (:meth:`Simulator.retract`: its KV released uncached, its
 outputs from ``Verdict.keep_len`` on dropped, requeued with the kept tokens as its prompt), or aborted after
@@ -75,7 +76,7 @@ class SimProtect:
         elif point == "pre_results" and self.hold:
             sim.mgr.flush()
             self.act(sim)
-        elif point == "pre_schedule":
+        elif point in ("post_step", "pre_schedule"):
             self.act(sim)
 
     # ------------------------------------------------------------------------------------------ the pass
