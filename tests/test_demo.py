@@ -145,3 +145,70 @@ def test_verbose_before_or_after_the_subcommand(argv: list[str], verbose: bool) 
 
 def test_log_format_is_the_commands() -> None:
     assert demo.LOG_FORMAT == cli.LOG_FORMAT
+
+
+# ------------------------------------------------------------------------------------------------ protect mode
+@pytest.fixture(scope="module")
+def protect_result() -> demo.DemoResult:
+    return demo.run_demo(seconds=0, min_forwards=200, per_class=2, device="cpu", mode="protect")
+
+
+def test_protect_demo_recomputes_to_the_clean_outputs(protect_result: demo.DemoResult) -> None:
+    """issue 26 item 5: the same faults, the requests recomputed, every output equal to a clean run's."""
+    r = protect_result
+    assert r.passed and r.mode == "protect" and r.hold, demo.render(r)
+    assert list(r.faults) == list(faults.FAULT_CLASSES)
+    for name, c in r.faults.items():
+        assert c.injected == c.detected == c.acted_on == 2, (name, c)
+        assert c.actions["abort"] == 0 and c.actions["missed"] == 0, (name, c.actions)
+        equal, finished, pending = r.class_outputs[name]
+        if name == faults.CACHED_IDLE_CORRUPTION:  # K/V no request reads: the cached nodes are evicted
+            assert c.nodes_evicted > 0 and finished == 0, c
+        else:
+            assert c.actions["recompute"] >= 2 and equal == finished >= 2 and pending == 0, (name, c)
+    assert r.outputs_total > 50 and r.outputs_clean == r.outputs_total
+    assert r.protect["recomputed"] >= 2 * (len(faults.FAULT_CLASSES) - 1) and r.protect["missed"] == 0
+    assert r.false_positives == 0 and r.clean_violations == 0
+    text = demo.render(r)
+    assert f"outputs equal to a clean run: {r.outputs_total}/{r.outputs_total} finished requests" in text
+    assert "PASS: every fault class detected and acted on, every output equal to a clean run's" in text
+    assert r.action_line and "kvcanary action: " in r.action_line and " action=recompute " in r.action_line
+    obj = json.loads(json.dumps(r.to_json()))
+    assert obj["mode"] == "protect" and obj["passed"] is True
+    assert obj["outputs"] == {"equal_to_clean_run": r.outputs_total, "finished": r.outputs_total}
+    assert all(v["acted_on"] == 2 for v in obj["protect"]["classes"].values())
+
+
+def test_the_same_faults_in_log_mode_change_outputs() -> None:
+    """Proof that the comparison can fail: without protect, requests finish with outputs computed over bad K/V."""
+    r = demo.run_demo(seconds=0, min_forwards=200, per_class=2, device="cpu", mode="log", check_outputs=True)
+    assert r.passed  # (log mode: every fault detected)
+    assert r.outputs_total > 50 and r.outputs_clean < r.outputs_total
+
+
+def test_a_protect_that_does_not_act_fails_the_demo(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcanary.sim.protect import SimProtect
+
+    monkeypatch.setattr(SimProtect, "act", lambda self, sim: None)
+    r = demo.run_demo(seconds=0, min_forwards=200, per_class=1, device="cpu", mode="protect",
+                      fault_classes=[faults.REQ_TO_TOKEN_REDIRECT, faults.REAL_KV_FLIP, faults.HOST_TIER_FLIP])
+    assert not r.passed
+    text = demo.render(r)
+    assert "FAIL: not every injection acted on: " in text and "output(s) differ from a clean run's" in text
+
+
+def test_cli_demo_protect(monkeypatch: pytest.MonkeyPatch) -> None:
+    out = io.StringIO()
+    code = cli.main(["demo", "--mode", "protect", "--seconds", "0.2", "--injections", "1", "--device", "cpu",
+                     "--faults", "token_swap,cached_idle_corruption", "--json"], out=out)
+    assert code == 0, out.getvalue()
+    obj = json.loads(out.getvalue())
+    assert obj["mode"] == "protect" and obj["passed"] is True
+    assert obj["outputs"]["equal_to_clean_run"] == obj["outputs"]["finished"]
+    # KVCANARY_MODE=protect selects it too (and is named as honoured); KVCANARY_PROTECT_HOLD=0 turns the hold off
+    env = {"KVCANARY_MODE": "protect", "KVCANARY_PROTECT_HOLD": "0"}
+    settings = demo.settings_from_env(env)
+    assert settings.config.mode.value == "protect" and settings.config.protect_hold is False
+    assert "KVCANARY_MODE=protect" in settings.honoured and not settings.overridden
+    assert demo.settings_from_env({}).config.mode.value == "log"
+    assert demo.settings_from_env({"KVCANARY_MODE": "raise"}).overridden
