@@ -7,6 +7,9 @@
 * :mod:`kvcanary.sim.injector`: :class:`~kvcanary.sim.injector.FaultDriver`, which injects the fault classes of
   :mod:`kvcanary.faults` into a running simulator one at a time, repairs each after it is reported, and scores
   the canary's reports (detections, latency, false positives).
+* :mod:`kvcanary.sim.protect`: :class:`~kvcanary.sim.protect.SimProtect`, protect mode over the simulator (the
+  requests that read bad KV recomputed, the cached nodes holding bad slots dropped), for ``kvcanary demo --mode
+  protect``.
 
 Neither needs sglang or a GPU.
 """
@@ -15,5 +18,6 @@ from __future__ import annotations
 
 from kvcanary.sim.engine import SimConfig, Simulator, build_sim
 from kvcanary.sim.injector import ClassResult, FaultDriver
+from kvcanary.sim.protect import SimProtect
 
-__all__ = ["ClassResult", "FaultDriver", "SimConfig", "Simulator", "build_sim"]
+__all__ = ["ClassResult", "FaultDriver", "SimConfig", "SimProtect", "Simulator", "build_sim"]

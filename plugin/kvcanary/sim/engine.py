@@ -54,7 +54,8 @@ scheduling and allocation), ``"pre_forward"`` (batch built and installed in ``si
 also ``"pre_load"`` (a load-back's records followed, its K/V not copied yet: ``sim.load`` describes it, and its
 ``kv_device_slots`` may be changed) and ``"post_load"`` (the K/V copied). A hook may mutate the batch
 tensors (the model then consumes the mutated batch, as it would in an engine), the KV buffers (device and host),
-``req_to_token``, and use ``abort``, ``free_slot_early``, ``extend_life``, ``pin``/``unpin``, ``repair_kv``.
+``req_to_token``, and use ``abort``, ``free_slot_early``, ``extend_life``, ``pin``/``unpin``, ``repair_kv``, and
+``retract`` / ``discard`` (protect mode: :mod:`kvcanary.sim.protect`).
 """
 
 from __future__ import annotations
