@@ -69,6 +69,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hicache_phases  # noqa: E402  (integration/hicache_phases.py: the HiCache phases 9-14)
 import hunt_phases  # noqa: E402  (integration/hunt_phases.py: the hunt phases 17-20, issue 27)
 import loop_probe  # noqa: E402  (integration/loop_probe.py: --loop-probe)
+import pool_phases  # noqa: E402  (integration/pool_phases.py: phases 24-28, issues 29/30)
 import protect_phases  # noqa: E402  (integration/protect_phases.py: the protect phases 21-23, issue 26)
 from test_plugin import plugin_env, write_test_plugin  # noqa: E402
 
@@ -376,6 +377,7 @@ def summarize_phase(phase: Phase, result: dict, log_text: str, report_rows: list
         "piecewise": parse_piecewise(log_text),  # prefill forwards the piecewise runner served (None: no line)
         "pcg_capture_s": piecewise_capture_seconds(log_text),  # sglang's piecewise graph capture, per Engine
         "piecewise_requested": bool(result.get("piecewise")),
+        "sweep_off": pool_phases.sweep_off(log_text),  # kvcanary cannot sweep this prefix cache (SWARadixCache)
     }
     return s
 
@@ -395,16 +397,17 @@ def verdict_clean(s: dict) -> tuple[bool, list[str]]:
         why.append("no kvcanary stats line (plugin not active?)")
     elif s["entries_verified"] < 1_000_000:
         why.append(f"entries_verified {s['entries_verified']} < 1e6")
-    if not s["entries_swept"]:
+    if not s["entries_swept"] and not s.get("sweep_off"):  # (kvcanary said why it is off: not judged here)
         why.append("sweep never ran")
     return not why, why
 
 
-def verdict_faults(s: dict, m: FaultMatch, min_per_class: int = 20) -> tuple[bool, list[str]]:
+def verdict_faults(s: dict, m: FaultMatch, min_per_class: int = 20,
+                   classes: tuple[str, ...] | None = None) -> tuple[bool, list[str]]:
     why = []
     if s["status"] not in ("OK", "TRUNCATED"):
         why.append(f"status {s['status']}")
-    for c in E2E_FAULTS:
+    for c in classes or E2E_FAULTS:
         n, d = m.injections.get(c, 0), m.detected.get(c, 0)
         if n < min_per_class:
             why.append(f"{c}: {n} injections < {min_per_class}")
@@ -506,6 +509,7 @@ def render(summary: dict) -> str:
     lines += render_eagle(summary.get("eagle") or [])
     lines += hicache_phases.render(summary.get("hicache") or [])
     lines += hunt_phases.render(summary.get("hunt") or [])
+    lines += pool_phases.render(summary.get("pool") or [])
     lines += protect_phases.render(summary.get("protect") or [], E2E_FAULTS)
     for row in summary.get("hicache") or []:
         f = row.get("faults")
@@ -543,6 +547,12 @@ def build_summary(out: str, phases: list[str], results: dict, budget: float, tot
             ok_all &= overhead_pairs(summary, pdir, results)
             continue
         res = results.get(key, {"status": "SKIPPED"})
+        if key in POOL_PHASES:
+            s = summarize_pool(phase, pdir, res, results)
+            summary.setdefault("pool", []).append(s)
+            ok_all &= s["verdict"] in ("PASS",) + HUNT_OK
+            summary["phases"].append(s)
+            continue
         if key in PROTECT_PHASES:
             s = summarize_protect(phase, pdir, res, results)
             summary.setdefault("protect", []).append(s)
@@ -572,7 +582,7 @@ def build_summary(out: str, phases: list[str], results: dict, budget: float, tot
         s = summarize_phase(phase, res, log_text, rows)
         if key == "3":
             m = match_injections(rows)
-            ok, why = verdict_faults(s, m)
+            ok, why = verdict_faults(s, m, classes=fault_classes((env or {}).get("kvcanary-env", "")))
             summary["faults"] = {
                 "injections": dict(m.injections), "detected": dict(m.detected),
                 "reasons": {k: dict(v) for k, v in m.reasons.items()}, "tags": {k: dict(v) for k, v in m.tags.items()},
@@ -1646,6 +1656,105 @@ def summarize_protect(phase: Phase, pdir: str, res: dict, results: dict) -> dict
     return s
 
 
+# ---------------------------------------------------------------------------------------------------- pool kinds
+# integration/pool_phases.py (issues 29/30): greedy outputs with kvcanary off and on (24, 25: deterministic
+# inference, so the outputs do not depend on the batches), PR 35401's stale page tails (26: page 16, retraction) and
+# PR 26380's SWA mapping race (27 observed, 28 with the fix patched in; run them with the SWA config).
+_PP = pool_phases
+_IDENT_ENGINE = (("enable_deterministic_inference", True),)
+_RETRACT = (("schedule_conservativeness", 0.05),)
+POOL_PHASES: dict[str, Phase] = {
+    _PP.IDENT_OFF: Phase(_PP.IDENT_OFF, "ident-off", "off", True, 12288, 150, 70, COMMON_ENV, _IDENT_ENGINE),
+    _PP.IDENT_ON: Phase(_PP.IDENT_ON, "ident-on", "raise", True, 12288, 150, 70, COMMON_ENV, _IDENT_ENGINE),
+    "26": Phase("26", "hunt-page-tail", "log", True, 8192, 180, 80, COMMON_ENV + ((_PP.POOL_ENV, "page-tail"),),
+                (("page_size", 16),) + _RETRACT, max_new=(16, 192)),
+    "27": Phase("27", "hunt-swa-race", "log", True, 4096, 180, 80, COMMON_ENV + ((_PP.POOL_ENV, "swa-race"),),
+                _RETRACT, max_new=(16, 192)),
+    "28": Phase("28", "hunt-swa-race-fixed", "log", True, 4096, 180, 80,
+                COMMON_ENV + ((_PP.POOL_ENV, "swa-race-fix"),), _RETRACT, max_new=(16, 192)),
+}
+IDENT_PHASES = (_PP.IDENT_OFF, _PP.IDENT_ON)
+PHASES.update(POOL_PHASES)
+PHASE_NAMES.update({p.name: k for k, p in POOL_PHASES.items()})
+
+
+def fault_classes(kvcanary_env: str) -> tuple[str, ...] | None:
+    """The fault classes a ``--kvcanary-env KVCANARY_FAULT=...`` override chose (phase 3 then judges those), e.g.
+    without cached_idle_corruption under an SWARadixCache, which kvcanary cannot sweep."""
+    for item in kvcanary_env.split():
+        key, _, value = item.partition("=")
+        if key == "KVCANARY_FAULT":
+            return tuple(c for c in value.split(",") if c)
+    return None
+
+
+def pool_env(env: dict, phase: Phase, pdir: str, lift_kv_dtype: bool = False) -> dict:
+    """The test-only pool plugin (``E2E_POOL``) on the worker's path when the phase or --test-lift-kv-dtype asks."""
+    env = dict(env)
+    switches = [x for x in env.get(_PP.POOL_ENV, "").split(",") if x]
+    if lift_kv_dtype:
+        switches.append("lift-kv-dtype")
+    if not switches:
+        env.pop(_PP.POOL_ENV, None)
+        return env
+    env[_PP.POOL_ENV] = ",".join(switches)
+    root = write_test_plugin(os.path.join(pdir, "pool-plugin"), _PP.POOL_PLUGIN,
+                             about="integration/pool_phases.py, issue 29/30 observers and switches",
+                             gate_env=_PP.POOL_ENV, file_env=_PP.POOL_DRIVER_ENV, module="_kvcanary_e2e_pool",
+                             function="install")
+    return plugin_env(env, root, _PP.POOL_PLUGIN, file_env=_PP.POOL_DRIVER_ENV, driver_file=_PP.__file__)
+
+
+def summarize_pool(phase: Phase, pdir: str, res: dict, results: dict) -> dict:
+    """Phases 24-28: 24 passes when every request completed; 25 as a clean phase and with phase 24's greedy
+    outputs; 26-28 as a hunt (CLEAN / CAUGHT / NOT TRIGGERED), the trigger from the observer's lines."""
+    log_text = _read(os.path.join(pdir, "worker.log"))
+    rows = read_jsonl(sorted(glob.glob(os.path.join(pdir, "kvc-*.jsonl"))))
+    s = summarize_phase(phase, res, log_text, rows)
+    if phase.key == _PP.IDENT_OFF:
+        ok = s["status"] == "OK" and s["requests_ok"] == s["requests_sent"] > 0
+        s["evidence"] = f"{len(res.get('outputs') or [])} greedy outputs kept (the reference)"
+        s["verdict"], s["why"] = ("PASS" if ok else "FAIL"), ([] if ok else [f"status {s['status']}"])
+        return s
+    if phase.key == _PP.IDENT_ON:
+        ok, why = verdict_clean(s)
+        cmp = _PP.compare_outputs((results.get(_PP.IDENT_OFF) or {}).get("outputs"), res.get("outputs"))
+        s["outputs"] = cmp
+        if not cmp["compared"]:
+            why.append("no outputs to compare (run ident-off in the same call)")
+        elif cmp["differ"]:
+            why.append(f"{cmp['differ']} of {cmp['compared']} greedy outputs differ from kvcanary off "
+                       f"(first: {cmp['first_differ']})")
+        s["evidence"] = f"{cmp['compared']} outputs compared, {cmp['differ']} differ"
+        s["verdict"], s["why"] = ("PASS" if not why else "FAIL"), why
+        return s
+    kind, s["upstream"], _ = _PP.HUNTS[phase.key]
+    s["triggers"], s["evidence"] = _PP.trigger_count(kind, log_text, s["retractions"])
+    s["verdict"], s["why"] = _HU.verdict(kind, s, s["triggers"])
+    return s
+
+
+def dry_run_pool(phase: Phase, pdir: str, base: dict, n_req: int) -> dict:
+    """Phases 24-28's worker output, synthesized: the same outputs on and off, observer lines, no violation."""
+    lines = {
+        "26": "[e2e-pool] page-tail: forward=40 stale_entries=3 row=5 seq_len=37 position=40 value=901 "
+              "expected=41 page_size=16\n[e2e-pool] page-tail-total: forwards=800 stale_entries=90 "
+              "stale_forwards=31 stale_rows=40\n",
+        "27": "[e2e-pool] swa-race: free_swa=400 in_flight=57 slots=9000 slots_in_flight=1200\n",
+        "28": "[e2e-pool] swa-race-fix: barriers=900 free_swa=400 in_flight=50 slots=9000 slots_in_flight=1100\n",
+    }.get(phase.key, "")
+    with open(os.path.join(pdir, "worker.log"), "w") as f:
+        f.write("[dry-run]\n" + lines)
+        if phase.mode != "off":
+            f.write("kvcanary stats: step=900 forwards=900 tokens_written=200000 entries_verified=2500000 "
+                    "entries_swept=90000 violations=0 lost=0\n")
+    open(os.path.join(pdir, "kvc-0.jsonl"), "w").close()
+    res = dict(base, retractions=4 if phase.key in ("26", "27", "28") else 0)
+    if phase.key in IDENT_PHASES:
+        res["outputs"] = [[7, i] for i in range(n_req)]
+    return res
+
+
 # ---------------------------------------------------------------------------------------------------- parent
 def phase_env(phase: Phase, report_dir: str, base: dict | None = None, mode: str | None = None,
               fault_rank: int | None = None, overrides: dict[str, str] | None = None) -> dict:
@@ -1777,7 +1886,7 @@ def run_phases(args, runner=run_worker) -> dict:
                 "deadline": time.time() + timeout - 25,  # the worker stops sending requests then, and shuts down
                 "max_new": list(phase.max_new), "warm_groups": 3 if key == "4" else 0, "workload": phase.workload,
                 "temperature": phase.temperature, "hunt": hunt_kind(phase),
-                "keep_outputs": key in HICACHE_PHASES, "protect": key in PROTECT_PHASES}
+                "keep_outputs": key in HICACHE_PHASES or key in IDENT_PHASES, "protect": key in PROTECT_PHASES}
         spec_path = os.path.join(pdir, f"spec{'-' + '-'.join(s for s in subs if s)}.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f, indent=1)
@@ -1790,6 +1899,7 @@ def run_phases(args, runner=run_worker) -> dict:
                         phase, pdir)
         env = hicache_env(env, phase, pdir)
         env = hunt_env(env, phase, pdir)
+        env = pool_env(env, phase, pdir, getattr(args, "test_lift_kv_dtype", False))
         if getattr(args, "loop_probe", False):
             env = loop_probe.probe_env(env, os.path.join(pdir, "loop-probe-plugin"))
         rc = runner(cmd, env, os.path.join(pdir, "worker.log"), timeout)
@@ -1928,6 +2038,9 @@ def dry_run_reports(args, groups: list[list[Request]]) -> dict:
             continue
         if key in HUNT_PHASES:
             results[key] = dry_run_hunt(phase, pdir, base, args.seed)
+            continue
+        if key in POOL_PHASES:
+            results[key] = dry_run_pool(phase, pdir, base, n_req)
             continue
         if key in PROTECT_PHASES:
             results[key] = protect_phases.dry_run(PROTECT_KIND[key], pdir, base, groups, E2E_FAULTS, EXPECTED_REASONS)
@@ -2180,7 +2293,8 @@ def parse_args(argv=None):
                     "5 eagle-bug, 6 eagle-fixed, 7 eagle-soak, 8 eagle-faults, 9 hicache-off, 10 hicache-clean, "
                     "11 hicache-writeback, 12 hicache-faults, 13 hicache-race, 14 hicache-race-fixed, "
                     "15 eagle-retract, 16 eagle-retract-fixed, 17 hunt-overlap-cached, 18 hunt-spec-abort, "
-                    "19 hunt-determ-radix, 20 hunt-hicache-hostfree, 21 protect-clean, 22 protect, 23 protect-hold")
+                    "19 hunt-determ-radix, 20 hunt-hicache-hostfree, 21 protect-clean, 22 protect, 23 protect-hold, "
+                    "24 ident-off, 25 ident-on, 26 hunt-page-tail, 27 hunt-swa-race, 28 hunt-swa-race-fixed")
     ap.add_argument("--draft-model", default=None, help="EAGLE draft model path (default: a one-layer "
                     "LlamaForCausalLMEagle config, dummy weights)")
     ap.add_argument("--budget", type=float, default=570.0, help="seconds for the whole run (default 570)")
@@ -2214,6 +2328,9 @@ def parse_args(argv=None):
                     help="pin the driver, its workers and every sglang process they start to these host CPUs (e.g. "
                     "0-15; inherited by child processes): two runs side by side on one machine then never share a "
                     "core, and an Engine's host speed varies less between Engines (the overhead phase's pairs)")
+    ap.add_argument("--test-lift-kv-dtype", action="store_true",
+                    help="TEST ONLY (issue 29's fp8 proof): lift kvcanary's start-up refusal of --kv-cache-dtype "
+                    "fp8_* in every phase's sglang processes (integration/pool_phases.py, printed in the log)")
     ap.add_argument("--tp-size", type=int, default=1, help="tensor parallel ranks (one canary per rank)")
     ap.add_argument("--fault-rank", type=int, default=None, help="phase 3: inject on this rank only")
     ap.add_argument("--dry-run", action="store_true", help="no sglang/GPU: synthesize reports, parse, print")

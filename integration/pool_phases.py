@@ -1,0 +1,213 @@
+"""Issues 29 and 30 on the real Engine: greedy outputs with kvcanary on and off, sglang PR 35401's stale page tails
+and PR 26380's SWA mapping race (phases 24-28), and the test-only switches they need.
+
+Everything here that runs inside sglang is test-only and reaches it through a plugin written into the phase folder
+(``pool-plugin/``, gated by ``E2E_POOL``: a comma list), never through kvcanary:
+
+* ``page-tail`` (sglang PR 35401, open): with ``page_size`` > 1 the allocator hands out whole pages but the
+  req_to_token row is written only up to ``seq_len``, so ``req_to_token[row, seq_len:ceil(seq_len/page)*page]``
+  keeps the previous occupant's indices. Before every forward the observer counts the batch's rows whose last page
+  has such a stale tail (an entry that is not page start + offset) and prints ``[e2e-pool] page-tail:`` lines
+  (rate-limited; one host sync per forward, hunt phases only). kvcanary must stay clean: it verifies positions
+  below ``seq_len`` only, so a stale tail nobody reads is no violation.
+* ``swa-race`` / ``swa-race-fix`` (sglang PR 26380, fixed in 0.5.13): under the overlap scheduler
+  ``schedule_stream`` writes ``full_to_swa_index_mapping`` (``free_swa`` from retraction and window eviction) and
+  req_to_token while the previous forward may still read them. The observer counts ``free_swa`` calls made while
+  the forward stream is still busy (``[e2e-pool] swa-race:`` lines); ``swa-race-fix`` also patches in the PR's
+  barrier, ``schedule_stream.wait_stream(forward_stream)`` at the top of every overlap loop iteration (before
+  ``recv_requests``). kvcanary reads the mapping inside the forward, on the forward stream, so its reads race
+  exactly like the attention kernels': a violation in the observed phase and none with the fix is the race.
+* ``lift-kv-dtype``: kvcanary's start-up guard refuses ``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2`` until a GPU run
+  has proven the real-KV fingerprint on a quantised store (plugin/kvcanary/sglang/audit.py). This drops that one
+  audit row in the scheduler process for the fp8 proof run only, and prints that it did; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+POOL_ENV = "E2E_POOL"
+POOL_DRIVER_ENV = "E2E_POOL_PHASES_FILE"
+POOL_PLUGIN = "kvcanary_e2e_pool"
+LINE_RE = re.compile(r"\[e2e-pool\] (?P<kind>[\w-]+): (?P<fields>[^\n]*)")
+SWEEP_OFF_RE = re.compile(r"kvcanary: prefix cache (?P<cls>\w+) cannot be swept")
+SWITCHES = ("page-tail", "swa-race", "swa-race-fix", "lift-kv-dtype")
+PRINT_FIRST, PRINT_EVERY = 10, 200  # observer lines: the first events, then a running total every N forwards
+
+# phase key -> (kind, upstream, what is counted)
+HUNTS = {
+    "26": ("page-tail", "sglang PR 35401", "rows whose last page keeps a previous occupant's req_to_token tail"),
+    "27": ("swa-race", "sglang PR 26380", "free_swa calls while the previous forward still runs (overlap)"),
+    "28": ("swa-race-fix", "sglang PR 26380 (fix patched in)", "the same, with the PR's WAR barrier"),
+}
+IDENT_OFF, IDENT_ON = "24", "25"
+
+
+# ------------------------------------------------------------------------------------------ in sglang (test-only)
+def install(value: str) -> None:
+    """Called by the test plugin in every sglang process with ``E2E_POOL``'s value."""
+    for item in filter(None, (x.strip() for x in value.split(","))):
+        if item == "page-tail":
+            _observe_page_tail()
+        elif item in ("swa-race", "swa-race-fix"):
+            _observe_swa_race(fix=item == "swa-race-fix")
+        elif item == "lift-kv-dtype":
+            _lift_kv_dtype_refusal()
+        else:
+            raise ValueError(f"{POOL_ENV}: unknown switch {item!r}; expected {', '.join(SWITCHES)}")
+
+
+def _lift_kv_dtype_refusal() -> None:
+    import kvcanary.sglang.audit as audit
+
+    if getattr(audit.refused_rows, "_e2e_pool", False):
+        return
+    orig = audit.refused_rows
+
+    def refused_rows():
+        return tuple(r for r in orig() if r.field != "kv_cache_dtype")
+
+    refused_rows._e2e_pool = True  # type: ignore[attr-defined]
+    audit.refused_rows = refused_rows
+    print("[e2e-pool] lift: field=kv_cache_dtype test_only=1", flush=True)
+
+
+def _observe_page_tail() -> None:
+    import torch
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    if getattr(ModelRunner.forward, "_e2e_pool", False):
+        return
+    orig = ModelRunner.forward
+    tally = collections.Counter()
+
+    def forward(self, forward_batch, *args, **kwargs):
+        ps = int(getattr(self, "page_size", 1) or 1)
+        if ps > 1 and getattr(forward_batch, "req_pool_indices", None) is not None and not self.is_draft_worker:
+            r2t = self.req_to_token_pool.req_to_token
+            rows = forward_batch.req_pool_indices.to(torch.int64)
+            seq = forward_batch.seq_lens.to(torch.int64)
+            start = torch.div(seq - 1, ps, rounding_mode="floor").clamp_min(0) * ps
+            off = torch.arange(ps, device=seq.device)
+            pos = start[:, None] + off[None, :]  # the last page's positions
+            tail = (pos >= seq[:, None]) & (rows[:, None] > 0) & (seq[:, None] > 0)
+            got = r2t[rows[:, None], pos.clamp_max(r2t.shape[1] - 1)]
+            want = r2t[rows, start][:, None] + off[None, :]
+            stale = tail & (got != want)
+            n = int(stale.sum())  # (host sync: hunt phases only)
+            tally["forwards"] += 1
+            if n:
+                tally["stale_forwards"] += 1
+                tally["stale_entries"] += n
+                tally["stale_rows"] += int(stale.any(dim=1).sum())
+                if tally["stale_forwards"] <= PRINT_FIRST:
+                    i, j = (int(x) for x in stale.nonzero()[0])
+                    print(f"[e2e-pool] page-tail: forward={tally['forwards']} stale_entries={n} row={int(rows[i])} "
+                          f"seq_len={int(seq[i])} position={int(pos[i, j])} value={int(got[i, j])} "
+                          f"expected={int(want[i, j])} page_size={ps}", flush=True)
+            if tally["forwards"] % PRINT_EVERY == 0:
+                print("[e2e-pool] page-tail-total: " + " ".join(f"{k}={v}" for k, v in sorted(tally.items())),
+                      flush=True)
+        return orig(self, forward_batch, *args, **kwargs)
+
+    forward._e2e_pool = True  # type: ignore[attr-defined]
+    ModelRunner.forward = forward
+
+
+def _observe_swa_race(fix: bool) -> None:
+    import sglang.srt.managers.scheduler as sm
+    from sglang.srt.mem_cache.swa_memory_pool import SWATokenToKVPoolAllocator
+
+    if getattr(SWATokenToKVPoolAllocator.free_swa, "_e2e_pool", False):
+        return
+    sched: list = []
+    tally = collections.Counter()
+    orig_recv = sm.Scheduler.recv_requests
+
+    def recv_requests(self, *args, **kwargs):
+        if not sched:
+            sched.append(self)
+        if fix and getattr(self, "enable_overlap", False) and hasattr(self, "schedule_stream"):
+            self.schedule_stream.wait_stream(self.forward_stream)  # PR 26380: WAR barrier at the loop top
+            tally["barriers"] += 1
+        return orig_recv(self, *args, **kwargs)
+
+    orig_free = SWATokenToKVPoolAllocator.free_swa
+
+    def free_swa(self, free_index):
+        s = sched[0] if sched else None
+        busy = s is not None and getattr(s, "enable_overlap", False) and not s.forward_stream.query()
+        tally["free_swa"] += 1
+        tally["slots"] += int(free_index.numel())
+        if busy:
+            tally["in_flight"] += 1
+            tally["slots_in_flight"] += int(free_index.numel())
+        if tally["free_swa"] <= PRINT_FIRST or tally["free_swa"] % PRINT_EVERY == 0:
+            print(f"[e2e-pool] {'swa-race-fix' if fix else 'swa-race'}: " + " ".join(
+                f"{k}={v}" for k, v in sorted(tally.items())), flush=True)
+        return orig_free(self, free_index)
+
+    recv_requests._e2e_pool = free_swa._e2e_pool = True  # type: ignore[attr-defined]
+    sm.Scheduler.recv_requests = recv_requests
+    SWATokenToKVPoolAllocator.free_swa = free_swa
+
+
+# ------------------------------------------------------------------------------------------ driver side
+def parse_lines(log_text: str) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = collections.defaultdict(list)
+    for m in LINE_RE.finditer(log_text):
+        fields = {}
+        for pair in m["fields"].split():
+            k, sep, v = pair.partition("=")
+            if sep:
+                fields[k] = int(v) if re.fullmatch(r"-?\d+", v) else v
+        out[m["kind"]].append(fields)
+    return dict(out)
+
+
+def trigger_count(kind: str, log_text: str, retractions: int = 0) -> tuple[int, str]:
+    lines = parse_lines(log_text)
+    if kind == "page-tail":
+        totals = lines.get("page-tail-total") or [{}]
+        last = totals[-1]
+        n = max(int(last.get("stale_forwards", 0)), len(lines.get("page-tail", [])))
+        return n, (f"{n} of {last.get('forwards', '?')} observed forwards had rows with a stale last-page tail "
+                   f"({last.get('stale_entries', 0)} entries; running totals every {PRINT_EVERY} forwards)")
+    mine = lines.get(kind) or [{}]
+    last = mine[-1]
+    # observed: frees the host issued while the forward stream was busy; fixed: the same path exercised, with the
+    # barrier ordering every schedule-stream write after the previous forward on the GPU (the host may still run)
+    n = int(last.get("in_flight", 0)) if kind == "swa-race" else min(int(last.get("free_swa", 0)),
+                                                                        int(last.get("barriers", 0)))
+    return n, (f"{last.get('free_swa', 0)} free_swa calls ({last.get('slots', 0)} slots), {n} while the previous "
+               f"forward was still running ({last.get('slots_in_flight', 0)} slots); {retractions} retractions"
+               + (f"; {last.get('barriers', 0)} barriers" if kind == "swa-race-fix" else ""))
+
+
+def sweep_off(log_text: str) -> str | None:
+    """The prefix cache kvcanary said it cannot sweep (e.g. SWARadixCache), or None."""
+    m = SWEEP_OFF_RE.search(log_text)
+    return m["cls"] if m else None
+
+
+def compare_outputs(ref: list | None, got: list | None) -> dict:
+    """Greedy outputs of the kvcanary-on phase against the kvcanary-off phase's, request by request."""
+    if not ref or not got:
+        return {"compared": 0, "differ": None, "first_differ": None}
+    differ = [i for i, (a, b) in enumerate(zip(ref, got, strict=False)) if a != b]
+    return {"compared": min(len(ref), len(got)), "differ": len(differ) + abs(len(ref) - len(got)),
+            "first_differ": differ[:5]}
+
+
+def render(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    out = ["", "| issue 29/30 phase | what | evidence | requests ok/sent | entries verified | violations | verdict |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['phase']} | {r.get('upstream', 'outputs kvcanary on vs off')} | {r.get('evidence', '')} | "
+                   f"{r['requests_ok']}/{r['requests_sent']} | "
+                   f"{r['entries_verified'] if r['entries_verified'] is not None else '-'} | {r['violations']} | "
+                   f"{r['verdict']} |")
+    return out

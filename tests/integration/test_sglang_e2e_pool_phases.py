@@ -1,0 +1,85 @@
+"""Dry runs of issue 29/30's driver phases (24-28, integration/pool_phases.py) and the driver pieces they use:
+the fault classes chosen with --kvcanary-env, the sweep-off allowance under an SWARadixCache, the test plugin."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration"))  # pool_phases
+
+
+
+def test_dry_run_of_phases_24_to_28_passes(e2e, tmp_path, capsys) -> None:
+    d = e2e
+    rc = d.main(["--dry-run", "--phases", "ident-off,ident-on,hunt-page-tail,hunt-swa-race,hunt-swa-race-fixed",
+                 "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = {r["phase"]: r for r in json.loads((tmp_path / "summary.json").read_text())["summary"]["pool"]}
+    assert rows["25 ident-on"]["outputs"] == {"compared": 640, "differ": 0, "first_differ": []}
+    assert rows["26 hunt-page-tail"]["verdict"] == "CLEAN" and rows["26 hunt-page-tail"]["triggers"] == 31
+    assert rows["27 hunt-swa-race"]["triggers"] == 50 or rows["27 hunt-swa-race"]["triggers"] == 57
+    assert rows["28 hunt-swa-race-fixed"]["verdict"] == "CLEAN"
+    assert "| 26 hunt-page-tail | sglang PR 35401 |" in out
+
+
+def test_ident_on_fails_when_an_output_differs(e2e, tmp_path) -> None:
+    d = e2e
+    off = {"status": "OK", "requests_sent": 2, "requests_ok": 2, "outputs": [[1, 2], [3, 4]]}
+    on = dict(off, outputs=[[1, 2], [3, 5]])
+    pdir = tmp_path / "p25"
+    pdir.mkdir()
+    (pdir / "worker.log").write_text("kvcanary stats: step=9 forwards=9 tokens_written=9 entries_verified=2000000 "
+                                     "entries_swept=9 violations=0 lost=0\n")
+    s = d.summarize_pool(d.PHASES["25"], str(pdir), on, {"24": off})
+    assert s["verdict"] == "FAIL" and any("1 of 2 greedy outputs differ" in w for w in s["why"])
+
+
+def test_phases_engine_and_env(e2e) -> None:
+    d = e2e
+    args = d.parse_args(["--phases", "26,27", "--model", "integration/models/gpt-oss-swa-tiny"])
+    kw = d.engine_kwargs(d.PHASES["26"], args.model, args)
+    assert kw["page_size"] == 16 and kw["schedule_conservativeness"] == 0.05
+    assert d.engine_kwargs(d.PHASES["24"], args.model, args)["enable_deterministic_inference"] is True
+    assert dict(d.PHASES["27"].env)["E2E_POOL"] == "swa-race"
+    assert dict(d.PHASES["28"].env)["E2E_POOL"] == "swa-race-fix"
+
+
+def test_pool_plugin_is_written_only_when_asked(e2e, tmp_path) -> None:
+    d = e2e
+    env = d.pool_env({"PATH": "/bin"}, d.PHASES["2"], str(tmp_path))
+    assert "E2E_POOL" not in env and not (tmp_path / "pool-plugin").exists()
+    env = d.pool_env({"PATH": "/bin"}, d.PHASES["2"], str(tmp_path), lift_kv_dtype=True)
+    assert env["E2E_POOL"] == "lift-kv-dtype" and env["PYTHONPATH"].startswith(str(tmp_path / "pool-plugin"))
+    assert (tmp_path / "pool-plugin" / "kvcanary_e2e_pool.py").exists()
+    env = d.pool_env(d.phase_env(d.PHASES["26"], str(tmp_path), base={}), d.PHASES["26"], str(tmp_path))
+    assert env["E2E_POOL"] == "page-tail" and os.path.isabs(env["E2E_POOL_PHASES_FILE"])
+
+
+def test_fault_classes_follow_the_kvcanary_env_override_and_sweep_off_is_allowed(e2e) -> None:
+    d = e2e
+    assert d.fault_classes("KVCANARY_FAULT=real_kv_flip,token_swap KVCANARY_X=1") == ("real_kv_flip", "token_swap")
+    assert d.fault_classes("") is None
+    log = "WARNING kvcanary: prefix cache SWARadixCache cannot be swept (supported: RadixCache); sweep off\n"
+    s = d.summarize_phase(d.PHASES["2"], {"status": "OK", "requests_sent": 1, "requests_ok": 1}, log +
+                          "kvcanary stats: step=9 forwards=9 tokens_written=9 entries_verified=2000000 "
+                          "entries_swept=0 violations=0 lost=0\n", [])
+    assert s["sweep_off"] == "SWARadixCache" and d.verdict_clean(s) == (True, [])
+
+
+def test_lift_switch_drops_only_the_kv_dtype_refusal() -> None:
+    import pool_phases
+
+    from kvcanary.sglang import audit
+
+    before = audit.refused_rows
+    try:
+        pool_phases.install("lift-kv-dtype")
+        fields = {r.field for r in audit.refused_rows()}
+        assert "kv_cache_dtype" not in fields and "enable_pdmux" in fields
+        assert len(audit.refused_rows()) == len(before()) - 1
+    finally:
+        audit.refused_rows = before
