@@ -1723,7 +1723,7 @@ def summarize_pool(phase: Phase, pdir: str, res: dict, results: dict) -> dict:
         if not cmp["compared"]:
             why.append("no outputs to compare (run ident-off in the same call)")
         elif cmp["differ"]:
-            why.append(f"{cmp['differ']} of {cmp['compared']} greedy outputs differ from kvcanary off "
+            why.append(f"{cmp['differ']} of {cmp['compared']} greedy outputs differ from those with kvcanary off "
                        f"(first: {cmp['first_differ']})")
         s["evidence"] = f"{cmp['compared']} outputs compared, {cmp['differ']} differ"
         s["verdict"], s["why"] = ("PASS" if not why else "FAIL"), why
