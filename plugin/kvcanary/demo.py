@@ -596,7 +596,10 @@ def _render_protect(result: DemoResult, lines: list[str]) -> str:
         if idle:
             why.append(f"not every injection acted on: {', '.join(idle)}")
         if result.outputs_clean != result.outputs_total:
-            why.append(f"{result.outputs_total - (result.outputs_clean or 0)} output(s) differ from a clean run's")
+            missed = (result.protect or {}).get("missed", 0)
+            why.append(f"{result.outputs_total - (result.outputs_clean or 0)} output(s) differ from a clean run's"
+                       + (f" ({missed} request(s) finished over bad K/V before protect acted: missed)"
+                          if missed else ""))
         pending = sum(c[2] for c in result.class_outputs.values())
         if pending:
             why.append(f"{pending} request(s) acted on did not finish")
