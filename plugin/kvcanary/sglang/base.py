@@ -34,6 +34,7 @@ from kvcanary.installation import GroupSpec
 from kvcanary.sglang import batches, guards, piecewise, pools, radix, ranks
 from kvcanary.sglang.batches import BatchViewFn
 from kvcanary.sglang.contract import RunnerParts
+from kvcanary.sglang.installed import installation_of
 from kvcanary.sglang.targets import Target
 
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
@@ -106,8 +107,14 @@ def batch_view_of(sglang_version: str, forward_modes: Mapping[str, ForwardKind] 
 
 # ----------------------------------------------------------------------------------------------- guards
 def check_after_initialize(runner) -> None:
-    """After init: refuse a prefill graph runner kvcanary does not know (:func:`guards.check_after_initialize`)."""
+    """After init (warm-up and graph capture are over): refuse a prefill graph runner kvcanary does not know
+    (:func:`guards.check_after_initialize`); with kvcanary installed on ``runner``, check the piecewise runner's
+    padding, keep kvcanary's wrapper on ``model.forward`` and say what serves prefill
+    (:func:`kvcanary.sglang.piecewise.after_initialize`)."""
     guards.check_after_initialize(runner)
+    inst = installation_of(runner)
+    if inst is not None:
+        piecewise.after_initialize(runner, inst)
 
 
 # ----------------------------------------------------------------------------------------------- accessors

@@ -89,7 +89,9 @@ class VersionModule(Protocol):
 
     def check_supported(self, server_args) -> None: ...
 
-    def check_after_initialize(self, runner) -> None: ...
+    def check_after_initialize(self, runner) -> None:
+        """After init, before the chain-position assert goes on: refuse graph runners kvcanary cannot run around
+        (and keep its ``model.forward`` wrapper in place where compiling replaced it)."""
 
     def server_args_of(self, runner) -> object: ...
 

@@ -7,7 +7,8 @@ version's targets with the bound hook (built once, so ``HookRegistry`` sees the 
 
 * ``after_init_memory_pool``: :meth:`AdapterHooks.install`: one manager per KV group, ``model.forward`` wrapped;
 * ``around_forward``: the host half of each real forward (fault injection, drain, health, stats, sweep);
-* ``after_initialize``: init finished (warm-up and graph capture are over): the chain-position assert goes on;
+* ``after_initialize``: init finished (warm-up and graph capture are over): the version's after-init checks
+  (``check_after_initialize``), then the chain-position assert goes on;
 * ``after_populate``: with an EAGLE pool, zero the padded rows' ``req_pool_indices`` of a decode graph that 0.5.12
   leaves stale (without one nothing: the plan treats a row whose first token is on the padding slot as padding);
 * ``after_init_cache``: the prefix cache becomes the sweep source (the version's ``sweep_source``);
@@ -29,7 +30,7 @@ from kvcanary.identity_cache import IdentityCache
 from kvcanary.installation import Group, Installation, installations, remember
 from kvcanary.manager import CanaryManager
 from kvcanary.report import Reporter
-from kvcanary.sglang import hicache, piecewise, speculative
+from kvcanary.sglang import hicache, speculative
 from kvcanary.sglang.batches import BatchConverter, mode_name, unsupported_mode
 from kvcanary.sglang.contract import VersionModule
 from kvcanary.sglang.fault_injection import fault_plan_for_rank, inject_fault, repair_token_swaps, rows_remaining
@@ -134,8 +135,7 @@ class AdapterHooks:
     def after_initialize(self, result, runner, *args, **kwargs):
         inst = installation_of(runner)
         if inst is not None:
-            self.version.check_after_initialize(runner)
-            piecewise.after_initialize(runner, inst)
+            self.version.check_after_initialize(runner)  # (and its fix-ups: 0.5.12 re-wraps a compiled forward)
             inst.mark_init_finished()
         return result
 
