@@ -82,7 +82,7 @@ _MAX_FAULT_FORWARDS_PER_INJECTION = 200  # a class that finds no fitting batch f
 # What comes after a PASS: the README's "Use with SGLang" line.
 NEXT_STEP = "next: turn it on in sglang: KVCANARY_MODE=log python -m sglang.launch_server --model-path <model>"
 NEXT_STEP_PROTECT = ("next: turn it on in sglang: KVCANARY_MODE=protect python -m sglang.launch_server --model-path "
-                     "<model> (docs/sglang.md#protect-mode)")
+                     "<model> (docs/sglang.md#protect-mode-kvcanary_modeprotect)")
 MODES = ("log", "protect")
 _MAX_SETTLE_FORWARDS = 2000  # after the faults: forwards to let the requests acted on finish
 
