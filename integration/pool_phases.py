@@ -156,13 +156,10 @@ def _observe_swa_race(fix: bool) -> None:
 # ------------------------------------------------------------------------------------------ driver side
 def parse_lines(log_text: str) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = collections.defaultdict(list)
+    from hunt_phases import kv_fields  # (driver side only: the observers' processes load this file alone)
+
     for m in LINE_RE.finditer(log_text):
-        fields = {}
-        for pair in m["fields"].split():
-            k, sep, v = pair.partition("=")
-            if sep:
-                fields[k] = int(v) if re.fullmatch(r"-?\d+", v) else v
-        out[m["kind"]].append(fields)
+        out[m["kind"]].append(kv_fields(m["fields"]))
     return dict(out)
 
 

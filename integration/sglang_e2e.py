@@ -71,7 +71,7 @@ import hunt_phases  # noqa: E402  (integration/hunt_phases.py: the hunt phases 1
 import loop_probe  # noqa: E402  (integration/loop_probe.py: --loop-probe)
 import pool_phases  # noqa: E402  (integration/pool_phases.py: phases 24-28, issues 29/30)
 import protect_phases  # noqa: E402  (integration/protect_phases.py: the protect phases 21-23, issue 26)
-from test_plugin import plugin_env, write_test_plugin  # noqa: E402
+from test_plugin import plugin_env, with_test_plugin, write_test_plugin  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------- facts
 # The fault classes a live engine can take through KVCANARY_FAULT, and the reason names kvcanary reports for
@@ -1490,11 +1490,10 @@ def hicache_env(env: dict, phase: Phase, pdir: str) -> dict:
     """A phase with the PR 36738 fence: the test-only plugin on PYTHONPATH, and where it finds hicache_phases.py."""
     if dict(phase.env).get(_HC.FENCE_ENV) is None:
         return env
-    root = write_test_plugin(os.path.join(pdir, "fence-plugin"), _HC.FENCE_PLUGIN,
-                             about="integration/hicache_phases.py, PR 36738's fence", gate_env=_HC.FENCE_ENV,
-                             file_env=_HC.FENCE_DRIVER_ENV, module="_kvcanary_e2e_hicache",
-                             function="install_hicache_fence")
-    return plugin_env(env, root, _HC.FENCE_PLUGIN, file_env=_HC.FENCE_DRIVER_ENV, driver_file=_HC.__file__)
+    return with_test_plugin(env, os.path.join(pdir, "fence-plugin"), _HC.FENCE_PLUGIN,
+                            about="integration/hicache_phases.py, PR 36738's fence", gate_env=_HC.FENCE_ENV,
+                            file_env=_HC.FENCE_DRIVER_ENV, module="_kvcanary_e2e_hicache",
+                            function="install_hicache_fence", driver_file=_HC.__file__)
 
 
 def summarize_hicache(phase: Phase, pdir: str, res: dict, results: dict) -> dict:
@@ -1564,11 +1563,10 @@ def hunt_env(env: dict, phase: Phase, pdir: str) -> dict:
     hunt_phases.py."""
     if hunt_kind(phase) is None:
         return env
-    root = write_test_plugin(os.path.join(pdir, "hunt-plugin"), _HU.HUNT_PLUGIN,
-                             about="integration/hunt_phases.py, the hunt observers", gate_env=_HU.HUNT_ENV,
-                             file_env=_HU.HUNT_DRIVER_ENV, module="_kvcanary_e2e_hunt",
-                             function="install_hunt_observer")
-    return plugin_env(env, root, _HU.HUNT_PLUGIN, file_env=_HU.HUNT_DRIVER_ENV, driver_file=_HU.__file__)
+    return with_test_plugin(env, os.path.join(pdir, "hunt-plugin"), _HU.HUNT_PLUGIN,
+                            about="integration/hunt_phases.py, the hunt observers", gate_env=_HU.HUNT_ENV,
+                            file_env=_HU.HUNT_DRIVER_ENV, module="_kvcanary_e2e_hunt",
+                            function="install_hunt_observer", driver_file=_HU.__file__)
 
 
 def summarize_hunt(phase: Phase, pdir: str, res: dict) -> dict:
@@ -1698,11 +1696,10 @@ def pool_env(env: dict, phase: Phase, pdir: str, lift_kv_dtype: bool = False) ->
         env.pop(_PP.POOL_ENV, None)
         return env
     env[_PP.POOL_ENV] = ",".join(switches)
-    root = write_test_plugin(os.path.join(pdir, "pool-plugin"), _PP.POOL_PLUGIN,
-                             about="integration/pool_phases.py, issue 29/30 observers and switches",
-                             gate_env=_PP.POOL_ENV, file_env=_PP.POOL_DRIVER_ENV, module="_kvcanary_e2e_pool",
-                             function="install")
-    return plugin_env(env, root, _PP.POOL_PLUGIN, file_env=_PP.POOL_DRIVER_ENV, driver_file=_PP.__file__)
+    return with_test_plugin(env, os.path.join(pdir, "pool-plugin"), _PP.POOL_PLUGIN,
+                            about="integration/pool_phases.py, issue 29/30 observers and switches",
+                            gate_env=_PP.POOL_ENV, file_env=_PP.POOL_DRIVER_ENV, module="_kvcanary_e2e_pool",
+                            function="install", driver_file=_PP.__file__)
 
 
 def summarize_pool(phase: Phase, pdir: str, res: dict, results: dict) -> dict:

@@ -44,6 +44,15 @@ def register():
     return root
 
 
+def with_test_plugin(env: dict, root: str, plugin: str, *, about: str, gate_env: str, file_env: str, module: str,
+                     function: str, driver_file: str) -> dict:
+    """:func:`write_test_plugin` at ``root``, then :func:`plugin_env`: a worker environment that loads it, calling
+    ``function`` of ``driver_file``."""
+    write_test_plugin(root, plugin, about=about, gate_env=gate_env, file_env=file_env, module=module,
+                      function=function)
+    return plugin_env(env, root, plugin, file_env=file_env, driver_file=driver_file)
+
+
 def plugin_env(env: dict, root: str, plugin: str, *, file_env: str, driver_file: str) -> dict:
     """A copy of ``env`` that loads the plugin written at ``root``: ``root`` first on PYTHONPATH, ``file_env``
     naming ``driver_file`` (the file whose function the plugin calls), and the plugin added to SGLANG_PLUGINS when
