@@ -138,9 +138,11 @@ def build_runner(sa, nccl_port: int | None = None):
     return mr
 
 
-def build_tree_cache(mr, sa):
-    """A real RadixCache over the runner's pools (a HiRadixCache when ``sa.enable_hierarchical_cache``), through the
-    real (hooked) Scheduler.init_cache_with_memory_pool."""
+def bare_scheduler(mr, sa):
+    """A real sglang 0.5.12 Scheduler object without its ``__init__`` (no processes, no sockets), holding what
+    ``init_cache_with_memory_pool`` reads over ``mr``'s pools (a hybrid SWA runner's window and per-layer sizes too),
+    its cache built by that real (hooked) method: a RadixCache, a HiRadixCache when ``sa.enable_hierarchical_cache``,
+    an SWARadixCache for a hybrid SWA model."""
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
@@ -149,8 +151,11 @@ def build_tree_cache(mr, sa):
     s.model_config = mr.model_config
     s.page_size = sa.page_size
     s.spec_algorithm = SpeculativeAlgorithm.NONE
+    swa = bool(getattr(mr, "is_hybrid_swa", False))
     s.tp_worker = types.SimpleNamespace(
-        is_hybrid_swa=False, model_runner=mr,
+        is_hybrid_swa=swa, model_runner=mr, sliding_window_size=getattr(mr, "sliding_window_size", None),
+        get_tokens_per_layer_info=lambda: (getattr(mr, "full_max_total_num_tokens", None),
+                                           getattr(mr, "swa_max_total_num_tokens", None)),
         get_memory_pool=lambda: (mr.req_to_token_pool, mr.token_to_kv_pool_allocator),
         register_hicache_layer_transfer_counter=lambda counter: None,  # (the pool holds it too)
     )
@@ -159,7 +164,12 @@ def build_tree_cache(mr, sa):
     s.enable_hierarchical_cache = bool(getattr(sa, "enable_hierarchical_cache", False))
     s.pp_rank, s.pp_size = 0, 1
     s.init_cache_with_memory_pool()
-    return s.tree_cache
+    return s
+
+
+def build_tree_cache(mr, sa):
+    """The prefix cache sglang's Scheduler builds over the runner's pools (:func:`bare_scheduler`)."""
+    return bare_scheduler(mr, sa).tree_cache
 
 
 

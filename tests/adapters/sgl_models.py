@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import types
 from pathlib import Path
 
 MODELS = Path(__file__).resolve().parents[2] / "integration" / "models"
@@ -80,26 +79,7 @@ def install_cpu_attention_shims(monkeypatch) -> None:
 
 def build_tree_cache(mr, sa):
     """The radix cache sglang's Scheduler builds over ``mr``'s pools (an SWARadixCache for a hybrid SWA model),
-    through the real (hooked) Scheduler.init_cache_with_memory_pool, as sgl_engine.build_tree_cache."""
-    from sglang.srt.managers.scheduler import Scheduler
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    through the real (hooked) Scheduler.init_cache_with_memory_pool (sgl_engine.bare_scheduler)."""
+    import sgl_engine
 
-    s = object.__new__(Scheduler)
-    s.server_args = sa
-    s.model_config = mr.model_config
-    s.page_size = sa.page_size
-    s.spec_algorithm = SpeculativeAlgorithm.NONE
-    swa = bool(getattr(mr, "is_hybrid_swa", False))
-    s.tp_worker = types.SimpleNamespace(
-        is_hybrid_swa=swa, model_runner=mr, sliding_window_size=mr.sliding_window_size,
-        get_tokens_per_layer_info=lambda: (getattr(mr, "full_max_total_num_tokens", None),
-                                           getattr(mr, "swa_max_total_num_tokens", None)),
-        get_memory_pool=lambda: (mr.req_to_token_pool, mr.token_to_kv_pool_allocator),
-        register_hicache_layer_transfer_counter=lambda counter: None,
-    )
-    s.tp_cpu_group = s.attn_tp_cpu_group = s.attn_cp_cpu_group = None
-    s.enable_metrics = s.enable_kv_cache_events = s.enable_hisparse = False
-    s.enable_hierarchical_cache = False
-    s.pp_rank, s.pp_size = 0, 1
-    s.init_cache_with_memory_pool()
-    return s.tree_cache
+    return sgl_engine.bare_scheduler(mr, sa).tree_cache

@@ -19,31 +19,13 @@ is skipped, the token appended, ``check_finished``, ``release_kv_cache`` / ``cac
 
 from __future__ import annotations
 
-import types
 from collections import deque
 
-from sgl_engine import admit_prefills
+from sgl_engine import admit_prefills, bare_scheduler
 
 
 def build_scheduler(mr, sa):
-    from sglang.srt.managers.scheduler import Scheduler
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
-    s = object.__new__(Scheduler)
-    s.server_args = sa
-    s.model_config = mr.model_config
-    s.page_size = sa.page_size
-    s.spec_algorithm = SpeculativeAlgorithm.NONE
-    s.tp_worker = types.SimpleNamespace(
-        is_hybrid_swa=False, model_runner=mr,
-        get_memory_pool=lambda: (mr.req_to_token_pool, mr.token_to_kv_pool_allocator),
-        register_hicache_layer_transfer_counter=lambda counter: None,
-    )
-    s.tp_cpu_group = s.attn_tp_cpu_group = s.attn_cp_cpu_group = None
-    s.enable_metrics = s.enable_kv_cache_events = s.enable_hisparse = False
-    s.enable_hierarchical_cache = False
-    s.pp_rank, s.pp_size = 0, 1
-    s.init_cache_with_memory_pool()
+    s = bare_scheduler(mr, sa)
     s.waiting_queue = []
     s.running_batch = None
     s.last_batch = s.cur_batch = s.chunked_req = None
