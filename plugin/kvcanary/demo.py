@@ -534,13 +534,16 @@ def render(result: DemoResult) -> str:
         lines.append(NEXT_STEP)
     else:
         missed = [n for n, r in result.faults.items() if not r.all_detected]
-        why = []
-        if missed:
-            why.append(f"not every injection detected: {', '.join(missed)}")
-        if result.false_positives:
-            why.append(f"{result.false_positives} false positive(s)")
-        lines.append("FAIL: " + "; ".join(why))
+        why = [f"not every injection detected: {', '.join(missed)}"] if missed else []
+        lines.append(_fail_line(why, result.false_positives))
     return "\n".join(lines)
+
+
+def _fail_line(why: list[str], false_positives: int) -> str:
+    """The FAIL line: each reason, then the false positives when there are any."""
+    if false_positives:
+        why = [*why, f"{false_positives} false positive(s)"]
+    return "FAIL: " + "; ".join(why)
 
 
 _HOLD_TEXT = "hold: drained before each forward's tokens are appended"
@@ -603,7 +606,5 @@ def _render_protect(result: DemoResult, lines: list[str]) -> str:
         pending = sum(c[2] for c in result.class_outputs.values())
         if pending:
             why.append(f"{pending} request(s) acted on did not finish")
-        if result.false_positives:
-            why.append(f"{result.false_positives} false positive(s)")
-        lines.append("FAIL: " + "; ".join(why))
+        lines.append(_fail_line(why, result.false_positives))
     return "\n".join(lines)
