@@ -315,17 +315,9 @@ def run_engine_worker(cmd: list[str], env: dict, log_path: str, result_path: str
 
 
 def write_tail(engine_dir: str) -> None:
-    text = _read(os.path.join(engine_dir, "worker.log"))
+    text = e2e.read_text(os.path.join(engine_dir, "worker.log"))
     with open(os.path.join(engine_dir, "log-tail.txt"), "w") as f:
         f.write("".join(text.splitlines(True)[-TAIL_LINES:]))
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
 
 
 def next_index(out: str) -> int:
@@ -440,7 +432,7 @@ def load_engines(dirs: list[str]) -> list[dict]:
             if not m:
                 continue
             res = e2e.load_result(os.path.join(edir, "result.json")) or {"status": "NO_RESULT", "shapes": {}}
-            log = _read(os.path.join(edir, "worker.log"))
+            log = e2e.read_text(os.path.join(edir, "worker.log"))
             rows = e2e.read_jsonl(sorted(glob.glob(os.path.join(edir, "kvc-*.jsonl"))))
             stats = e2e.parse_stats(log) or {}
             eng = {"run": run, "dir": edir, "index": int(m.group(1)), "mode": m.group(2), "result": res,

@@ -577,7 +577,7 @@ def build_summary(out: str, phases: list[str], results: dict, budget: float, tot
             ok_all &= s["verdict"] == "PASS"
             summary["phases"].append(s)
             continue
-        log_text = _read(os.path.join(pdir, "worker.log"))
+        log_text = read_text(os.path.join(pdir, "worker.log"))
         rows = read_jsonl(sorted(glob.glob(os.path.join(pdir, "kvc-*.jsonl"))))
         s = summarize_phase(phase, res, log_text, rows)
         if key == "3":
@@ -621,7 +621,7 @@ def _overhead_rows(phase: Phase, pdir: str, results: dict, summary: dict) -> lis
     for sub in ("off", "log"):
         res = results.get(f"4{sub}", {"status": "SKIPPED"})
         sdir = os.path.join(pdir, sub)
-        log_text = _read(os.path.join(pdir, "worker.log")) + _read(os.path.join(sdir, "worker.log"))
+        log_text = read_text(os.path.join(pdir, "worker.log")) + read_text(os.path.join(sdir, "worker.log"))
         rep = read_jsonl(sorted(glob.glob(os.path.join(sdir, "kvc-*.jsonl"))))
         s = summarize_phase(phase, res, log_text if sub == "log" else "", rep)
         s["phase"] = f"4 overhead-{sub}"
@@ -632,7 +632,7 @@ def _overhead_rows(phase: Phase, pdir: str, results: dict, summary: dict) -> lis
         if sub == "log":
             ov["host"] = s.get("host")
         rows.append(s)
-    fw = measured_forwards(_read(os.path.join(pdir, "worker.log"))) or ov["log"].get("forwards")
+    fw = measured_forwards(read_text(os.path.join(pdir, "worker.log"))) or ov["log"].get("forwards")
     if fw:
         ov["log"]["forwards"] = fw
         ov["off"]["forwards"] = fw  # same workload, same schedule (the plugin off counts nothing)
@@ -651,7 +651,8 @@ def _overhead_rows(phase: Phase, pdir: str, results: dict, summary: dict) -> lis
     return rows
 
 
-def _read(path: str) -> str:
+def read_text(path: str) -> str:
+    """A log file's text (bad bytes replaced), or "" when it cannot be read."""
     try:
         with open(path, errors="replace") as f:
             return f.read()
@@ -749,9 +750,9 @@ def overhead_pairs(summary: dict, pdir: str, results: dict) -> bool:
     requested = any(r.get("piecewise") for k, r in results.items() if k.startswith("4"))
     if not requested:
         return True
-    log_text = _read(os.path.join(pdir, "worker.log"))
+    log_text = read_text(os.path.join(pdir, "worker.log"))
     for sub in ("off", "log"):
-        log_text += _read(os.path.join(pdir, sub, "worker.log"))
+        log_text += read_text(os.path.join(pdir, sub, "worker.log"))
     sections = engine_sections(log_text)
     ov["pcg_engines"] = {"built": sum(bool(PCG_CAPTURE_RE.search(t)) for _, t in sections), "engines": len(sections),
                          "capture_s": piecewise_capture_seconds(log_text)}
@@ -785,9 +786,9 @@ def overhead_pairs(summary: dict, pdir: str, results: dict) -> bool:
 def probe_rows(pdir: str) -> list[tuple[str, dict]]:
     """--loop-probe: each overhead Engine's µs per scheduler-loop iteration in its measured workload, in start
     order, labelled ``off-1``, ``log-1`` ... (empty without probe lines)."""
-    log_text = _read(os.path.join(pdir, "worker.log"))
+    log_text = read_text(os.path.join(pdir, "worker.log"))
     for sub in os.listdir(pdir) if os.path.isdir(pdir) else []:
-        log_text += _read(os.path.join(pdir, sub, "worker.log"))
+        log_text += read_text(os.path.join(pdir, sub, "worker.log"))
     rows, seen = [], collections.Counter()
     for mode, text in engine_sections(log_text):
         window = loop_probe.parse_window(text)
@@ -1242,7 +1243,7 @@ def verdict_eagle_retract(m: RetractMatch, mode: str | None, retractions: int, v
 
 def summarize_eagle(phase: Phase, pdir: str, res: dict, seed: int = 0) -> tuple[dict, dict]:
     """One EAGLE phase: the summary row (with its verdict) and the details for the EAGLE tables."""
-    log_text = _read(os.path.join(pdir, "worker.log"))
+    log_text = read_text(os.path.join(pdir, "worker.log"))
     rows = read_jsonl(sorted(glob.glob(os.path.join(pdir, "kvc-*.jsonl"))))
     s = summarize_phase(phase, res, log_text, rows)
     pools = parse_spec_stats(log_text)
@@ -1499,7 +1500,7 @@ def hicache_env(env: dict, phase: Phase, pdir: str) -> dict:
 def summarize_hicache(phase: Phase, pdir: str, res: dict, results: dict) -> dict:
     """A HiCache phase's row: the clean-phase counts plus the host tier's (kvcanary's stats line), the outputs
     against hicache-off's, the fault match, and the verdict."""
-    log_text = _read(os.path.join(pdir, "worker.log"))
+    log_text = read_text(os.path.join(pdir, "worker.log"))
     rows = read_jsonl(sorted(glob.glob(os.path.join(pdir, "kvc-*.jsonl"))))
     s = summarize_phase(phase, res, log_text, rows)
     counts = _HC.host_tier_counts(log_text)
@@ -1573,7 +1574,7 @@ def summarize_hunt(phase: Phase, pdir: str, res: dict) -> dict:
     """A hunt phase's row: the clean-phase counts, the trigger the observer (or the requests) showed, the
     violations (distinct slots, examples), the verdict."""
     kind = hunt_kind(phase)
-    log_text = _read(os.path.join(pdir, "worker.log"))
+    log_text = read_text(os.path.join(pdir, "worker.log"))
     rows = read_jsonl(sorted(glob.glob(os.path.join(pdir, "kvc-*.jsonl"))))
     s = summarize_phase(phase, res, log_text, rows)
     for k in ("aborts_sent", "aborted_finished_abort", "retries_ok", "prefix_hits_exact_64", "repeats",
@@ -1643,7 +1644,7 @@ def summarize_protect(phase: Phase, pdir: str, res: dict, results: dict) -> dict
     """A protect phase's row: the clean-phase counts, the fault match (phase 3's), the action records per class,
     the outputs against protect-clean's, the detection window, the verdict."""
     kind = PROTECT_KIND[phase.key]
-    log_text = _read(os.path.join(pdir, "worker.log"))
+    log_text = read_text(os.path.join(pdir, "worker.log"))
     rows = read_jsonl(sorted(glob.glob(os.path.join(pdir, "kvc-*.jsonl"))))
     s = summarize_phase(phase, res, log_text, rows)
     clean = results.get(_PR.CLEAN_KEY)
@@ -1705,7 +1706,7 @@ def pool_env(env: dict, phase: Phase, pdir: str, lift_kv_dtype: bool = False) ->
 def summarize_pool(phase: Phase, pdir: str, res: dict, results: dict) -> dict:
     """Phases 24-28: 24 passes when every request completed; 25 as a clean phase and with phase 24's greedy
     outputs; 26-28 as a hunt (CLEAN / CAUGHT / NOT TRIGGERED), the trigger from the observer's lines."""
-    log_text = _read(os.path.join(pdir, "worker.log"))
+    log_text = read_text(os.path.join(pdir, "worker.log"))
     rows = read_jsonl(sorted(glob.glob(os.path.join(pdir, "kvc-*.jsonl"))))
     s = summarize_phase(phase, res, log_text, rows)
     if phase.key == _PP.IDENT_OFF:
@@ -1995,7 +1996,7 @@ def main_parent(args) -> int:
     for s in summary["phases"]:  # the end of a failed phase's log, before the table (which is printed last)
         if s.get("verdict") == "FAIL" and not args.dry_run:
             key = s["phase"].split()[0]
-            log = _read(os.path.join(args.out, f"phase{key}-{PHASES[key].name}", "worker.log"))
+            log = read_text(os.path.join(args.out, f"phase{key}-{PHASES[key].name}", "worker.log"))
             print(f"----- {s['phase']}: last lines of worker.log -----\n" + "\n".join(log.splitlines()[-15:]))
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(text + "\n")
