@@ -47,7 +47,8 @@ from kvcanary.installation import HostTime, Installation, WrapperCall
 from kvcanary.sglang import base, piecewise, pools, v0_5_12
 from kvcanary.sglang import hooks as hooks_module
 from kvcanary.sglang.hooks import AdapterHooks, installation_of
-from kvcanary.sglang.radix import mutation_counter, radix_sweep_source
+from kvcanary.sglang.radix import radix_sweep_source
+from kvcanary.sglang.radix_index import RadixSweepIndex
 
 BS = 64
 CONTEXT = 1000  # decode rows' context when a round starts
@@ -173,32 +174,57 @@ class StandInRunner:
 
 
 class Node:
-    """A RadixCache TreeNode: ``children``, ``value`` (int64 slots), ``lock_ref``."""
+    """A RadixCache TreeNode: ``children``, ``value`` (int64 slots), ``lock_ref``, ``parent``, ``key``."""
 
-    def __init__(self, value: torch.Tensor | None) -> None:
+    def __init__(self, value: torch.Tensor | None, parent: Node | None = None, key: object = None) -> None:
         self.children: dict = {}
         self.value = value
         self.lock_ref = 0
+        self.parent = parent
+        self.key = key
 
 
 class StandInRadixCache:
-    """A RadixCache as the sweep reads it: ``root_node`` and the mutators whose calls the adapter counts
-    (``kvcanary.sglang.radix.mutation_counter``). Its entries never change; ``insert`` changes nothing but counts as
-    a mutation, as a serving engine's cache does between two sweeps (a request finishes and is inserted): the
-    "tree changing" cases call it every forward, so each sweep walks the whole tree again (the engine's cost: in
-    the real engine the tree changes between nearly every two sweeps); in the others every sweep after the first
-    re-verifies the plan of the first."""
+    """A RadixCache as the sweep follows it: ``root_node``, ``device`` and the methods the incremental sweep wraps
+    (``v0_5_12.RADIX_NODE_HOOKS``; ``kvcanary.sglang.radix_index``). :meth:`churn` is what a serving engine's cache
+    does between two sweeps (a request's leaf evicted, a finished request inserted): the "tree changing" cases call
+    it every forward. It deletes a leaf and stores a new node with the same slots in its place, so every record the
+    sweep reads stays valid while the sweep source sees one deletion and one new node per forward."""
 
-    def __init__(self, root: Node) -> None:
+    def __init__(self, root: Node, device: torch.device) -> None:
         self.root_node = root
+        self.device = device
+        self._leaves = [n for n in self._nodes() if not n.children]
+        self._turn = 0
 
-    def insert(self, *args, **kwargs) -> None:
+    def _nodes(self) -> list[Node]:
+        out, stack = [], [self.root_node]
+        while stack:
+            node = stack.pop()
+            out += node.children.values()
+            stack += node.children.values()
+        return out
+
+    def _record_store_event(self, node: Node) -> None:
         pass
 
-    def evict(self, *args, **kwargs) -> None:
-        raise NotImplementedError("the bench's prefix cache never evicts")
+    def _delete_leaf(self, node: Node) -> None:
+        del node.parent.children[node.key]
 
-    reset = evict
+    def _split_node(self, key, child, split_len):
+        raise NotImplementedError("the bench's prefix cache never splits")
+
+    def reset(self) -> None:
+        raise NotImplementedError("the bench's prefix cache is never reset")
+
+    def churn(self) -> None:
+        i = self._turn % len(self._leaves)
+        self._turn += 1
+        leaf = self._leaves[i]
+        self._delete_leaf(leaf)
+        new = self._leaves[i] = Node(leaf.value, leaf.parent, leaf.key)
+        leaf.parent.children[leaf.key] = new
+        self._record_store_event(new)
 
 
 def bench_version() -> types.ModuleType:
@@ -227,12 +253,14 @@ class Case:
     real_kv: str  # none | partial
     tokens: bool
     sweep: int  # sweep interval, 0: off
-    tree_changes: bool = False  # the prefix cache counts a mutation every forward (each sweep walks it again)
+    tree_changes: bool = False  # the prefix cache changes every forward (StandInRadixCache.churn)
+    walk: bool = False  # the sweep walks the tree on every sweep (the source before issue 25) instead of following it
 
     @property
     def name(self) -> str:
         extras = [self.real_kv.upper()] + (["tokens"] if self.tokens else []) + (
-            [f"sweep {self.sweep}" + (" (tree changing)" if self.tree_changes else "")] if self.sweep else [])
+            [f"sweep {self.sweep}" + (" (tree changing)" if self.tree_changes else "") + (" walk" if self.walk else "")]
+            if self.sweep else [])
         return f"{self.kind} bs{BS} {' + '.join(extras)}"
 
 
@@ -241,8 +269,10 @@ def all_cases() -> list[Case]:
     for kind in ("decode", "extend", "mixed"):
         out += [Case(kind, "none", False, 0), Case(kind, "partial", False, 0), Case(kind, "partial", True, 0),
                 Case(kind, "partial", False, 10), Case(kind, "partial", True, 10)]
-    # what a serving engine pays for the sweep: its tree changes between two sweeps, so each sweep walks it again
-    out += [Case("decode", "partial", False, 10, tree_changes=True), Case("decode", "partial", True, 10, True)]
+    # what a serving engine pays for the sweep: its tree changes between two sweeps; followed (the engine's source
+    # for a RadixCache), and walked on every sweep (the source before issue 25, and a HiRadixCache's today)
+    out += [Case("decode", "partial", False, 10, tree_changes=True), Case("decode", "partial", True, 10, True),
+            Case("decode", "partial", False, 10, tree_changes=True, walk=True)]
     return out
 
 
@@ -285,16 +315,16 @@ class Workload:
         SWEEP_NODES_PER_ROW chained nodes (~52k entries; slots on the KV device, as sglang keeps node values)."""
         root = Node(None)
         i64 = {"dtype": torch.int64, "device": self.device}
-        root.children["shared"] = Node(torch.arange(1, 1 + SHARED_PREFIX, **i64))
+        root.children["shared"] = Node(torch.arange(1, 1 + SHARED_PREFIX, **i64), root, "shared")
         step = SWEEP_TOKENS_PER_ROW // SWEEP_NODES_PER_ROW
         for r in range(1, 1 + BS):
             parent = root
             for k in range(SWEEP_NODES_PER_ROW):
                 start = self.decode_slot(r, k * step)
-                node = Node(torch.arange(start, start + step, **i64))
+                node = Node(torch.arange(start, start + step, **i64), parent, (r, k))
                 parent.children[(r, k)] = node
                 parent = node
-        return StandInRadixCache(root)
+        return StandInRadixCache(root, self.device)
 
     def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
         # the engine builds its batch tensors on the host and copies them over (non-blocking), as here
@@ -447,9 +477,10 @@ def instrument(inst: Installation, pieces: Pieces) -> Callable[[], None]:
     for g in inst.groups:
         m = g.manager
         for attr, name in (("before_forward", "before_forward"), ("after_forward", "after_forward"),
-                           ("step", "step"), ("sweep", "sweep (in step)"), ("assign_requests", "assign_requests"),
+                           ("step", "step"), ("assign_requests", "assign_requests"),
                            ("update_expected_tokens", "token table upload")):
             patch(m, attr, name)
+        patch(m.sweeper, "run_source", "sweep (in step)")
     if inst.metrics is not None:
         patch(inst.metrics, "observe", "metrics")
     patch(inst, "account_forward", "account_forward")
@@ -507,7 +538,8 @@ def _run_case(case: Case, args, device: torch.device, pieces: Pieces) -> dict:
     tree = None
     if case.sweep:
         tree = work.sweep_tree()
-        inst.set_sweep_source(radix_sweep_source(tree, changes=mutation_counter(tree, StandInRadixCache)))
+        inst.set_sweep_source(radix_sweep_source(tree) if case.walk
+                              else RadixSweepIndex(tree, v0_5_12.RADIX_NODE_HOOKS))
         inst.prefix_cache = tree
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
@@ -546,7 +578,8 @@ def _run_case(case: Case, args, device: torch.device, pieces: Pieces) -> dict:
                 forward(wb, fb, timing)
                 work.after_forward()
                 if case.tree_changes:
-                    tree.insert()  # (outside the timed hooks: the engine's own insert; kvcanary pays at the sweep)
+                    tree.churn()  # (outside the timed hooks: the engine's own insert and eviction; the wrapped
+                    # methods' bookkeeping is kvcanary's, a few µs per change, not counted here)
             pieces.on = False
             timing.outer_ns = runner.model_outer_ns - outer0
             timing.inner_ns = runner.model.inner_ns - inner0

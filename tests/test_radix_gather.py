@@ -1,7 +1,8 @@
 """The sweep source's gather (``kvcanary.sglang.radix.radix_sweep_source``) on RadixCache-shaped trees, without
 sglang: the same (slot, prev, position) entries, in the same order, as a plain host walk, for trees with evicted
-nodes, int32 node values, deep chains and wide fans; and its reuse of the last walk while the tree's mutation
-counter stands still (the real-engine tests are in tests/adapters/test_sglang_e2e.py)."""
+nodes, int32 node values, deep chains and wide fans, on every call (the incremental source that follows an exact
+RadixCache is tested on a real one in tests/adapters/test_sglang_radix_sweep.py; the real-engine tests are in
+tests/adapters/test_sglang_e2e.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ import random
 import pytest
 import torch
 
-from kvcanary.sglang import radix
-from kvcanary.sglang.radix import mutation_counter, radix_sweep_source
+from kvcanary.sglang.radix import radix_sweep_source
 
 
 class Node:
@@ -87,78 +87,17 @@ def test_gather_of_a_deep_chain_and_a_wide_fan() -> None:
     assert positions.tolist() == list(range(3000)) and prevs[0] == -1 and torch.equal(prevs[1:], slots[:-1])
 
 
-# ------------------------------------------------------------------------------- reuse while the tree is unchanged
-class StandInRadix(Tree):
-    """A RadixCache's mutators (``insert``, ``evict``, ``reset``), each one change of the node set."""
-
-    def __init__(self) -> None:
-        super().__init__(Node(None))
-
-    def insert(self, parent: Node, key: object, value: torch.Tensor) -> Node:
-        node = parent.children[key] = Node(value)
-        return node
-
-    def evict(self, parent: Node, key: object) -> None:
-        if key not in parent.children:
-            raise KeyError(key)
-        del parent.children[key]
-
-    def reset(self) -> None:
-        self.root_node = Node(None)
-
-
-class SubRadix(StandInRadix):
-    """A subclass (as HiRadixCache is): it may change nodes in methods of its own, so it is never counted."""
+def test_the_walker_walks_on_every_call() -> None:
+    """What it serves (a RadixCache subclass, 0.5.23's legacy RadixCache) may change nodes in methods of its own:
+    every call reads the tree as it is now."""
+    tree = Tree(Node(None))
+    tree.root_node.children["x"] = Node(torch.arange(1, 3))
+    source = radix_sweep_source(tree)
+    first = entries(source)
+    tree.root_node.children["x"].value = torch.arange(5, 7)  # (changed behind any method's back)
+    assert first != entries(source) == host_walk(tree)
 
 
 def entries(source) -> list[tuple[int, int, int]]:
     slots, prevs, positions = source()
     return list(zip(slots.tolist(), prevs.tolist(), positions.tolist(), strict=True))
-
-
-def test_an_unchanged_tree_is_not_walked_again(monkeypatch) -> None:
-    tree = StandInRadix()
-    a = tree.insert(tree.root_node, "a", torch.arange(1, 5))
-    tree.insert(a, "b", torch.arange(10, 13))
-    walks = []
-    real = radix.gather_entries
-    monkeypatch.setattr(radix, "gather_entries", lambda t: walks.append(t) or real(t))
-    source = radix_sweep_source(tree, changes=mutation_counter(tree, StandInRadix))
-    first = source()
-    assert source() is first and len(walks) == 1  # the very tensors: the sweeper re-verifies its plan
-    assert entries(source) == host_walk(tree)
-
-
-@pytest.mark.parametrize("mutation", ["insert", "evict", "reset", "evict that raises"])
-def test_every_mutator_makes_the_next_sweep_walk(mutation: str) -> None:
-    tree = StandInRadix()
-    a = tree.insert(tree.root_node, "a", torch.arange(1, 5))
-    tree.insert(a, "b", torch.arange(10, 13))
-    source = radix_sweep_source(tree, changes=mutation_counter(tree, StandInRadix))
-    first = source()
-    if mutation == "insert":
-        tree.insert(a, "c", torch.arange(20, 22))
-    elif mutation == "evict":
-        tree.evict(a, "b")
-    elif mutation == "reset":
-        tree.reset()
-    else:
-        with pytest.raises(KeyError):
-            tree.evict(a, "nothing")  # (it may have changed something before raising: counted all the same)
-    assert source() is not first
-    assert entries(source) == host_walk(tree)
-
-
-def test_a_tree_is_counted_once_and_only_for_exactly_its_class() -> None:
-    tree = StandInRadix()
-    count = mutation_counter(tree, StandInRadix)
-    assert count is not None and mutation_counter(tree, StandInRadix) is count  # two installations, one wrap
-    tree.insert(tree.root_node, "a", torch.arange(1, 3))
-    assert count() == 1
-    sub = SubRadix()
-    assert mutation_counter(sub, StandInRadix) is None
-    source = radix_sweep_source(sub, changes=None)  # walked on every sweep
-    sub.root_node.children["x"] = Node(torch.arange(1, 3))  # (changed behind any mutator's back)
-    first = entries(source)
-    sub.root_node.children["x"].value = torch.arange(5, 7)
-    assert first != entries(source) == host_walk(sub)

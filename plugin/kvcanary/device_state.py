@@ -235,17 +235,24 @@ class DeviceState:
             views["row_serials"] = self.row_serials
         return views
 
-    def sweep(self, plan: VerifyPlan) -> None:
-        """Verify ``plan``'s entries with real-KV and no token check, tag SWEEP (host-called, outside capture)."""
+    def sweep(self, plan: VerifyPlan, skipped: int = 0) -> None:
+        """Verify ``plan``'s entries with real-KV and no token check, tag SWEEP (host-called, outside capture).
+
+        ``skipped``: how many of the entries are tombstones (the padding slot): verify's entry counter counts every
+        plan entry, so they are taken off the SWEEP count right after the launch, in stream order (a status copy
+        sees both or neither)."""
+        views = self._sweep_views
         ops.canary_verify_step(
             canary_buf=self.canary_buf,
             **plan.kernel_args(),
             kernel_kind=LaunchTag.SWEEP,
-            **self._sweep_views,
+            **views,
             real_kv_sources=self._real_kv_launch,
             real_kv_hash_mode=self.real_kv_mode,
             check_tokens=False,
         )
+        if skipped:
+            views["slot_run_counter"].sub_(skipped)
 
     # ------------------------------------------------------------------------------------------ host-called updates
     def mark_init_finished(self, steps: int) -> None:

@@ -322,7 +322,8 @@ class CanaryManager:
     # ------------------------------------------------------------------------------------------ sweep
     def set_sweep_source(self, source: SweepSource | None) -> None:
         """`source()` returns (slots, prevs, positions) of every slot the prefix cache holds (the very tensors of its
-        previous call when the cache has not changed since: see :meth:`sweep`)."""
+        previous call when the cache has not changed since: see :meth:`sweep`), or a plan it keeps up to date itself
+        (:class:`kvcanary.sweep.SweepPlan`)."""
         self.sweeper.source = source
         self.health.set_expected(self._expected_tags())
 
@@ -356,7 +357,8 @@ class CanaryManager:
         # Most steps have nothing due: each part is one integer compare (or attribute read) here, no call.
         sweeper = self.sweeper
         if sweeper.source is not None and sweeper.due(steps):  # (no call at all while the sweep is off)
-            self.sweep(*sweeper.source())
+            sweeper.run_source()
+            self.stats.sweeps += 1
         drain = self.violation_drain
         reported = drain.on_step(steps) if steps >= drain.next_due else []
         if steps >= self.stats_logger.next_due:

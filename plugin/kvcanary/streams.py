@@ -83,3 +83,26 @@ def run_on_producer_stream(producer: torch.cuda.Stream | None, read: Callable[[]
         if tensor.is_cuda:
             tensor.record_stream(consumer)
     return results
+
+
+def update_on_producer_stream(producer: torch.cuda.Stream | None, update: Callable[[], None]) -> None:
+    """``update()`` on ``producer``, ordered after everything the caller's (consumer) stream has enqueued so far and
+    before anything it enqueues next.
+
+    For device state the consumer stream reads and ``update`` rewrites from tensors ``producer`` owns (an
+    incremental sweep plan, filled from the prefix cache's node values): the consumer's earlier reads of that state
+    (a sweep still queued) finish before it is rewritten, and its later reads see the rewrite. ``update`` must not
+    free a tensor the consumer may still read (grow buffers before, outside ``producer``). With ``producer`` None or
+    current, ``update()`` runs as is. Never synchronises the host.
+    """
+    if producer is None:
+        update()
+        return
+    consumer = torch.cuda.current_stream(producer.device)
+    if consumer == producer:
+        update()
+        return
+    producer.wait_stream(consumer)
+    with torch.cuda.stream(producer):
+        update()
+    consumer.wait_stream(producer)

@@ -6,18 +6,20 @@ into a verify plan of its own (non-blocking; the lists may be device tensors) an
 tag SWEEP and real-KV on, through :meth:`kvcanary.device_state.DeviceState.sweep`. This catches what no running
 request reads: K/V of a cached but idle prefix that went bad.
 
-Host cost per sweep (issue 15). A source may hand back the very tensors of its previous call to say that the
-cache holds the same entries (:func:`kvcanary.sglang.radix.radix_sweep_source` does while the RadixCache has not
-changed): the plan already holds them, so :meth:`Sweeper.run` only launches verify again (it reads the KV bytes as
-they are now). A tensor once handed over must therefore never be changed in place. Otherwise the entries are
-copied into the plan, and the plan's entry count is set by a device-side fill (no pinned host buffer to allocate,
-and none that a later sweep could overwrite before the copy ran); the expected tokens (none) and the enable flag
-are set once, when the plan is allocated (no kernel writes a plan).
+Host cost per sweep (issues 15, 25). A source that follows its cache's changes keeps its own plan up to date and
+hands back a :class:`SweepPlan` (:class:`kvcanary.sweep_index.SweepIndex`: a sweep of a changed cache costs a few
+device operations for what changed, not a walk of the cache); it is launched as is. A walking source hands back
+the entries: :meth:`Sweeper.run` copies them into a plan of its own, unless they are the very tensors of its
+previous call (the cache holds the same entries: the plan already holds them, so only verify is launched again;
+a tensor once handed over must therefore never be changed in place). The plan's entry count is set by a device-side
+fill (no pinned host buffer to allocate, and none that a later sweep could overwrite before the copy ran); the
+expected tokens (none) and the enable flag are set once, when the plan is allocated (no kernel writes a plan).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -25,11 +27,32 @@ from kvcanary import layout
 from kvcanary.device_state import DeviceState
 from kvcanary.plan import VerifyPlan
 
-# () -> (slots, prev slots or -1, positions) of every slot the prefix cache holds: int sequences, or int64
-# tensors (slots and prevs may stay on the device the cache keeps them on: no device -> host copy).
 _Ints = Sequence[int] | torch.Tensor
-SweepSource = Callable[[], tuple[_Ints, _Ints, _Ints]]
 MIN_SWEEP_PLAN = 1024  # entries of the first sweep plan; it doubles (at least) when a sweep needs more
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    """A sweep plan its source keeps up to date itself (:class:`kvcanary.sweep_index.SweepIndex`): launched as is.
+
+    ``skipped``: entries of ``plan`` that are tombstones (the padding slot: verify skips them, but its entry counter
+    counts every plan entry, so the sweep takes them off that count again)."""
+
+    plan: VerifyPlan
+    skipped: int = 0
+
+
+# () -> (slots, prev slots or -1, positions) of every slot the prefix cache holds: int sequences, or int64
+# tensors (slots and prevs may stay on the device the cache keeps them on: no device -> host copy); or a SweepPlan.
+SweepSource = Callable[[], tuple[_Ints, _Ints, _Ints] | SweepPlan]
+
+
+def allocate_sweep_plan(capacity: int, device: torch.device | str) -> VerifyPlan:
+    """A sweep plan: no expected tokens (verify compares none) and enabled, once for all its sweeps."""
+    plan = VerifyPlan.allocate(capacity, device)
+    plan.verify_expected_tokens.fill_(layout.NO_EXPECTED_TOKEN)
+    plan.verify_enable.fill_(1)
+    return plan
 
 
 class Sweeper:
@@ -47,6 +70,14 @@ class Sweeper:
         positive and ``steps`` is a multiple of it."""
         interval = self.interval
         return self.source is not None and interval > 0 and steps % interval == 0
+
+    def run_source(self) -> None:
+        """Ask the source for the cache's entries and verify them (:meth:`run`, or a :class:`SweepPlan` as is)."""
+        found = self.source()
+        if isinstance(found, SweepPlan):
+            self._state.sweep(found.plan, skipped=found.skipped)
+        else:
+            self.run(*found)
 
     def run(self, slots: _Ints, prevs: _Ints, positions: _Ints) -> None:
         """Verify the given entries (slot, predecessor slot or -1, position) with real-KV, tag SWEEP.
@@ -71,7 +102,8 @@ class Sweeper:
         self._planned = None  # (until the copies are enqueued)
         plan = self._plan
         if plan is None or plan.capacity < n:
-            plan = self._plan = self._allocate(max(n, 2 * (plan.capacity if plan else 0), MIN_SWEEP_PLAN))
+            plan = self._plan = allocate_sweep_plan(max(n, 2 * (plan.capacity if plan else 0), MIN_SWEEP_PLAN),
+                                                    self._state.device)
         cuda = self._state.device.type == "cuda"
         for dst, src, name in ((plan.verify_slot_indices, slots, "slots"),
                                (plan.verify_prev_slot_indices, prevs, "prevs"),
@@ -90,10 +122,3 @@ class Sweeper:
         plan.verify_num_valid.fill_(n)  # a fill on the plan's device: stream-ordered after the copies, no host buffer
         if isinstance(slots, torch.Tensor) and isinstance(prevs, torch.Tensor) and isinstance(positions, torch.Tensor):
             self._planned = (slots, prevs, positions)
-
-    def _allocate(self, capacity: int) -> VerifyPlan:
-        """A sweep plan: no expected tokens (verify compares none) and enabled, once for all its sweeps."""
-        plan = VerifyPlan.allocate(capacity, self._state.device)
-        plan.verify_expected_tokens.fill_(layout.NO_EXPECTED_TOKEN)
-        plan.verify_enable.fill_(1)
-        return plan

@@ -26,7 +26,7 @@ import sglang  # noqa: E402,F401  (installed but broken must fail, not skip)
 
 from kvcanary import faults  # noqa: E402
 from kvcanary.report import CanaryViolationError  # noqa: E402
-from kvcanary.sglang import hooks, radix, v0_5_12  # noqa: E402
+from kvcanary.sglang import hooks, radix, radix_index, v0_5_12  # noqa: E402
 from kvcanary.tags import LaunchTag  # noqa: E402
 
 FORWARDS = 210
@@ -201,10 +201,8 @@ def test_radix_sweep_source_never_reads_slots_on_the_host(engine, monkeypatch) -
 
 
 def test_sweep_gathers_on_the_scheduler_stream(engine, monkeypatch) -> None:
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
     """Regression (issue 11, tp=2 false positives): the RadixCache's node values live on sglang's scheduler stream,
-    which frees and reuses them; the sweep must gather them there (``run_on_producer_stream`` with the scheduler's
+    which frees and reuses them; the sweep must read them there (``update_on_producer_stream`` with the scheduler's
     ``schedule_stream``), not on the forward stream it is called from. The race itself is reproduced on a GPU by
     tests/gpu/test_sweep_streams.py."""
     rng = random.Random(5)
@@ -212,23 +210,22 @@ def test_sweep_gathers_on_the_scheduler_stream(engine, monkeypatch) -> None:
     _drive(sched, rng, [rng.randrange(3, 2000) for _ in range(40)], 20)
     seen = []
 
-    def on_producer(producer, read):
+    def on_producer(producer, update):
         seen.append(producer)
         reads = []
         real_cat = torch.cat
 
-        def cat(*args, **kwargs):  # every gather of node values happens inside read()
+        def cat(*args, **kwargs):  # every gather of node values happens inside update()
             reads.append(len(seen))
             return real_cat(*args, **kwargs)
 
         with monkeypatch.context() as m:
             m.setattr(torch, "cat", cat)
-            out = read()
-        assert reads, "the sweep source gathered nothing inside read()"
-        return out
+            update()
+        assert reads, "the sweep source gathered nothing inside update()"
 
     stream = object()
-    monkeypatch.setattr(radix, "run_on_producer_stream", on_producer)
+    monkeypatch.setattr(radix_index, "update_on_producer_stream", on_producer)
     monkeypatch.setattr(torch.cuda, "Stream", object)  # so the scheduler's (fake) stream counts as a CUDA stream
     class Scheduler:  # the two attributes after_init_cache reads (SimpleNamespace cannot be weakly referenced)
         tree_cache = engine.tree
@@ -240,8 +237,8 @@ def test_sweep_gathers_on_the_scheduler_stream(engine, monkeypatch) -> None:
     source = inst.manager.sweeper.source
     first = source()
     assert seen == [None]  # the event loop has not started: no scheduler stream yet
-    assert source() is first and seen == [None]  # an unchanged tree is not walked (nor read) again
+    assert source() is first and seen == [None]  # an unchanged tree: the same plan, nothing read
     scheduler.schedule_stream = stream  # created when the event loop starts (after the cache)
-    engine.tree.evict(EvictParams(num_tokens=0))  # a mutator's call: the next sweep walks the tree again
-    slots, prevs, positions = source()
-    assert seen == [None, stream] and len(slots) == len(prevs) == len(positions) > 0
+    _drive(sched, rng, [rng.randrange(3, 2000) for _ in range(4)], len(sched.forwards) + 30)  # new nodes: read
+    source()
+    assert seen[0] is None and len(seen) > 1 and all(s is stream for s in seen[1:])

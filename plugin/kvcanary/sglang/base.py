@@ -16,8 +16,8 @@ opens with ``from kvcanary.sglang.base import *`` and then states only what diff
 The defaults are sglang 0.5.12's reading, which later versions keep unless their module says otherwise: the
 ``ModelRunner.forward`` and ``ForwardBatch.init_new`` targets, the forward-mode table, the pool and prefix-cache
 classes, the scheduler's stream attribute, the ModelRunner/Scheduler/ScheduleBatch accessors, the rank rule
-(:mod:`kvcanary.sglang.ranks`), the RadixCache sweep, and the piecewise-CUDA-graph wrapper gate and token bound
-(:mod:`kvcanary.sglang.piecewise`).
+(:mod:`kvcanary.sglang.ranks`), the RadixCache sweep (``RADIX_NODE_HOOKS``), and the piecewise-CUDA-graph wrapper
+gate and token bound (:mod:`kvcanary.sglang.piecewise`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 from kvcanary.batch import ForwardKind
 from kvcanary.config import Config
 from kvcanary.installation import GroupSpec
-from kvcanary.sglang import batches, guards, piecewise, pools, radix, ranks
+from kvcanary.sglang import batches, guards, piecewise, pools, radix, radix_index, ranks
 from kvcanary.sglang.batches import BatchViewFn
 from kvcanary.sglang.contract import RunnerParts
 from kvcanary.sglang.installed import installation_of
@@ -62,11 +62,16 @@ POOL_CLASSES = pools.PoolClasses(
     swa="sglang.srt.mem_cache.swa_memory_pool.SWAKVPool",
 )
 RADIX_CACHE_CLASS = "sglang.srt.mem_cache.radix_cache.RadixCache"
+# The RadixCache methods its cached entries change through, which the incremental sweep follows
+# (kvcanary.sglang.radix_index); None: the tree is walked on every sweep. 0.5.12's ``_insert_helper`` calls
+# ``_record_store_event`` with every node it creates (and nothing else calls it).
+RADIX_NODE_HOOKS: radix_index.RadixNodeHooks | None = radix_index.RadixNodeHooks(
+    stored="_record_store_event", split="_split_node", deleted="_delete_leaf", reset="reset")
 SCHEDULE_STREAM_ATTR = "schedule_stream"  # Scheduler attribute (0.5.12: set when its event loop starts)
 
 __all__ = [
     "MODEL_RUNNER", "SCHEDULER", "T_FORWARD", "T_FB_INIT_NEW", "STARTUP_FAILURE_TARGET", "PROTECT_HOOK_TARGETS",
-    "FORWARD_MODES", "POOL_CLASSES", "RADIX_CACHE_CLASS", "SCHEDULE_STREAM_ATTR",
+    "FORWARD_MODES", "POOL_CLASSES", "RADIX_CACHE_CLASS", "RADIX_NODE_HOOKS", "SCHEDULE_STREAM_ATTR",
     "check_after_initialize", "server_args_of", "runner_parts", "runner_ranks", "batch_requests", "scheduler_cache",
     "radix_cache", "scheduler_stream_of", "sweep_source", "wrapper_gate", "max_static_tokens",
 ]
@@ -155,15 +160,17 @@ def scheduler_stream_of(scheduler) -> Callable[[], torch.cuda.Stream | None]:
 
 
 def sweep_source(tree_cache, producer_stream: Callable[[], torch.cuda.Stream | None] | None = None
-                 ) -> Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
+                 ) -> Callable[[], object] | None:
     """The sweep source over the RadixCache behind ``tree_cache`` (:func:`radix_cache`), or None when there is none:
-    the shared walker, which reuses its last walk while the cache's mutation counter stands still (exactly
-    ``RADIX_CACHE_CLASS``: :func:`kvcanary.sglang.radix.mutation_counter`)."""
+    for exactly ``RADIX_CACHE_CLASS`` with ``RADIX_NODE_HOOKS``, the incremental plan that follows the tree's changes
+    (:class:`kvcanary.sglang.radix_index.RadixSweepIndex`); otherwise (a subclass: HiRadixCache moves node values in
+    methods of its own) the walker, every sweep."""
     tree = radix_cache(tree_cache)
     if tree is None:
         return None
-    changes = radix.mutation_counter(tree, pkgutil.resolve_name(RADIX_CACHE_CLASS))
-    return radix.radix_sweep_source(tree, producer_stream, changes)
+    if RADIX_NODE_HOOKS is not None and type(tree) is pkgutil.resolve_name(RADIX_CACHE_CLASS):
+        return radix_index.RadixSweepIndex(tree, RADIX_NODE_HOOKS, producer_stream)
+    return radix.radix_sweep_source(tree, producer_stream)
 
 
 # How kvcanary's model.forward wrapper classifies its calls, and the most tokens a prefill graph replay hands it:

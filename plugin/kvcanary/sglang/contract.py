@@ -22,7 +22,9 @@ import torch
 from kvcanary.batch import BatchView, ForwardKind
 from kvcanary.config import Config
 from kvcanary.installation import GroupSpec, Installation, WrapperCall
+from kvcanary.sglang.radix_index import RadixNodeHooks
 from kvcanary.sglang.targets import Target
+from kvcanary.sweep import SweepPlan
 
 # The hook bodies of kvcanary.sglang.hooks.AdapterHooks a version can attach to targets; a version module's
 # HOOK_TARGETS maps each to its target. REQUIRED_HOOKS must be there; the others fix one version's quirks.
@@ -86,6 +88,7 @@ class VersionModule(Protocol):
     PROTECT_HOOK_TARGETS: Mapping[str, Target]  # protect hook name (PROTECT_HOOK_NAMES) -> target; empty: refused
     FORWARD_MODES: Mapping[str, ForwardKind]  # sglang ForwardMode name -> kind; anything else is refused
     RADIX_CACHE_CLASS: str  # dotted name of the RadixCache class (protect mode evicts from exactly that class)
+    RADIX_NODE_HOOKS: RadixNodeHooks | None  # its methods the incremental sweep follows; None: walked every sweep
 
     def check_supported(self, server_args) -> None: ...
 
@@ -114,8 +117,9 @@ class VersionModule(Protocol):
     def scheduler_stream_of(self, scheduler) -> Callable[[], torch.cuda.Stream | None]: ...
 
     def sweep_source(self, tree_cache, producer_stream: Callable[[], torch.cuda.Stream | None] | None = None
-                     ) -> Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
-        """``() -> (slots, prevs, positions)`` of every slot the prefix cache holds; None: it cannot be swept."""
+                     ) -> Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | SweepPlan] | None:
+        """``() -> (slots, prevs, positions)`` of every slot the prefix cache holds, or a plan of them the source
+        keeps up to date (:class:`kvcanary.sweep.SweepPlan`); None: it cannot be swept."""
 
     def wrapper_gate(self, inst: Installation) -> Callable[[], WrapperCall]:
         """How kvcanary's ``model.forward`` wrapper classifies each of its calls (``inst.wrapper_call``)."""
@@ -178,6 +182,8 @@ def contract_problems(module: ModuleType) -> list[str]:
     elif sorted(set(protect) - set(PROTECT_HOOK_NAMES)):
         problems.append(f"{name}.PROTECT_HOOK_TARGETS: unknown hook(s) {sorted(set(protect) - set(PROTECT_HOOK_NAMES))}"
                         f" (known: {list(PROTECT_HOOK_NAMES)})")
+    if not isinstance(getattr(module, "RADIX_NODE_HOOKS", 0), RadixNodeHooks | None):
+        problems.append(f"{name}.RADIX_NODE_HOOKS: expected a RadixNodeHooks or None")
     modes = getattr(module, "FORWARD_MODES", None)
     if not isinstance(modes, Mapping) or not all(isinstance(k, ForwardKind) for k in modes.values()):
         problems.append(f"{name}.FORWARD_MODES: expected a mapping of ForwardMode name -> ForwardKind")

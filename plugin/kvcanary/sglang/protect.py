@@ -55,7 +55,7 @@ from kvcanary.config import Config, Mode
 from kvcanary.installation import Installation, installations
 from kvcanary.metrics import metrics_for
 from kvcanary.sglang.installed import installation_of
-from kvcanary.sglang.radix import cached_nodes, note_mutation
+from kvcanary.sglang.radix import cached_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -382,8 +382,7 @@ class SchedulerProtect:
             n, s = self._evict_from(tree, node, index)
             nodes += n
             slots += s
-        if nodes:
-            note_mutation(tree)
+        if nodes:  # (the sweep follows these splits and deletions through the tree's own methods: radix_index)
             self.pending_bad -= self._last_evicted
         self.stats.nodes_evicted += nodes
         self.stats.slots_evicted += slots

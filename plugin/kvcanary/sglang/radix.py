@@ -4,54 +4,26 @@
 Which object is the RadixCache (the cache itself, or the one a wrapper holds) is the version module's
 ``radix_cache``; :func:`unwrap_radix_cache` is the shared rule it applies with its class.
 
-The sweep's host cost (issue 15)
---------------------------------
-A sweep verifies every (slot, predecessor, position) the tree holds. Building those lists walks every node in
-Python and then runs a few torch ops on the KV device: ~1.3 ms per sweep of a ~52k-entry, ~260-node tree on the
-H200 host, ~120 µs per forward at interval 10. The verify launch itself is one launch whatever the tree. So the
-source does not rebuild the lists when the tree has not changed since the last sweep:
-
-* **What changes the lists.** In sglang 0.5.12's RadixCache every change of the set of cached entries goes through
-  three public methods (:data:`RADIX_MUTATORS`): ``insert`` (new nodes, through ``_insert_helper``), ``evict``
-  (removed leaves, through ``_delete_leaf``) and ``reset`` (a new root). ``match_prefix`` and ``insert`` also
-  split nodes (``_split_node``), which keeps the set: the two halves hold the same slots at the same depths, and
-  the second half's predecessor is the first half's last slot, the same slot as before. Lock counts do not
-  matter (the sweep verifies locked and idle nodes alike).
-* **Counting them.** :func:`mutation_counter` wraps those three methods on the one RadixCache instance the sweep
-  walks (instance attributes: nothing else is patched) with a counter bumped after each call returns or raises,
-  so a walk that starts after a mutation ended sees its count. The counter is only used for an instance of
-  exactly the RadixCache class (``type(tree) is radix_cls``): a subclass (HiRadixCache's host eviction and load
-  back set ``node.value`` in methods of its own) gets no counter and is walked on every sweep, as before.
-* **Reusing the lists.** With a counter, the source remembers the count its last lists were gathered at and,
-  when it is unchanged, hands back the very same tensors. :class:`kvcanary.sweep.Sweeper` then re-launches verify
-  on the plan it already holds (no copy, no walk): a sweep of an unchanged tree costs a counter compare and one
-  launch, whatever its size. The guarantee is unchanged: every sweep still verifies every cached entry against
-  the KV bytes as they are at that launch (a corrupted idle slot is found by the next sweep), and a plan is only
-  reused while the tree holds exactly its entries (a slot freed by an eviction is never verified from a stale
-  plan after it was reused: the eviction changed the count).
-* **Device memory.** The reused tensors are the gather's own results (allocated on the producer stream and
-  handed to the consumer, :mod:`kvcanary.streams`), not node values: a node value freed by a split or an
-  eviction is never read again. Reuse reads nothing at all on the host: no sync.
-* **A changed tree** is walked and gathered again, with a tighter walk (no generator, no per-node dict,
-  ``numel()`` as the cheapest size read of a node value) and 11 torch calls instead of ~20 (one cat behind a -1,
-  so every predecessor is one ``index_select``; the host facts in one upload). Splitting one sweep over several
-  forwards was not taken: it does not save the walk (a part must know its nodes' depths and predecessors, i.e.
-  the tree above it, which may change between the parts), and every entry must still be verified within one
-  interval.
+The walk's host cost
+--------------------
+A walk visits every node in Python and then runs a few torch ops on the KV device: ~1.3 ms per sweep of a
+~52k-entry, ~260-node tree on the H200 host. An exact RadixCache is therefore not walked per sweep but followed
+(:mod:`kvcanary.sglang.radix_index`: the tree's changes kept in an incremental plan); the walker serves the trees
+that cannot be followed (a subclass such as HiRadixCache, 0.5.23's legacy RadixCache) and walks on every call.
+The walk is tight (no generator, no per-node dict, ``numel()`` as the cheapest size read of a node value) and the
+gather is 11 torch calls whatever the node count (one cat behind a -1, so every predecessor is one
+``index_select``; the host facts in one upload). Node values are read on the scheduler's stream, which frees and
+reuses them (:mod:`kvcanary.streams`).
 """
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable, Iterator
 
 import torch
 
 from kvcanary.streams import run_on_producer_stream
-
-# The RadixCache methods through which every change of its cached entries goes (see the module docstring).
-RADIX_MUTATORS: tuple[str, ...] = ("insert", "evict", "reset")
 
 _Entries = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -76,58 +48,6 @@ def cached_nodes(tree) -> Iterator[tuple[object, int, object | None]]:
                 continue
             yield child, depth, parent
             stack.append((child, depth + int(value.shape[0]), child))
-
-
-class _MutationCount:
-    """How many calls of a tree's mutators have returned (or raised) so far."""
-
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def __call__(self) -> int:
-        return self.value
-
-
-# tree -> its counter: a tree shared by several installations is wrapped once (weak: never keeps a tree alive)
-_counters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def mutation_counter(tree, radix_cls: type) -> Callable[[], int] | None:
-    """``() -> count`` of the calls of ``tree``'s :data:`RADIX_MUTATORS` so far, or None when ``tree`` is not
-    exactly a ``radix_cls`` (a subclass may change its entries in methods of its own: it is walked every sweep).
-
-    The first call wraps the mutators on the instance (the count is bumped after each call, also when it raises);
-    later calls for the same tree return the same counter.
-    """
-    if type(tree) is not radix_cls:
-        return None
-    count = _counters.get(tree)
-    if count is None:
-        count = _counters[tree] = _MutationCount()
-        for name in RADIX_MUTATORS:
-            setattr(tree, name, _counted(getattr(tree, name), count))
-    return count
-
-
-def note_mutation(tree) -> None:
-    """Count a change of ``tree``'s cached entries made outside its :data:`RADIX_MUTATORS` (protect mode evicts
-    chosen nodes through the tree's internal ``_delete_leaf``), so the sweep walks the tree again."""
-    count = _counters.get(tree)
-    if count is not None:
-        count.value += 1
-
-
-def _counted(method: Callable, count: _MutationCount) -> Callable:
-    @functools.wraps(method)
-    def counted(*args, **kwargs):
-        try:
-            return method(*args, **kwargs)
-        finally:
-            count.value += 1  # after the change: a walk that reads the count after this sees the changed tree
-
-    return counted
 
 
 def gather_entries(tree) -> _Entries:
@@ -179,8 +99,8 @@ def gather_entries(tree) -> _Entries:
     return headed[1:], headed.index_select(0, index), positions
 
 
-def radix_sweep_source(tree, producer_stream: Callable[[], torch.cuda.Stream | None] | None = None,
-                       changes: Callable[[], int] | None = None) -> Callable[[], _Entries]:
+def radix_sweep_source(tree, producer_stream: Callable[[], torch.cuda.Stream | None] | None = None
+                       ) -> Callable[[], _Entries]:
     """``() -> (slots, prevs, positions)`` of every slot the RadixCache ``tree`` holds (a SweepSource).
 
     ``producer_stream()`` returns the stream the tree's node values live on (sglang's scheduler stream), or None
@@ -188,23 +108,14 @@ def radix_sweep_source(tree, producer_stream: Callable[[], torch.cuda.Stream | N
     value blocks on that stream while the sweep's caller (the forward stream) may still lag behind
     (:mod:`kvcanary.streams`).
 
-    ``changes()`` (:func:`mutation_counter`) counts the tree's mutations: while it returns the count of the last
-    gather, the source returns that gather's tensors again (the sweeper re-verifies the plan it holds). Without
-    it every call walks the tree.
     """
-    last: list = [None, None]  # [mutation count, entries] of the last gather (count None: not reusable)
 
     def gather() -> _Entries:
         return gather_entries(tree)
 
     def source() -> _Entries:
-        count = changes() if changes is not None else None  # read before the walk (see mutation_counter)
-        if count is not None and count == last[0]:
-            return last[1]
         producer = producer_stream() if producer_stream is not None else None
-        entries = run_on_producer_stream(producer, gather)
-        last[0], last[1] = count, entries
-        return entries
+        return run_on_producer_stream(producer, gather)
 
     return source
 

@@ -78,6 +78,9 @@ HOOK_TARGETS: dict[str, Target] = {
 TARGETS: tuple[Target, ...] = tuple(HOOK_TARGETS.values())
 
 UNIFIED_RADIX_CACHE_CLASS = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
+# A legacy RadixCache (no UnifiedRadixCache) is walked on every sweep: 0.5.23's ``_insert_helper`` reports new nodes
+# through ``kv_events.record_store``, not a method of the tree; following it is not taught (issue 25 covers 0.5.12).
+RADIX_NODE_HOOKS = None
 UNIFIED_POOL_FLAG = "--enable-unified-memory"
 NO_PREFILL_GRAPHS_FLAG = "--cuda-graph-backend-prefill disabled"
 # Prefill graph backends whose replay calls the top-level model.forward eagerly around the captured layer stack

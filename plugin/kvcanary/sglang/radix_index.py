@@ -1,0 +1,247 @@
+"""The incremental sweep source of an sglang RadixCache (issue 25): the tree's changes, followed as they happen.
+
+Why. Walking the tree on every sweep whose tree changed (:func:`kvcanary.sglang.radix.radix_sweep_source`) costs
+~1-2 ms of host time per sweep in a serving engine, where the tree changes between nearly every two sweeps (phase 2
+of the H200 driver: 141 µs per forward at a sweep every 10 forwards, most of kvcanary's host cost). Here each node
+of the tree is a span of a :class:`kvcanary.sweep_index.SweepIndex`, and the tree's own methods tell the index what
+changed (instance attributes of the one tree, wrapped once; nothing else is patched):
+
+* **a node stored** (the version's ``RadixNodeHooks.stored``: 0.5.12's ``_record_store_event``, which
+  ``_insert_helper`` calls with every node it creates, and only then): the node is *pending*; at the next sweep all
+  pending nodes are appended at once, parents before children, each continuing its parent's span (a child of the
+  root starts a chain);
+* **a node split** (``_split_node(key, child, split_len)`` returns the new head): the head takes the span's first
+  ``split_len`` entries, the child keeps the rest, host only (a split keeps every slot, predecessor and position);
+  a pending child makes its head pending too;
+* **a leaf deleted** (``_delete_leaf``: sglang's eviction and protect mode's): a pending node is forgotten, an
+  appended one's entries become tombstones;
+* **a reset**: the next sweep rebuilds from a walk of the new tree.
+
+A change the index cannot place (a node deleted or split that it never saw stored) marks it *stale*: the next sweep
+walks the whole tree and rebuilds the plan, as does a plan whose tombstones reach half its entries (compaction).
+The first sweep walks too (the tree may hold nodes from before the source existed). So every sweep verifies
+exactly the entries the tree holds at that moment; a sweep of an unchanged tree launches verify on the plan as it
+is (no device work before it), a sweep after changes costs a few device operations for what changed.
+
+Streams: the appends read node values, which sglang's scheduler stream produces and frees, so they run on that
+stream (:func:`kvcanary.streams.update_on_producer_stream`) after the sweeps already queued on the forward stream,
+which waits for them.
+
+Only an exact ``RADIX_CACHE_CLASS`` instance is followed (:func:`kvcanary.sglang.base.sweep_source`): a subclass
+(HiRadixCache moves node values to and from the host in methods of its own) is walked on every sweep.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvcanary.streams import update_on_producer_stream
+from kvcanary.sweep import SweepPlan
+from kvcanary.sweep_index import Span, SweepIndex, UnplacedSpan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RadixNodeHooks:
+    """The RadixCache methods (names on the instance) through which its cached entries change.
+
+    Attributes:
+        stored: called with each node an insert creates, once it is in the tree.
+        split: ``(key, child, split_len) -> head``: cuts ``child`` after ``split_len`` slots into a new head.
+        deleted: ``(node)``: a leaf leaves the tree.
+        reset: ``()``: the tree is emptied (a new root).
+    """
+
+    stored: str
+    split: str
+    deleted: str
+    reset: str
+
+
+class RadixSweepIndex:
+    """A sweep source (``() -> SweepPlan``) over one RadixCache, following its changes (see the module docstring)."""
+
+    def __init__(self, tree, hooks: RadixNodeHooks,
+                 producer_stream: Callable[[], torch.cuda.Stream | None] | None = None) -> None:
+        self._tree = tree
+        self._index = SweepIndex(getattr(tree, "device", None) or "cpu")
+        self._pending: dict[object, None] = {}  # nodes stored since the last sweep (an ordered set)
+        self._stale = True  # the next sweep walks the tree (first sweep, reset, a change not placed, compaction)
+        self._producer_stream = producer_stream
+        self.walks = 0  # sweeps that walked the whole tree
+        _watch(tree, hooks).add(self)
+
+    # ------------------------------------------------------------------------------------------ tree events
+    def node_stored(self, node) -> None:
+        if not self._stale:
+            self._pending[node] = None
+
+    def node_split(self, head, child, head_length: int) -> None:
+        if self._stale:
+            return
+        if child in self._index:
+            self._index.split(child, head, head_length)
+        elif child in self._pending:
+            self._pending[head] = None
+        else:
+            self._stale = True
+
+    def node_deleted(self, node) -> None:
+        if self._stale:
+            return
+        if node in self._pending:
+            del self._pending[node]
+        elif node in self._index:
+            self._index.remove(node)
+        else:
+            self._stale = True
+
+    def tree_reset(self) -> None:
+        self._stale = True
+        self._pending.clear()
+
+    def invalidate(self) -> None:
+        """Walk the whole tree at the next sweep (a tree event could not be followed)."""
+        self._stale = True
+        self._pending.clear()
+
+    # ------------------------------------------------------------------------------------------ the source
+    def __call__(self) -> SweepPlan:
+        index = self._index
+        if not self._stale and not self._pending and not index.dirty():
+            return index.commit()  # the tree holds what the plan holds: verify it again as it is
+        if not self._stale and index.wants_compaction():
+            self._stale = True
+        if not self._stale:
+            try:
+                return self._update(self._pending_spans(), rebuild=False)
+            except UnplacedSpan:  # (a node whose parent the index never saw: placed by a walk instead)
+                self._stale = True
+        plan = self._update(walk_spans(self._tree), rebuild=True)
+        self.walks += 1
+        return plan
+
+    def _update(self, spans: list[Span], rebuild: bool) -> SweepPlan:
+        index = self._index
+        if rebuild:
+            index.clear()
+        index.reserve(sum(span.slots.numel() for span in spans))  # (outside the producer stream: see streams)
+        planned: list[SweepPlan] = []
+
+        def update() -> None:
+            index.append(spans)  # (checks every span's place before its first device operation)
+            planned.append(index.commit())
+
+        producer = self._producer_stream() if self._producer_stream is not None else None
+        update_on_producer_stream(producer, update)
+        self._pending.clear()
+        self._stale = False
+        return planned[0]
+
+    def _pending_spans(self) -> list[Span]:
+        """The pending nodes as spans, each after its parent (pending parents first; a child of the root starts a
+        chain)."""
+        root = self._tree.root_node
+        pending = self._pending
+        spans: list[Span] = []
+        placed: set[int] = set()
+        for node in pending:
+            chain = []
+            while node in pending and id(node) not in placed:
+                placed.add(id(node))
+                chain.append(node)
+                node = node.parent
+            for node in reversed(chain):
+                parent = node.parent
+                spans.append(Span(node, node.value, None if parent is root else parent))
+        return spans
+
+
+def walk_spans(tree) -> list[Span]:
+    """Every node of ``tree`` that holds slots, as spans, parents before children (a node without slots, and its
+    subtree, is skipped: evicted)."""
+    spans: list[Span] = []
+    stack = [(tree.root_node, None)]
+    while stack:
+        node, parent_key = stack.pop()
+        for child in list(node.children.values()):
+            value = child.value
+            if value is None or value.numel() == 0:
+                continue
+            spans.append(Span(child, value, parent_key))
+            stack.append((child, child))
+    return spans
+
+
+# ---------------------------------------------------------------------------------------------- the tree's methods
+class _TreeWatch:
+    """The listeners of one tree's events (weak: a dropped source stops listening)."""
+
+    def __init__(self) -> None:
+        self._listeners: list[weakref.ref[RadixSweepIndex]] = []
+        self.failed = False
+
+    def add(self, listener: RadixSweepIndex) -> None:
+        self._listeners = [r for r in self._listeners if r() is not None] + [weakref.ref(listener)]
+
+    def emit(self, event: str, *args) -> None:
+        for ref in self._listeners:  # (a plain list: every insert and eviction of sglang's passes here)
+            listener = ref()
+            if listener is None:
+                continue
+            try:
+                getattr(listener, event)(*args)
+            except Exception:  # never fail sglang's own tree operation: fall back to a walk
+                listener.invalidate()
+                if not self.failed:
+                    self.failed = True
+                    logger.exception("kvcanary: following the RadixCache's %s failed; the next sweep walks the tree",
+                                     event)
+
+
+_watches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tree -> its _TreeWatch (wrapped once)
+
+
+def _watch(tree, hooks: RadixNodeHooks) -> _TreeWatch:
+    watch = _watches.get(tree)
+    if watch is not None:
+        return watch
+    watch = _watches[tree] = _TreeWatch()
+    stored, split, deleted, reset = (getattr(tree, name) for name in
+                                     (hooks.stored, hooks.split, hooks.deleted, hooks.reset))
+
+    @functools.wraps(stored)
+    def on_stored(node, *args, **kwargs):
+        result = stored(node, *args, **kwargs)
+        watch.emit("node_stored", node)
+        return result
+
+    @functools.wraps(split)
+    def on_split(key, child, split_len, *args, **kwargs):
+        head = split(key, child, split_len, *args, **kwargs)
+        watch.emit("node_split", head, child, int(split_len))
+        return head
+
+    @functools.wraps(deleted)
+    def on_deleted(node, *args, **kwargs):
+        result = deleted(node, *args, **kwargs)
+        watch.emit("node_deleted", node)
+        return result
+
+    @functools.wraps(reset)
+    def on_reset(*args, **kwargs):
+        result = reset(*args, **kwargs)
+        watch.emit("tree_reset")
+        return result
+
+    for name, wrapper in ((hooks.stored, on_stored), (hooks.split, on_split), (hooks.deleted, on_deleted),
+                          (hooks.reset, on_reset)):
+        setattr(tree, name, wrapper)
+    return watch

@@ -1,0 +1,164 @@
+"""The incremental sweep plan (``kvcanary.sweep_index.SweepIndex``) on its own: after any sequence of appends,
+splits and removals its live entries (plan entries that are not the padding slot) are exactly the (slot,
+predecessor, position) of the spans it holds, checked against a model of chained spans; tombstones are counted for
+the sweep to take off, and the plan is compacted by a rebuild."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvcanary import layout
+from kvcanary.sweep import SweepPlan
+from kvcanary.sweep_index import MIN_COMPACTION_ENTRIES, Span, SweepIndex, UnplacedSpan
+
+
+def live(planned: SweepPlan) -> list[tuple[int, int, int]]:
+    plan = planned.plan
+    n = int(plan.verify_num_valid.item())
+    rows = zip(plan.verify_slot_indices[:n].tolist(), plan.verify_prev_slot_indices[:n].tolist(),
+               plan.verify_expected_positions[:n].tolist(), strict=True)
+    return sorted(r for r in rows if r[0] != layout.PADDING_SLOT)
+
+
+class Model:
+    """Spans as lists of slots with a parent: what the plan must hold."""
+
+    def __init__(self) -> None:
+        self.slots: dict[str, list[int]] = {}
+        self.after: dict[str, str | None] = {}
+
+    def first_position(self, key: str) -> int:
+        after = self.after[key]
+        return 0 if after is None else self.first_position(after) + len(self.slots[after])
+
+    def entries(self) -> list[tuple[int, int, int]]:
+        out = []
+        for key, slots in self.slots.items():
+            after = self.after[key]
+            prev = -1 if after is None else self.slots[after][-1]
+            first = self.first_position(key)
+            out += [(s, slots[i - 1] if i else prev, first + i) for i, s in enumerate(slots)]
+        return sorted(out)
+
+
+def test_append_split_remove_match_the_model() -> None:
+    index, model = SweepIndex("cpu"), Model()
+    index.append([Span("a", torch.tensor([11, 12, 13, 14])), Span("b", torch.tensor([15, 16], dtype=torch.int32),
+                                                                  "a")])
+    model.slots.update(a=[11, 12, 13, 14], b=[15, 16])
+    model.after.update(a=None, b="a")
+    assert live(index.commit()) == model.entries()
+    index.append([Span("c", torch.tensor([27, 28]), "a")])  # a held span continues: its last slot is read on the device
+    model.slots["c"], model.after["c"] = [27, 28], "a"
+    assert live(index.commit()) == model.entries()
+    index.split("a", "a0", 2)  # host only: the entries stay where they are
+    model.slots.update(a0=[11, 12], a=[13, 14])
+    model.after.update(a0=None, a="a0")
+    planned = index.commit()
+    assert live(planned) == model.entries() and planned.skipped == 0
+    assert index.end_position("a0") == 2 and index.end_position("a") == 4
+    index.append([Span("d", torch.tensor([40]), "a0")])
+    model.slots["d"], model.after["d"] = [40], "a0"
+    index.remove("b")
+    del model.slots["b"], model.after["b"]
+    planned = index.commit()
+    assert live(planned) == model.entries() and planned.skipped == 2 and len(index) == len(model.entries())
+
+
+def test_an_unchanged_index_hands_back_the_same_plan_without_device_work() -> None:
+    index = SweepIndex("cpu")
+    index.append([Span("a", torch.tensor([1, 2]))])
+    first = index.commit()
+    assert not index.dirty() and index.commit() is first
+    index.split("a", "h", 1)
+    assert index.commit() is first  # a split changes no entry
+    index.remove("h")
+    assert index.dirty() and index.commit() is not first
+
+
+def test_a_span_that_continues_an_unknown_span_changes_nothing() -> None:
+    index = SweepIndex("cpu")
+    index.append([Span("a", torch.tensor([1, 2]))])
+    before = live(index.commit())
+    with pytest.raises(UnplacedSpan):
+        index.append([Span("b", torch.tensor([3])), Span("c", torch.tensor([4]), "nowhere")])
+    assert "b" not in index and live(index.commit()) == before
+    with pytest.raises(ValueError, match="already owns"):
+        index.append([Span("a", torch.tensor([5]))])
+    with pytest.raises(ValueError, match="empty span"):
+        index.append([Span("e", torch.zeros(0, dtype=torch.int64))])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_changes_match_the_model(seed: int) -> None:
+    """Appends (batches with in-batch and held parents), splits, removals of leaves, growth past the plan's
+    capacity, many tombstone ranges at once, and rebuilds."""
+    rng = random.Random(seed)
+    index, model = SweepIndex("cpu"), Model()
+    next_slot, names = 1, 0
+    for _ in range(60):
+        op = rng.random()
+        if op < 0.45 or not model.slots:
+            batch, keys = [], list(model.slots)
+            for _ in range(rng.randrange(1, 6)):
+                after = rng.choice([None, *keys]) if keys else None
+                n = rng.randrange(1, 300)
+                key = f"n{names}"
+                names += 1
+                slots = list(range(next_slot, next_slot + n))
+                next_slot += n
+                batch.append(Span(key, torch.tensor(slots), after))
+                model.slots[key], model.after[key] = slots, after
+                keys.append(key)
+            index.append(batch)
+        elif op < 0.65:
+            key = rng.choice(list(model.slots))
+            slots = model.slots[key]
+            if len(slots) > 1:
+                cut = rng.randrange(1, len(slots))
+                head = f"n{names}"
+                names += 1
+                index.split(key, head, cut)
+                model.slots[head], model.after[head] = slots[:cut], model.after[key]
+                model.slots[key], model.after[key] = slots[cut:], head  # (its children still continue it)
+        elif op < 0.95:
+            leaves = [k for k in model.slots if k not in model.after.values()]
+            for key in rng.sample(leaves, min(len(leaves), rng.randrange(1, 5))):
+                index.remove(key)
+                del model.slots[key], model.after[key]
+        else:
+            order = []  # parents before children
+            placed: set[str] = set()
+            while len(order) < len(model.slots):
+                for key in model.slots:
+                    if key not in placed and (model.after[key] is None or model.after[key] in placed):
+                        placed.add(key)
+                        order.append(key)
+            index.rebuild([Span(k, torch.tensor(model.slots[k]), model.after[k]) for k in order])
+            assert index.tombstones == 0
+        planned = index.commit()
+        assert live(planned) == model.entries()
+        assert planned.skipped == index.tombstones and len(index) == len(model.entries())
+
+
+def test_compaction_is_wanted_once_tombstones_are_half_the_plan() -> None:
+    index = SweepIndex("cpu")
+    index.append([Span("a", torch.arange(1, MIN_COMPACTION_ENTRIES + 1)),
+                  Span("b", torch.arange(10**6, 10**6 + MIN_COMPACTION_ENTRIES))])
+    assert not index.wants_compaction()
+    index.remove("b")
+    assert index.wants_compaction() and index.commit().skipped == MIN_COMPACTION_ENTRIES
+    index.rebuild([Span("a", torch.arange(1, MIN_COMPACTION_ENTRIES + 1))])
+    planned = index.commit()
+    assert not index.wants_compaction() and planned.skipped == 0 and int(planned.plan.verify_num_valid) == len(index)
+
+
+def test_a_plan_is_a_sweep_plan() -> None:
+    """No expected tokens (verify compares none) and enabled."""
+    index = SweepIndex("cpu")
+    index.append([Span("a", torch.tensor([3, 4]))])
+    plan = index.commit().plan
+    assert int(plan.verify_enable) == 1 and bool((plan.verify_expected_tokens == layout.NO_EXPECTED_TOKEN).all())
