@@ -196,6 +196,36 @@ def test_hold_closes_the_window(make_engine) -> None:
     assert loop.sent[reqs[0].rid] == clean[0]  # streamed token by token: every token sent is the clean one
 
 
+@pytest.mark.parametrize("hold", ["0", "1"])
+def test_request_mid_chunked_prefill_is_aborted_once_and_leaks_nothing(make_engine, hold: str) -> None:
+    """Regression (H200 phases 22/23, 2026-12-02): a request condemned mid chunked prefill was aborted with
+    ``skip_radix_cache_insert``, which also stops sglang caching its chunks between chunks - the only way its prefix
+    advances - so every later chunk was computed again into new slots, the old ones leaked, it was aborted again on
+    every pass (it held a condemned node) and the pool ran out. Now: one abort, its chunks advance, it finishes with
+    kvcanary's reason, the bad node is evicted once released, and every slot comes back."""
+    mr, sched, inst, state, report = make_engine(KVCANARY_PROTECT_HOLD=hold)
+    loop = sgl_protect.OverlapLoop(sched, mr, chunk=16)
+    allocator = mr.token_to_kv_pool_allocator
+    free_at_start = allocator.available_size()
+    prompt = [(13 * i + 5) % 1900 + 50 for i in range(200)]  # 13 chunks of 16
+    req = loop.add(prompt, 4)
+    other = loop.add(_other(9), 4)
+    while sched.chunked_req is not req or len(req.prefix_indices) < 32:
+        loop.iteration()
+    bad_slot = int(mr.req_to_token_pool.req_to_token[req.req_pool_idx, 3])
+    _flip(inst, bad_slot)  # its first chunk's KV, read again by every later chunk's verify
+    loop.run_until_idle(limit=400)
+    acts = [a for a in _records(report, protect.ACTION_SCHEMA) if a["request_id"] == req.rid]
+    assert [a["action"] for a in acts] == [protect.ABORT], acts
+    assert "mid chunked prefill" in acts[0]["detail"]
+    reason = req.finished_reason.to_json()
+    assert protect.is_protect_abort(reason) and reason["status_code"] == 500
+    assert other.finished_reason.to_json()["type"] == "length"
+    assert all(bad_slot not in n.value.tolist() for n, _, _ in cached_nodes(sched.tree_cache))  # evicted
+    _evict_all(sched)
+    assert allocator.available_size() == free_at_start  # nothing leaked
+
+
 def test_protect_counters_and_log_lines(make_engine, caplog) -> None:
     pytest.importorskip("prometheus_client")
     import prometheus_client

@@ -22,7 +22,8 @@ while it stays retracted); the outputs it produced over bad KV are dropped first
 scheduler) is skipped by sglang (``req.is_retracted``).
 
 Abort (sglang's "abort method 3": ``req.to_finish = FINISH_ABORT(message, 500, "KVCanaryViolation")`` and
-``req.skip_radix_cache_insert = True``, so its KV is never cached) where a recompute cannot give a clean output:
+``req.skip_radix_cache_insert = True``, so its KV is never cached; mid chunked prefill its chunks are cached, and the
+nodes holding its bad slots evicted once it releases them: ``_abort``) where a recompute cannot give a clean output:
 
 * speculative decoding (EAGLE): under speculation 0.5.12's ``filter_batch`` can only drop requests from the back of
   the batch (``retract_decode`` says so), so one request in the middle cannot be retracted;
@@ -183,6 +184,9 @@ class SchedulerProtect:
         marked = self._mark_nodes()
         condemned = {id(v.request) for v in fresh}
         for req, depth in self._holders(scheduler, batches, marked):
+            mark = getattr(req, REQ_ATTR, None)
+            if mark is not None and mark[2]:
+                continue  # aborted already: it releases the node when it finishes (not aborted again each pass)
             if id(req) not in condemned:
                 condemned.add(id(req))
                 row = getattr(req, "req_pool_idx", None)
@@ -265,7 +269,7 @@ class SchedulerProtect:
                 self._recompute(scheduler, req, holding, keep_outputs, waiting)
                 action, detail = protect.RECOMPUTE, f"re-prefilled from {prompt + keep_outputs} tokens"
             else:
-                self._abort(req, protect.abort_message(verdict.first_step, why_not))
+                self._abort(req, protect.abort_message(verdict.first_step, why_not), chunked=chunked)
                 action, detail = protect.ABORT, why_not
         if action == protect.RECOMPUTE:
             self.stats.recomputed += 1
@@ -324,13 +328,21 @@ class SchedulerProtect:
             self.requeue.append(req)  # queued once no in-flight result holds it (_requeue)
 
     @staticmethod
-    def _abort(req, message: str) -> None:
+    def _abort(req, message: str, chunked: bool = False) -> None:
+        """sglang's abort method 3 (``to_finish``: the request finishes at its next result, its KV released by
+        sglang's own code). Its KV is kept out of the radix cache (``skip_radix_cache_insert``), except mid chunked
+        prefill: there sglang advances the request's prefix between chunks only by caching what it computed
+        (``maybe_cache_unfinished_req``, which that flag turns off), so with it each later chunk would be computed
+        again into newly allocated slots while the earlier ones leak, until the pool runs out (H200 phases 22/23,
+        2026-12-02). Its cached chunks are condemned instead: the nodes holding the bad slots (and, as their
+        subtree, every chunk after them) are evicted once the request releases them."""
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
         if getattr(req, "to_finish", None) is None:
             req.to_finish = FINISH_ABORT(message, status_code=HTTPStatus.INTERNAL_SERVER_ERROR,
                                          err_type=protect.ABORT_ERR_TYPE)
-        req.skip_radix_cache_insert = True
+        if not chunked:
+            req.skip_radix_cache_insert = True
 
     # ------------------------------------------------------------------------------------------ nodes
     def _mark_nodes(self) -> list[tuple[object, int, int]]:
