@@ -55,3 +55,39 @@ def test_the_race_is_real_without_it() -> None:
     """The harness reproduces the hazard: gathered on the lagging consumer stream, the values are gone."""
     expected, gathered = _gather_then_reuse(fixed=False)
     assert gathered != expected, "the caching allocator did not reuse the freed blocks; the race was not exercised"
+
+
+def _update_behind_a_queued_read(ordered: bool) -> tuple[list[int], list[int]]:
+    """A plan the consumer stream reads (a sweep's verify, queued behind a lag) and the producer rewrites (the
+    incremental sweep plan's update from node values, kvcanary.sglang.radix_index). Returns (queued read, later
+    read)."""
+    from kvcanary.streams import update_on_producer_stream
+
+    producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
+    plan = torch.arange(4096, dtype=torch.int64, device="cuda")
+    torch.cuda.synchronize()
+
+    def update() -> None:
+        plan.fill_(-7)
+
+    with torch.cuda.stream(consumer):
+        torch.cuda._sleep(LAG_CYCLES)
+        queued = plan.clone()  # enqueued before the update: must see the plan as it was
+        if ordered:
+            update_on_producer_stream(producer, update)
+        else:
+            with torch.cuda.stream(producer):
+                update()
+        later = plan.clone()  # enqueued after it: must see the update
+    torch.cuda.synchronize()
+    return queued.tolist(), later.tolist()
+
+
+def test_plan_update_on_the_producer_stream_is_ordered_with_the_consumer() -> None:
+    queued, later = _update_behind_a_queued_read(ordered=True)
+    assert queued == list(range(4096)) and later == [-7] * 4096
+
+
+def test_the_plan_update_race_is_real_without_it() -> None:
+    queued, _ = _update_behind_a_queued_read(ordered=False)
+    assert queued != list(range(4096)), "the producer's write did not overtake the lagging read; race not exercised"
