@@ -900,7 +900,7 @@ EAGLE_RETRACT_ENGINE = EAGLE_ENGINE + (("cuda_graph_max_bs", 32), ("schedule_con
 # violation row each (2026-12-02 H200: 4,409 rows on 28 slots, and 1,643 more the default ring of 1,024 rows could
 # not keep, as the ring is emptied only at a forward that adds no row). A ring of 65,536 rows keeps them all, so
 # every row can be matched against a wrong tail.
-EAGLE_RETRACT_ENV = COMMON_ENV + (("KVCANARY_RING_CAPACITY", "65536"),)
+EAGLE_RETRACT_ENV = COMMON_ENV  # (the default ring keeps every row since 802b3cc: 6,052 rows, 0 lost on the H200)
 EAGLE_RETRACT_PHASES: dict[str, Phase] = {
     # PR 26800's fix only (fix_prompt): draft-pool verify_token at exactly the wrong output-region tails.
     "15": Phase("15", "eagle-retract", "log", True, 3072, 190, 110,
