@@ -26,7 +26,9 @@ Phases (``--phases``, default ``1,2,3,4``):
    Decode CUDA graphs on; ``--overhead-eager`` runs every forward eagerly (``disable_cuda_graph``).
    Each Engine first runs 3 groups of a differently seeded workload, unmeasured; the first pair also absorbs what
    a fresh machine compiles on first use. The ratio is the last pair's (tokens/s and wall time per forward); the
-   earlier pairs' ratios are shown beside it.
+   earlier pairs' ratios are shown beside it. ``--overhead-arms A,B`` (default ``off,log``) compares two other
+   arms the same way, e.g. ``log,protect``: A is the baseline, B/A the ratio (arms: off, log, raise, protect,
+   protect-hold = protect with ``KVCANARY_PROTECT_HOLD=1`` for that Engine only).
 
 5-8. EAGLE speculative decoding (topk 1, chunked prefill of 64): ``eagle-bug`` (sglang 0.5.12 as shipped: kvcanary's
    draft pool reports every wrong chunk tail of sglang issue 26329, matched to the tails a test-only plugin prints),
@@ -279,11 +281,10 @@ def parse_host_time(log_text: str) -> dict | None:
 
 
 def measured_forwards(log_text: str, mode: str = "log") -> int | None:
-    """Forwards the canary counted during the measured workload of the last ``mode`` Engine of an overhead log:
-    its last stats count minus the last one before the measured-workload marker (the unmeasured warm-up's), to
-    within ``KVCANARY_STATS_EVERY``. None without stats lines or marker."""
-    sections = log_text.split(ENGINE_MARKER)
-    mine = [sec for sec in sections[1:] if sec.startswith(mode)]
+    """Forwards the canary counted during the measured workload of the last Engine of arm ``mode`` of an overhead
+    log: its last stats count minus the last one before the measured-workload marker (the unmeasured warm-up's),
+    to within ``KVCANARY_STATS_EVERY``. None without stats lines or marker."""
+    mine = [sec for arm, sec in engine_sections(log_text) if arm == mode]
     if not mine or MEASURED_MARKER not in mine[-1]:
         return None
     before, after = mine[-1].split(MEASURED_MARKER, 1)
@@ -479,33 +480,34 @@ def render(summary: dict) -> str:
                 for v in faults["unexplained_examples"][:5]))
     ov = summary.get("overhead")
     if ov:
+        base, arm = overhead_arms_of(ov)
         lines += ["", "| overhead | output tok/s | total tok/s | workload s | forwards | ms/forward |",
                   "|---|---|---|---|---|---|"]
-        for k in ("off", "log"):
+        for k in (base, arm):
             r = ov.get(k) or {}
             lines.append(f"| {k} | {_fmt(r.get('tokens_per_s'))} | {_fmt(r.get('total_tokens_per_s'))} | "
                          f"{_fmt(r.get('workload_s'), 2)} | {_fmt(r.get('forwards'))} | "
                          f"{_fmt(r.get('ms_per_forward'), 3)} |")
-        host = ov.get("host")
+        host, host_arm = ov.get("host"), overhead_host_arm((base, arm))
         if host:
             lines.append(
-                f"| where the canary's time goes (log) | {host['canary_us']:.1f} µs host per forward: "
+                f"| where the canary's time goes ({host_arm}) | {host['canary_us']:.1f} µs host per forward: "
                 f"{host['hooks_us']:.1f} in the forward hooks (drain, health, stats) + "
                 + (f"{host['batch_init_us']:.1f} in the batch hook (ForwardBatch.init_new: writer attribution, "
                    "token uploads) + " if "batch_init_us" in host else "")
                 + f"{host['launch_us']:.1f} per eager forward ({host['eager']} of {host['forwards']}) launching "
                 f"plan/verify/write; a forward's own host time {host['forward_us']:.1f} µs"
-                + (f"; = {host['canary_us'] / (10 * ov['log']['ms_per_forward']):.1f} % of the measured forward period"
-                   if (ov.get("log") or {}).get("ms_per_forward") else "") + " | | | | |")
+                + (f"; = {host['canary_us'] / (10 * ov[host_arm]['ms_per_forward']):.1f} % of the measured forward "
+                   "period" if (ov.get(host_arm) or {}).get("ms_per_forward") else "") + " | | | | |")
         for w in ov.get("warmup_rounds") or []:
-            lines.append(f"| warm-up pair {w['round']} (first Engines on this machine), log/off | "
-                         f"{_fmt(w['ratio'], 4)} ({_fmt(w['off'])} vs {_fmt(w['log'])} tok/s) | | | | |")
+            lines.append(f"| warm-up pair {w['round']} (first Engines on this machine), {arm}/{base} | "
+                         f"{_fmt(w['ratio'], 4)} ({_fmt(w[base])} vs {_fmt(w[arm])} tok/s) | | | | |")
         if ov.get("ratio") is not None:
             r = ov["ratio"]
             what = (f"{100 * (1 - r):.2f} % fewer tok/s" if r < 1 else
                     f"no slowdown measurable: {100 * (r - 1):.2f} % more tok/s, within Engine-to-Engine noise")
-            lines.append(f"| log/off | {r:.4f} ({what}) | | | | {_fmt(ov.get('ms_per_forward_delta'), 3)} ms more per "
-                         f"forward |")
+            lines.append(f"| {arm}/{base} | {r:.4f} ({what}) | | | | {_fmt(ov.get('ms_per_forward_delta'), 3)} ms more "
+                         f"per forward |")
     lines += render_eagle(summary.get("eagle") or [])
     lines += hicache_phases.render(summary.get("hicache") or [])
     lines += hunt_phases.render(summary.get("hunt") or [])
@@ -535,14 +537,17 @@ def render(summary: dict) -> str:
 
 
 def build_summary(out: str, phases: list[str], results: dict, budget: float, total_s: float,
-                  workload: dict, env: dict | None = None) -> dict:
+                  workload: dict, env: dict | None = None, overhead_arms: tuple[str, str] | None = None) -> dict:
+    """The summary of a run from the workers' results and the phase folders. ``overhead_arms``: phase 4's
+    (baseline, measured) arms (``--overhead-arms``; None: read from the results' keys, e.g. ``--summarize``)."""
     summary = {"phases": [], "budget_s": budget, "total_s": total_s, "workload": workload, "env": env or {}}
     ok_all = True
     for key in phases:
         phase = PHASES[key]
         pdir = os.path.join(out, f"phase{key}-{phase.name}")
         if key == "4":
-            summary["phases"] += _overhead_rows(phase, pdir, results, summary)
+            arms = overhead_arms or overhead_arms_in(results)
+            summary["phases"] += _overhead_rows(phase, pdir, results, summary, arms)
             ok_all &= summary.get("overhead", {}).get("ratio") is not None
             ok_all &= overhead_pairs(summary, pdir, results)
             continue
@@ -602,51 +607,134 @@ def build_summary(out: str, phases: list[str], results: dict, budget: float, tot
     return summary
 
 
-def overhead_subs(rounds: int) -> list[str]:
-    """Phase 4's Engines in start order: warm-up pairs ``off-1``, ``log-1`` ... then the measured ``off``, ``log``."""
-    subs = [f"{mode}-{r}" for r in range(1, max(rounds, 1)) for mode in ("off", "log")]
-    return subs + ["off", "log"]
+# Phase 4's arms (--overhead-arms A,B): the kvcanary setting of an Engine, by the name its subs and rows carry. A is
+# the baseline, B the measured arm (the ratio is B/A); protect-hold is protect with KVCANARY_PROTECT_HOLD=1.
+OVERHEAD_ARMS = ("off", "log", "raise", "protect", "protect-hold")
+DEFAULT_OVERHEAD_ARMS = ("off", "log")
 
 
-def _overhead_rows(phase: Phase, pdir: str, results: dict, summary: dict) -> list[dict]:
+def parse_overhead_arms(text: str) -> tuple[str, str]:
+    """``--overhead-arms A,B``: two distinct arm names; anything else is refused naming the option and the arms."""
+    arms = tuple(a.strip().lower() for a in str(text).split(","))
+    if len(arms) != 2 or arms[0] == arms[1] or not all(a in OVERHEAD_ARMS for a in arms):
+        raise SystemExit(f"--overhead-arms: expected two distinct arms A,B (A the baseline, B measured against it) "
+                         f"from {', '.join(OVERHEAD_ARMS)}; got {text!r}")
+    return arms
+
+
+def overhead_arm(sub: str) -> str:
+    """The arm of one of phase 4's Engines: ``off-1`` -> off, ``protect-hold`` -> protect-hold."""
+    if sub in OVERHEAD_ARMS:
+        return sub
+    arm, _, r = sub.rpartition("-")
+    if arm in OVERHEAD_ARMS and r.isdigit():
+        return arm
+    raise ValueError(f"not a phase-4 Engine: {sub!r}")
+
+
+def overhead_engine_env(sub: str, sdir: str) -> dict[str, str]:
+    """The kvcanary settings the worker sets for one of phase 4's Engines (and restores after it): the arm's mode,
+    the Engine's report folder, and for the protect arms whether protect holds (``KVCANARY_PROTECT_HOLD``)."""
+    arm = overhead_arm(sub)
+    env = {"KVCANARY_MODE": "protect" if arm == "protect-hold" else arm,
+           "KVCANARY_REPORT": os.path.join(sdir, "kvc-{rank}.jsonl")}
+    if arm.startswith("protect"):
+        env["KVCANARY_PROTECT_HOLD"] = "1" if arm == "protect-hold" else "0"
+    return env
+
+
+def overhead_engine_marker(sub: str, env: dict[str, str] | None = None) -> str:
+    """The worker's line before one of phase 4's Engines starts (``engine_sections`` splits the log at it):
+    ``ENGINE_MARKER`` + mode, then the hold setting and ``arm=`` where the mode alone does not name the arm."""
+    arm = overhead_arm(sub)
+    env = env or overhead_engine_env(sub, "")
+    line = ENGINE_MARKER + env["KVCANARY_MODE"]
+    if "KVCANARY_PROTECT_HOLD" in env:
+        line += f" KVCANARY_PROTECT_HOLD={env['KVCANARY_PROTECT_HOLD']}"
+    return line + (f" arm={arm}" if arm != env["KVCANARY_MODE"] else "")
+
+
+def overhead_arms_in(results: dict) -> tuple[str, str]:
+    """Phase 4's (baseline, measured) arms from the results' keys (``4<arm>``, in start order); the default
+    ``off,log`` when they name no two arms."""
+    arms = [k[1:] for k in results if k.startswith("4") and k[1:] in OVERHEAD_ARMS]
+    return tuple(arms[:2]) if len(arms) >= 2 else DEFAULT_OVERHEAD_ARMS
+
+
+def overhead_arms_of(ov: dict) -> tuple[str, str]:
+    """The (baseline, measured) arms of ``summary["overhead"]`` (kept there only when not the default)."""
+    return tuple(ov.get("arms") or DEFAULT_OVERHEAD_ARMS)
+
+
+def overhead_host_arm(arms: tuple[str, str]) -> str:
+    """The arm whose ``kvcanary host time:`` line the overhead table breaks down: B, or A when B is off."""
+    return arms[1] if arms[1] != "off" else arms[0]
+
+
+def overhead_subs(rounds: int, arms: tuple[str, str] = DEFAULT_OVERHEAD_ARMS) -> list[str]:
+    """Phase 4's Engines in start order: warm-up pairs ``off-1``, ``log-1`` ... then the measured ``off``, ``log``
+    (with ``--overhead-arms A,B``: ``A-1``, ``B-1`` ... ``A``, ``B``)."""
+    subs = [f"{arm}-{r}" for r in range(1, max(rounds, 1)) for arm in arms]
+    return subs + list(arms)
+
+
+def overhead_arm_text(log_text: str, arm: str, arms: tuple[str, str]) -> str:
+    """The part of phase 4's log an arm's row reads: all of it without the other arm's Engines when that arm runs
+    kvcanary too (its stats lines would be taken for this arm's); all of it when the other arm is off (as before)."""
+    other = arms[1] if arm == arms[0] else arms[0]
+    if other == "off" or ENGINE_MARKER not in log_text:
+        return log_text
+    head, *parts = log_text.split(ENGINE_MARKER)
+    return head + "".join(ENGINE_MARKER + p for p in parts if _section_arm(p) != other)
+
+
+def _overhead_rows(phase: Phase, pdir: str, results: dict, summary: dict,
+                   arms: tuple[str, str] = DEFAULT_OVERHEAD_ARMS) -> list[dict]:
+    base, arm = arms
     rows, ov = [], {}
     warm = []
     r = 1
-    while f"4off-{r}" in results or f"4log-{r}" in results:
-        off, log = results.get(f"4off-{r}", {}), results.get(f"4log-{r}", {})
-        ratio = log["tokens_per_s"] / off["tokens_per_s"] if off.get("tokens_per_s") and log.get("tokens_per_s") \
-            else None
-        warm.append({"round": r, "off": off.get("tokens_per_s"), "log": log.get("tokens_per_s"), "ratio": ratio})
+    while f"4{base}-{r}" in results or f"4{arm}-{r}" in results:
+        a, b = results.get(f"4{base}-{r}", {}), results.get(f"4{arm}-{r}", {})
+        ratio = b["tokens_per_s"] / a["tokens_per_s"] if a.get("tokens_per_s") and b.get("tokens_per_s") else None
+        warm.append({"round": r, base: a.get("tokens_per_s"), arm: b.get("tokens_per_s"), "ratio": ratio})
         r += 1
-    for sub in ("off", "log"):
+    shared = read_text(os.path.join(pdir, "worker.log"))
+    for sub in arms:
         res = results.get(f"4{sub}", {"status": "SKIPPED"})
         sdir = os.path.join(pdir, sub)
-        log_text = read_text(os.path.join(pdir, "worker.log")) + read_text(os.path.join(sdir, "worker.log"))
+        log_text = overhead_arm_text(shared, sub, arms) + read_text(os.path.join(sdir, "worker.log"))
         rep = read_jsonl(sorted(glob.glob(os.path.join(sdir, "kvc-*.jsonl"))))
-        s = summarize_phase(phase, res, log_text if sub == "log" else "", rep)
+        s = summarize_phase(phase, res, log_text if sub != "off" else "", rep)
         s["phase"] = f"4 overhead-{sub}"
         ok = s["status"] == "OK" and s["requests_ok"] == s["requests_sent"] > 0 and not s["violations"]
         s["verdict"], s["why"] = ("PASS" if ok else "FAIL"), ([] if ok else [f"status {s['status']}"])
         ov[sub] = {"tokens_per_s": res.get("tokens_per_s"), "total_tokens_per_s": res.get("total_tokens_per_s"),
                    "workload_s": res.get("workload_s"), "forwards": s["forwards"]}
-        if sub == "log":
+        if sub == overhead_host_arm(arms):
             ov["host"] = s.get("host")
         rows.append(s)
-    fw = measured_forwards(read_text(os.path.join(pdir, "worker.log"))) or ov["log"].get("forwards")
-    if fw:
-        ov["log"]["forwards"] = fw
-        ov["off"]["forwards"] = fw  # same workload, same schedule (the plugin off counts nothing)
-    for sub in ("off", "log"):
+    # forwards of each arm's measured workload; an off arm's are the other arm's (same workload, same schedule: the
+    # plugin off counts nothing)
+    fws = {sub: measured_forwards(overhead_arm_text(shared, sub, arms), sub) or ov[sub].get("forwards")
+           for sub in arms if sub != "off"}
+    for sub in arms:
+        fw = fws.get(sub) if sub != "off" else fws.get(arm if sub == base else base)
+        if fw:
+            ov[sub]["forwards"] = fw
+    for sub in arms:
         r = ov[sub]
         ok = r.get("workload_s") and r.get("forwards")
         r["ms_per_forward"] = 1000.0 * r["workload_s"] / r["forwards"] if ok else None
-    if ov["off"].get("tokens_per_s") and ov["log"].get("tokens_per_s"):
-        ov["ratio"] = ov["log"]["tokens_per_s"] / ov["off"]["tokens_per_s"]
-        if ov["off"]["ms_per_forward"] and ov["log"]["ms_per_forward"]:
-            ov["ms_per_forward_delta"] = ov["log"]["ms_per_forward"] - ov["off"]["ms_per_forward"]
+    if ov[base].get("tokens_per_s") and ov[arm].get("tokens_per_s"):
+        ov["ratio"] = ov[arm]["tokens_per_s"] / ov[base]["tokens_per_s"]
+        if ov[base]["ms_per_forward"] and ov[arm]["ms_per_forward"]:
+            ov["ms_per_forward_delta"] = ov[arm]["ms_per_forward"] - ov[base]["ms_per_forward"]
     else:
         ov["ratio"] = None
     ov["warmup_rounds"] = warm
+    if tuple(arms) != DEFAULT_OVERHEAD_ARMS:
+        ov["arms"] = list(arms)
     summary["overhead"] = ov
     return rows
 
@@ -730,17 +818,30 @@ def verdict_piecewise(s: dict) -> list[str]:
     return why
 
 
+def _section_arm(part: str) -> str:
+    """The arm of one Engine's part of phase 4's log (the text after ``ENGINE_MARKER``): its ``arm=`` where the
+    marker line has one, else the mode (the line's first word)."""
+    if not part.strip():
+        return "?"
+    first = part.split("\n", 1)[0].split()
+    named = [w[len("arm="):] for w in first if w.startswith("arm=")]
+    return named[-1] if named else first[0] if first else part.split(None, 1)[0]
+
+
 def engine_sections(log_text: str) -> list[tuple[str, str]]:
-    """Phase 4's worker log split per Engine: ``(mode, text)`` in start order."""
+    """Phase 4's worker log split per Engine: ``(arm, text)`` in start order (the arm is the mode for the arms
+    named after theirs: off, log, raise, protect)."""
     parts = log_text.split(ENGINE_MARKER)[1:]
-    return [(p.split(None, 1)[0] if p.strip() else "?", p) for p in parts]
+    return [(_section_arm(p), p) for p in parts]
 
 
 def overhead_pairs(summary: dict, pdir: str, results: dict) -> bool:
-    """Every off/log pair's tokens/s ratio (log/off), their median and range, into ``summary["overhead"]["pairs"]``;
-    with --piecewise also that every Engine built piecewise graphs and every log Engine served prefill forwards
-    from them (the failing rows get the reason). Returns False when --piecewise's requirements fail."""
+    """Every off/log pair's tokens/s ratio (log/off; with --overhead-arms A,B: B/A), their median and range, into
+    ``summary["overhead"]["pairs"]``; with --piecewise also that every Engine built piecewise graphs and every
+    Engine with kvcanary on (log, or an arm other than off) served prefill forwards from them (the failing rows get
+    the reason). Returns False when --piecewise's requirements fail."""
     ov = summary.setdefault("overhead", {})
+    arms = overhead_arms_of(ov)
     ratios = [w["ratio"] for w in ov.get("warmup_rounds") or [] if w.get("ratio")]
     if ov.get("ratio"):
         ratios.append(ov["ratio"])
@@ -751,41 +852,45 @@ def overhead_pairs(summary: dict, pdir: str, results: dict) -> bool:
     if not requested:
         return True
     log_text = read_text(os.path.join(pdir, "worker.log"))
-    for sub in ("off", "log"):
+    for sub in arms:
         log_text += read_text(os.path.join(pdir, sub, "worker.log"))
     sections = engine_sections(log_text)
     ov["pcg_engines"] = {"built": sum(bool(PCG_CAPTURE_RE.search(t)) for _, t in sections), "engines": len(sections),
                          "capture_s": piecewise_capture_seconds(log_text)}
-    log_counts = [parse_piecewise(t) for m, t in sections if m == "log"]
-    ov["piecewise_per_log_engine"] = [c["piecewise"] if c else 0 for c in log_counts]
+    served = {arm: [c["piecewise"] if c else 0 for c in (parse_piecewise(t) for m, t in sections if m == arm)]
+              for arm in arms if arm != "off"}  # prefill forwards the piecewise runner served, per Engine of the arm
+    if "log" in served:
+        ov["piecewise_per_log_engine"] = served["log"]
+    if tuple(arms) != DEFAULT_OVERHEAD_ARMS:
+        ov["piecewise_per_engine"] = served
     ok = True
     for row in summary["phases"]:
-        if not row["phase"].startswith("4 overhead"):
+        if not row["phase"].startswith("4 overhead-"):
             continue
         row["piecewise_requested"] = True
-        mode = row["phase"].rsplit("-", 1)[-1]
-        row["pcg_capture_s"] = [c for m, t in sections if m == mode for c in piecewise_capture_seconds(t)]
+        arm = row["phase"][len("4 overhead-"):]
+        row["pcg_capture_s"] = [c for m, t in sections if m == arm for c in piecewise_capture_seconds(t)]
         why = []
         if sections and ov["pcg_engines"]["built"] < len(sections):
             why.append(f"piecewise graphs built by {ov['pcg_engines']['built']} of {len(sections)} Engines")
-        if row["phase"].endswith("-log") and (not log_counts or not all(ov["piecewise_per_log_engine"])):
-            why.append("a log Engine served no prefill forward from the piecewise runner")
+        if arm in served and (not served[arm] or not all(served[arm])):
+            why.append(f"a {arm} Engine served no prefill forward from the piecewise runner")
         if why:
             row["verdict"], row["why"] = "FAIL", row.get("why", []) + why
             ok = False
     if len(ratios) < PIECEWISE_OVERHEAD_ROUNDS:
         ok = False
         for row in summary["phases"]:
-            if row["phase"] == "4 overhead-log":
+            if row["phase"] == f"4 overhead-{arms[1]}":
                 row["verdict"] = "FAIL"
-                row["why"] = row.get("why", []) + [f"{len(ratios)} off/log pair(s) measured, "
+                row["why"] = row.get("why", []) + [f"{len(ratios)} {arms[0]}/{arms[1]} pair(s) measured, "
                                                    f"< {PIECEWISE_OVERHEAD_ROUNDS}"]
     return ok
 
 
 def probe_rows(pdir: str) -> list[tuple[str, dict]]:
     """--loop-probe: each overhead Engine's µs per scheduler-loop iteration in its measured workload, in start
-    order, labelled ``off-1``, ``log-1`` ... (empty without probe lines)."""
+    order, labelled ``off-1``, ``log-1`` ... (by arm: ``log-1``, ``protect-1`` ...; empty without probe lines)."""
     log_text = read_text(os.path.join(pdir, "worker.log"))
     for sub in os.listdir(pdir) if os.path.isdir(pdir) else []:
         log_text += read_text(os.path.join(pdir, sub, "worker.log"))
@@ -819,12 +924,15 @@ def render_piecewise(summary: dict) -> list[str]:
     pairs = (summary.get("overhead") or {}).get("pairs") or {}
     if len(pairs.get("ratios") or []) > 1:
         ov = summary["overhead"]
+        base, arm = overhead_arms_of(ov)
         built = ov.get("pcg_engines")
-        lines += ["", f"overhead, log/off tok/s over {len(pairs['ratios'])} pairs: median {pairs['median']:.4f}, "
+        served = ov.get("piecewise_per_engine") or {"log": ov.get("piecewise_per_log_engine")}
+        lines += ["", f"overhead, {arm}/{base} tok/s over {len(pairs['ratios'])} pairs: median {pairs['median']:.4f}, "
                       f"min {pairs['min']:.4f}, max {pairs['max']:.4f} (pairs in start order: "
                       + ", ".join(f"{r:.4f}" for r in pairs["ratios"]) + ")"
                   + (f"; piecewise graphs built by {built['built']} of {built['engines']} Engines, prefill "
-                     f"forwards served per log Engine: {ov.get('piecewise_per_log_engine')}" if built else "")]
+                     f"forwards served " + ", ".join(f"per {a} Engine: {n}" for a, n in served.items())
+                     if built else "")]
     return lines
 
 
@@ -1871,7 +1979,8 @@ def load_result(path: str) -> dict | None:
 
 def run_phases(args, runner=run_worker) -> dict:
     """Run the selected phases under the budget; returns {result key: worker result} (keys "1".."3", "4off",
-    "4log"). ``runner(cmd, env, log_path, timeout) -> rc`` starts one worker (tests pass a fake)."""
+    "4log", "4off-1" ...: "4" + each of overhead_subs). ``runner(cmd, env, log_path, timeout) -> rc`` starts one
+    worker (tests pass a fake)."""
     t0 = time.monotonic()
     model = ensure_model(args)
     results: dict[str, dict] = {}
@@ -1920,7 +2029,8 @@ def run_phases(args, runner=run_worker) -> dict:
         pdir = os.path.join(args.out, f"phase{key}-{phase.name}")
         shutil.rmtree(pdir, ignore_errors=True)
         os.makedirs(pdir)
-        subs = overhead_subs(getattr(args, "overhead_rounds", 2)) if key == "4" else [""]
+        arms = tuple(getattr(args, "overhead_arms", DEFAULT_OVERHEAD_ARMS))
+        subs = overhead_subs(getattr(args, "overhead_rounds", 2), arms) if key == "4" else [""]
         batches = [subs] if key != "4" or not args.overhead_split else [[s] for s in subs]
         for batch in batches:
             left = args.budget - (time.monotonic() - t0)
@@ -1931,12 +2041,12 @@ def run_phases(args, runner=run_worker) -> dict:
                 print(f"[e2e] phase {key} {phase.name} {'+'.join(batch)}: SKIPPED ({left:.0f} s left)", flush=True)
                 continue
             launch(key, batch, min(cap_s, left - 3))
-        if key == "4" and results.get("4off", {}).get("status") == "OK" and \
-                results.get("4log", {}).get("status") not in ("OK", "TRUNCATED"):
+        if key == "4" and results.get(f"4{arms[0]}", {}).get("status") == "OK" and \
+                results.get(f"4{arms[1]}", {}).get("status") not in ("OK", "TRUNCATED"):
             left = args.budget - (time.monotonic() - t0)  # the second Engine failed in the shared process: retry alone
             cap_s, min_s = phase_limits(phase, args, 1, len(subs))
             if left >= phase.min_s / 2 + piecewise_start_allowance(args):
-                launch(key, ["log"], min(cap_s, left - 3))
+                launch(key, [arms[1]], min(cap_s, left - 3))
     return results
 
 
@@ -1987,11 +2097,15 @@ def main_parent(args) -> int:
         results = dry_run_reports(args, groups)
     else:
         results = run_phases(args)
+    arms = tuple(getattr(args, "overhead_arms", DEFAULT_OVERHEAD_ARMS))
     summary = build_summary(args.out, args.phase_list, results, args.budget, time.monotonic() - t0, wl,
                             env={"mode": "dry-run" if args.dry_run else "engine", "python": sys.version.split()[0],
                                  **({"kvcanary-env": " ".join(args.kvcanary_env)} if getattr(args, "kvcanary_env", None)
                                     else {}),
-                                 **({"cpus": pinned} if pinned else {})})
+                                 **({"cpus": pinned} if pinned else {}),
+                                 **({"overhead-arms": ",".join(arms)} if "4" in args.phase_list
+                                    and arms != DEFAULT_OVERHEAD_ARMS else {})},
+                            overhead_arms=arms)
     text = render(summary)
     for s in summary["phases"]:  # the end of a failed phase's log, before the table (which is printed last)
         if s.get("verdict") == "FAIL" and not args.dry_run:
@@ -2049,12 +2163,12 @@ def dry_run_reports(args, groups: list[list[Request]]) -> dict:
         if key == "4" and args.piecewise:
             results.update(dry_run_piecewise_overhead(args, pdir, base, stats))
             continue
-        if key == "4":
-            for sub, tps in (("off", 1000.0), ("log", 975.0)):
+        if key == "4":  # the measured pair only (A, then B 2.5 % slower)
+            for sub, tps in zip(getattr(args, "overhead_arms", DEFAULT_OVERHEAD_ARMS), (1000.0, 975.0), strict=True):
                 os.makedirs(os.path.join(pdir, sub))
                 results["4" + sub] = dict(base, tokens_per_s=tps, workload_s=out_tok / tps)
                 with open(os.path.join(pdir, sub, "worker.log"), "w") as f:
-                    f.write(stats if sub == "log" else "")
+                    f.write(stats if sub != "off" else "")
             continue
         with open(os.path.join(pdir, "worker.log"), "w") as f:
             f.write("[dry-run]\n" + stats)
@@ -2111,14 +2225,15 @@ def dry_run_piecewise_log() -> str:
 def dry_run_piecewise_overhead(args, pdir: str, base: dict, log_engine: str) -> dict:
     """Phase 4 with --piecewise: every Engine of every pair in one worker log, as the shared worker writes it."""
     results, text = {}, ""
-    for i, sub in enumerate(overhead_subs(args.overhead_rounds)):
-        mode = "off" if sub.startswith("off") else "log"
-        tps = 1000.0 if mode == "off" else 975.0 + 10.0 * i
+    arms = tuple(getattr(args, "overhead_arms", DEFAULT_OVERHEAD_ARMS))
+    for i, sub in enumerate(overhead_subs(args.overhead_rounds, arms)):
+        arm = overhead_arm(sub)
+        tps = 1000.0 if arm == arms[0] else 975.0 + 10.0 * i
         os.makedirs(os.path.join(pdir, sub), exist_ok=True)
         results["4" + sub] = dict(base, tokens_per_s=tps, workload_s=base["output_tokens"] / tps)
         capture, *canary = log_engine.splitlines(True)
-        text += ENGINE_MARKER + mode + "\n" + capture + MEASURED_MARKER + "\n"
-        text += "".join(canary) if mode == "log" else ""
+        text += overhead_engine_marker(sub) + "\n" + capture + MEASURED_MARKER + "\n"
+        text += "".join(canary) if arm != "off" else ""
     with open(os.path.join(pdir, "worker.log"), "w") as f:
         f.write(text)
     return results
@@ -2147,14 +2262,14 @@ def worker_main(spec_path: str) -> int:
         res = {"status": "STARTING", "import_s": round(import_s, 2), "requests_sent": 0, "requests_ok": 0,
                "errors": []}
         env_backup = {}
-        if sub:  # overhead pair: the plugin mode of the Engine started next (its scheduler process reads it)
+        if sub:  # overhead pair: the plugin settings of the Engine started next (its scheduler process reads them)
             sdir = os.path.join(out, sub)
             os.makedirs(sdir, exist_ok=True)
-            for k, v in (("KVCANARY_MODE", "off" if sub.startswith("off") else "log"),
-                         ("KVCANARY_REPORT", os.path.join(sdir, "kvc-{rank}.jsonl"))):
+            engine_env = overhead_engine_env(sub, sdir)
+            for k, v in engine_env.items():
                 env_backup[k] = os.environ.get(k)
                 os.environ[k] = v
-            print(f"[e2e-worker] overhead engine: KVCANARY_MODE={os.environ['KVCANARY_MODE']}", flush=True)
+            print(overhead_engine_marker(sub, engine_env), flush=True)
         try:
             run_engine(Engine, spec, groups, res, res_path)
         except BaseException as exc:  # keep what was measured; the parent reads the status
@@ -2309,6 +2424,10 @@ def parse_args(argv=None):
     ap.add_argument("--overhead-rounds", type=int, default=None,
                     help="phase 4: off/log Engine pairs, in turn; the last pair is measured (default 2; 3 with "
                     "--piecewise, which reports the median and range of every pair's ratio)")
+    ap.add_argument("--overhead-arms", default=",".join(DEFAULT_OVERHEAD_ARMS), metavar="A,B",
+                    help="phase 4: the two arms of each Engine pair, A the baseline and B measured against it (B/A "
+                    f"tok/s); from {', '.join(OVERHEAD_ARMS)} (protect-hold: protect with KVCANARY_PROTECT_HOLD=1 "
+                    "for that Engine only); default off,log, e.g. log,protect for what protect costs over log")
     ap.add_argument("--overhead-eager", action="store_true",
                     help="phase 4 with every forward eager (disable_cuda_graph): what a prefill-heavy or graph-less "
                     "deployment pays per forward")
@@ -2341,6 +2460,11 @@ def parse_args(argv=None):
         args.out = os.path.abspath(args.out)
     if args.overhead_rounds is None:
         args.overhead_rounds = PIECEWISE_OVERHEAD_ROUNDS if args.piecewise else 2
+    args.overhead_arms = parse_overhead_arms(args.overhead_arms)
+    if any(a.startswith("protect") for a in args.overhead_arms) and any(
+            str(item).startswith("KVCANARY_PROTECT_HOLD=") for item in args.kvcanary_env or []):
+        raise SystemExit("--overhead-arms: the protect arms set KVCANARY_PROTECT_HOLD per Engine (protect: 0, "
+                         "protect-hold: 1); drop --kvcanary-env KVCANARY_PROTECT_HOLD=...")
     # Engine kwargs are built from PHASES in this (parent) process, so the worker gets disable_cuda_graph
     PHASES["4"] = dataclasses.replace(OVERHEAD_WITH_GRAPHS, graphs=False) if args.overhead_eager \
         else OVERHEAD_WITH_GRAPHS
