@@ -124,9 +124,9 @@ def test_dry_run_hunt(e2e, tmp_path, capsys) -> None:
     assert summary["hunt"][1]["aborts_sent"] == 8
 
 
-def test_retract_phases_keep_every_violation_row(e2e) -> None:
-    """A wrong draft slot is found again by every later draft forward of its request (H200, 2026-12-02: 4,409 rows
-    kept, 1,643 lost by the default 1,024-row ring): phases 15-16 raise the ring so every row can be matched."""
-    for key in ("15", "16"):
-        assert int(dict(e2e.PHASES[key].env)["KVCANARY_RING_CAPACITY"]) >= 65536
-    assert all("KVCANARY_RING_CAPACITY" not in dict(p.env) for k, p in e2e.PHASES.items() if k not in ("15", "16"))
+def test_no_phase_raises_the_violation_ring(e2e) -> None:
+    """A wrong draft slot is found again by every later draft forward of its request. Before 802b3cc the default
+    1,024-row ring lost 1,643 of those rows on the H200 and phases 15-16 raised it; since, the check launch keeps the
+    rows appended after the host's acknowledgement (phase 15 with the default ring: 6,052 rows, 0 lost), so every
+    phase runs with the default ring, as users do."""
+    assert all("KVCANARY_RING_CAPACITY" not in dict(p.env) for p in e2e.PHASES.values())
