@@ -45,8 +45,9 @@ PROTECT_RE = re.compile(
 )
 MIN_INJECTIONS = 10  # per class in a fault phase (phase 3 asks 20 of its longer run)
 # An action record acts on an injection when it names one of the injection's slots, at or after the injection, for a
-# violation found within this many forwards of it (the fault match's window plus a drain; a token swap is seen when
-# its row's next forward verifies it).
+# violation found no later than this many forwards after it (the fault match's window plus a drain; a token swap is
+# seen when its row's next forward verifies it); its violation_step may be earlier (one action per request: the
+# request's first violation, with the slots of every violation drained until protect acted).
 ACT_WINDOW = {"token_swap": 256}
 DEFAULT_ACT_WINDOW = 24
 # Classes whose violation names a request (the request must be acted on); cached_idle_corruption is caught by the
@@ -160,7 +161,9 @@ def acted_on(injections: list[dict], actions: list[dict]) -> dict[int, dict]:
                 vs = a.get("violation_step")
                 if a["step"] < i["step"]:
                     continue
-                if vs is not None and not (i["step"] - 1 <= vs <= i["step"] + window):
+                # (no lower bound on the violation step: a request condemned by an earlier violation and hit again
+                # before protect acted gets one action, whose violation_step is its first, naming both slots)
+                if vs is not None and vs > i["step"] + window:
                     continue
                 if vs is None and a["step"] > i["step"] + window:
                     continue
