@@ -226,6 +226,39 @@ def test_request_mid_chunked_prefill_is_aborted_once_and_leaks_nothing(make_engi
     assert allocator.available_size() == free_at_start  # nothing leaked
 
 
+@pytest.mark.parametrize("hold", ["0", "1"])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_the_driver_fault_mix_leaks_no_slot(make_engine, hold: str, seed: int) -> None:
+    """The H200 protect phases' faults (all five classes, one every 4 forwards, sweep every 3) over shared-prefix,
+    chunked, streaming and plain requests: every request finishes, and every KV slot is back (free, or held by the
+    radix cache). Regression (H200 phase 23, 2026-12-02, sglang's idle check: "pool memory leak detected"): with
+    hold, protect recomputed a decoding request after the overlap scheduler had launched the next batch, whose slot
+    sglang's release does not cover; every such recompute leaked one slot."""
+    import random
+
+    mr, sched, inst, state, report = make_engine(
+        KVCANARY_PROTECT_HOLD=hold, KVCANARY_SWEEP_INTERVAL="3", KVCANARY_VERIFY_TOKENS="1",
+        KVCANARY_FAULT=",".join((faults.REQ_TO_TOKEN_REDIRECT, faults.REAL_KV_FLIP, faults.CACHED_IDLE_CORRUPTION,
+                                 faults.TOKEN_SWAP, faults.POSITION_SKEW)),
+        KVCANARY_FAULT_EVERY="4", KVCANARY_FAULT_WARMUP="10", KVCANARY_FAULT_SEED=str(seed))
+    loop = sgl_protect.OverlapLoop(sched, mr, chunk=64)
+    allocator, tree = mr.token_to_kv_pool_allocator, sched.tree_cache
+    free_at_start = allocator.available_size()
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(50, 1900) for _ in range(rng.randrange(20, 120))] for _ in range(4)]
+    reqs = []
+    for _ in range(4):
+        for _ in range(12):
+            prompt = rng.choice(prefixes)[: rng.randrange(5, 120)] + [rng.randrange(50, 1900)
+                                                                       for _ in range(rng.randrange(1, 60))]
+            reqs.append(loop.add(prompt, rng.randrange(2, 30), stream=rng.random() < 0.3))
+        loop.run_until_idle(limit=3000)
+    assert all(r.finished() for r in reqs)
+    acts = _records(report, protect.ACTION_SCHEMA)
+    assert any(a["action"] == protect.RECOMPUTE for a in acts)
+    assert allocator.available_size() + tree.evictable_size() + tree.protected_size() == free_at_start
+
+
 def test_protect_counters_and_log_lines(make_engine, caplog) -> None:
     pytest.importorskip("prometheus_client")
     import prometheus_client

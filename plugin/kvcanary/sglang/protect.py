@@ -317,6 +317,7 @@ class SchedulerProtect:
 
         if not waiting:
             if getattr(req, "req_pool_idx", None) is not None:
+                self._free_uncovered_kv(scheduler, req)
                 release_kv_cache(req, scheduler.tree_cache, is_insert=False)
             req.reset_for_retract()
         del req.output_ids[keep_outputs:]
@@ -326,6 +327,26 @@ class SchedulerProtect:
                 b.batch_is_full = False
         if not waiting:
             self.requeue.append(req)  # queued once no in-flight result holds it (_requeue)
+
+    @staticmethod
+    def _free_uncovered_kv(scheduler, req) -> None:
+        """Free the request's committed KV slots past its tokens (``origin_input_ids + output_ids``).
+
+        sglang's release (``cache_finished_req``) frees the slots of the request's tokens only. Where sglang itself
+        retracts (and protect acts without hold: before the next batch is built) every committed slot has its token.
+        With ``KVCANARY_PROTECT_HOLD`` protect acts inside ``process_batch_result``, after the overlap scheduler
+        launched the next batch: that batch committed one more slot per decoding request (its input is this batch's
+        sampled token, not yet appended), which the release would leak (H200 phase 23, 2026-12-02: sglang's idle
+        check found the pool short). The slot's KV is written by the batch in flight; a later allocation of it is
+        written by a later forward on the same stream."""
+        covered = len(req.origin_input_ids) + len(req.output_ids)
+        extra = int(getattr(req, "kv_committed_len", 0) or 0) - covered
+        if extra <= 0:
+            return
+        slots = scheduler.req_to_token_pool.req_to_token[req.req_pool_idx, covered:covered + extra]
+        scheduler.token_to_kv_pool_allocator.free(slots)
+        req.kv_committed_len -= extra
+        req.kv_allocated_len = max(int(req.kv_allocated_len) - extra, req.kv_committed_len)
 
     @staticmethod
     def _abort(req, message: str, chunked: bool = False) -> None:
