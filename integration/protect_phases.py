@@ -228,6 +228,7 @@ def summarize(kind: str, s: dict, rows: list[dict], res: dict, clean: dict | Non
                       "acted": sum(how.values()), "how": dict(how)}
         s["classes"] = per
         s["unexplained"] = len(match.unexplained)
+        s["ended"] = [(i["fault"], i["step"]) for i in match.ended]
     return s
 
 
@@ -328,6 +329,10 @@ def render(rows: list[dict], fault_classes) -> list[str]:
         if line:
             out.append(f"- {r['phase']}: last `kvcanary protect:` line: " + " ".join(
                 f"{k}={v}" for k, v in line.items()))
+        if r.get("ended"):
+            out.append(f"- {r['phase']}: {len(r['ended'])} injection(s) in the run's last forwards, not read by a "
+                       "verify or sweep before the workload ended (not judged): "
+                       + ", ".join(f"{c}@{step}" for c, step in r["ended"]))
     return out
 
 

@@ -304,14 +304,24 @@ class FaultMatch:
     unexplained: list = field(default_factory=list)  # violations on a slot no earlier injection touched
     late: int = 0  # violations on touched slots, outside every window (e.g. a swapped record read again later)
     latency: dict = field(default_factory=lambda: collections.defaultdict(list))
+    ended: list = field(default_factory=list)  # undetected, in the run's last ENDED_GRACE forwards: not judged
+
+
+# An injection in the last forwards of a run may not have been read by a verify or a sweep yet when the workload
+# ended (H200 phase 22, 2026-12-02: a cached-idle corruption at the run's last forward, the sweep due 3 later): left
+# undetected there, it is counted apart (``FaultMatch.ended``), neither detected nor missed. The sweep interval of
+# the fault phases is at most 10.
+ENDED_GRACE = 10
 
 
 def match_injections(rows: list[dict]) -> FaultMatch:
     """Match ``kvcanary.violation/1`` rows to ``kvcanary.injection/1`` rows (same rank) by slot and step.
 
     An injection is detected when a violation with one of its class's expected reasons names one of its slots
-    within (step, step + window]. A violation is unexplained when no injection at an earlier step touched its
-    slot: that is a false positive (or collateral damage of an injector), and must not happen.
+    within (step, step + window]; an undetected one in the run's last ``ENDED_GRACE`` forwards (the last step any
+    row names) is set apart (``ended``) and taken off ``injections``. A violation is unexplained when no injection
+    at an earlier step touched its slot: that is a false positive (or collateral damage of an injector), and must not
+    happen.
     """
     res = FaultMatch()
     inj = [r for r in rows if r.get("schema") == INJECTION_SCHEMA]
@@ -345,7 +355,12 @@ def match_injections(rows: list[dict]) -> FaultMatch:
                 res.tags[i["fault"]][v.get("tag", "?")] += 1
         if not hit:
             res.late += 1
-    res.missed = [i for i in inj if id(i) not in detected_ids][:20]
+    last_step = max((int(r.get("step") or 0) for r in rows), default=0)
+    undetected = [i for i in inj if id(i) not in detected_ids]
+    res.ended = [i for i in undetected if i["step"] > last_step - ENDED_GRACE]
+    for i in res.ended:
+        res.injections[i["fault"]] -= 1
+    res.missed = [i for i in undetected if i["step"] <= last_step - ENDED_GRACE][:20]
     return res
 
 
@@ -593,6 +608,7 @@ def build_summary(out: str, phases: list[str], results: dict, budget: float, tot
                 "reasons": {k: dict(v) for k, v in m.reasons.items()}, "tags": {k: dict(v) for k, v in m.tags.items()},
                 "latency": {k: sorted(v) for k, v in m.latency.items()}, "unexplained": len(m.unexplained),
                 "unexplained_examples": m.unexplained[:10], "late": m.late, "missed": m.missed,
+                "ended": [(i["fault"], i["step"]) for i in m.ended],
             }
         else:
             ok, why = verdict_clean(s)

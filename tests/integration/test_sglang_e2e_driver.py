@@ -66,17 +66,32 @@ def test_match_injections(e2e) -> None:
         _vio(70, 5, ["verify_chain_hash"]),  # touched, outside the window: late
         _inj("cached_idle_corruption", 80, [70], rank=1),
         _vio(81, 70, ["verify_real_kv_hash"], tag="sweep", rank=0),  # other rank: unexplained
+        _inj("token_swap", 300, [90]), _vio(301, 90, ["verify_token"]),  # (the run goes on well past the others)
     ]
     m = e2e.match_injections(rows)
-    assert dict(m.injections) == {"req_to_token_redirect": 1, "real_kv_flip": 1, "token_swap": 1,
+    assert dict(m.injections) == {"req_to_token_redirect": 1, "real_kv_flip": 1, "token_swap": 2,
                                   "position_skew": 1, "cached_idle_corruption": 1}
-    assert dict(m.detected) == {"req_to_token_redirect": 1, "token_swap": 1}
+    assert dict(m.detected) == {"req_to_token_redirect": 1, "token_swap": 2} and not m.ended
     assert sorted((v["step"], v["slot"]) for v in m.unexplained) == [(19, 40), (51, 99), (81, 70)]
     assert m.late == 1
     assert {i["fault"] for i in m.missed} == {"real_kv_flip", "position_skew", "cached_idle_corruption"}
-    assert m.latency["token_swap"] == [10]
+    assert m.latency["token_swap"] == [10, 1]
     ok, why = e2e.verdict_faults({"status": "OK"}, m, min_per_class=1)
     assert not ok and any("untouched" in w or "no injection" in w for w in why)
+
+
+def test_an_injection_the_run_ended_before_reading_is_not_judged(e2e) -> None:
+    """H200 phase 22 (2026-12-02): a cached-idle corruption at the run's last forward, the next sweep 3 forwards
+    away: set apart, neither detected nor missed; one just before the grace is missed as usual."""
+    last = 1000
+    rows = [_inj("real_kv_flip", 100, [1]), _vio(101, 1, ["verify_real_kv_hash"]),
+            _inj("cached_idle_corruption", last - e2e.ENDED_GRACE, [2]),
+            _inj("cached_idle_corruption", last, [3]), _inj("real_kv_flip", last - 2, [4]),
+            _vio(last, 1, ["verify_real_kv_hash"])]
+    m = e2e.match_injections(rows)
+    assert [(i["fault"], i["step"]) for i in m.ended] == [("cached_idle_corruption", last), ("real_kv_flip", last - 2)]
+    assert dict(m.injections) == {"real_kv_flip": 1, "cached_idle_corruption": 1}
+    assert [i["step"] for i in m.missed] == [last - e2e.ENDED_GRACE]
 
 
 def test_parse_stats_takes_the_last_line(e2e) -> None:
