@@ -113,6 +113,7 @@ HOST_RE = re.compile(
     r"launch_us_per_eager_forward=(?P<launch_us>[\d.]+) forward_us=(?P<forward_us>[\d.]+)"
     # the batch hook's share (ForwardBatch.init_new), last on the line; older lines lack it (no key then)
     r"(?:[^\n]*? batch_init_us=(?P<batch_init_us>[\d.]+))?"
+    r"(?:[^\n]*? sweep_us=(?P<sweep_us>[\d.]+))?"  # the sweeps' part of hooks_us (since issue 25's sweep index)
 )
 MEASURED_MARKER = "[e2e-worker] measured workload starts"
 ENGINE_MARKER = "[e2e-worker] overhead engine: KVCANARY_MODE="
@@ -447,7 +448,9 @@ def _host_cell(host: dict | None) -> str:
     if not host:
         return "-"
     cell = _fmt(host.get("canary_us"))
-    return f"{cell} (batch-init {_fmt(host['batch_init_us'])})" if "batch_init_us" in host else cell
+    parts = [f"{name} {_fmt(host[key])}" for key, name in (("batch_init_us", "batch-init"), ("sweep_us", "sweep"))
+             if key in host]
+    return f"{cell} ({', '.join(parts)})" if parts else cell
 
 
 def render(summary: dict) -> str:

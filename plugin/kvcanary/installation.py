@@ -73,13 +73,15 @@ class HostTime:
     batch_inits: int = 0  # calls of the adapter's batch hook (one per batch the engine builds)
     batch_init_ns: int = 0  # their host time (outside ModelRunner.forward: not in forward_ns)
     host_tier_ns: int = 0  # the host KV tier's hooks (record copies of backups and load-backs; outside forwards)
+    sweep_ns: int = 0  # the prefix-cache sweeps' share of hook_ns (set when a line is made: the sweepers count it)
 
     def line(self, step: int) -> str:
         n = max(self.forwards, 1)
         canary = (self.hook_ns + self.in_forward_ns + self.batch_init_ns + self.host_tier_ns) / n / 1e3
         eager_launch = self.in_forward_ns - self.piecewise_launch_ns
         pw = max(self.piecewise_forwards, 1)
-        # batch_init_us, then host_tier_us (only with a host tier), go last: parsers of the older line still match
+        # batch_init_us, then host_tier_us (only with a host tier) and sweep_us (the sweeps' part of hooks_us, only
+        # with a sweep), go last: parsers of the older line still match
         return (
             f"kvcanary host time: step={step} forwards={self.forwards} eager={self.eager_forwards} "
             f"canary_us_per_forward={canary:.1f} hooks_us={self.hook_ns / n / 1e3:.1f} "
@@ -89,6 +91,7 @@ class HostTime:
             f"canary_us_per_piecewise_forward={(self.piecewise_launch_ns + self.piecewise_hook_ns) / pw / 1e3:.1f} "
             f"batch_init_us={self.batch_init_ns / n / 1e3:.1f}"
             + (f" host_tier_us={self.host_tier_ns / n / 1e3:.1f}" if self.host_tier_ns else "")
+            + (f" sweep_us={self.sweep_ns / n / 1e3:.1f}" if self.sweep_ns else "")
         )
 
 
@@ -137,6 +140,7 @@ class Installation:
     # What the metrics were last fed from: that object and the sum of the managers' drain reads then (the counts
     # metrics read move only when a drain reads; an unchanged sum means nothing to add).
     _metrics_fed: tuple[object, int] | None = None
+    _sweep_ns_at_init: int = 0  # the sweepers' host time before serving (HostTime restarts then)
     # The adapter's follower of a host KV tier this runner's pool has (None: no host tier; kvcanary.sglang.hicache).
     host_tier: object | None = None
     # Log mode: why kvcanary stopped on this runner after an error in its part of a forward (None: running). Every
@@ -305,6 +309,10 @@ class Installation:
         for group in self.groups:
             group.manager.mark_init_finished()
         self.host_time = HostTime()  # warmup and graph capture are not serving
+        self._sweep_ns_at_init = self._sweep_ns()
+
+    def _sweep_ns(self) -> int:
+        return sum(group.manager.sweeper.host_ns for group in self.groups)
 
     def account_forward(self, forward_ns: int, hook_ns: int) -> None:
         """One real forward's host times (called by the adapter's forward hook); logs a
@@ -319,6 +327,7 @@ class Installation:
             self._piecewise_now = False
         every = self.config.stats_every
         if every and host.forwards % every == 0:
+            host.sweep_ns = self._sweep_ns() - self._sweep_ns_at_init
             logger.info("%s", host.line(self.steps))
 
     def account_host_tier(self, ns: int) -> None:

@@ -18,6 +18,7 @@ expected tokens (none) and the enable flag are set once, when the plan is alloca
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -64,6 +65,7 @@ class Sweeper:
         self.source: SweepSource | None = None
         self._plan: VerifyPlan | None = None
         self._planned: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # what the plan was copied from
+        self.host_ns = 0  # host time of every sweep so far (source + launch)
 
     def due(self, steps: int) -> bool:
         """Whether the step that makes the step count ``steps`` runs the sweep: a source is set, the interval is
@@ -72,12 +74,15 @@ class Sweeper:
         return self.source is not None and interval > 0 and steps % interval == 0
 
     def run_source(self) -> None:
-        """Ask the source for the cache's entries and verify them (:meth:`run`, or a :class:`SweepPlan` as is)."""
+        """Ask the source for the cache's entries and verify them (:meth:`run`, or a :class:`SweepPlan` as is).
+        Its host time adds to ``host_ns`` (the ``sweep_us`` of the ``kvcanary host time`` line)."""
+        start = time.perf_counter_ns()
         found = self.source()
         if isinstance(found, SweepPlan):
             self._state.sweep(found.plan, skipped=found.skipped)
         else:
             self.run(*found)
+        self.host_ns += time.perf_counter_ns() - start
 
     def run(self, slots: _Ints, prevs: _Ints, positions: _Ints) -> None:
         """Verify the given entries (slot, predecessor slot or -1, position) with real-KV, tag SWEEP.

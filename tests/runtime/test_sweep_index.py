@@ -162,3 +162,27 @@ def test_a_plan_is_a_sweep_plan() -> None:
     index.append([Span("a", torch.tensor([3, 4]))])
     plan = index.commit().plan
     assert int(plan.verify_enable) == 1 and bool((plan.verify_expected_tokens == layout.NO_EXPECTED_TOKEN).all())
+
+
+def test_the_sweeper_counts_its_host_time_and_the_host_line_reports_it() -> None:
+    from kvcanary.installation import HostTime
+    from kvcanary.sweep import Sweeper
+
+    launched = []
+
+    class State:  # (what the sweeper needs of DeviceState)
+        device = torch.device("cpu")
+
+        def sweep(self, plan, skipped=0):
+            launched.append((plan, skipped))
+
+    index = SweepIndex("cpu")
+    index.append([Span("a", torch.tensor([1, 2]))])
+    index.remove("a")
+    sweeper = Sweeper(State(), interval=10)
+    sweeper.source = index.commit
+    sweeper.run_source()
+    assert sweeper.host_ns > 0 and launched[0][1] == 2  # the tombstones go to the launch, to be taken off its count
+    host = HostTime(forwards=4, hook_ns=400_000, sweep_ns=100_000)
+    assert host.line(step=4).endswith(" batch_init_us=0.0 sweep_us=25.0")
+    assert "sweep_us" not in HostTime(forwards=4).line(step=4)
