@@ -117,7 +117,7 @@ def test_version_modules_state_only_what_differs_from_the_base() -> None:
     assert own == {"PROTECT_HOOK_TARGETS"}, own
     own = {name for name in base.__all__ if getattr(v0_5_23, name) is not getattr(base, name)}
     assert own == {"check_after_initialize", "runner_parts", "runner_ranks", "batch_requests", "sweep_source",
-                   "wrapper_gate", "max_static_tokens"}, own
+                   "wrapper_gate", "max_static_tokens", "RADIX_NODE_HOOKS"}, own
     assert not v0_5_23.PROTECT_HOOK_TARGETS
     with pytest.raises(protect.ProtectRefused, match="supported on sglang 0.5.12 only"):
         protect.hooks_for(v0_5_23)
