@@ -91,13 +91,17 @@ def test_worker_sets_and_restores_each_engines_settings(e2e, tmp_path, monkeypat
     assert all(json.loads((tmp_path / f"result-{sub}.json").read_text())["status"] == "OK" for sub in subs)
 
 
+def _dry_run(arms: str, *extra: str, out) -> str:
+    """The driver's phase 4 dry run with ``--overhead-arms arms``: its stdout (it must exit 0)."""
+    proc = subprocess.run([sys.executable, str(DRIVER), "--dry-run", "--phases", "4", "--overhead-arms", arms, *extra,
+                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
 def test_log_vs_protect_dry_run_names_rows_by_arm_with_the_ratio(tmp_path) -> None:
     """The brief's command: rows, table labels, ratio and summary keys name log and protect, never off."""
-    proc = subprocess.run([sys.executable, str(DRIVER), "--dry-run", "--phases", "4", "--overhead-arms",
-                           "log,protect", "--overhead-rounds", "3", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout
+    out = _dry_run("log,protect", "--overhead-rounds", "3", out=tmp_path)
     assert "overhead-arms: log,protect" in out
     assert "| 4 overhead-log | OK |" in out and "| 4 overhead-protect | OK |" in out
     assert "\n| log | 1000.0 |" in out and "\n| protect | 975.0 |" in out
@@ -116,11 +120,7 @@ def test_piecewise_and_eager_combine_with_the_arms(e2e, tmp_path) -> None:
     """--piecewise --overhead-eager with protect-hold vs log: every pair's B/A ratio, median and range; each
     kvcanary Engine must show piecewise prefill; the Engines run eagerly."""
     out = tmp_path / "o"
-    proc = subprocess.run([sys.executable, str(DRIVER), "--dry-run", "--phases", "4", "--overhead-arms",
-                           "log,protect-hold", "--piecewise", "--overhead-eager", "--out", str(out)],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    text = proc.stdout
+    text = _dry_run("log,protect-hold", "--piecewise", "--overhead-eager", out=out)
     assert "| warm-up pair 1 (first Engines on this machine), protect-hold/log | 0.9850 (1000.0 vs 985.0 tok/s)" in text
     assert "overhead, protect-hold/log tok/s over 3 pairs: median 1.0050, min 0.9850, max 1.0250" in text
     assert "per log Engine: [240, 240, 240], per protect-hold Engine: [240, 240, 240]" in text

@@ -217,23 +217,11 @@ def _watch(tree, hooks: RadixNodeHooks) -> _TreeWatch:
     stored, split, deleted, reset = (getattr(tree, name) for name in
                                      (hooks.stored, hooks.split, hooks.deleted, hooks.reset))
 
-    @functools.wraps(stored)
-    def on_stored(node, *args, **kwargs):
-        result = stored(node, *args, **kwargs)
-        watch.emit("node_stored", node)
-        return result
-
     @functools.wraps(split)
     def on_split(key, child, split_len, *args, **kwargs):
         head = split(key, child, split_len, *args, **kwargs)
         watch.emit("node_split", head, child, int(split_len))
         return head
-
-    @functools.wraps(deleted)
-    def on_deleted(node, *args, **kwargs):
-        result = deleted(node, *args, **kwargs)
-        watch.emit("node_deleted", node)
-        return result
 
     @functools.wraps(reset)
     def on_reset(*args, **kwargs):
@@ -241,7 +229,19 @@ def _watch(tree, hooks: RadixNodeHooks) -> _TreeWatch:
         watch.emit("tree_reset")
         return result
 
-    for name, wrapper in ((hooks.stored, on_stored), (hooks.split, on_split), (hooks.deleted, on_deleted),
-                          (hooks.reset, on_reset)):
+    for name, wrapper in ((hooks.stored, _node_event(stored, "node_stored", watch)), (hooks.split, on_split),
+                          (hooks.deleted, _node_event(deleted, "node_deleted", watch)), (hooks.reset, on_reset)):
         setattr(tree, name, wrapper)
     return watch
+
+
+def _node_event(method: Callable, event: str, watch: _TreeWatch) -> Callable:
+    """``method(node, ...)``, then ``event`` with that node to the tree's listeners."""
+
+    @functools.wraps(method)
+    def wrapper(node, *args, **kwargs):
+        result = method(node, *args, **kwargs)
+        watch.emit(event, node)
+        return result
+
+    return wrapper
