@@ -18,12 +18,12 @@ import time
 
 import torch
 
-from kvcanary import layout, ops
 from kvcanary.batch import BatchView, ForwardKind
 from kvcanary.config import Config, Mode
+from kvcanary.kernels import layout, ops
+from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.manager import CanaryManager
 from kvcanary.pump import PinnedChannel
-from kvcanary.real_kv import RealKvSource
 from kvcanary.serial_upload import RowSerialUpload
 
 

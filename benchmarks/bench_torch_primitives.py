@@ -127,8 +127,8 @@ def kvcanary_launches(dev: torch.device) -> None:
 
     from kvcanary.batch import BatchView, ForwardKind
     from kvcanary.config import Config, Mode
+    from kvcanary.kernels.real_kv import RealKvSource
     from kvcanary.manager import CanaryManager
-    from kvcanary.real_kv import RealKvSource
 
     nop = tvm_ffi.get_global_func("testing.nop")
     six = [torch.zeros(64, dtype=torch.int64, device=dev) for _ in range(6)]

@@ -6,7 +6,8 @@ import io
 
 import pytest
 
-from kvcanary import cli, jit
+from kvcanary import cli
+from kvcanary.kernels import jit
 
 
 def test_build_cpu_puts_the_library_in_the_cache_and_says_where(capsys: pytest.CaptureFixture[str]) -> None:

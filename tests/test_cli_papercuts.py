@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 import kvcanary
-from kvcanary import cli, config, demo, doctor, faults, jit
+from kvcanary import cli, config, demo, doctor, faults
+from kvcanary.kernels import jit
 
 # The cheapest demo that still runs the whole loop: one injection of one class after the minimum clean phase.
 QUICK_DEMO = ["demo", "--seconds", "0.1", "--injections", "1", "--faults", "token_swap", "--device", "cpu"]

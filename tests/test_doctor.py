@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import kvcanary
-from kvcanary import cli, doctor, layout
+from kvcanary import cli, doctor
+from kvcanary.kernels import layout
 
 CPU_ROW = re.compile(r"^cpu\s+\|\s+\S+\s+\|\s+(cached|\d+\.\d s)\s+\|\s+PASS\s+\|\s+\d+ checks ok", re.MULTILINE)
 

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from kvcanary import layout, metrics
+from kvcanary import metrics
+from kvcanary.kernels import layout
+from kvcanary.kernels.tags import LaunchTag
 from kvcanary.manager import CanaryStats
 from kvcanary.report import Violation
-from kvcanary.tags import LaunchTag
 
 prometheus_client = pytest.importorskip("prometheus_client", reason="the test extra installs prometheus_client")
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402

@@ -267,7 +267,8 @@ def _fault_classes() -> tuple[str, ...]:
 def _cmd_doctor(args: argparse.Namespace, out: TextIO) -> int:
     import torch
 
-    from kvcanary import __version__, doctor, jit
+    from kvcanary import __version__, doctor
+    from kvcanary.kernels import jit
 
     doctor.check_environment()  # a bad cache dir or sanitizer: one named line before the header, not a traceback
     out.write(
@@ -291,8 +292,9 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO) -> int:
 def _cmd_build(args: argparse.Namespace, out: TextIO) -> int:
     import shutil
 
-    from kvcanary import doctor, jit
+    from kvcanary import doctor
     from kvcanary.config import parse_cuda_arch
+    from kvcanary.kernels import jit
 
     doctor.check_environment()  # a bad cache dir or sanitizer: one named line
     arch = parse_cuda_arch(args.arch, "--arch") if args.arch else None

@@ -16,8 +16,8 @@ rules, the same for every variable:
   naming the variable: ``KVCANARY_REPORT`` (``check_report_path``: not a directory, not under ``/proc`` or
   ``/sys``, writable or creatable) and ``KVCANARY_CACHE_DIR`` (``check_cache_dir``: a directory or creatable;
   a read-only existing cache is accepted here, the JIT names the variable if it then has to build there);
-  ``KVCANARY_CUDA_ARCH`` and ``KVCANARY_SANITIZE`` (owned by ``kvcanary.jit``) are checked by ``parse_cuda_arch``
-  and ``parse_sanitize`` in every mode;
+  ``KVCANARY_CUDA_ARCH`` and ``KVCANARY_SANITIZE`` (owned by ``kvcanary.kernels.jit``) are checked by
+  ``parse_cuda_arch`` and ``parse_sanitize`` in every mode;
 * an unknown ``KVCANARY_*`` variable (a typo such as ``KVCANARY_MOD`` or ``KVCANARY_FAULT_EVREY``) is not an
   error: one WARNING line names it. Variables that other modules own are listed by name in ``KNOWN_ENV_VARS``
   (the fault-injection family too), so a typo in them is flagged like any other.
@@ -59,7 +59,7 @@ import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvcanary.layout import RealKvHashMode
+from kvcanary.kernels.layout import RealKvHashMode
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +78,8 @@ ENV_DRAIN_EVERY = "KVCANARY_DRAIN_EVERY"
 ENV_LOG_REPEAT_WINDOW = "KVCANARY_LOG_REPEAT_WINDOW"
 ENV_PROTECT_HOLD = "KVCANARY_PROTECT_HOLD"
 # Read by other modules; named here so that Config can check them at start-up and the typo check knows them.
-ENV_CUDA_ARCH = "KVCANARY_CUDA_ARCH"  # kvcanary.jit
-ENV_SANITIZE = "KVCANARY_SANITIZE"  # kvcanary.jit
+ENV_CUDA_ARCH = "KVCANARY_CUDA_ARCH"  # kvcanary.kernels.jit
+ENV_SANITIZE = "KVCANARY_SANITIZE"  # kvcanary.kernels.jit
 ENV_REAL_KV_LAYERS = "KVCANARY_REAL_KV_LAYERS"  # the SGLang adapter (kvcanary.sglang.common)
 # Fault injection (kvcanary.faults, tests only); listed one by one so that a typo in the family is flagged.
 FAULT_ENV_VARS: tuple[str, ...] = (
@@ -101,7 +101,7 @@ KNOWN_ENV_VARS: frozenset[str] = frozenset(
         ENV_STATS_EVERY,
         ENV_REPORT,
         ENV_VERIFY_TOKENS,
-        ENV_CACHE_DIR,  # read by kvcanary.jit; Config keeps it for describe() and checks it at start-up
+        ENV_CACHE_DIR,  # read by kvcanary.kernels.jit; Config keeps it for describe() and checks it at start-up
         ENV_HEALTH_WINDOW,
         ENV_DRAIN_EVERY,
         ENV_LOG_REPEAT_WINDOW,
@@ -120,7 +120,7 @@ MAX_RING_CAPACITY = (1 << 31) - 1
 RANK_PLACEHOLDER = "{rank}"
 REPORT_PLACEHOLDERS: tuple[str, ...] = (RANK_PLACEHOLDER,)  # what report_path_for expands
 _PLACEHOLDER_RE = re.compile(r"\{[^{}]*\}")
-# KVCANARY_SANITIZE values kvcanary.jit knows how to build (its flag table is keyed by the same names).
+# KVCANARY_SANITIZE values kvcanary.kernels.jit knows how to build (its flag table is keyed by the same names).
 SANITIZERS: tuple[str, ...] = ("address",)
 
 _TRUE = ("1", "true", "yes", "on")
@@ -318,7 +318,7 @@ def check_cache_dir(path: str, var: str = ENV_CACHE_DIR, raw: str | None = None)
     """Start-up check of the JIT build cache directory; ``ConfigError`` naming ``var`` when it cannot work.
 
     It must be a directory or creatable (its nearest existing ancestor a writable directory). An existing
-    directory that is not writable is accepted: a prebuilt, read-only cache is fine, and ``kvcanary.jit``
+    directory that is not writable is accepted: a prebuilt, read-only cache is fine, and ``kvcanary.kernels.jit``
     names ``var`` if it then has to build there.
     """
     raw = path if raw is None else raw
@@ -456,7 +456,7 @@ class Config:
         if (raw := get(ENV_CACHE_DIR)) is not None:
             kwargs["cache_dir"] = raw.strip()
         if (raw := get(ENV_CUDA_ARCH)) is not None:
-            parse_cuda_arch(raw)  # read by kvcanary.jit when it builds; a typo should stop start-up, not the build
+            parse_cuda_arch(raw)  # kvcanary.kernels.jit reads it to build; a typo should stop start-up, not the build
         parse_sanitize(env.get(ENV_SANITIZE))  # likewise
         config = cls(**kwargs)  # type: ignore[arg-type]
         if config.enabled:  # filesystem checks only when something will be opened or built

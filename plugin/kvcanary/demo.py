@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from kvcanary import faults, jit
+from kvcanary import faults
 from kvcanary.config import (
     ENV_CACHE_DIR,
     ENV_CUDA_ARCH,
@@ -60,13 +60,14 @@ from kvcanary.config import (
     Mode,
     check_cache_dir,
 )
-from kvcanary.layout import RealKvHashMode
+from kvcanary.kernels import jit
+from kvcanary.kernels.layout import RealKvHashMode
+from kvcanary.kernels.tags import LaunchTag
 from kvcanary.protect import ACTION_LOG_PREFIX, RECOMPUTE
 from kvcanary.sim.engine import Request, SimConfig, Simulator
 from kvcanary.sim.injector import ClassResult, FaultDriver
 from kvcanary.sim.protect import SimProtect, chain
 from kvcanary.table import format_table
-from kvcanary.tags import LaunchTag
 
 logger = logging.getLogger(__name__)
 

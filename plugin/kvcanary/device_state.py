@@ -4,7 +4,7 @@
 then the violation ring) right after the violation metadata in one allocation (so that the host drains the header,
 the next ring rows and their metadata with one copy), the per-slot writer attribution, the row serials, and the
 forward's snapshot of token ids, positions and slots. Every buffer keeps its address for the state's lifetime
-(CUDA-graph capture). Every kernel launch of the runtime (``kvcanary.ops``) happens here, and only here (host →
+(CUDA-graph capture). Every kernel launch of the runtime (``kvcanary.kernels.ops``) happens here, and only here (host →
 device uploads live with their owners: the token table, the sweep plan):
 
 * ``DeviceState.check_batch(batch, count_forward, forward_step_value)``: one ``canary_check_step`` launch (plan +
@@ -43,11 +43,11 @@ from typing import NamedTuple
 
 import torch
 
-from kvcanary import layout, ops
-from kvcanary.plan import VerifyPlan, WritePlan
-from kvcanary.real_kv import RealKvSource
+from kvcanary.kernels import layout, ops
+from kvcanary.kernels.plan import VerifyPlan, WritePlan
+from kvcanary.kernels.real_kv import RealKvSource
+from kvcanary.kernels.tags import NUM_LAUNCH_TAGS, LaunchTag
 from kvcanary.serial_upload import RowSerialUpload
-from kvcanary.tags import NUM_LAUNCH_TAGS, LaunchTag
 from kvcanary.token_table import TokenTable
 
 logger = logging.getLogger(__name__)

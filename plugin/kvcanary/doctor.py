@@ -1,7 +1,7 @@
 """``kvcanary doctor``: build every kernel backend available here and self-test each one.
 
 A self-test writes a small chain (three requests, a prefill launch and a decode launch, PARTIAL real-KV
-fingerprints from one :class:`~kvcanary.real_kv.RealKvSource`), verifies it clean, then corrupts it two
+fingerprints from one :class:`~kvcanary.kernels.real_kv.RealKvSource`), verifies it clean, then corrupts it two
 ways and checks that verify reports exactly the expected slots and reason bits:
 
 * a stored token changed in the canary buffer → ``VERIFY_TOKEN`` at that slot and ``VERIFY_CHAIN_HASH``
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from kvcanary import jit, layout, ref
 from kvcanary.config import ConfigError
-from kvcanary.real_kv import RealKvSource
+from kvcanary.kernels import jit, layout, ref
+from kvcanary.kernels.real_kv import RealKvSource
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class DoctorReport:
 
 
 # --------------------------------------------------------------------------------------------------
-# hashes (SPEC §2): the plain-Python model in kvcanary.ref, independent of the compiled kernels
+# hashes (SPEC §2): the plain-Python model in kvcanary.kernels.ref, independent of the compiled kernels
 
 _splitmix64 = ref.splitmix64
 _mix3 = ref.mix3
@@ -225,7 +225,7 @@ def _write(
     requests: list[tuple[int, list[tuple[int, int, int]]]],
 ) -> None:
     """One write launch. ``requests``: (seed slot, [(slot, token, position), ...]) per request."""
-    from kvcanary.ops import canary_write_step
+    from kvcanary.kernels.ops import canary_write_step
 
     device = canary_buf.device
     offsets, seeds, slots, tokens, positions = [0], [], [], [], []
@@ -260,7 +260,7 @@ def _write(
 
 def _verify(canary_buf: torch.Tensor, sources: list[RealKvSource], sinks: _Sinks, chain: _Chain) -> None:
     """One verify launch over every position of every request, tokens checked."""
-    from kvcanary.ops import canary_verify_step
+    from kvcanary.kernels.ops import canary_verify_step
 
     device = canary_buf.device
     slots, tokens, positions, prevs = [], [], [], []

@@ -31,11 +31,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcanary import layout
 from kvcanary.device_state import STATE_HEADER, STATUS_COPY_MAX_META, DeviceState, StatusCopy, parse_header
+from kvcanary.kernels import layout
+from kvcanary.kernels.tags import NUM_LAUNCH_TAGS, is_write
 from kvcanary.pump import PinnedChannel
 from kvcanary.report import VIA_HOST_TIER, Reporter, Violation
-from kvcanary.tags import NUM_LAUNCH_TAGS, is_write
 from kvcanary.writers import loaded_from_host_tier
 
 logger = logging.getLogger(__name__)

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcanary.config import parse_int_env
-from kvcanary.real_kv import RealKvSource
+from kvcanary.kernels.real_kv import RealKvSource
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ FAULT_CLASSES: tuple[str, ...] = (
     *HOST_TIER_CLASSES,
 )
 
-# The reason names (``kvcanary.layout.reason_names``) each class is expected to produce; any one of them counts.
+# The reason names (``kvcanary.kernels.layout.reason_names``) each class is expected to produce; any one of them counts.
 EXPECTED_REASONS: Mapping[str, tuple[str, ...]] = {
     REQ_TO_TOKEN_REDIRECT: ("verify_chain_hash",),
     REAL_KV_FLIP: ("verify_real_kv_hash",),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
-from kvcanary.tags import LaunchTag, tag_name
+from kvcanary.kernels.tags import LaunchTag, tag_name
 
 logger = logging.getLogger(__name__)
 _MODULE_LOGGER = logger

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvcanary import layout
+from kvcanary.kernels import layout
 from kvcanary.writers import LOADED_FROM_HOST_TIER
 
 logger = logging.getLogger(__name__)

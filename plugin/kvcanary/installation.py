@@ -21,9 +21,9 @@ import torch
 
 from kvcanary.batch import BatchView
 from kvcanary.config import Config
+from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.manager import CanaryManager, SweepSource
 from kvcanary.metrics import CanaryMetrics, NoMetrics, metrics_for
-from kvcanary.real_kv import RealKvSource
 
 logger = logging.getLogger(__name__)
 

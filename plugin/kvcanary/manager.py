@@ -29,17 +29,17 @@ from collections.abc import Sequence
 
 import torch
 
-from kvcanary import layout
 from kvcanary.batch import BatchView, ForwardKind
 from kvcanary.config import Config, Mode
 from kvcanary.device_state import DeviceState
 from kvcanary.drain import CanaryStats, ViolationDrain
 from kvcanary.health import HealthMonitor, StatsLogger, expected_launch_tags
 from kvcanary.host_tier import HostTierRecords
-from kvcanary.real_kv import RealKvSource
+from kvcanary.kernels import layout
+from kvcanary.kernels.real_kv import RealKvSource
+from kvcanary.kernels.tags import LaunchTag
 from kvcanary.report import Reporter, Violation
 from kvcanary.sweep import Sweeper, SweepSource
-from kvcanary.tags import LaunchTag
 from kvcanary.token_table import TokenTable
 from kvcanary.writers import WriterTable
 

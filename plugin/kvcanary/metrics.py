@@ -46,7 +46,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvcanary.tags import LaunchTag
+from kvcanary.kernels.tags import LaunchTag
 
 logger = logging.getLogger(__name__)
 

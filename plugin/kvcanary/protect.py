@@ -48,8 +48,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcanary.kernels.tags import LaunchTag
 from kvcanary.report import Violation, encode_rid
-from kvcanary.tags import LaunchTag
 
 logger = logging.getLogger(__name__)
 

@@ -86,11 +86,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcanary import layout
 from kvcanary.config import Mode, log_repeat_window_from_env
+from kvcanary.kernels import layout
+from kvcanary.kernels.tags import LaunchTag, is_write, tag_name
 from kvcanary.repeats import RepeatFilter, RepeatSummary
 from kvcanary.sink import ReportFile
-from kvcanary.tags import LaunchTag, is_write, tag_name
 
 logger = logging.getLogger(__name__)
 _MODULE_LOGGER = logger

@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvcanary import ops
-from kvcanary.jit import load_module
+from kvcanary.kernels import ops
+from kvcanary.kernels.jit import load_module
 from kvcanary.token_table import CudaStagingEvent, StagingEvent, StagingRing
 
 # Stagings in the ring on CUDA: a staging is rewritten RING_SIZE prefills later (see kvcanary.token_table.RING_SIZE).

@@ -15,8 +15,8 @@ import torch
 
 from kvcanary.batch import BatchView, ForwardKind
 from kvcanary.config import Config
+from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.manager import CanaryManager
-from kvcanary.real_kv import RealKvSource
 
 PREFILL_TOKENS_PER_FORWARD = 1 << 16
 

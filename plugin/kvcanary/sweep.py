@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcanary import layout
 from kvcanary.device_state import DeviceState
-from kvcanary.plan import VerifyPlan
+from kvcanary.kernels import layout
+from kvcanary.kernels.plan import VerifyPlan
 
 _Ints = Sequence[int] | torch.Tensor
 MIN_SWEEP_PLAN = 1024  # entries of the first sweep plan; it doubles (at least) when a sweep needs more

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcanary import layout
-from kvcanary.plan import VerifyPlan
+from kvcanary.kernels import layout
+from kvcanary.kernels.plan import VerifyPlan
 from kvcanary.sweep import MIN_SWEEP_PLAN, SweepPlan, allocate_sweep_plan
 
 # Tombstones below this many entries never ask for a compaction: verifying a few thousand padding entries costs the

@@ -10,10 +10,10 @@ row of a forward in one call, best as :class:`TokenColumns` (rows, starts, count
 back: what :func:`kvcanary.sglang.tokens.expected_token_updates` builds). A call is one launch of
 ``canary_token_update`` (csrc/canary_tokens.cuh) and no device or pinned allocation: the columns are packed by one
 ``struct.pack_into`` (plus one per prompt) into a staging buffer of int64 (the layout of
-:data:`~kvcanary.layout.TOKEN_UPDATE_FIELDS`), which on CUDA is pinned host memory the kernel reads in place (no
-H2D copy). A batch of one token per row (a decode forward) is staged as rows, starts and tokens alone (the layout of
-:data:`~kvcanary.layout.TOKEN_APPEND_FIELDS`) for ``canary_token_append``: no valid lengths or offsets to build on
-the host, 3 values a row instead of 6. A launch may still be reading its staging when the host packs the next
+:data:`~kvcanary.kernels.layout.TOKEN_UPDATE_FIELDS`), which on CUDA is pinned host memory the kernel reads in place
+(no H2D copy). A batch of one token per row (a decode forward) is staged as rows, starts and tokens alone (the layout
+of :data:`~kvcanary.kernels.layout.TOKEN_APPEND_FIELDS`) for ``canary_token_append``: no valid lengths or offsets to
+build on the host, 3 values a row instead of 6. A launch may still be reading its staging when the host packs the next
 batch, so the stagings form a ring: each is reused only once the event recorded after its last launch has completed
 (the host waits on that event in the rare case the GPU is a whole ring behind).
 """
@@ -32,8 +32,8 @@ from typing import Any, Protocol
 
 import torch
 
-from kvcanary import layout, ops
-from kvcanary.jit import load_module
+from kvcanary.kernels import layout, ops
+from kvcanary.kernels.jit import load_module
 from kvcanary.streams import current_stream
 
 logger = logging.getLogger(__name__)
@@ -250,8 +250,8 @@ _COUNTED = (list, tuple)
 
 
 class TokenTable:
-    """``expected_tokens`` (int32 ``[rows, width]``, :data:`~kvcanary.layout.NO_EXPECTED_TOKEN` where unknown) and
-    ``valid_lens_by_row`` (int64 ``[rows]``) on ``device``; both keep their addresses (graph capture).
+    """``expected_tokens`` (int32 ``[rows, width]``, :data:`~kvcanary.kernels.layout.NO_EXPECTED_TOKEN` where
+    unknown) and ``valid_lens_by_row`` (int64 ``[rows]``) on ``device``; both keep their addresses (graph capture).
 
     ``staging`` is the :class:`StagingRing` of the uploads. ``event_factory`` makes its events (default:
     :class:`CudaStagingEvent` on CUDA; on the CPU the kernel has run when the call returns, so there are no events and

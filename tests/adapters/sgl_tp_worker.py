@@ -63,8 +63,8 @@ def main(argv: list[str]) -> int:
     from sglang.srt.server_args import set_global_server_args_for_scheduler
 
     from kvcanary import faults
+    from kvcanary.kernels.tags import LaunchTag
     from kvcanary.sglang import hooks, ranks
-    from kvcanary.tags import LaunchTag
 
     lines = _Lines()
     logging.getLogger("kvcanary").addHandler(lines)

@@ -33,12 +33,12 @@ import sglang  # noqa: E402,F401  (installed but broken must fail, not skip)
 
 import kvcanary.sglang as kvcanary_sglang  # noqa: E402
 from kvcanary import faults  # noqa: E402
+from kvcanary.kernels.tags import LaunchTag  # noqa: E402
 from kvcanary.report import CanaryViolationError  # noqa: E402
 from kvcanary.sglang import contract, v0_5_23  # noqa: E402
 from kvcanary.sglang.guards import UnsupportedSetupError  # noqa: E402
 from kvcanary.sglang.hooks import hooks_for, installation_of  # noqa: E402
 from kvcanary.sglang.targets import HookTargetError, Target, resolve_target  # noqa: E402
-from kvcanary.tags import LaunchTag  # noqa: E402
 
 FORWARDS = 210
 SWEEP_INTERVAL = 7

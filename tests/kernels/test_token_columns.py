@@ -11,7 +11,7 @@ import struct
 import pytest
 import torch
 
-from kvcanary import layout
+from kvcanary.kernels import layout
 from kvcanary.token_table import LONG_UPDATE_TOKENS, TokenColumns, TokenTable
 
 ROWS, WIDTH = 6, 200

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from kvcanary import layout, ops
+from kvcanary.kernels import layout, ops
 from kvcanary.token_table import MIN_STAGING_VALUES, StagingRing, TokenTable
 
 CPU = torch.device("cpu")

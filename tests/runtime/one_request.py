@@ -6,8 +6,8 @@ import torch
 
 from kvcanary.batch import BatchView, ForwardKind
 from kvcanary.config import Config, Mode
+from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.manager import CanaryManager
-from kvcanary.real_kv import RealKvSource
 from kvcanary.report import Violation
 
 

@@ -23,8 +23,8 @@ from kvcanary.config import (
     unknown_env_vars,
 )
 from kvcanary.health import expected_launch_tags
-from kvcanary.layout import RealKvHashMode
-from kvcanary.tags import NUM_LAUNCH_TAGS, LaunchTag, is_write, tag_name
+from kvcanary.kernels.layout import RealKvHashMode
+from kvcanary.kernels.tags import NUM_LAUNCH_TAGS, LaunchTag, is_write, tag_name
 
 
 def test_defaults_from_empty_environment() -> None:
@@ -375,7 +375,7 @@ def test_cuda_arch_bad_values_name_the_variable(raw: str, monkeypatch: pytest.Mo
     pattern += re.escape(repr(raw)) + "$"
     with pytest.raises(ValueError, match=pattern):
         Config.from_env({"KVCANARY_CUDA_ARCH": raw})
-    from kvcanary import jit
+    from kvcanary.kernels import jit
 
     monkeypatch.setenv("KVCANARY_CUDA_ARCH", raw)
     with pytest.raises(ValueError, match=pattern):
@@ -385,7 +385,7 @@ def test_cuda_arch_bad_values_name_the_variable(raw: str, monkeypatch: pytest.Mo
 
 
 def test_jit_uses_the_normalised_arch(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    from kvcanary import jit
+    from kvcanary.kernels import jit
 
     monkeypatch.setenv("KVCANARY_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("KVCANARY_CUDA_ARCH", "sm_90a")
@@ -520,7 +520,7 @@ def test_cache_dir_that_is_a_file(tmp_path, monkeypatch: pytest.MonkeyPatch) -> 
     blocker.write_text("x")
     assert "is not a directory" in _cache_error(str(blocker))
     assert "is not a directory" in _cache_error(str(blocker / "sub"))
-    from kvcanary import jit
+    from kvcanary.kernels import jit
 
     monkeypatch.setenv("KVCANARY_CACHE_DIR", str(blocker))
     with pytest.raises(ValueError, match="^KVCANARY_CACHE_DIR: .* is not a directory"):
@@ -535,7 +535,7 @@ def test_cache_dir_unwritable(open_tmp, monkeypatch: pytest.MonkeyPatch) -> None
     locked.chmod(0o555)
     import tvm_ffi.cpp  # noqa: F401 - imported here: the unprivileged child cannot read every site-package
 
-    from kvcanary import jit
+    from kvcanary.kernels import jit
 
     # Imported and hashed here, as root: the child may not enter the checkout at all (a clone in a 0700 temporary
     # directory or under /root), and where the checkout lives is not what this test checks.

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from kvcanary.health import HealthMonitor, StatsLogger
-from kvcanary.tags import NUM_LAUNCH_TAGS, LaunchTag
+from kvcanary.kernels.tags import NUM_LAUNCH_TAGS, LaunchTag
 
 V, W, S = int(LaunchTag.VERIFY), int(LaunchTag.WRITE), int(LaunchTag.SWEEP)
 

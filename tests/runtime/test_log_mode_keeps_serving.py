@@ -11,8 +11,8 @@ import torch
 from kvcanary.batch import BatchView, ForwardKind
 from kvcanary.config import Config, Mode
 from kvcanary.installation import Group, GroupSpec, Installation
+from kvcanary.kernels.tags import LaunchTag
 from kvcanary.manager import CanaryManager
-from kvcanary.tags import LaunchTag
 
 
 def _i64(*v: int) -> torch.Tensor:

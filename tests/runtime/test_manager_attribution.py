@@ -16,8 +16,8 @@ from kvcanary import writers
 from kvcanary.batch import BatchView, ForwardKind
 from kvcanary.config import Config, Mode
 from kvcanary.health import STATS_PREFIX
+from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.manager import CanaryManager
-from kvcanary.real_kv import RealKvSource
 from kvcanary.report import CanaryHealthError
 
 NUM_SLOTS = 128

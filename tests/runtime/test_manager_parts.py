@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcanary import layout, ref, writers
+from kvcanary import writers
 from kvcanary.batch import BatchView, ForwardKind
 from kvcanary.config import Mode
 from kvcanary.device_state import (
@@ -20,9 +20,10 @@ from kvcanary.device_state import (
     parse_header,
 )
 from kvcanary.drain import ROW_PEEK, CanaryStats, ViolationDrain
+from kvcanary.kernels import layout, ref
+from kvcanary.kernels.tags import NUM_LAUNCH_TAGS, LaunchTag
 from kvcanary.report import Reporter
 from kvcanary.sweep import Sweeper
-from kvcanary.tags import NUM_LAUNCH_TAGS, LaunchTag
 from kvcanary.token_table import TokenTable
 from kvcanary.writers import WriterTable
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from kvcanary import layout, protect
+from kvcanary import protect
+from kvcanary.kernels import layout
+from kvcanary.kernels.tags import LaunchTag
 from kvcanary.report import Violation
-from kvcanary.tags import LaunchTag
 
 
 def _violation(step: int, row: int, slot: int, position: int, bits: int) -> Violation:

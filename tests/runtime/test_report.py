@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from kvcanary import layout
 from kvcanary.config import Mode
+from kvcanary.kernels import layout
+from kvcanary.kernels.tags import LaunchTag
 from kvcanary.report import (
     HEALTH_SCHEMA,
     INJECTION_SCHEMA,
@@ -32,7 +33,6 @@ from kvcanary.report import (
     hex64,
     parse_log_line,
 )
-from kvcanary.tags import LaunchTag
 
 NEG_HASH = -0x1234_5678_9ABC_DEF0  # a negative int64, as the ring stores hashes >= 2^63
 NEG_HASH_HEX = "0xedcba98765432110"

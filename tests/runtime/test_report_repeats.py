@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvcanary import layout
 from kvcanary.config import Mode
+from kvcanary.kernels import layout
+from kvcanary.kernels.tags import LaunchTag
 from kvcanary.repeats import RepeatFilter
 from kvcanary.report import (
     LOG_PREFIX,
@@ -21,7 +22,6 @@ from kvcanary.report import (
     parse_log_line,
     parse_repeat_line,
 )
-from kvcanary.tags import LaunchTag
 
 R = layout.FailReason
 LOGGER = "kvcanary.report"

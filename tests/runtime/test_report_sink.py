@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from one_request import OneRequest
 
-from kvcanary import layout
 from kvcanary.config import Mode
 from kvcanary.faults import Injection
+from kvcanary.kernels import layout
+from kvcanary.kernels.tags import LaunchTag
 from kvcanary.report import (
     HEALTH_SCHEMA,
     INJECTION_SCHEMA,
@@ -26,7 +27,6 @@ from kvcanary.report import (
     Reporter,
     Violation,
 )
-from kvcanary.tags import LaunchTag
 
 R = layout.FailReason
 LOGGER = "kvcanary.report"

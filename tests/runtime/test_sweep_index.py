@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from kvcanary import layout
+from kvcanary.kernels import layout
 from kvcanary.sweep import SweepPlan
 from kvcanary.sweep_index import MIN_COMPACTION_ENTRIES, Span, SweepIndex, UnplacedSpan
 

@@ -10,7 +10,7 @@ import torch
 
 from kvcanary import faults
 from kvcanary.faults import FaultPlan, Injection
-from kvcanary.real_kv import RealKvSource
+from kvcanary.kernels.real_kv import RealKvSource
 
 
 def _r2t() -> torch.Tensor:
@@ -197,7 +197,7 @@ def test_out_of_range_slot(caplog) -> None:
 
 
 def test_every_class_has_expected_reasons() -> None:
-    from kvcanary import layout
+    from kvcanary.kernels import layout
 
     names = set(layout.reason_names(sum(int(r) for r in layout.FailReason)))
     assert set(faults.EXPECTED_REASONS) == set(faults.FAULT_CLASSES)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvcanary import layout
+from kvcanary.kernels import layout
 from kvcanary.report import Reporter, Violation, parse_log_line
 from kvcanary.speculative import DRAFT_ROLE, TARGET_ROLE, SpecCounters
 

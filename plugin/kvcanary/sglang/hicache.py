@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcanary.installation import Installation
-from kvcanary.real_kv import RealKvSource
+from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.sglang.pools import parse_real_kv_layers, resolve_layers, token_major_source
 from kvcanary.sglang.refusal import UnsupportedSetupError
 

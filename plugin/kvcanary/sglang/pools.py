@@ -14,7 +14,7 @@ import torch
 
 from kvcanary.config import Config, parse_ascii_int
 from kvcanary.installation import GroupSpec
-from kvcanary.real_kv import RealKvSource
+from kvcanary.kernels.real_kv import RealKvSource
 
 ENV_REAL_KV_LAYERS = "KVCANARY_REAL_KV_LAYERS"
 DEFAULT_REAL_KV_LAYERS: tuple[int, ...] = (0, -1)

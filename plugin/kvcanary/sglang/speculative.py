@@ -38,6 +38,7 @@ import torch
 
 from kvcanary.batch import BatchView, ForwardKind
 from kvcanary.installation import Installation
+from kvcanary.kernels.tags import LaunchTag
 from kvcanary.sglang.batches import dense
 from kvcanary.speculative import (
     DRAFT,
@@ -50,7 +51,6 @@ from kvcanary.speculative import (
     draft_extend_view,
     target_verify_view,
 )
-from kvcanary.tags import LaunchTag
 
 logger = logging.getLogger(__name__)
 

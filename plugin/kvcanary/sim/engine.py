@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcanary.batch import BatchView, ForwardKind
-from kvcanary.real_kv import RealKvSource
+from kvcanary.kernels.real_kv import RealKvSource
 
 M64 = (1 << 64) - 1
 KV_BYTES = 64  # bytes per token per KV buffer
@@ -805,7 +805,7 @@ def build_sim(sim_cfg: SimConfig, *, mode: str = "raise", sweep_interval: int = 
     it, so a fault driver can attribute it to that forward.
     """
     from kvcanary.config import Config, Mode
-    from kvcanary.layout import RealKvHashMode
+    from kvcanary.kernels.layout import RealKvHashMode
     from kvcanary.manager import CanaryManager
 
     config = Config(mode=Mode(mode), real_kv=RealKvHashMode[real_kv.upper()], sweep_interval=sweep_interval,

@@ -88,7 +88,7 @@ SLOT_ATTRIBUTION_COL_WRITER_SERIAL = 1
 SLOT_ATTRIBUTION_FIELDS = 2
 META_UNKNOWN = -1  # a metadata or attribution value nobody knows
 
-# launch tags (violation column 0; index of the per-tag counters; kvcanary.tags names them)
+# launch tags (violation column 0; index of the per-tag counters; kvcanary.kernels.tags names them)
 LAUNCH_TAG_VERIFY = 0
 LAUNCH_TAG_WRITE = 1
 LAUNCH_TAG_SWEEP = 2

@@ -22,11 +22,11 @@ from typing import Any, NoReturn
 
 import torch
 
-from kvcanary import layout
 from kvcanary.batch import BatchView
-from kvcanary.jit import load_module
-from kvcanary.plan import VerifyPlan, WritePlan
-from kvcanary.real_kv import RealKvSource
+from kvcanary.kernels import layout
+from kvcanary.kernels.jit import load_module
+from kvcanary.kernels.plan import VerifyPlan, WritePlan
+from kvcanary.kernels.real_kv import RealKvSource
 
 __all__ = [
     "CheckLaunch", "RealKvLaunch", "WriteLaunch", "canary_check_step", "canary_plan_step", "canary_token_update",
@@ -467,9 +467,9 @@ def canary_token_update(
 ) -> None:
     """Apply ``num_updates`` expected-token updates staged in ``staging[:staged_len]`` (see csrc/canary_tokens.cuh).
 
-    ``staging`` (int64, laid out as :data:`~kvcanary.layout.TOKEN_UPDATE_FIELDS` field-major header runs, then the
-    tokens) is host memory: on CUDA it must be pinned, and the kernel reads it in place, so the caller must not
-    rewrite it before the launch has completed (record an event after this call). ``expected_tokens`` int32
+    ``staging`` (int64, laid out as :data:`~kvcanary.kernels.layout.TOKEN_UPDATE_FIELDS` field-major header runs,
+    then the tokens) is host memory: on CUDA it must be pinned, and the kernel reads it in place, so the caller must
+    not rewrite it before the launch has completed (record an event after this call). ``expected_tokens`` int32
     [rows, width] and ``valid_lens_by_row`` int64 [rows] are updated in batch order (a later update of a row wins).
     One launch, no copy, no allocation; never synchronises.
     """
@@ -495,9 +495,9 @@ def canary_token_append(
     """Append one token to each of ``num_updates`` rows, staged in ``staging`` (see csrc/canary_tokens.cuh): update
     ``u`` writes its token at position ``start`` of its row and makes the row's valid length ``start + 1``.
 
-    ``staging`` (int64, :data:`~kvcanary.layout.TOKEN_APPEND_FIELDS` runs of ``num_updates`` values: rows, starts,
-    tokens) is host memory as for :func:`canary_token_update` (pinned on CUDA, read in place: record an event after
-    this call before rewriting it). A start must lie inside the table (clip through :func:`canary_token_update`).
+    ``staging`` (int64, :data:`~kvcanary.kernels.layout.TOKEN_APPEND_FIELDS` runs of ``num_updates`` values: rows,
+    starts, tokens) is host memory as for :func:`canary_token_update` (pinned on CUDA, read in place: record an event
+    after this call before rewriting it). A start must lie inside the table (clip through :func:`canary_token_update`).
     Updates apply in batch order (a later update of a row wins). One launch, no copy, no allocation; never
     synchronises.
     """

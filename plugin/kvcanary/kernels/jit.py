@@ -66,8 +66,8 @@ _build_info: dict[str, BuildInfo] = {}
 
 def source_root() -> Path:
     """Directory holding ``include/`` and ``csrc/``: the installed package, else the repository root."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here, here.parent.parent):
+    here = Path(__file__).resolve().parents[1]  # the kvcanary package (this file is kvcanary/kernels/jit.py)
+    for candidate in (here, here.parent.parent):  # the wheel's kvcanary/, else the checkout's root above plugin/
         if (candidate / "include" / "kvcanary").is_dir() and (candidate / "csrc" / EXPORT_SOURCE).is_file():
             return candidate
     raise FileNotFoundError(

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcanary import layout
+from kvcanary.kernels import layout
 
 
 def _check_positive_multiple(name: str, value: object, multiple: int) -> int:

@@ -1,7 +1,7 @@
 """Plain Python/torch reference of the kernels (SPEC §2–§4.2), for differential tests.
 
 Deliberately simple: Python ints for all hashing, one entry at a time, in the documented order.
-Functions take the same keyword arguments as :mod:`kvcanary.ops` and update the given CPU tensors
+Functions take the same keyword arguments as :mod:`kvcanary.kernels.ops` and update the given CPU tensors
 in place. Semantics beyond the seed (out-of-range indices, reason ``SLOT_OUT_OF_RANGE``) follow the
 contract blocks of ``csrc/canary_write.cuh`` and ``csrc/canary_verify.cuh``.
 """
@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcanary import layout
-from kvcanary.plan import VerifyPlan, WritePlan
-from kvcanary.real_kv import RealKvSource
+from kvcanary.kernels import layout
+from kvcanary.kernels.plan import VerifyPlan, WritePlan
+from kvcanary.kernels.real_kv import RealKvSource
 
 U64_MASK = (1 << 64) - 1
 
