@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcanary.installation import HostTime, Installation, WrapperCall
 from kvcanary.kernels import ops
+from kvcanary.runtime.installation import HostTime, Installation, WrapperCall
 from kvcanary.sglang import base, piecewise, pools, v0_5_12
 from kvcanary.sglang import hooks as hooks_module
 from kvcanary.sglang.hooks import AdapterHooks, installation_of

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kvcanary.config import Config, Mode
+from kvcanary.runtime.config import Config, Mode
 from kvcanary.simulate import DecodeRig, RigShape
 
 

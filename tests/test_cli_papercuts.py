@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 import kvcanary
-from kvcanary import cli, config, demo, doctor, faults
+from kvcanary import cli, demo, doctor
 from kvcanary.kernels import jit
+from kvcanary.runtime import config, faults
 
 # The cheapest demo that still runs the whole loop: one injection of one class after the minimum clean phase.
 QUICK_DEMO = ["demo", "--seconds", "0.1", "--injections", "1", "--faults", "token_swap", "--device", "cpu"]
@@ -224,10 +225,10 @@ def test_item9_build_progress_only_when_building(monkeypatch: pytest.MonkeyPatch
 
 
 def test_item9_an_undo_is_logged_as_an_undo(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="kvcanary.faults"):
+    with caplog.at_level(logging.INFO, logger="kvcanary.runtime.faults"):
         result = demo.run_demo(seconds=0, min_forwards=50, per_class=1, fault_classes=[faults.REAL_KV_FLIP],
                                device="cpu", quiet_log=False)  # quiet_log stops the records before caplog's handler
     assert result.passed
-    messages = [r.getMessage() for r in caplog.records if r.name == "kvcanary.faults"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "kvcanary.runtime.faults"]
     assert len([m for m in messages if m.startswith("kvcanary fault injected: real_kv_flip ")]) == 1, messages
     assert len([m for m in messages if m.startswith("kvcanary fault undone: real_kv_flip ")]) == 1, messages

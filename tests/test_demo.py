@@ -9,7 +9,8 @@ import logging
 
 import pytest
 
-from kvcanary import cli, demo, faults
+from kvcanary import cli, demo
+from kvcanary.runtime import faults
 from kvcanary.sim import injector
 
 FAST = ["demo", "--seconds", "0.3", "--injections", "1", "--device", "cpu"]
@@ -103,7 +104,7 @@ def test_cli_demo_host_tier_faults_only() -> None:
 
 def test_a_load_back_that_skips_the_records_fails_the_demo(monkeypatch: pytest.MonkeyPatch) -> None:
     """If the host tier's records did not follow a load-back, the clean phase reports the loaded slots: FAIL."""
-    from kvcanary.manager import CanaryManager
+    from kvcanary.runtime.manager import CanaryManager
 
     monkeypatch.setattr(CanaryManager, "load_from_host", lambda self, host_slots, device_slots: None)
     result = demo.run_demo(seconds=0, min_forwards=200, per_class=1, fault_classes=[faults.TOKEN_SWAP], device="cpu")

@@ -19,8 +19,8 @@ import pytest
 from kvcanary import metrics
 from kvcanary.kernels import layout
 from kvcanary.kernels.tags import LaunchTag
-from kvcanary.manager import CanaryStats
 from kvcanary.report import Violation
+from kvcanary.runtime.manager import CanaryStats
 
 prometheus_client = pytest.importorskip("prometheus_client", reason="the test extra installs prometheus_client")
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
@@ -170,7 +170,7 @@ def test_a_failing_update_is_logged_once_and_never_raises(caplog: pytest.LogCapt
 
 def test_real_manager_feeds_the_counters() -> None:
     """A real CPU CanaryManager in the serving simulator, with a real KV flip: the scrape matches its own numbers."""
-    from kvcanary import faults
+    from kvcanary.runtime import faults
     from kvcanary.sim import SimConfig, build_sim
 
     registry = CollectorRegistry()
@@ -202,7 +202,7 @@ def test_real_manager_feeds_the_counters() -> None:
 MULTIPROC_WRITER = textwrap.dedent("""
     import sys
     from kvcanary import metrics
-    from kvcanary.manager import CanaryStats
+    from kvcanary.runtime.manager import CanaryStats
     from kvcanary.report import Violation
 
     class Reporter:
@@ -268,10 +268,10 @@ def _installation(mode: str, drain_every: int = 1):
     """A real CPU manager inside an Installation (the adapter's per-runner glue), with one 6-token request."""
     import torch
 
-    from kvcanary.batch import BatchView, ForwardKind
-    from kvcanary.config import Config, Mode
-    from kvcanary.installation import Group, GroupSpec, Installation
-    from kvcanary.manager import CanaryManager
+    from kvcanary.runtime.batch import BatchView, ForwardKind
+    from kvcanary.runtime.config import Config, Mode
+    from kvcanary.runtime.installation import Group, GroupSpec, Installation
+    from kvcanary.runtime.manager import CanaryManager
 
     config = Config(mode=Mode(mode), stats_every=0, drain_every=drain_every)
     r2t = torch.zeros((2, 16), dtype=torch.int32)
@@ -296,7 +296,7 @@ def _installation(mode: str, drain_every: int = 1):
 def test_installation_host_after_feeds_the_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
     """The adapter's wiring: the first host_after builds the process metrics from the manager's rank and the
     installation's model_name; every host_after adds the managers' deltas."""
-    from kvcanary import installation
+    from kvcanary.runtime import installation
 
     registry = CollectorRegistry()
     asked = []

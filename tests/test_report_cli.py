@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from kvcanary import cli, matcher, summarize
-from kvcanary.config import Mode
-from kvcanary.faults import Injection
 from kvcanary.kernels import layout
 from kvcanary.kernels.tags import LaunchTag
 from kvcanary.report import Reporter, Violation
+from kvcanary.runtime.config import Mode
+from kvcanary.runtime.faults import Injection
 
 R = layout.FailReason
 REPO = Path(__file__).resolve().parent.parent

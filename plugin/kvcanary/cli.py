@@ -25,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from kvcanary.config import ConfigError
+from kvcanary.runtime.config import ConfigError
 from kvcanary.table import format_table as _format_table
 
 logger = logging.getLogger(__name__)
@@ -259,7 +259,7 @@ def _verbose_parent(help_text: str) -> argparse.ArgumentParser:
 
 
 def _fault_classes() -> tuple[str, ...]:
-    from kvcanary.faults import FAULT_CLASSES
+    from kvcanary.runtime.faults import FAULT_CLASSES
 
     return FAULT_CLASSES
 
@@ -293,8 +293,8 @@ def _cmd_build(args: argparse.Namespace, out: TextIO) -> int:
     import shutil
 
     from kvcanary import doctor
-    from kvcanary.config import parse_cuda_arch
     from kvcanary.kernels import jit
+    from kvcanary.runtime.config import parse_cuda_arch
 
     doctor.check_environment()  # a bad cache dir or sanitizer: one named line
     arch = parse_cuda_arch(args.arch, "--arch") if args.arch else None

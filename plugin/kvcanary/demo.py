@@ -1,14 +1,14 @@
 """``kvcanary demo``: watch the canary catch every fault class, on any machine, without sglang or a model.
 
-The real :class:`~kvcanary.manager.CanaryManager` and kernels (CPU, or CUDA when present) protect the serving
+The real :class:`~kvcanary.runtime.manager.CanaryManager` and kernels (CPU, or CUDA when present) protect the serving
 simulator of :mod:`kvcanary.sim.engine` (prefix sharing, eviction, slot reuse, chunked prefill, decode, mixed and
 idle forwards, and a HiCache-like host KV tier: evicted pages backed up to host memory, loaded back into new slots
 when a later request's prefix reaches them) exactly as the SGLang adapter drives them in an engine:
 ``before_forward`` / ``after_forward`` around every forward, ``step()`` after it, the token check fed by
 ``update_expected_tokens``, the prefix cache swept through ``set_sweep_source``, the host tier's records moved by
 ``backup_to_host`` / ``load_from_host``. First it serves clean traffic for a few seconds (any violation there is a false
-positive); then :class:`~kvcanary.sim.injector.FaultDriver` injects each fault class of :mod:`kvcanary.faults` in
-turn, repairs it once reported, and scores the reports.
+positive); then :class:`~kvcanary.sim.injector.FaultDriver` injects each fault class of :mod:`kvcanary.runtime.faults`
+in turn, repairs it once reported, and scores the reports.
 
 Protect mode (``--mode protect``, or ``KVCANARY_MODE=protect``; issue 26): the same faults, with
 :class:`~kvcanary.sim.protect.SimProtect` acting on every violation as the sglang adapter does (the request
@@ -38,8 +38,11 @@ from typing import Any
 
 import torch
 
-from kvcanary import faults
-from kvcanary.config import (
+from kvcanary.kernels import jit
+from kvcanary.kernels.layout import RealKvHashMode
+from kvcanary.kernels.tags import LaunchTag
+from kvcanary.runtime import faults
+from kvcanary.runtime.config import (
     ENV_CACHE_DIR,
     ENV_CUDA_ARCH,
     ENV_DRAIN_EVERY,
@@ -60,10 +63,7 @@ from kvcanary.config import (
     Mode,
     check_cache_dir,
 )
-from kvcanary.kernels import jit
-from kvcanary.kernels.layout import RealKvHashMode
-from kvcanary.kernels.tags import LaunchTag
-from kvcanary.protect import ACTION_LOG_PREFIX, RECOMPUTE
+from kvcanary.runtime.protect import ACTION_LOG_PREFIX, RECOMPUTE
 from kvcanary.sim.engine import Request, SimConfig, Simulator
 from kvcanary.sim.injector import ClassResult, FaultDriver
 from kvcanary.sim.protect import SimProtect, chain
@@ -110,7 +110,7 @@ def default_device() -> str:
 
 
 def parse_faults(text: str | None) -> tuple[str, ...]:
-    """``--faults``: ``all`` (or None) or a comma-separated list of ``kvcanary.faults.FAULT_CLASSES``."""
+    """``--faults``: ``all`` (or None) or a comma-separated list of ``kvcanary.runtime.faults.FAULT_CLASSES``."""
     if text is None or text.strip().lower() in ("", "all"):
         return faults.FAULT_CLASSES
     names = [n.strip().lower() for n in text.split(",") if n.strip()]
@@ -192,7 +192,7 @@ class DemoResult:
     outputs_total: int = 0
     # protect mode, per fault class: (outputs equal to a clean run's, finished, not finished) of the requests acted on
     class_outputs: dict[str, tuple[int, int, int]] = field(default_factory=dict)
-    protect: dict[str, int] | None = None  # protect mode's counters (kvcanary.protect.ProtectStats)
+    protect: dict[str, int] | None = None  # protect mode's counters (kvcanary.runtime.protect.ProtectStats)
     action_line: str | None = None  # one recompute action, as the log shows it
 
     @property
@@ -291,7 +291,7 @@ def run_demo(
     ``mode``: ``log`` or ``protect`` (default: the settings', i.e. ``KVCANARY_MODE=protect`` or log).
     ``check_outputs``: compare every finished request's output with its clean run's (default: in protect mode).
     """
-    from kvcanary.manager import CanaryManager
+    from kvcanary.runtime.manager import CanaryManager
 
     started = time.perf_counter()
     settings = settings_from_env() if settings is None else settings

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from kvcanary.config import ConfigError
 from kvcanary.kernels import jit, layout, ref
 from kvcanary.kernels.real_kv import RealKvSource
+from kvcanary.runtime.config import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ real engine's reports; that driver keeps its own copy because it never imports k
 
 * Records are matched only within one rank: the record's ``rank`` object, or, when a record has none, its file.
 * An injection is **detected** when a violation with one of its class's expected reasons
-  (``kvcanary.faults.EXPECTED_REASONS``) names one of its slots at a step in ``(step, step + window]``; the
+  (``kvcanary.runtime.faults.EXPECTED_REASONS``) names one of its slots at a step in ``(step, step + window]``; the
   latency is that violation's step minus the injection's. An injection's ``step`` is the forward it was injected
   before, and a violation's step is the forward count when the host drained it, so a detection always has a
   larger step. The window is ``DEFAULT_WINDOW`` forwards (the default drain interval), longer for classes whose
@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcanary.faults import EXPECTED_REASONS, TOKEN_SWAP
+from kvcanary.runtime.faults import EXPECTED_REASONS, TOKEN_SWAP
 
 DEFAULT_WINDOW = 8
 # A swapped token is seen when its row's next forward verifies it, which may be many forwards later.

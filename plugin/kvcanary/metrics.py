@@ -20,8 +20,8 @@ Counters (``<what>_total``; labels ``model_name``, ``tp_rank``, ``pp_rank``, ``d
 * ``sglang:kv_canary_drafts_rolled_back_total``: draft records a speculative-decoding engine left past a
   committed length (only when the adapter feeds it; absent otherwise);
 * ``sglang:kv_canary_requests_recomputed_total`` / ``..._requests_aborted_total``: requests protect mode
-  (``KVCANARY_MODE=protect``, :mod:`kvcanary.protect`) recomputed from their tokens or aborted with a named finish
-  reason after a violation (absent in the other modes).
+  (``KVCANARY_MODE=protect``, :mod:`kvcanary.runtime.protect`) recomputed from their tokens or aborted with a named
+  finish reason after a violation (absent in the other modes).
 
 The counters are fed by deltas from what each manager already keeps (``CanaryManager.stats``, its reporter's totals
 and the violations it reported), so a counter only goes up and nothing is counted twice when several managers (KV
@@ -71,7 +71,7 @@ COUNTERS: Mapping[str, str] = {
     "requests_recomputed_total": "Requests kvcanary's protect mode recomputed from their tokens after a violation.",
     "requests_aborted_total": "Requests kvcanary's protect mode aborted (named finish reason) after a violation.",
 }
-# Fed by protect mode only (kvcanary.protect; CanaryMetrics.add_actions): absent from a scrape in other modes.
+# Fed by protect mode only (kvcanary.runtime.protect; CanaryMetrics.add_actions): absent from a scrape in other modes.
 ACTION_COUNTERS: tuple[str, ...] = ("requests_recomputed_total", "requests_aborted_total")
 
 

@@ -86,10 +86,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcanary.config import Mode, log_repeat_window_from_env
 from kvcanary.kernels import layout
 from kvcanary.kernels.tags import LaunchTag, is_write, tag_name
 from kvcanary.repeats import RepeatFilter, RepeatSummary
+from kvcanary.runtime.config import Mode, log_repeat_window_from_env
 from kvcanary.sink import ReportFile
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ LOG_KEYS: tuple[str, ...] = (
 )
 # Keys added after v1's first release: lines written before them lack these keys and still parse.
 OPTIONAL_LOG_KEYS: tuple[str, ...] = ("written_step", "writer_rid", "via")
-# ``via`` of a slot whose content came back from a host KV tier (kvcanary.host_tier)
+# ``via`` of a slot whose content came back from a host KV tier (kvcanary.runtime.host_tier)
 VIA_HOST_TIER = "host_tier"
 VIA_VALUES: tuple[str, ...] = (VIA_HOST_TIER,)
 REQUIRED_LOG_KEYS: tuple[str, ...] = tuple(k for k in LOG_KEYS if k not in OPTIONAL_LOG_KEYS)
@@ -693,8 +693,8 @@ class Reporter:
             raise CanaryHealthError(line)
 
     def record_injection(self, injection: Any) -> dict[str, Any] | None:
-        """Write one ``kvcanary.injection/1`` JSON line for an injected fault (``kvcanary.faults.Injection`` or any
-        object with ``fault``, ``step``, ``slots`` and ``detail``), so a test can match detections to injections.
+        """Write one ``kvcanary.injection/1`` JSON line for an injected fault (``kvcanary.runtime.faults.Injection`` or
+        any object with ``fault``, ``step``, ``slots`` and ``detail``), so a test can match detections to injections.
 
         Returns the record (None in ``off`` mode). Never raises for the mode: an injection is not a violation.
         A failing sink is handled as for violations (log mode: logged, counted, dropped; raise mode: the

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcanary.batch import BatchView, ForwardKind
-from kvcanary.config import Config
 from kvcanary.kernels.real_kv import RealKvSource
-from kvcanary.manager import CanaryManager
+from kvcanary.runtime.batch import BatchView, ForwardKind
+from kvcanary.runtime.config import Config
+from kvcanary.runtime.manager import CanaryManager
 
 PREFILL_TOKENS_PER_FORWARD = 1 << 16
 

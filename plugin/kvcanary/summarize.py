@@ -58,7 +58,7 @@ def _rank_ok(v: object) -> bool:
                                                      for x in v.values()))
 
 
-SPEC_SCHEMA = "kvcanary.spec/1"  # speculative-decoding counters per pool (kvcanary.speculative), cumulative
+SPEC_SCHEMA = "kvcanary.spec/1"  # speculative-decoding counters per pool (kvcanary.runtime.speculative), cumulative
 
 # The one pattern ``kvcanary report`` explains (:func:`explain`): the EAGLE draft was fed a token other than the
 # request's own next token. docs/upstream-bugs/README.md names the sglang bugs known to do that.

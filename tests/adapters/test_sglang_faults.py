@@ -25,7 +25,7 @@ import hooks_state  # noqa: E402
 import sgl_engine  # noqa: E402
 import sglang  # noqa: E402,F401
 
-from kvcanary import faults  # noqa: E402
+from kvcanary.runtime import faults  # noqa: E402
 from kvcanary.sglang import hooks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcanary.config import Config, Mode
+from kvcanary.runtime.config import Config, Mode
 from kvcanary.simulate import DecodeRig, RigShape
 
 pytestmark = [

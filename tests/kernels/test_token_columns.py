@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvcanary.kernels import layout
-from kvcanary.token_table import LONG_UPDATE_TOKENS, TokenColumns, TokenTable
+from kvcanary.runtime.token_table import LONG_UPDATE_TOKENS, TokenColumns, TokenTable
 
 ROWS, WIDTH = 6, 200
 CPU = torch.device("cpu")

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from kvcanary.kernels import layout, ops
-from kvcanary.token_table import MIN_STAGING_VALUES, StagingRing, TokenTable
+from kvcanary.runtime.token_table import MIN_STAGING_VALUES, StagingRing, TokenTable
 
 CPU = torch.device("cpu")
 FIELDS = layout.TOKEN_UPDATE_FIELDS

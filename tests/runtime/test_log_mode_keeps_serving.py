@@ -8,11 +8,11 @@ import logging
 import pytest
 import torch
 
-from kvcanary.batch import BatchView, ForwardKind
-from kvcanary.config import Config, Mode
-from kvcanary.installation import Group, GroupSpec, Installation
 from kvcanary.kernels.tags import LaunchTag
-from kvcanary.manager import CanaryManager
+from kvcanary.runtime.batch import BatchView, ForwardKind
+from kvcanary.runtime.config import Config, Mode
+from kvcanary.runtime.installation import Group, GroupSpec, Installation
+from kvcanary.runtime.manager import CanaryManager
 
 
 def _i64(*v: int) -> torch.Tensor:
@@ -52,7 +52,7 @@ def test_log_mode_stops_the_canary_and_serves_on(caplog) -> None:
     inst, model = _installation(Mode.LOG, strided_slots=True), Model()
     inst.wrap_model_forward(model)
     ids, pos = torch.arange(3, 7), torch.arange(4)
-    with caplog.at_level(logging.ERROR, logger="kvcanary.installation"):
+    with caplog.at_level(logging.ERROR, logger="kvcanary.runtime.installation"):
         assert torch.equal(model.forward(ids, pos, None), ids * 2 + pos)  # the model's own output
         assert torch.equal(model.forward(ids, pos, None), ids * 2 + pos)
     assert inst.stopped is not None and "out_cache_loc" in inst.stopped and "before the forward" in inst.stopped

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from kvcanary.config import Mode
 from kvcanary.kernels import layout
 from kvcanary.kernels.tags import LaunchTag
 from kvcanary.report import (
@@ -33,6 +32,7 @@ from kvcanary.report import (
     hex64,
     parse_log_line,
 )
+from kvcanary.runtime.config import Mode
 
 NEG_HASH = -0x1234_5678_9ABC_DEF0  # a negative int64, as the ring stores hashes >= 2^63
 NEG_HASH_HEX = "0xedcba98765432110"
@@ -432,7 +432,7 @@ def test_health_error_raise_mode_writes_first(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("mode", [Mode.LOG, Mode.RAISE])
 def test_record_injection_writes_one_line_and_never_raises(tmp_path: Path, mode: Mode) -> None:
-    from kvcanary.faults import Injection
+    from kvcanary.runtime.faults import Injection
 
     path = tmp_path / "r.jsonl"
     inj = Injection("req_to_token_redirect", 41, (7, 9, 12), "req_to_token[3, 5]: 9 -> 7")
@@ -452,7 +452,7 @@ def test_record_injection_writes_one_line_and_never_raises(tmp_path: Path, mode:
 
 
 def test_record_injection_off_mode_and_no_path(tmp_path: Path) -> None:
-    from kvcanary.faults import Injection
+    from kvcanary.runtime.faults import Injection
 
     inj = Injection("token_swap", None, (), "input_ids[0] 1 <-> input_ids[1] 2")
     assert Reporter(Mode.OFF, str(tmp_path / "off.jsonl")).record_injection(inj) is None

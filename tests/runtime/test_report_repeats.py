@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from kvcanary.config import Mode
 from kvcanary.kernels import layout
 from kvcanary.kernels.tags import LaunchTag
 from kvcanary.repeats import RepeatFilter
@@ -22,6 +21,7 @@ from kvcanary.report import (
     parse_log_line,
     parse_repeat_line,
 )
+from kvcanary.runtime.config import Mode
 
 R = layout.FailReason
 LOGGER = "kvcanary.report"
@@ -173,8 +173,8 @@ def test_the_managers_reporter_takes_the_window_from_its_config() -> None:
     """A Config built in code (not from the environment) sets the window of the Reporter the manager builds."""
     import torch
 
-    from kvcanary.config import Config, Mode
-    from kvcanary.manager import CanaryManager
+    from kvcanary.runtime.config import Config, Mode
+    from kvcanary.runtime.manager import CanaryManager
 
     def manager(mode: Mode, window: int) -> CanaryManager:
         return CanaryManager(Config(mode=mode, log_repeat_window=window, stats_every=0), num_slots=8,

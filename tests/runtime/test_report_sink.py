@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 from one_request import OneRequest
 
-from kvcanary.config import Mode
-from kvcanary.faults import Injection
 from kvcanary.kernels import layout
 from kvcanary.kernels.tags import LaunchTag
 from kvcanary.report import (
@@ -27,6 +25,8 @@ from kvcanary.report import (
     Reporter,
     Violation,
 )
+from kvcanary.runtime.config import Mode
+from kvcanary.runtime.faults import Injection
 
 R = layout.FailReason
 LOGGER = "kvcanary.report"

@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from kvcanary.batch import BatchView, ForwardKind
-from kvcanary.config import Config, Mode
 from kvcanary.kernels import layout, ref
 from kvcanary.kernels.layout import RealKvHashMode
 from kvcanary.kernels.real_kv import RealKvSource
-from kvcanary.manager import CanaryManager
-from kvcanary.speculative import (
+from kvcanary.runtime.batch import BatchView, ForwardKind
+from kvcanary.runtime.config import Config, Mode
+from kvcanary.runtime.manager import CanaryManager
+from kvcanary.runtime.speculative import (
     DRAFT_TOKEN_OFFSET,
     SpecCounters,
     SpecLens,

@@ -9,7 +9,7 @@ import pytest
 
 from kvcanary.kernels import layout
 from kvcanary.report import Reporter, Violation, parse_log_line
-from kvcanary.speculative import DRAFT_ROLE, TARGET_ROLE, SpecCounters
+from kvcanary.runtime.speculative import DRAFT_ROLE, TARGET_ROLE, SpecCounters
 
 
 def _violation(rank) -> Violation:

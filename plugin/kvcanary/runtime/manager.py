@@ -13,13 +13,13 @@ line every ``stats_every`` forwards.
 
 The manager composes one part per job, each with a small public API:
 
-* :class:`~kvcanary.device_state.DeviceState` (``device_state``): every device buffer and every kernel launch
+* :class:`~kvcanary.runtime.device_state.DeviceState` (``device_state``): every device buffer and every kernel launch
   (the forward counter and writer attribution are described there);
-* :class:`~kvcanary.drain.ViolationDrain` (``violation_drain``): the copies to the host, ring epochs and
+* :class:`~kvcanary.runtime.drain.ViolationDrain` (``violation_drain``): the copies to the host, ring epochs and
   acknowledgements, step labelling, reports;
-* :class:`~kvcanary.token_table.TokenTable` (``token_table``, with ``verify_tokens``): the expected tokens;
-* :class:`~kvcanary.writers.WriterTable` (``writers``): writer serials and request ids;
-* :class:`~kvcanary.sweep.Sweeper` (``sweeper``): the sweep's source, plan and cadence.
+* :class:`~kvcanary.runtime.token_table.TokenTable` (``token_table``, with ``verify_tokens``): the expected tokens;
+* :class:`~kvcanary.runtime.writers.WriterTable` (``writers``): writer serials and request ids;
+* :class:`~kvcanary.runtime.sweep.Sweeper` (``sweeper``): the sweep's source, plan and cadence.
 """
 
 from __future__ import annotations
@@ -29,19 +29,19 @@ from collections.abc import Sequence
 
 import torch
 
-from kvcanary.batch import BatchView, ForwardKind
-from kvcanary.config import Config, Mode
-from kvcanary.device_state import DeviceState
-from kvcanary.drain import CanaryStats, ViolationDrain
-from kvcanary.health import HealthMonitor, StatsLogger, expected_launch_tags
-from kvcanary.host_tier import HostTierRecords
 from kvcanary.kernels import layout
 from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.kernels.tags import LaunchTag
 from kvcanary.report import Reporter, Violation
-from kvcanary.sweep import Sweeper, SweepSource
-from kvcanary.token_table import TokenTable
-from kvcanary.writers import WriterTable
+from kvcanary.runtime.batch import BatchView, ForwardKind
+from kvcanary.runtime.config import Config, Mode
+from kvcanary.runtime.device_state import DeviceState
+from kvcanary.runtime.drain import CanaryStats, ViolationDrain
+from kvcanary.runtime.health import HealthMonitor, StatsLogger, expected_launch_tags
+from kvcanary.runtime.host_tier import HostTierRecords
+from kvcanary.runtime.sweep import Sweeper, SweepSource
+from kvcanary.runtime.token_table import TokenTable
+from kvcanary.runtime.writers import WriterTable
 
 __all__ = ["CanaryManager", "CanaryStats", "SweepSource"]
 
@@ -246,8 +246,8 @@ class CanaryManager:
 
         A row whose request id changed gets a new writer serial on the device (one batched, non-blocking upload
         for the whole call; nothing when no row changed), and the manager remembers serial → ``str(request_id)``
-        for the last ``kvcanary.writers.MAX_WRITER_IDS`` requests, so a violation names the request that last wrote
-        its slot (``writer_rid``). Call outside graph capture, before the forward that writes for the new request
+        for the last ``kvcanary.runtime.writers.MAX_WRITER_IDS`` requests, so a violation names the request that last
+        wrote its slot (``writer_rid``). Call outside graph capture, before the forward that writes for the new request
         (e.g. when the engine builds the batch); a row that keeps its request costs one list lookup. Raises
         ``ValueError`` for columns of different lengths or a row outside the table (nothing is assigned).
         """
@@ -262,7 +262,8 @@ class CanaryManager:
     # ------------------------------------------------------------------------------------------ host KV tier
     def attach_host_tier(self, num_host_slots: int) -> HostTierRecords:
         """The engine keeps a host-memory KV tier of ``num_host_slots`` slots: keep records for it (once; a second
-        call with the same size returns the same tier, another size is a ValueError). See :mod:`kvcanary.host_tier`.
+        call with the same size returns the same tier, another size is a ValueError). See
+        :mod:`kvcanary.runtime.host_tier`.
         """
         tier = self.host_tier
         if tier is not None:
@@ -310,9 +311,9 @@ class CanaryManager:
 
         A serving loop sends each row only what it appended since its last update (one token per decode row),
         and every row of a forward in one call: one launch reading a pinned staging in place, whatever the batch size
-        (:mod:`kvcanary.token_table`); a later update of a row in the same call wins. ``updates`` as
-        :class:`~kvcanary.token_table.TokenColumns` (what the sglang adapter builds) are staged as they are, with no
-        per-update Python; any other sequence of tuples is turned into columns first. Non-blocking; call outside
+        (:mod:`kvcanary.runtime.token_table`); a later update of a row in the same call wins. ``updates`` as
+        :class:`~kvcanary.runtime.token_table.TokenColumns` (what the sglang adapter builds) are staged as they are,
+        with no per-update Python; any other sequence of tuples is turned into columns first. Non-blocking; call outside
         graph capture.
         """
         if self.token_table is None:
@@ -323,7 +324,7 @@ class CanaryManager:
     def set_sweep_source(self, source: SweepSource | None) -> None:
         """`source()` returns (slots, prevs, positions) of every slot the prefix cache holds (the very tensors of its
         previous call when the cache has not changed since: see :meth:`sweep`), or a plan it keeps up to date itself
-        (:class:`kvcanary.sweep.SweepPlan`)."""
+        (:class:`kvcanary.runtime.sweep.SweepPlan`)."""
         self.sweeper.source = source
         self.health.set_expected(self._expected_tags())
 

@@ -1,7 +1,7 @@
 """Writer serials (kvcanary+): which request a ``req_to_token`` row holds, and serial → request id.
 
 The write kernel stamps every record's slot with the writer serial of the row it writes for (``row_serials[row]``
-on the device, see :mod:`kvcanary.device_state`); a violation on that slot later reads the serial back. This
+on the device, see :mod:`kvcanary.runtime.device_state`); a violation on that slot later reads the serial back. This
 module is the host side: a row gets a new serial whenever it gets a new request, and the table remembers serial →
 ``str(request_id)`` for the last :data:`MAX_WRITER_IDS` requests, so a violation names the request that last wrote
 its slot (``writer_rid``). Pure host logic: the caller uploads the changed serials.
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 MAX_WRITER_IDS = 1 << 16  # request ids kept for writer attribution (serial -> rid), oldest dropped first
 # A flag in a slot's writer serial (host-side meaning only: the kernels copy serials as they are): the slot was last
-# filled by a load-back from a host KV tier (kvcanary.host_tier), with the record its first writer wrote. Serials
-# count from 1 and never reach bit 62.
+# filled by a load-back from a host KV tier (kvcanary.runtime.host_tier), with the record its first writer wrote.
+# Serials count from 1 and never reach bit 62.
 LOADED_FROM_HOST_TIER = 1 << 62
 
 

@@ -3,12 +3,12 @@
 Every ``sweep_interval`` forwards the manager's ``step()`` asks the sweep source for every slot the prefix cache
 holds, each with its predecessor slot (or -1 for a first token) and position; :meth:`Sweeper.run` copies the lists
 into a verify plan of its own (non-blocking; the lists may be device tensors) and launches verify over them with
-tag SWEEP and real-KV on, through :meth:`kvcanary.device_state.DeviceState.sweep`. This catches what no running
+tag SWEEP and real-KV on, through :meth:`kvcanary.runtime.device_state.DeviceState.sweep`. This catches what no running
 request reads: K/V of a cached but idle prefix that went bad.
 
 Host cost per sweep (issues 15, 25). A source that follows its cache's changes keeps its own plan up to date and
-hands back a :class:`SweepPlan` (:class:`kvcanary.sweep_index.SweepIndex`: a sweep of a changed cache costs a few
-device operations for what changed, not a walk of the cache); it is launched as is. A walking source hands back
+hands back a :class:`SweepPlan` (:class:`kvcanary.runtime.sweep_index.SweepIndex`: a sweep of a changed cache costs a
+few device operations for what changed, not a walk of the cache); it is launched as is. A walking source hands back
 the entries: :meth:`Sweeper.run` copies them into a plan of its own, unless they are the very tensors of its
 previous call (the cache holds the same entries: the plan already holds them, so only verify is launched again;
 a tensor once handed over must therefore never be changed in place). The plan's entry count is set by a device-side
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcanary.device_state import DeviceState
 from kvcanary.kernels import layout
 from kvcanary.kernels.plan import VerifyPlan
+from kvcanary.runtime.device_state import DeviceState
 
 _Ints = Sequence[int] | torch.Tensor
 MIN_SWEEP_PLAN = 1024  # entries of the first sweep plan; it doubles (at least) when a sweep needs more
@@ -34,7 +34,8 @@ MIN_SWEEP_PLAN = 1024  # entries of the first sweep plan; it doubles (at least) 
 
 @dataclass(frozen=True)
 class SweepPlan:
-    """A sweep plan its source keeps up to date itself (:class:`kvcanary.sweep_index.SweepIndex`): launched as is.
+    """A sweep plan its source keeps up to date itself (:class:`kvcanary.runtime.sweep_index.SweepIndex`): launched as
+    is.
 
     ``skipped``: entries of ``plan`` that are tombstones (the padding slot: verify skips them, but its entry counter
     counts every plan entry, so the sweep takes them off that count again)."""

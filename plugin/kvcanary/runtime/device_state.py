@@ -24,11 +24,11 @@ attribution. A sweep launched by ``step()`` after forward k reads k: its rows sa
 What keeps the counter equal to ``steps``: eager planning sets it, so a re-plan inside a forward (an adapter
 rewriting records) or a warm-up run that no ``step()`` follows cannot push it ahead; :meth:`mark_init_finished`
 (called once warm-up and graph capture are over) sets it to ``steps``, so the first replay after the warm-up
-runs counts from there. The drain (:mod:`kvcanary.drain`) corrects any drift that nothing anchored.
+runs counts from there. The drain (:mod:`kvcanary.runtime.drain`) corrects any drift that nothing anchored.
 
 Writer attribution (kvcanary+): ``slot_attribution`` (int64 ``[num_slots, 2]``) gets, from the write kernel, the
 forward counter and the writer serial of every record it stores; the writer serial is ``row_serials[req_to_token
-row]`` (:meth:`upload_row_serials`; serials are handed out by :mod:`kvcanary.writers`). Verify and sweep read it
+row]`` (:meth:`upload_row_serials`; serials are handed out by :mod:`kvcanary.runtime.writers`). Verify and sweep read it
 for failing entries only.
 
 The drain reads this state only through :meth:`status_copy`, :meth:`ring_segments`, :func:`parse_header` and
@@ -47,8 +47,8 @@ from kvcanary.kernels import layout, ops
 from kvcanary.kernels.plan import VerifyPlan, WritePlan
 from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.kernels.tags import NUM_LAUNCH_TAGS, LaunchTag
-from kvcanary.serial_upload import RowSerialUpload
-from kvcanary.token_table import TokenTable
+from kvcanary.runtime.serial_upload import RowSerialUpload
+from kvcanary.runtime.token_table import TokenTable
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +109,8 @@ def _staged(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 class DeviceState:
-    """The buffers and launches of one KV pool's canary (arguments as in :class:`~kvcanary.manager.CanaryManager`,
-    already checked by it).
+    """The buffers and launches of one KV pool's canary (arguments as in
+    :class:`~kvcanary.runtime.manager.CanaryManager`, already checked by it).
 
     Public buffers (stable addresses): ``canary_buf``, ``write_plan``, ``state`` (the flat
     header + ring) and its views ``violation_write_index``, ``kernel_run_counters``,
@@ -266,7 +266,7 @@ class DeviceState:
 
     def upload_row_serials(self, rows: list[int], serials: list[int]) -> None:
         """``row_serials[rows[i]] = serials[i]``: one batched, non-blocking upload (a reused staging, one launch that
-        reads it in place: :class:`kvcanary.serial_upload.RowSerialUpload`)."""
+        reads it in place: :class:`kvcanary.runtime.serial_upload.RowSerialUpload`)."""
         self._row_serial_upload(rows, serials)
 
     # ------------------------------------------------------------------------------------------ what the drain reads

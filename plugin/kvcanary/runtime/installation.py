@@ -1,10 +1,11 @@
 """One engine runner's canary installation, independent of any engine: the managers of its KV groups
-(:class:`Group`, one :class:`~kvcanary.manager.CanaryManager` per :class:`GroupSpec`), the ``model.forward``
+(:class:`Group`, one :class:`~kvcanary.runtime.manager.CanaryManager` per :class:`GroupSpec`), the ``model.forward``
 wrapper that puts plan/verify/write inside the model's forward (and so inside captured CUDA graphs), the host
 half run around each real forward (fault injection, drain, sweep) and its host-time accounting.
 
 Nothing here names an engine attribute: an engine adapter (``kvcanary.sglang``) turns engine objects into
-:class:`GroupSpec`, :class:`~kvcanary.batch.BatchView` and plain callables, and calls these methods from its hooks.
+:class:`GroupSpec`, :class:`~kvcanary.runtime.batch.BatchView` and plain callables, and calls these methods from its
+hooks.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcanary.batch import BatchView
-from kvcanary.config import Config
 from kvcanary.kernels.real_kv import RealKvSource
-from kvcanary.manager import CanaryManager, SweepSource
 from kvcanary.metrics import CanaryMetrics, NoMetrics, metrics_for
+from kvcanary.runtime.batch import BatchView
+from kvcanary.runtime.config import Config
+from kvcanary.runtime.manager import CanaryManager, SweepSource
 
 logger = logging.getLogger(__name__)
 
@@ -345,7 +346,7 @@ class Installation:
 
     def update_expected_tokens(self, updates: Sequence[tuple[int, int, Sequence[int]]]) -> None:
         """The token check's uploads (see :meth:`CanaryManager.update_expected_tokens`), the same ``updates`` for
-        every group's table (:class:`~kvcanary.token_table.TokenColumns` are read, never changed)."""
+        every group's table (:class:`~kvcanary.runtime.token_table.TokenColumns` are read, never changed)."""
         for group in self.groups:
             group.manager.update_expected_tokens(updates)
 

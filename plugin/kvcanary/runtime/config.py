@@ -41,7 +41,7 @@ Defaults and why:
   (a few ms) after the forward that found it. ``1`` reads every forward.
 * ``protect_hold=false`` (``KVCANARY_PROTECT_HOLD``, protect mode only): the scheduler does not wait for the
   device before it processes a batch's results, so a violation is acted on a drain later (the detection window,
-  ``kvcanary.protect``); ``true`` closes the window at the price of one device sync per batch.
+  ``kvcanary.runtime.protect``); ``true`` closes the window at the price of one device sync per batch.
 * ``log_repeat_window=1000`` forwards: in ``log`` mode one corrupted slot found again every forward logs one
   line per 1000 forwards with a repeat count instead of one per forward (``kvcanary.report``); the JSONL report
   keeps every row. ``0`` logs every row.
@@ -81,7 +81,7 @@ ENV_PROTECT_HOLD = "KVCANARY_PROTECT_HOLD"
 ENV_CUDA_ARCH = "KVCANARY_CUDA_ARCH"  # kvcanary.kernels.jit
 ENV_SANITIZE = "KVCANARY_SANITIZE"  # kvcanary.kernels.jit
 ENV_REAL_KV_LAYERS = "KVCANARY_REAL_KV_LAYERS"  # the SGLang adapter (kvcanary.sglang.common)
-# Fault injection (kvcanary.faults, tests only); listed one by one so that a typo in the family is flagged.
+# Fault injection (kvcanary.runtime.faults, tests only); listed one by one so that a typo in the family is flagged.
 FAULT_ENV_VARS: tuple[str, ...] = (
     "KVCANARY_FAULT",
     "KVCANARY_FAULT_EVERY",
@@ -130,7 +130,7 @@ _FALSE = ("0", "false", "no", "off")
 class Mode(enum.Enum):
     """What the canary does: ``off`` installs nothing; ``log`` logs violations; ``raise`` stops the engine;
     ``protect`` logs like ``log`` and acts on each violation (the request recomputed or aborted, the prefix-cache
-    nodes holding bad slots evicted: :mod:`kvcanary.protect`), and keeps serving like ``log``."""
+    nodes holding bad slots evicted: :mod:`kvcanary.runtime.protect`), and keeps serving like ``log``."""
 
     OFF = "off"
     LOG = "log"

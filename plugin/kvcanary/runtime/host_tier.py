@@ -18,8 +18,8 @@ What that buys:
   load that read a host copy before its backup had landed, all fail ``verify_real_kv_hash`` on the next verify
   of the loaded slots;
 * token, position and chain are checked like any other prefix (the records are the ones first written);
-* a loaded-back slot's writer serial carries :data:`kvcanary.writers.LOADED_FROM_HOST_TIER`, so a violation on it
-  says ``via=host_tier`` (the slot's content came through the host tier) beside the request that first wrote it.
+* a loaded-back slot's writer serial carries :data:`kvcanary.runtime.writers.LOADED_FROM_HOST_TIER`, so a violation on
+  it says ``via=host_tier`` (the slot's content came through the host tier) beside the request that first wrote it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from kvcanary.kernels import layout
-from kvcanary.writers import LOADED_FROM_HOST_TIER
+from kvcanary.runtime.writers import LOADED_FROM_HOST_TIER
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Speculative decoding (EAGLE with one draft per step, a linear chain) for the canary, engine-agnostic.
 
 An EAGLE engine runs two models over two KV pools that share one slot space and one ``req_to_token`` table:
-the **target** pool and the **draft** pool, each shadowed by its own :class:`~kvcanary.manager.CanaryManager`.
+the **target** pool and the **draft** pool, each shadowed by its own :class:`~kvcanary.runtime.manager.CanaryManager`.
 Per decode step of a row whose KV holds positions ``[0, L)`` and whose next token (the *bonus*, position ``L``)
 is known but not yet in the KV:
 
@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from kvcanary.batch import BatchView, ForwardKind
+from kvcanary.runtime.batch import BatchView, ForwardKind
 
 # kv_token_id_vs_position_offset of the EAGLE draft pool: its slot at position p holds the KV of token p + 1.
 DRAFT_TOKEN_OFFSET = 1

@@ -2,7 +2,7 @@
 
 One row per ``req_to_token`` row: the token the request holds at each position (int32, like req_to_token and
 sglang's own ``req_to_verify_expected_tokens``: half the memory of int64), and a valid length per row. The plan
-(:meth:`kvcanary.device_state.DeviceState.before_forward`) puts the expected token into each verify entry inside
+(:meth:`kvcanary.runtime.device_state.DeviceState.before_forward`) puts the expected token into each verify entry inside
 the valid length, and verify compares it with the stored token (``verify_token``).
 
 A serving loop sends each row only what it appended since its last update (one token per decode row), and every
@@ -34,7 +34,7 @@ import torch
 
 from kvcanary.kernels import layout, ops
 from kvcanary.kernels.jit import load_module
-from kvcanary.streams import current_stream
+from kvcanary.runtime.streams import current_stream
 
 logger = logging.getLogger(__name__)
 

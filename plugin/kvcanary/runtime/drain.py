@@ -1,6 +1,6 @@
 """The violation drain (SPEC §5): device status and violation rows to the host without a sync, and their reports.
 
-Two :class:`kvcanary.pump.PinnedChannel` copies carry everything: the **status** copy (the state header: ring
+Two :class:`kvcanary.runtime.pump.PinnedChannel` copies carry everything: the **status** copy (the state header: ring
 index, overflows, counters, forward counter; plus the next few ring rows and their metadata) taken after step T
 is read at step T+1 on CUDA (at step T when already done), at once on the CPU; a burst larger than the peek is
 fetched by the **rows** copy, read one step later. With ``drain_every = N`` one status copy per N steps starts on the
@@ -8,7 +8,7 @@ step before every N-th and is read on that step when it is ready at once (CPU, i
 (:meth:`ViolationDrain.on_step`).
 
 Ring epochs. The kernels only append to the ring. Once the host has read every row up to index ``I`` it
-acknowledges ``I`` in the ring's epoch (:meth:`kvcanary.device_state.DeviceState.acknowledge_ring`); the next
+acknowledges ``I`` in the ring's epoch (:meth:`kvcanary.runtime.device_state.DeviceState.acknowledge_ring`); the next
 forward's check launch reuses the ring and increments the epoch in the header: the rows appended since ``I`` move
 to the front, in order (so a violation found again on every forward never keeps the ring from emptying), or, after
 an overflow, the rows past ``I`` that were never stored are counted in the header's lost-at-reset field. The host
@@ -17,8 +17,8 @@ per acknowledgement; an acknowledgement of an emptied epoch is ignored). Rows a 
 the capacity) are reported as lost.
 
 Which forward found a violation (kvcanary+). Every row's metadata holds the device forward counter its launch
-read (see :mod:`kvcanary.device_state`). Every status copy carries the counter too, and the host labels rows with
-``counter - (snapshot counter - snapshot step)``: a drift that nothing anchored (e.g. a graph captured after
+read (see :mod:`kvcanary.runtime.device_state`). Every status copy carries the counter too, and the host labels rows
+with ``counter - (snapshot counter - snapshot step)``: a drift that nothing anchored (e.g. a graph captured after
 ``mark_init_finished``) is corrected from the next snapshot on. The writer serial of the slot becomes a request
 id through the writer table (``writer_rid``).
 """
@@ -31,12 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcanary.device_state import STATE_HEADER, STATUS_COPY_MAX_META, DeviceState, StatusCopy, parse_header
 from kvcanary.kernels import layout
 from kvcanary.kernels.tags import NUM_LAUNCH_TAGS, is_write
-from kvcanary.pump import PinnedChannel
 from kvcanary.report import VIA_HOST_TIER, Reporter, Violation
-from kvcanary.writers import loaded_from_host_tier
+from kvcanary.runtime.device_state import STATE_HEADER, STATUS_COPY_MAX_META, DeviceState, StatusCopy, parse_header
+from kvcanary.runtime.pump import PinnedChannel
+from kvcanary.runtime.writers import loaded_from_host_tier
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +46,9 @@ _META = layout.VIOLATION_META_FIELDS
 
 
 class StatusChannel(PinnedChannel):
-    """The status copy's channel (a :class:`~kvcanary.device_state.StatusCopy`, usually one copy): its header can be
-    read alone. Most status reads find no new ring row, and converting the peeked rows to Python ints (hundreds of
-    values) was most of a read's host time; they are converted only when a read uses them (:meth:`peeked_rows`,
+    """The status copy's channel (a :class:`~kvcanary.runtime.device_state.StatusCopy`, usually one copy): its header
+    can be read alone. Most status reads find no new ring row, and converting the peeked rows to Python ints (hundreds
+    of values) was most of a read's host time; they are converted only when a read uses them (:meth:`peeked_rows`,
     after :meth:`take_header`)."""
 
     def __init__(self, numel: int, device: torch.device) -> None:
@@ -123,7 +123,7 @@ class ViolationDrain:
         self._stats = stats
         self._on_counters = on_counters
         self._capacity = capacity = state.ring_capacity
-        # (both copy on the forward's stream, behind its kernels: kvcanary.pump says why not on a side stream)
+        # (both copy on the forward's stream, behind its kernels: kvcanary.runtime.pump says why not on a side stream)
         status_rows = min(capacity, MAX_STATUS_ROWS)
         carried_meta = max(ROW_PEEK * _META, min(capacity * _META, STATUS_COPY_MAX_META))  # (see status_copy)
         self._status_channel = StatusChannel(STATE_HEADER + status_rows * layout.VIOLATION_FIELDS + carried_meta,

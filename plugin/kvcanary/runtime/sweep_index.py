@@ -16,16 +16,17 @@ the cache:
   host facts uploaded at once), whatever their number.
 * **Removals** (:meth:`SweepIndex.remove`) become *tombstones*: the span's range is set to the padding slot (0), which
   the verify kernel skips, at the next :meth:`SweepIndex.commit`. The verify kernel's entry counter counts the plan's
-  entries, tombstones included, so the sweep subtracts them again (:class:`kvcanary.sweep.SweepPlan`'s ``skipped``):
-  "entries swept" stays the number of cached entries checked.
+  entries, tombstones included, so the sweep subtracts them again (:class:`kvcanary.runtime.sweep.SweepPlan`'s
+  ``skipped``): "entries swept" stays the number of cached entries checked.
 * **Splits** (:meth:`SweepIndex.split`): a span cut in two keeps its entries where they are; only the host ranges
   change (a split keeps every slot, predecessor and position).
 * **Compaction.** Tombstones are dropped by rebuilding the plan from scratch (the caller walks its cache once and
   calls :meth:`SweepIndex.rebuild`) when they are at least half the plan (:meth:`SweepIndex.wants_compaction`).
 
 The index never reads a slot on the host (no device sync). It does not know streams: its caller runs the device
-operations where the slot tensors it hands over are produced (:func:`kvcanary.streams.update_on_producer_stream`)
-and reserves capacity first (:meth:`SweepIndex.reserve`), outside that stream.
+operations where the slot tensors it hands over are produced
+(:func:`kvcanary.runtime.streams.update_on_producer_stream`) and reserves capacity first (:meth:`SweepIndex.reserve`),
+outside that stream.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch
 
 from kvcanary.kernels import layout
 from kvcanary.kernels.plan import VerifyPlan
-from kvcanary.sweep import MIN_SWEEP_PLAN, SweepPlan, allocate_sweep_plan
+from kvcanary.runtime.sweep import MIN_SWEEP_PLAN, SweepPlan, allocate_sweep_plan
 
 # Tombstones below this many entries never ask for a compaction: verifying a few thousand padding entries costs the
 # device nothing measurable, a rebuild costs a walk of the cache.

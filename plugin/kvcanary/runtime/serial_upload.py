@@ -1,8 +1,8 @@
 """The upload of writer serials (kvcanary+): ``row_serials[rows[i]] = serials[i]`` on the device, per prefill batch.
 
-:meth:`kvcanary.device_state.DeviceState.upload_row_serials` runs it whenever rows get new requests (the batch hook
-of every prefill). Per call: the rows and serials are packed by one ``struct.pack_into`` into a host staging of the
-token table's :class:`~kvcanary.token_table.StagingRing` (pinned on CUDA), and one launch of
+:meth:`kvcanary.runtime.device_state.DeviceState.upload_row_serials` runs it whenever rows get new requests (the batch
+hook of every prefill). Per call: the rows and serials are packed by one ``struct.pack_into`` into a host staging of the
+token table's :class:`~kvcanary.runtime.token_table.StagingRing` (pinned on CUDA), and one launch of
 ``canary_row_serial_update`` (csrc/canary_row_serials.cuh) writes them: on CUDA the kernel reads the pinned staging
 in place (zero-copy: no H2D copy, no device buffer, no scatter op). A staging is rewritten only when the ring hands
 it out again, i.e. after the event recorded behind the launch that read it has completed, whichever stream the next
@@ -24,9 +24,10 @@ import torch
 
 from kvcanary.kernels import ops
 from kvcanary.kernels.jit import load_module
-from kvcanary.token_table import CudaStagingEvent, StagingEvent, StagingRing
+from kvcanary.runtime.token_table import CudaStagingEvent, StagingEvent, StagingRing
 
-# Stagings in the ring on CUDA: a staging is rewritten RING_SIZE prefills later (see kvcanary.token_table.RING_SIZE).
+# Stagings in the ring on CUDA: a staging is rewritten RING_SIZE prefills later (see
+# kvcanary.runtime.token_table.RING_SIZE).
 RING_SIZE = 4
 
 _pack_into = struct.pack_into
@@ -35,8 +36,8 @@ _pack_into = struct.pack_into
 class RowSerialUpload:
     """``row_serials[rows[i]] = serials[i]`` into ``row_serials`` (int64 ``[rows]``, keeps its address), non-blocking.
 
-    ``event_factory`` as in :class:`~kvcanary.token_table.TokenTable` (default: CUDA events on CUDA; on the CPU the
-    launch has read the staging when the call returns: no events, one staging). Call outside graph capture (a
+    ``event_factory`` as in :class:`~kvcanary.runtime.token_table.TokenTable` (default: CUDA events on CUDA; on the CPU
+    the launch has read the staging when the call returns: no events, one staging). Call outside graph capture (a
     captured launch would re-read a staging the ring has since handed out again).
     """
 

@@ -18,7 +18,7 @@ Classes (``FAULT_CLASSES``), injector, what the canary should report (``EXPECTED
 * ``out_of_range_index``: :func:`out_of_range_slot`; slot_out_of_range, and no out-of-bounds access.
 
 Host KV tier (``HOST_TIER_CLASSES``: an engine that backs KV up to host memory and loads it back into new device
-slots, like sglang's HiCache; the records follow through :mod:`kvcanary.host_tier`), each seen as
+slots, like sglang's HiCache; the records follow through :mod:`kvcanary.runtime.host_tier`), each seen as
 verify_real_kv_hash on the loaded device slots, with ``via=host_tier``:
 
 * ``host_tier_flip``: :func:`flip_host_copy`, a byte of a host copy changes before it is loaded back.
@@ -31,7 +31,7 @@ Environment (read by :meth:`FaultPlan.from_env`; never set it in production):
 ``KVCANARY_FAULT_WARMUP=<steps>`` (default 0), ``KVCANARY_FAULT_SEED=<int>`` (default 0),
 ``KVCANARY_FAULT_RANK=<int>`` (default: every rank; else only the process whose ``{rank}`` value matches).
 Integers are ASCII digits only, as for every ``KVCANARY_*`` variable; any other ``KVCANARY_FAULT*`` name (a
-typo such as ``KVCANARY_FAULT_EVREY``) draws the unknown-variable warning of ``kvcanary.config``.
+typo such as ``KVCANARY_FAULT_EVREY``) draws the unknown-variable warning of ``kvcanary.runtime.config``.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcanary.config import parse_int_env
 from kvcanary.kernels.real_kv import RealKvSource
+from kvcanary.runtime.config import parse_int_env
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ ENV_FAULT_EVERY = "KVCANARY_FAULT_EVERY"
 ENV_FAULT_WARMUP = "KVCANARY_FAULT_WARMUP"
 ENV_FAULT_SEED = "KVCANARY_FAULT_SEED"
 ENV_FAULT_RANK = "KVCANARY_FAULT_RANK"
-# kvcanary.config.FAULT_ENV_VARS lists the same names (a test pins it), so a typo in the family is flagged.
+# kvcanary.runtime.config.FAULT_ENV_VARS lists the same names (a test pins it), so a typo in the family is flagged.
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcanary.streams import current_stream
+from kvcanary.runtime.streams import current_stream
 
 
 class PinnedChannel:
