@@ -74,7 +74,7 @@ KVCANARY_PIECES = (
     ("kvcanary.runtime.drain", "ViolationDrain", "_read_status", "kvc_status_read_ns"),
     ("kvcanary.runtime.manager", "CanaryManager", "_observe_health", "kvc_health_ns"),
     ("kvcanary.runtime.manager", "CanaryManager", "_log_stats", "kvc_stats_ns"),
-    ("kvcanary.metrics", "CanaryMetrics", "observe", "kvc_metrics_ns"),
+    ("kvcanary.report.metrics", "CanaryMetrics", "observe", "kvc_metrics_ns"),
     ("kvcanary.runtime.installation", "Installation", "account_forward", "kvc_account_ns"),
     ("kvcanary.sglang.hooks", "AdapterHooks", "_batch_init", "kvc_batch_ns"),
     ("kvcanary.runtime.manager", "CanaryManager", "assign_requests", "kvc_assign_ns"),  # inside the batch hook

@@ -61,7 +61,8 @@ def test_text_and_json_forms(result: demo.DemoResult) -> None:
     assert " 2/2 | " in row and "verify_real_kv_hash" in row  # via=host_tier for both detections
     assert "PASS: every fault class detected, 0 false positives" in text
     # the violation line is the log's own: logging prefix, then the frozen key=value line
-    assert result.violation_line and result.violation_line.startswith("WARNING kvcanary.report: kvcanary violation: ")
+    assert result.violation_line
+    assert result.violation_line.startswith("WARNING kvcanary.report.reporter: kvcanary violation: ")
     obj = json.loads(json.dumps(result.to_json()))
     assert obj["passed"] is True and obj["false_positives"] == 0
     assert set(obj["faults"]) == set(faults.FAULT_CLASSES)

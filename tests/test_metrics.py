@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from kvcanary import metrics
 from kvcanary.kernels import layout
 from kvcanary.kernels.tags import LaunchTag
-from kvcanary.report import Violation
+from kvcanary.report import Violation, metrics
 from kvcanary.runtime.manager import CanaryStats
 
 prometheus_client = pytest.importorskip("prometheus_client", reason="the test extra installs prometheus_client")
@@ -162,7 +161,7 @@ def test_labels_from_rank() -> None:
 
 def test_a_failing_update_is_logged_once_and_never_raises(caplog: pytest.LogCaptureFixture) -> None:
     m = metrics.CanaryMetrics(LABELS, CollectorRegistry())
-    with caplog.at_level(logging.ERROR, logger="kvcanary.metrics"):
+    with caplog.at_level(logging.ERROR, logger="kvcanary.report.metrics"):
         m.observe([object()])  # not a manager
         m.observe([object()])
     assert len([r for r in caplog.records if "metrics update failed" in r.getMessage()]) == 1
@@ -201,7 +200,7 @@ def test_real_manager_feeds_the_counters() -> None:
 
 MULTIPROC_WRITER = textwrap.dedent("""
     import sys
-    from kvcanary import metrics
+    from kvcanary.report import metrics
     from kvcanary.runtime.manager import CanaryStats
     from kvcanary.report import Violation
 
@@ -255,12 +254,12 @@ def test_without_prometheus_client_one_info_line(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import fails
     monkeypatch.setattr(metrics, "_by_labels", {})
     monkeypatch.setattr(metrics, "_off_logged", False)
-    with caplog.at_level(logging.INFO, logger="kvcanary.metrics"):
+    with caplog.at_level(logging.INFO, logger="kvcanary.report.metrics"):
         first = metrics.metrics_for({"tp_rank": 0})
         second = metrics.metrics_for({"tp_rank": 1})
     assert isinstance(first, metrics.NoMetrics) and isinstance(second, metrics.NoMetrics)
     first.observe([FakeManager()])  # a no-op
-    lines = [r.getMessage() for r in caplog.records if r.name == "kvcanary.metrics"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvcanary.report.metrics"]
     assert lines == ["kvcanary: metrics are off (prometheus_client is not installed; pip install 'kvcanary[metrics]')"]
 
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from kvcanary import cli, matcher, summarize
+from kvcanary import cli
 from kvcanary.kernels import layout
 from kvcanary.kernels.tags import LaunchTag
-from kvcanary.report import Reporter, Violation
+from kvcanary.report import Reporter, Violation, matcher, summarize
 from kvcanary.runtime.config import Mode
 from kvcanary.runtime.faults import Injection
 
@@ -256,7 +256,7 @@ def test_eagle_reports_pool_rank_keys_and_spec_lines(tmp_path) -> None:
     (the first H200 EAGLE run's report was read as 100 % bad lines)."""
     import json
 
-    from kvcanary.summarize import read_reports, render
+    from kvcanary.report.summarize import read_reports, render
 
     rank = {"tp_rank": 0, "pool": "target"}
     rows = [

@@ -25,8 +25,8 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
+from kvcanary.report.table import format_table as _format_table
 from kvcanary.runtime.config import ConfigError
-from kvcanary.table import format_table as _format_table
 
 logger = logging.getLogger(__name__)
 
@@ -353,7 +353,7 @@ def _progress(text: str) -> None:
 
 
 def _cmd_report(args: argparse.Namespace, out: TextIO) -> int:
-    from kvcanary import summarize
+    from kvcanary.report import summarize
 
     summary, unmatched = summarize.read_reports(args.files)
     for pattern in unmatched:  # (a name with control characters is quoted, never written raw to the terminal)

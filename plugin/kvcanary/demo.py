@@ -41,6 +41,7 @@ import torch
 from kvcanary.kernels import jit
 from kvcanary.kernels.layout import RealKvHashMode
 from kvcanary.kernels.tags import LaunchTag
+from kvcanary.report.table import format_table
 from kvcanary.runtime import faults
 from kvcanary.runtime.config import (
     ENV_CACHE_DIR,
@@ -67,7 +68,6 @@ from kvcanary.runtime.protect import ACTION_LOG_PREFIX, RECOMPUTE
 from kvcanary.sim.engine import Request, SimConfig, Simulator
 from kvcanary.sim.injector import ClassResult, FaultDriver
 from kvcanary.sim.protect import SimProtect, chain
-from kvcanary.table import format_table
 
 logger = logging.getLogger(__name__)
 

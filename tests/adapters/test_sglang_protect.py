@@ -263,7 +263,7 @@ def test_protect_counters_and_log_lines(make_engine, caplog) -> None:
     pytest.importorskip("prometheus_client")
     import prometheus_client
 
-    from kvcanary import metrics
+    from kvcanary.report import metrics
 
     caplog.set_level("INFO")
     clean, reqs, state, report, flipped_at, loop, inst = _decode_fault(make_engine, stream=False, max_new=16)

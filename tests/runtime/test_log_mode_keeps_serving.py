@@ -117,7 +117,7 @@ def test_keeps_serving_is_false_outside_log_mode() -> None:
 def test_the_stop_reaches_the_health_errors_counter() -> None:
     """The installation's metrics get the stop at once (its host_after, which feeds them, no longer runs)."""
     prometheus_client = pytest.importorskip("prometheus_client")
-    from kvcanary.metrics import PREFIX, CanaryMetrics
+    from kvcanary.report.metrics import PREFIX, CanaryMetrics
 
     registry = prometheus_client.CollectorRegistry()
     inst, model = _installation(Mode.LOG, strided_slots=True), Model()

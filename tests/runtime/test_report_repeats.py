@@ -11,7 +11,6 @@ import pytest
 
 from kvcanary.kernels import layout
 from kvcanary.kernels.tags import LaunchTag
-from kvcanary.repeats import RepeatFilter
 from kvcanary.report import (
     LOG_PREFIX,
     REPEAT_LOG_PREFIX,
@@ -21,10 +20,11 @@ from kvcanary.report import (
     parse_log_line,
     parse_repeat_line,
 )
+from kvcanary.report.repeats import RepeatFilter
 from kvcanary.runtime.config import Mode
 
 R = layout.FailReason
-LOGGER = "kvcanary.report"
+LOGGER = "kvcanary.report.reporter"
 
 
 def violation(step: int, slot: int = 17, token: int = 101, rank: dict[str, int] | None = None) -> Violation:

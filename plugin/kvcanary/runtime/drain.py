@@ -33,7 +33,7 @@ import torch
 
 from kvcanary.kernels import layout
 from kvcanary.kernels.tags import NUM_LAUNCH_TAGS, is_write
-from kvcanary.report import VIA_HOST_TIER, Reporter, Violation
+from kvcanary.report.reporter import VIA_HOST_TIER, Reporter, Violation
 from kvcanary.runtime.device_state import STATE_HEADER, STATUS_COPY_MAX_META, DeviceState, StatusCopy, parse_header
 from kvcanary.runtime.pump import PinnedChannel
 from kvcanary.runtime.writers import loaded_from_host_tier
@@ -144,7 +144,7 @@ class ViolationDrain:
         # flight): the steps before it cost the caller one integer compare (see :meth:`on_step`).
         self.next_due = 1
         # Bumped before every status or rows read: whatever this drain updates (stats, violations, the reporter's
-        # totals) can only have changed when it moved (kvcanary.metrics need not look otherwise).
+        # totals) can only have changed when it moved (kvcanary.report.metrics need not look otherwise).
         self.reads = 0
 
     @property

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcanary.kernels.real_kv import RealKvSource
-from kvcanary.metrics import CanaryMetrics, NoMetrics, metrics_for
+from kvcanary.report.metrics import CanaryMetrics, NoMetrics, metrics_for
 from kvcanary.runtime.batch import BatchView
 from kvcanary.runtime.config import Config
 from kvcanary.runtime.manager import CanaryManager, SweepSource
@@ -135,7 +135,8 @@ class Installation:
     wrapper_call: Callable[[], WrapperCall] | None = None
     serving: int = 0
     _piecewise_now: bool = False  # this real forward was served by a piecewise graph runner (for account_forward)
-    # Prometheus counters (kvcanary.metrics), built on the first host_after; model_name is their label when known.
+    # Prometheus counters (kvcanary.report.metrics), built on the first host_after; model_name is their label when
+    # known.
     metrics: CanaryMetrics | NoMetrics | None = None
     model_name: str | None = None
     # What the metrics were last fed from: that object and the sum of the managers' drain reads then (the counts
@@ -297,7 +298,8 @@ class Installation:
                 metrics = self.metrics = metrics_for(self.manager.rank, self.model_name)
             # deltas of the managers' counts, fed after every drain read (a violation is counted at once, raise
             # mode included: the drain counts a read before it reports; the volume counters at most once a second,
-            # see kvcanary.metrics); a forward without one adds an integer sum and a compare. observe never raises.
+            # see kvcanary.report.metrics); a forward without one adds an integer sum and a compare. observe never
+            # raises.
             reads = 0
             for group in self.groups:
                 reads += group.manager.violation_drain.reads
@@ -356,7 +358,7 @@ class Installation:
 
     def flush_metrics(self) -> None:
         """Add to the metrics whatever the managers counted that :meth:`host_after` left for later (the volume
-        counters wait up to ``kvcanary.metrics.PUBLISH_INTERVAL_S``); never raises."""
+        counters wait up to ``kvcanary.report.metrics.PUBLISH_INTERVAL_S``); never raises."""
         if self.metrics is not None:
             self.metrics.flush([g.manager for g in self.groups])
 

@@ -25,7 +25,7 @@ from types import ModuleType
 
 import torch
 
-from kvcanary.report import Reporter
+from kvcanary.report.reporter import Reporter
 from kvcanary.runtime.config import Config
 from kvcanary.runtime.identity_cache import IdentityCache
 from kvcanary.runtime.installation import Group, Installation, installations, remember

@@ -51,7 +51,7 @@ from types import ModuleType
 
 import torch
 
-from kvcanary.metrics import metrics_for
+from kvcanary.report.metrics import metrics_for
 from kvcanary.runtime import protect
 from kvcanary.runtime.config import Config, Mode
 from kvcanary.runtime.installation import Installation, installations

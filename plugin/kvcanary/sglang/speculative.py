@@ -220,8 +220,8 @@ def log_stats(state: SpecState) -> None:
 
 
 def feed_metrics(state: SpecState) -> None:
-    """``sglang:kv_canary_drafts_rolled_back_total`` (kvcanary.metrics; the installation builds its metrics on its
-    first host step): the growth of this pool's ``rolled_back`` count."""
+    """``sglang:kv_canary_drafts_rolled_back_total`` (kvcanary.report.metrics; the installation builds its metrics on
+    its first host step): the growth of this pool's ``rolled_back`` count."""
     metrics = state.inst.metrics
     if metrics is not None:
         metrics.update_drafts(state.counters, state.counters.rolled_back)

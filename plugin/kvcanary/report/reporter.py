@@ -29,7 +29,7 @@ Log line (one line per violation, WARNING level; the format is frozen, tools par
 still parse, with None (``OPTIONAL_LOG_KEYS``).
 
 Repeat suppression (log mode only; ``KVCANARY_LOG_REPEAT_WINDOW`` forward steps, default 1000, ``0`` = off;
-``kvcanary.repeats.RepeatFilter``): a row whose key (every recorded field except ``step``: tag, slot, position,
+``kvcanary.report.repeats.RepeatFilter``): a row whose key (every recorded field except ``step``: tag, slot, position,
 stored and expected values, reason bits, request_row, written_step, writer_rid) was logged less than ``window``
 steps earlier gets no line; it is counted. The next row of that key at ``step >= last logged step + window`` is
 logged with one more key after the rank keys, ``repeats=<N>``: the rows suppressed since the previous line of
@@ -88,9 +88,9 @@ from typing import Any
 
 from kvcanary.kernels import layout
 from kvcanary.kernels.tags import LaunchTag, is_write, tag_name
-from kvcanary.repeats import RepeatFilter, RepeatSummary
+from kvcanary.report.repeats import RepeatFilter, RepeatSummary
+from kvcanary.report.sink import ReportFile
 from kvcanary.runtime.config import Mode, log_repeat_window_from_env
-from kvcanary.sink import ReportFile
 
 logger = logging.getLogger(__name__)
 _MODULE_LOGGER = logger
@@ -451,7 +451,7 @@ class Reporter:
 
     ``report_path`` (already rank-formatted, see ``Config.report_path_for``) is checked and opened at
     construction with ``O_APPEND | O_CREAT`` (parent directories created), so a bad path fails at install time
-    with a ``ValueError`` naming ``KVCANARY_REPORT`` (``kvcanary.sink``). In ``off`` mode nothing is opened and
+    with a ``ValueError`` naming ``KVCANARY_REPORT`` (``kvcanary.report.sink``). In ``off`` mode nothing is opened and
     every method is a no-op. ``rank`` (e.g. ``{"tp_rank": 0}``) is attached to violations that carry none and to
     the lost/health/injection JSON lines. Thread-safe.
 

@@ -22,7 +22,7 @@ DEFAULT_MAX_KEYS = 4096
 
 class Row(Protocol):
     """The fields of a violation row the filter reads (``kvcanary.report.Violation`` has them). A protocol rather
-    than the record type: report.py imports this module, and naming its record here closed an import circle."""
+    than the record type: reporter.py imports this module, and naming its record here closed an import circle."""
 
     @property
     def step(self) -> int: ...
