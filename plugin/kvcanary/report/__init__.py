@@ -1,7 +1,7 @@
-"""What kvcanary tells the world: violation records and their log-line and JSONL forms, the ``Reporter`` that
-emits them (``reporter``), log-line repeat suppression (``repeats``), the JSONL file (``sink``), Prometheus counters
-(``metrics``), and the offline side of ``kvcanary report``: reading report files back (``summarize``), matching
-detections to injected faults (``matcher``) and the tables it prints (``table``).
+"""What kvcanary tells the world: violation records and their log-line and JSONL forms (``record``), the
+``Reporter`` that emits them (``reporter``), log-line repeat suppression (``repeats``), the JSONL file (``sink``),
+Prometheus counters (``metrics``), and the offline side of ``kvcanary report``: reading report files back
+(``summarize``), matching detections to injected faults (``matcher``) and the tables it prints (``table``).
 
 The public report API is importable from here (``from kvcanary.report import parse_log_line, Reporter``), as it
 was when ``kvcanary.report`` was one module.
@@ -13,9 +13,7 @@ from __future__ import annotations
 # from the one-module kvcanary.report (which imported them); they live in kvcanary.kernels and kvcanary.runtime.
 from kvcanary.kernels import layout  # noqa: F401
 from kvcanary.kernels.tags import LaunchTag, is_write, tag_name  # noqa: F401
-from kvcanary.report.repeats import RepeatFilter, RepeatSummary
-from kvcanary.report.reporter import (
-    ERROR_MESSAGE_LINES,
+from kvcanary.report.record import (
     HEALTH_LOG_PREFIX,
     HEALTH_SCHEMA,
     INJECTION_SCHEMA,
@@ -29,15 +27,10 @@ from kvcanary.report.reporter import (
     REPEAT_LOG_KEYS,
     REPEAT_LOG_PREFIX,
     REQUIRED_LOG_KEYS,
-    SINK_ERROR_INTERVAL_S,
-    SINK_LOG_PREFIX,
     TRAILING_LOG_KEYS,
     VIA_HOST_TIER,
     VIA_VALUES,
     VIOLATION_SCHEMA,
-    CanaryHealthError,
-    CanaryViolationError,
-    Reporter,
     Violation,
     decode_rid,
     encode_rid,
@@ -46,6 +39,15 @@ from kvcanary.report.reporter import (
     parse_log_line,
     parse_repeat_line,
     repeat_line,
+)
+from kvcanary.report.repeats import RepeatFilter, RepeatSummary
+from kvcanary.report.reporter import (
+    ERROR_MESSAGE_LINES,
+    SINK_ERROR_INTERVAL_S,
+    SINK_LOG_PREFIX,
+    CanaryHealthError,
+    CanaryViolationError,
+    Reporter,
 )
 from kvcanary.report.sink import ReportFile
 from kvcanary.runtime.config import Mode, log_repeat_window_from_env  # noqa: F401

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcanary.report.matcher import DEFAULT_WINDOW, WINDOWS, MatchResult, match_injections, rank_key
-from kvcanary.report.reporter import HEALTH_SCHEMA, INJECTION_SCHEMA, LOST_SCHEMA, VIOLATION_SCHEMA
+from kvcanary.report.record import HEALTH_SCHEMA, INJECTION_SCHEMA, LOST_SCHEMA, VIOLATION_SCHEMA
 from kvcanary.report.table import format_table
 
 TOP = 10  # rows of the top-slots and top-requests tables

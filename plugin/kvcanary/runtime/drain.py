@@ -33,7 +33,8 @@ import torch
 
 from kvcanary.kernels import layout
 from kvcanary.kernels.tags import NUM_LAUNCH_TAGS, is_write
-from kvcanary.report.reporter import VIA_HOST_TIER, Reporter, Violation
+from kvcanary.report.record import VIA_HOST_TIER, Violation
+from kvcanary.report.reporter import Reporter
 from kvcanary.runtime.device_state import STATE_HEADER, STATUS_COPY_MAX_META, DeviceState, StatusCopy, parse_header
 from kvcanary.runtime.pump import PinnedChannel
 from kvcanary.runtime.writers import loaded_from_host_tier

@@ -32,7 +32,8 @@ import torch
 from kvcanary.kernels import layout
 from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.kernels.tags import LaunchTag
-from kvcanary.report.reporter import Reporter, Violation
+from kvcanary.report.record import Violation
+from kvcanary.report.reporter import Reporter
 from kvcanary.runtime.batch import BatchView, ForwardKind
 from kvcanary.runtime.config import Config, Mode
 from kvcanary.runtime.device_state import DeviceState

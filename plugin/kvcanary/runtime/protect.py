@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcanary.kernels.tags import LaunchTag
-from kvcanary.report.reporter import Violation, encode_rid
+from kvcanary.report.record import Violation, encode_rid
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvcanary.report.reporter import VIA_HOST_TIER, Violation
+from kvcanary.report.record import VIA_HOST_TIER, Violation
 from kvcanary.runtime import faults
 from kvcanary.runtime.faults import EXPECTED_REASONS, Injection
 from kvcanary.sim.engine import LoadBack, Node, Request, Simulator
