@@ -9,7 +9,8 @@ import logging
 
 import pytest
 
-from kvcanary import cli, demo
+from kvcanary.cli import demo
+from kvcanary.cli.main import LOG_FORMAT, _build_parser, main
 from kvcanary.runtime import faults
 from kvcanary.sim import injector
 
@@ -79,7 +80,7 @@ def test_a_missed_fault_fails_the_demo(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(injector.faults, "flip_real_kv", no_flip)
     out = io.StringIO()
-    code = cli.main(["demo", "--seconds", "0.2", "--injections", "1", "--faults", "real_kv_flip,token_swap",
+    code = main(["demo", "--seconds", "0.2", "--injections", "1", "--faults", "real_kv_flip,token_swap",
                      "--device", "cpu"], out=out)
     assert code == 1, out.getvalue()
     assert "FAIL: not every injection detected: real_kv_flip" in out.getvalue()
@@ -87,14 +88,14 @@ def test_a_missed_fault_fails_the_demo(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_cli_demo_json_exit_zero() -> None:
     out = io.StringIO()
-    assert cli.main([*FAST, "--json"], out=out) == 0, out.getvalue()
+    assert main([*FAST, "--json"], out=out) == 0, out.getvalue()
     obj = json.loads(out.getvalue())
     assert obj["schema"] == "kvcanary.demo/1" and obj["passed"] is True
 
 
 def test_cli_demo_host_tier_faults_only() -> None:
     out = io.StringIO()
-    code = cli.main(["demo", "--seconds", "0.2", "--injections", "1", "--faults", ",".join(faults.HOST_TIER_CLASSES),
+    code = main(["demo", "--seconds", "0.2", "--injections", "1", "--faults", ",".join(faults.HOST_TIER_CLASSES),
                      "--device", "cpu"], out=out)
     text = out.getvalue()
     assert code == 0, text
@@ -123,7 +124,7 @@ def test_demo_leaves_logging_as_it_found_it() -> None:
 
 def test_bad_faults_argument_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        cli.main(["demo", "--faults", "token_swap,nonsense"])
+        main(["demo", "--faults", "token_swap,nonsense"])
     assert exc.value.code == 2
     assert "nonsense" in capsys.readouterr().err
 
@@ -142,11 +143,11 @@ def test_parse_faults() -> None:
      (["demo", "-v"], True), (["report", "-v", "x.jsonl"], True), (["-v", "report", "x.jsonl"], True)],
 )
 def test_verbose_before_or_after_the_subcommand(argv: list[str], verbose: bool) -> None:
-    assert cli._build_parser().parse_args(argv).verbose is verbose
+    assert _build_parser().parse_args(argv).verbose is verbose
 
 
 def test_log_format_is_the_commands() -> None:
-    assert demo.LOG_FORMAT == cli.LOG_FORMAT
+    assert demo.LOG_FORMAT == LOG_FORMAT
 
 
 # ------------------------------------------------------------------------------------------------ protect mode
@@ -201,7 +202,7 @@ def test_a_protect_that_does_not_act_fails_the_demo(monkeypatch: pytest.MonkeyPa
 
 def test_cli_demo_protect(monkeypatch: pytest.MonkeyPatch) -> None:
     out = io.StringIO()
-    code = cli.main(["demo", "--mode", "protect", "--seconds", "0.2", "--injections", "1", "--device", "cpu",
+    code = main(["demo", "--mode", "protect", "--seconds", "0.2", "--injections", "1", "--device", "cpu",
                      "--faults", "token_swap,cached_idle_corruption", "--json"], out=out)
     assert code == 0, out.getvalue()
     obj = json.loads(out.getvalue())

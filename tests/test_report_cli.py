@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcanary import cli
+from kvcanary.cli.main import main
 from kvcanary.kernels import layout
 from kvcanary.kernels.tags import LaunchTag
 from kvcanary.report import Reporter, Violation, matcher, summarize
@@ -76,7 +76,7 @@ def reports(tmp_path: Path) -> Path:
 
 def _run(argv: list[str]) -> tuple[int, str]:
     out = io.StringIO()
-    return cli.main(argv, out=out), out.getvalue()
+    return main(argv, out=out), out.getvalue()
 
 
 def test_multi_rank_summary(reports: Path) -> None:

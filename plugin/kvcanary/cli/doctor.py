@@ -9,7 +9,7 @@ ways and checks that verify reports exactly the expected slots and reason bits:
 * a byte of the slot's real KV flipped → ``VERIFY_REAL_KV_HASH`` at that slot only.
 
 Every launch must also advance ``kernel_run_counter`` by one. The functions here return dataclasses;
-printing and exit codes live in :mod:`kvcanary.cli`.
+printing and exit codes live in :mod:`kvcanary.cli.main`.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def format_table(rows: Sequence[Sequence[str]], header: Sequence[str] = _COLUMNS
 
 
 def _fault_list(text: str) -> tuple[str, ...]:
-    from kvcanary.demo import parse_faults
+    from kvcanary.cli.demo import parse_faults
 
     try:
         return parse_faults(text)
@@ -267,7 +267,8 @@ def _fault_classes() -> tuple[str, ...]:
 def _cmd_doctor(args: argparse.Namespace, out: TextIO) -> int:
     import torch
 
-    from kvcanary import __version__, doctor
+    from kvcanary import __version__
+    from kvcanary.cli import doctor
     from kvcanary.kernels import jit
 
     doctor.check_environment()  # a bad cache dir or sanitizer: one named line before the header, not a traceback
@@ -292,7 +293,7 @@ def _cmd_doctor(args: argparse.Namespace, out: TextIO) -> int:
 def _cmd_build(args: argparse.Namespace, out: TextIO) -> int:
     import shutil
 
-    from kvcanary import doctor
+    from kvcanary.cli import doctor
     from kvcanary.kernels import jit
     from kvcanary.runtime.config import parse_cuda_arch
 
@@ -321,7 +322,7 @@ def _cmd_build(args: argparse.Namespace, out: TextIO) -> int:
 def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
     import torch
 
-    from kvcanary import demo
+    from kvcanary.cli import demo
 
     settings = demo.settings_from_env()  # the plugin's rules: a bad KVCANARY_* value stops the demo, named
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -377,7 +378,7 @@ def _cmd_report(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _cmd_check(args: argparse.Namespace, out: TextIO) -> int:
-    from kvcanary import check
+    from kvcanary.cli import check
 
     result = check.run_check(args.launch_args)
     if args.json:
