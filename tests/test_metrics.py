@@ -1,4 +1,4 @@
-"""kvcanary.metrics: the canary's counters appear in a Prometheus scrape under sglang's names and labels, fed by
+"""kvcanary.report.metrics: the canary's counters appear in a Prometheus scrape under sglang's names and labels, fed by
 deltas from the managers (counters only go up, several managers never double count), in-process
 (``generate_latest``) and in multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` + ``MultiProcessCollector``, what
 sglang's ``/metrics`` serves); without prometheus_client one INFO line says metrics are off."""

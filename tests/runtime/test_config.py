@@ -1,4 +1,4 @@
-"""kvcanary.config: KVCANARY_* parsing, defaults, errors and the unknown-variable warning."""
+"""kvcanary.runtime.config: KVCANARY_* parsing, defaults, errors and the unknown-variable warning."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""kvcanary.health: stalled-tag detection and the periodic stats line."""
+"""kvcanary.runtime.health: stalled-tag detection and the periodic stats line."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""kvcanary.identity_cache: one value per (object, key), objects told apart by identity."""
+"""kvcanary.runtime.identity_cache: one value per (object, key), objects told apart by identity."""
 
 from __future__ import annotations
 
