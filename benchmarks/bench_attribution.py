@@ -39,8 +39,8 @@ if str(REPO_ROOT / "plugin") not in sys.path:
 
 import torch  # noqa: E402
 
-from kvcanary import layout, ops  # noqa: E402
-from kvcanary.real_kv import RealKvSource  # noqa: E402
+from kvcanary.kernels import layout, ops  # noqa: E402
+from kvcanary.kernels.real_kv import RealKvSource  # noqa: E402
 
 SLEEP_CYCLES = 200_000  # ~100 us on an H200: longer than queueing a graph replay
 KV_ROW_BYTES = 256

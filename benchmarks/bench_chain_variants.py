@@ -5,7 +5,7 @@ per entry) for one request of N entries, against the one-thread serial-mix floor
 the real write kernel (csrc/canary_write.cuh, built here once per chain walk with
 -DKVCANARY_WRITE_CHAIN_WALK / -DKVCANARY_WRITE_CHAIN_UNROLL) with every per-entry side effect it has
 (prev_hash and payload stores, the chain-position assert, optionally the slot attribution), 1 request of N
-tokens, real-KV NONE. Every variant is checked bit-exact against the Python model (kvcanary.ref). CUDA only.
+tokens, real-KV NONE. Every variant is checked bit-exact against the Python model (kvcanary.kernels.ref). CUDA only.
 
     python benchmarks/bench_chain_variants.py [--entries 8192] [--no-kernel]
 """
@@ -254,7 +254,7 @@ class WriteCase:
 def make_case(device: torch.device, requests: list[tuple[list[int], list[int], list[int], int]], num_slots: int,
               chain_assert: bool, attribution: bool, seed_records: dict[int, tuple[int, int, int]]) -> WriteCase:
     """requests: (slots, tokens, positions, seed slot); seed_records: slot -> (token, position, prev_hash)."""
-    from kvcanary import layout
+    from kvcanary.kernels import layout
 
     offsets = [0]
     for slots, _, _, _ in requests:
@@ -292,7 +292,7 @@ def make_case(device: torch.device, requests: list[tuple[list[int], list[int], l
 
 def launch_args(c: WriteCase) -> tuple[Any, ...]:
     """canary_write_step_attributed's raw arguments for `c` (no real-KV sources)."""
-    from kvcanary import layout, ops
+    from kvcanary.kernels import layout, ops
 
     bufs, params, num_sources = ops.real_kv_launch_args((), c.canary.device)
     return (c.canary, c.offsets, c.seeds, c.num_valid, c.tokens, c.positions, c.slots, KIND_WRITE, 0, None, None,
@@ -309,7 +309,7 @@ KIND_WRITE = 1  # kernel_kind stamped into violation rows; any value works for t
 
 def model(c: WriteCase) -> WriteCase:
     """The Python model's result for `c` (records, ring, counters; the CPU tensors of a copy)."""
-    from kvcanary import ref
+    from kvcanary.kernels import ref
 
     m = c.fresh()
     m = WriteCase(**{k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in vars(m).items()})
@@ -374,7 +374,7 @@ def correctness_case(device: torch.device, attribution: bool) -> WriteCase:
 
 def timing_case(device: torch.device, n: int, attribution: bool) -> WriteCase:
     """1 request of n tokens, unseeded, NONE, slots scattered over 2^20 slots (as bench_kernels.py)."""
-    from kvcanary import layout
+    from kvcanary.kernels import layout
 
     gen = torch.Generator(device=device).manual_seed(0)
     slots_total = 1 << 20
@@ -410,7 +410,7 @@ def time_launches(fn: Callable[[], None], reps: int) -> float:
 
 def chain_model(tokens: list[int], positions: list[int]) -> list[int]:
     """The hash before each entry (int64), from the chain head: the Python model of the chain."""
-    from kvcanary import ref
+    from kvcanary.kernels import ref
 
     out, running = [], ref.chain_head_hash()
     for t, p in zip(tokens, positions, strict=True):
@@ -422,7 +422,7 @@ def chain_model(tokens: list[int], positions: list[int]) -> list[int]:
 def build_chain_module() -> Any:
     import tvm_ffi.cpp
 
-    from kvcanary import jit
+    from kvcanary.kernels import jit
 
     return tvm_ffi.cpp.load_inline(
         "kvcanary_chain_variants",
@@ -436,7 +436,7 @@ def build_walk_module(name: str) -> Any:
     """The write kernel with chain walk `name` (KERNEL_WALKS); tvm-ffi caches the build by source and flags."""
     import tvm_ffi.cpp
 
-    from kvcanary import jit
+    from kvcanary.kernels import jit
 
     root = jit.source_root()
     walk, unroll, _ = KERNEL_WALKS[name]
@@ -453,7 +453,7 @@ def build_walk_module(name: str) -> Any:
 
 
 def bench_chain_only(n: int, reps: int) -> dict[str, float]:
-    from kvcanary import ref
+    from kvcanary.kernels import ref
 
     mod = build_chain_module()
     dev = torch.device("cuda")
@@ -499,7 +499,7 @@ def bench_kernel_walks(n: int, reps: int, walks: list[str], attribution: bool) -
 
 def shipped_case(n: int) -> tuple[Any, WriteCase]:
     """The kvcanary build (jit, default walk) and the 1 x n NONE timing case; checked on the mixed case first."""
-    from kvcanary.jit import load_module
+    from kvcanary.kernels.jit import load_module
 
     mod = load_module("cuda")
     dev = torch.device("cuda")
@@ -543,7 +543,7 @@ def main() -> None:
     parser.add_argument("--profile-launches", type=int, default=0,
                         help="only launch the shipped write kernel this many times on 1 x N NONE (for ncu), then exit")
     args = parser.parse_args()
-    from kvcanary import jit
+    from kvcanary.kernels import jit
 
     os.environ.setdefault("TVM_FFI_CUDA_ARCH_LIST", jit.cuda_arch())
     n = args.entries

@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcanary import ops
-from kvcanary.installation import HostTime, Installation, WrapperCall
+from kvcanary.kernels import ops
+from kvcanary.runtime.installation import HostTime, Installation, WrapperCall
 from kvcanary.sglang import base, piecewise, pools, v0_5_12
 from kvcanary.sglang import hooks as hooks_module
 from kvcanary.sglang.hooks import AdapterHooks, installation_of
@@ -445,7 +445,7 @@ class KernelModule:
 
 
 def patch_kernels(pieces: Pieces, null: bool) -> Callable[[], None]:
-    """Route every kernel export the runtime binds (``kvcanary.ops`` fetches them through ``load_module``, also
+    """Route every kernel export the runtime binds (``kvcanary.kernels.ops`` fetches them through ``load_module``, also
     for the launches it binds once per manager) through :class:`KernelModule`; returns the undo."""
     saved = ops.load_module
 

@@ -18,13 +18,13 @@ import time
 
 import torch
 
-from kvcanary import layout, ops
-from kvcanary.batch import BatchView, ForwardKind
-from kvcanary.config import Config, Mode
-from kvcanary.manager import CanaryManager
-from kvcanary.pump import PinnedChannel
-from kvcanary.real_kv import RealKvSource
-from kvcanary.serial_upload import RowSerialUpload
+from kvcanary.kernels import layout, ops
+from kvcanary.kernels.real_kv import RealKvSource
+from kvcanary.runtime.batch import BatchView, ForwardKind
+from kvcanary.runtime.config import Config, Mode
+from kvcanary.runtime.manager import CanaryManager
+from kvcanary.runtime.pump import PinnedChannel
+from kvcanary.runtime.serial_upload import RowSerialUpload
 
 
 def timed(fn, iters: int, sync) -> float:

@@ -50,8 +50,8 @@ if str(REPO_ROOT / "plugin") not in sys.path:
 
 import torch  # noqa: E402
 
-from kvcanary import jit, layout, ops  # noqa: E402
-from kvcanary.real_kv import RealKvSource  # noqa: E402
+from kvcanary.kernels import jit, layout, ops  # noqa: E402
+from kvcanary.kernels.real_kv import RealKvSource  # noqa: E402
 
 MASK64 = (1 << 64) - 1
 GIB = 1 << 30

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from kvcanary.config import Config, Mode
-from kvcanary.simulate import DecodeRig, RigShape
+from kvcanary.cli.simulate import DecodeRig, RigShape
+from kvcanary.runtime.config import Config, Mode
 
 
 def _replay_times(graph: torch.cuda.CUDAGraph, reps: int) -> float:

@@ -132,7 +132,7 @@ def worker(args) -> Result:
     inst = hooks.installation_of(mr)
     assert (inst is not None) == (args.mode != "off")
     if args.stub_kernels:  # the CPU kernels compute inline (a GPU launch does not): keep only the host Python
-        from kvcanary import ops
+        from kvcanary.kernels import ops
 
         ops.CheckLaunch.__call__ = lambda self, *a, **k: None
         ops.WriteLaunch.__call__ = lambda self, n: None

@@ -2,7 +2,7 @@
 
 What a stream lookup, an event record or query, a small copy or scatter and kvcanary's staging uploads cost on this
 host, each timed alone (min over 5 rounds of 3000 calls, synchronised between rounds): the numbers behind choosing
-one primitive over another (``kvcanary.streams.current_stream`` over ``torch.cuda.current_stream``, a zero-copy
+one primitive over another (``kvcanary.runtime.streams.current_stream`` over ``torch.cuda.current_stream``, a zero-copy
 upload over ``copy_`` + ``index_put_``, one status-copy segment or two). Prints a markdown table.
 
     PYTHONPATH=plugin python3 benchmarks/bench_torch_primitives.py
@@ -48,20 +48,20 @@ def timed(name: str, fn: Callable[[], object]) -> None:
 
 
 def streams_and_events(dev: torch.device) -> None:
-    from kvcanary.streams import current_stream
+    from kvcanary.runtime.streams import current_stream
 
     index = dev.index
     timed("torch.cuda.current_stream(dev)", lambda: torch.cuda.current_stream(dev))
     timed("torch.cuda.current_stream()", torch.cuda.current_stream)
     timed("torch._C._cuda_getCurrentRawStream(index)", lambda: torch._C._cuda_getCurrentRawStream(index))
-    timed("kvcanary.streams.current_stream(index)", lambda: current_stream(index))
+    timed("kvcanary.runtime.streams.current_stream(index)", lambda: current_stream(index))
     timed("torch.cuda.is_current_stream_capturing()", torch.cuda.is_current_stream_capturing)
     event = torch.cuda.Event()
     stream = torch.cuda.current_stream(dev)
     timed("event.record(stream), the stream object at hand", lambda: event.record(stream))
     timed("event.record()", event.record)
     timed("event.record(torch.cuda.current_stream(dev))", lambda: event.record(torch.cuda.current_stream(dev)))
-    timed("event.record(kvcanary.streams.current_stream(index))", lambda: event.record(current_stream(index)))
+    timed("event.record(kvcanary.runtime.streams.current_stream(index))", lambda: event.record(current_stream(index)))
     event.record(stream)
     torch.cuda.synchronize()
     timed("event.query(), completed", event.query)
@@ -90,9 +90,9 @@ def small_ops(dev: torch.device) -> None:
 
 
 def kvcanary_uploads(dev: torch.device) -> None:
-    from kvcanary.pump import PinnedChannel
-    from kvcanary.serial_upload import RowSerialUpload
-    from kvcanary.token_table import TokenColumns, TokenTable
+    from kvcanary.runtime.pump import PinnedChannel
+    from kvcanary.runtime.serial_upload import RowSerialUpload
+    from kvcanary.runtime.token_table import TokenColumns, TokenTable
 
     decode = TokenColumns(list(range(64)), [100] * 64, [1] * 64, [[5] * 64])
     table = TokenTable(256, 4096, dev)
@@ -125,10 +125,10 @@ def kvcanary_launches(dev: torch.device) -> None:
     ~2x the bench's)."""
     import tvm_ffi
 
-    from kvcanary.batch import BatchView, ForwardKind
-    from kvcanary.config import Config, Mode
-    from kvcanary.manager import CanaryManager
-    from kvcanary.real_kv import RealKvSource
+    from kvcanary.kernels.real_kv import RealKvSource
+    from kvcanary.runtime.batch import BatchView, ForwardKind
+    from kvcanary.runtime.config import Config, Mode
+    from kvcanary.runtime.manager import CanaryManager
 
     nop = tvm_ffi.get_global_func("testing.nop")
     six = [torch.zeros(64, dtype=torch.int64, device=dev) for _ in range(6)]

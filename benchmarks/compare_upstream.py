@@ -70,8 +70,8 @@ from bench_kernels import (  # noqa: E402
     write_inputs,
 )
 
-from kvcanary import jit, layout, ops  # noqa: E402
-from kvcanary.real_kv import RealKvSource  # noqa: E402
+from kvcanary.kernels import jit, layout, ops  # noqa: E402
+from kvcanary.kernels.real_kv import RealKvSource  # noqa: E402
 
 NONE = layout.REAL_KV_HASH_MODE_NONE
 PARTIAL = layout.REAL_KV_HASH_MODE_PARTIAL
@@ -187,7 +187,7 @@ def build_sglang(src: SglangSources) -> tuple[Path, float, bool]:
     import tvm_ffi
     import tvm_ffi.cpp
 
-    bk._toolchain_env()  # CUDA_HOME, ninja on PATH, TVM_FFI_CUDA_ARCH_LIST = kvcanary.jit.cuda_arch()
+    bk._toolchain_env()  # CUDA_HOME, ninja on PATH, TVM_FFI_CUDA_ARCH_LIST = kvcanary.kernels.jit.cuda_arch()
     arch = os.environ["TVM_FFI_CUDA_ARCH_LIST"]
     if len(arch.split()) != 1:
         raise ValueError(f"one CUDA arch expected (SGL_CUDA_ARCH must equal __CUDA_ARCH__), got {arch!r}")

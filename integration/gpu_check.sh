@@ -5,7 +5,7 @@
 #
 # Steps (each timed, logged, and kept going after a failure):
 #   setup     install the carried wheels from .whl/ (apache-tvm-ffi, ninja) into /tmp/site, set the env
-#   build     JIT-build the CPU and CUDA kernels (kvcanary.jit.build) and load both
+#   build     JIT-build the CPU and CUDA kernels (kvcanary.kernels.jit.build) and load both
 #   gpu-tests pytest tests/gpu (CUDA graph capture + replay vs the CPU backend)
 #   kernels   pytest tests/kernels -m "not slow" (differential CPU / ref / CUDA, out-of-range, ...)
 #   memcheck  compute-sanitizer memcheck over the CUDA out-of-range tests + 2 differential chunks + 2 chunks of

@@ -8,7 +8,7 @@ and loads them back into new slots many times):
 * ``hicache-off`` (kvcanary off): the greedy outputs every other clean phase must reproduce;
 * ``hicache-clean`` (raise, ``write_through``) and ``hicache-writeback`` (raise, ``write_back``): no violation,
   >= MIN_LOADED slots loaded back (kvcanary's own count, ``host_loaded`` of its stats line), outputs identical;
-* ``hicache-faults`` (log): the three host-tier classes of kvcanary.faults, each detected on its slots with
+* ``hicache-faults`` (log): the three host-tier classes of kvcanary.runtime.faults, each detected on its slots with
   ``via=host_tier``, no violation on a slot no injection touched;
 * ``hicache-race`` (log) and ``hicache-race-fixed`` (log, PR 36738's fence patched in, test-only): sglang 0.5.12's
   load-back H2D copy is not ordered after a forward still in flight for a request that just finished and freed
@@ -26,7 +26,7 @@ import json
 import random
 import re
 
-# kvcanary.faults.HOST_TIER_CLASSES and their expected reasons (tests/integration checks them against kvcanary)
+# kvcanary.runtime.faults.HOST_TIER_CLASSES and their expected reasons (tests/integration checks them against kvcanary)
 HOST_TIER_FAULTS: tuple[str, ...] = ("host_tier_flip", "load_wrong_slots", "load_before_backup")
 HOST_TIER_REASONS: dict[str, tuple[str, ...]] = {c: ("verify_real_kv_hash",) for c in HOST_TIER_FAULTS}
 VIA_HOST_TIER = "host_tier"

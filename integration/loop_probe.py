@@ -62,22 +62,22 @@ DEVICE_ENV = "E2E_LOOP_PROBE_KVC_DEVICE"
 # inside after, drain and stats inside step; views and launch inside the forward (eager / piecewise only).
 KVCANARY_PIECES = (
     ("kvcanary.sglang.batches", "BatchConverter", "__call__", "kvc_views_ns"),
-    ("kvcanary.manager", "CanaryManager", "before_forward", "kvc_launch_ns"),
-    ("kvcanary.manager", "CanaryManager", "after_forward", "kvc_launch_ns"),
-    ("kvcanary.installation", "Installation", "host_before", "kvc_before_ns"),
-    ("kvcanary.installation", "Installation", "host_after", "kvc_after_ns"),
-    ("kvcanary.manager", "CanaryManager", "step", "kvc_step_ns"),
-    ("kvcanary.drain", "ViolationDrain", "drain", "kvc_drain_ns"),
+    ("kvcanary.runtime.manager", "CanaryManager", "before_forward", "kvc_launch_ns"),
+    ("kvcanary.runtime.manager", "CanaryManager", "after_forward", "kvc_launch_ns"),
+    ("kvcanary.runtime.installation", "Installation", "host_before", "kvc_before_ns"),
+    ("kvcanary.runtime.installation", "Installation", "host_after", "kvc_after_ns"),
+    ("kvcanary.runtime.manager", "CanaryManager", "step", "kvc_step_ns"),
+    ("kvcanary.runtime.drain", "ViolationDrain", "drain", "kvc_drain_ns"),
     # inside drain: the status copy's start, its read, and the health check the read feeds (in-engine a drain
     # cost ~37 µs on the H200 host, 2026-12-01, against ~4 µs in bench_host: which part?)
-    ("kvcanary.drain", "ViolationDrain", "_start_status", "kvc_status_start_ns"),
-    ("kvcanary.drain", "ViolationDrain", "_read_status", "kvc_status_read_ns"),
-    ("kvcanary.manager", "CanaryManager", "_observe_health", "kvc_health_ns"),
-    ("kvcanary.manager", "CanaryManager", "_log_stats", "kvc_stats_ns"),
-    ("kvcanary.metrics", "CanaryMetrics", "observe", "kvc_metrics_ns"),
-    ("kvcanary.installation", "Installation", "account_forward", "kvc_account_ns"),
+    ("kvcanary.runtime.drain", "ViolationDrain", "_start_status", "kvc_status_start_ns"),
+    ("kvcanary.runtime.drain", "ViolationDrain", "_read_status", "kvc_status_read_ns"),
+    ("kvcanary.runtime.manager", "CanaryManager", "_observe_health", "kvc_health_ns"),
+    ("kvcanary.runtime.manager", "CanaryManager", "_log_stats", "kvc_stats_ns"),
+    ("kvcanary.report.metrics", "CanaryMetrics", "observe", "kvc_metrics_ns"),
+    ("kvcanary.runtime.installation", "Installation", "account_forward", "kvc_account_ns"),
     ("kvcanary.sglang.hooks", "AdapterHooks", "_batch_init", "kvc_batch_ns"),
-    ("kvcanary.manager", "CanaryManager", "assign_requests", "kvc_assign_ns"),  # inside the batch hook
+    ("kvcanary.runtime.manager", "CanaryManager", "assign_requests", "kvc_assign_ns"),  # inside the batch hook
     # a decode graph's padded rows zeroed before its replay (inside the forward, outside the pieces above)
     ("kvcanary.sglang.hooks", "AdapterHooks", "zero_stale_padding", "kvc_populate_ns"),
 )
@@ -276,7 +276,7 @@ def install_kvcanary_pieces() -> int:
                           "e2e_probe")
     if os.environ.get(DEVICE_ENV) == "1":
         for name in ("before_forward", "after_forward"):  # outside their host timers (patched above)
-            patched += _patch("kvcanary.manager", "CanaryManager", name, _device_timed, "e2e_probe_device")
+            patched += _patch("kvcanary.runtime.manager", "CanaryManager", name, _device_timed, "e2e_probe_device")
     return patched
 
 

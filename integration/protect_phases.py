@@ -31,11 +31,11 @@ import re
 import statistics
 import time
 
-ACTION_SCHEMA = "kvcanary.action/1"  # = kvcanary.protect.ACTION_SCHEMA (tests/integration checks it)
-ABORT_PREFIX = "kvcanary: KV cache integrity violation"  # = kvcanary.protect.ABORT_MESSAGE_PREFIX
+ACTION_SCHEMA = "kvcanary.action/1"  # = kvcanary.runtime.protect.ACTION_SCHEMA (tests/integration checks it)
+ABORT_PREFIX = "kvcanary: KV cache integrity violation"  # = kvcanary.runtime.protect.ABORT_MESSAGE_PREFIX
 REQUEST_ACTIONS = ("recompute", "abort", "missed")
 EVICT = "evict"
-# The last cumulative protect line of a runner (kvcanary.protect.ProtectStats.line).
+# The last cumulative protect line of a runner (kvcanary.runtime.protect.ProtectStats.line).
 PROTECT_RE = re.compile(
     r"kvcanary protect: step=(?P<step>\d+) recomputed=(?P<recomputed>\d+) aborted=(?P<aborted>\d+) "
     r"missed=(?P<missed>\d+) nodes_evicted=(?P<nodes_evicted>\d+) slots_evicted=(?P<slots_evicted>\d+) "

@@ -77,7 +77,7 @@ from test_plugin import plugin_env, with_test_plugin, write_test_plugin  # noqa:
 
 # ---------------------------------------------------------------------------------------------------- facts
 # The fault classes a live engine can take through KVCANARY_FAULT, and the reason names kvcanary reports for
-# each (must equal kvcanary.faults.EXPECTED_REASONS; tests/integration checks it, this file does not import it).
+# each (must equal kvcanary.runtime.faults.EXPECTED_REASONS; tests/integration checks it, this file does not import it).
 E2E_FAULTS: tuple[str, ...] = (
     "req_to_token_redirect",
     "real_kv_flip",

@@ -26,7 +26,7 @@ def bench():
 
 
 def test_host_time_line_counts_the_batch_hook() -> None:
-    from kvcanary.installation import HostTime
+    from kvcanary.runtime.installation import HostTime
 
     host = HostTime(forwards=4, eager_forwards=4, hook_ns=200_000, in_forward_ns=400_000, batch_inits=4,
                     batch_init_ns=100_000, forward_ns=4_000_000)

@@ -89,7 +89,7 @@ def test_stream_timing_ttft_and_itl(bench) -> None:
 def test_host_window_reads_kvcanarys_own_lines(bench) -> None:
     """The shape's window runs from the last host-time line before its begin marker to the last before its end
     marker; the cumulative averages are differenced (lines from kvcanary's own HostTime)."""
-    from kvcanary.installation import HostTime
+    from kvcanary.runtime.installation import HostTime
 
     def line(forwards: int, canary_ns: int) -> str:
         return HostTime(forwards=forwards, eager_forwards=forwards, hook_ns=canary_ns,

@@ -22,8 +22,8 @@ import _sglang_cpu_shims  # noqa: E402  (the CPU-only machine's import shim, as 
 
 _sglang_cpu_shims.apply()
 
-from kvcanary import cli  # noqa: E402
 from kvcanary import sglang as adapter  # noqa: E402
+from kvcanary.cli.main import main  # noqa: E402
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
@@ -46,7 +46,7 @@ def model(tmp_path, monkeypatch) -> str:
 
 def check(*args: str) -> tuple[int, str]:
     out = io.StringIO()
-    code = cli.main(["check", *args], out=out)
+    code = main(["check", *args], out=out)
     return code, out.getvalue()
 
 
@@ -131,7 +131,7 @@ def test_unsupported_or_missing_sglang_exits_1_saying_which(model, monkeypatch, 
 
 def test_help_describes_the_command(capsys) -> None:
     with pytest.raises(SystemExit) as exc:
-        cli.main(["check", "--help"])
+        main(["check", "--help"])
     assert exc.value.code == 0
     help_text = " ".join(capsys.readouterr().out.split())
     assert "launch_server" in help_text and "Exit status 0" in help_text and "--json" in help_text

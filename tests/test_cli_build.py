@@ -6,12 +6,13 @@ import io
 
 import pytest
 
-from kvcanary import cli, jit
+from kvcanary.cli.main import main
+from kvcanary.kernels import jit
 
 
 def test_build_cpu_puts_the_library_in_the_cache_and_says_where(capsys: pytest.CaptureFixture[str]) -> None:
     out = io.StringIO()
-    assert cli.main(["build", "--backend", "cpu"], out=out) == 0
+    assert main(["build", "--backend", "cpu"], out=out) == 0
     lines = out.getvalue().splitlines()
     backend, _, when, library = lines[0].split("\t")
     assert backend == "cpu" and (when == "cached" or when.endswith(" s"))
@@ -20,7 +21,7 @@ def test_build_cpu_puts_the_library_in_the_cache_and_says_where(capsys: pytest.C
 
 
 def test_a_bad_arch_is_named(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["build", "--backend", "cuda", "--arch", "bogus"], out=io.StringIO()) == 2
+    assert main(["build", "--backend", "cuda", "--arch", "bogus"], out=io.StringIO()) == 2
     assert "kvcanary build: --arch: expected a CUDA arch" in capsys.readouterr().err
 
 
@@ -30,7 +31,7 @@ def test_a_failed_cuda_build_is_one_line(monkeypatch, capsys: pytest.CaptureFixt
 
     monkeypatch.setattr(jit, "build", no_nvcc)
     monkeypatch.setattr(jit, "is_built", lambda backend, *, arch=None: False)
-    assert cli.main(["build", "--backend", "cuda", "--arch", "9.0a"], out=io.StringIO()) == 1
+    assert main(["build", "--backend", "cuda", "--arch", "9.0a"], out=io.StringIO()) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert err.endswith("kvcanary build: the cuda build failed: ninja exited with status 127 (the CUDA build needs "

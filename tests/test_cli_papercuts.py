@@ -16,7 +16,10 @@ from pathlib import Path
 import pytest
 
 import kvcanary
-from kvcanary import cli, config, demo, doctor, faults, jit
+from kvcanary.cli import demo, doctor
+from kvcanary.cli.main import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, _build_parser, main
+from kvcanary.kernels import jit
+from kvcanary.runtime import config, faults
 
 # The cheapest demo that still runs the whole loop: one injection of one class after the minimum clean phase.
 QUICK_DEMO = ["demo", "--seconds", "0.1", "--injections", "1", "--faults", "token_swap", "--device", "cpu"]
@@ -78,11 +81,11 @@ def test_item1_bad_build_variables_are_named_in_one_line(tmp_path: Path, monkeyp
     ):
         with monkeypatch.context() as m:
             m.setenv(var, value)
-            assert cli.main([command, *QUICK_DEMO[1:]] if command == "demo" else [command]) == 2
+            assert main([command, *QUICK_DEMO[1:]] if command == "demo" else [command]) == 2
         err = capsys.readouterr().err
         assert len(err.splitlines()) == 1 and err.startswith(f"kvcanary {command}: {message}"), err
     monkeypatch.setenv("KVCANARY_CUDA_ARCH", "bogus")
-    assert cli.main(["doctor"]) == 1  # without a CUDA device or --compile-cuda too: refused, not silent
+    assert main(["doctor"]) == 1  # without a CUDA device or --compile-cuda too: refused, not silent
     _cuda_arch_refused(capsys.readouterr().out)
 
 
@@ -99,7 +102,7 @@ def test_item2_a_closed_pipe_is_a_quiet_stop(tmp_path: Path) -> None:
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()  # the reader leaves before the first line (the child is still importing torch)
     err = proc.stderr.read()
-    assert proc.wait(timeout=120) == cli.EXIT_BROKEN_PIPE, err
+    assert proc.wait(timeout=120) == EXIT_BROKEN_PIPE, err
     assert err == "", err
 
 
@@ -126,7 +129,7 @@ def test_item2_ctrl_c_is_one_line(tmp_path: Path) -> None:
         out, err = proc.communicate()
         pytest.fail("kvcanary demo did not stop within 60 s of Ctrl-C; stderr before the Ctrl-C:\n"
                     + "".join(seen) + "after it:\n" + err)
-    assert proc.returncode == cli.EXIT_INTERRUPTED, "".join(seen) + err
+    assert proc.returncode == EXIT_INTERRUPTED, "".join(seen) + err
     assert "Traceback" not in err and err.strip().splitlines() == ["kvcanary demo: interrupted"], err
     assert out == ""
 
@@ -141,10 +144,10 @@ def test_item3_unbounded_demo_arguments_are_refused(tmp_path: Path, capsys: pyte
                                  ("--injections", "99999999999999999999999", "in [1, 1000]"),
                                  ("--injections", "1001", "in [1, 1000]")):
         with pytest.raises(SystemExit) as exc:
-            cli.main(["demo", flag, value])
+            main(["demo", flag, value])
         assert exc.value.code == 2
         assert f"argument {flag}: expected" in (err := capsys.readouterr().err) and bounds in err, err
-    args = cli._build_parser().parse_args(["demo", "--seconds", "3600", "--injections", "1000"])
+    args = _build_parser().parse_args(["demo", "--seconds", "3600", "--injections", "1000"])
     assert (args.seconds, args.injections) == (3600.0, 1000)
 
 
@@ -186,18 +189,18 @@ def test_item8_an_unknown_flag_after_the_command_gets_its_usage(tmp_path: Path) 
 
 def test_item8_an_unknown_flag_before_the_command_is_named(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        cli.main(["--verison"])
+        main(["--verison"])
     err = capsys.readouterr().err
     assert exc.value.code == 2
     assert "kvcanary: error: unrecognized arguments: --verison (did you mean --version?)" in err
     assert "required: COMMAND" not in err
     # abbreviations argparse accepts stay accepted
-    assert cli._build_parser().parse_args(["--verb", "doctor", "--rebuild"]).verbose is True
+    assert _build_parser().parse_args(["--verb", "doctor", "--rebuild"]).verbose is True
 
 
 def test_item8_report_help_says_what_v_does_there(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        cli.main(["report", "--help"])
+        main(["report", "--help"])
     text = capsys.readouterr().out
     assert "self-test" not in text and "no effect here" in text, text
 
@@ -223,10 +226,10 @@ def test_item9_build_progress_only_when_building(monkeypatch: pytest.MonkeyPatch
 
 
 def test_item9_an_undo_is_logged_as_an_undo(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="kvcanary.faults"):
+    with caplog.at_level(logging.INFO, logger="kvcanary.runtime.faults"):
         result = demo.run_demo(seconds=0, min_forwards=50, per_class=1, fault_classes=[faults.REAL_KV_FLIP],
                                device="cpu", quiet_log=False)  # quiet_log stops the records before caplog's handler
     assert result.passed
-    messages = [r.getMessage() for r in caplog.records if r.name == "kvcanary.faults"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "kvcanary.runtime.faults"]
     assert len([m for m in messages if m.startswith("kvcanary fault injected: real_kv_flip ")]) == 1, messages
     assert len([m for m in messages if m.startswith("kvcanary fault undone: real_kv_flip ")]) == 1, messages

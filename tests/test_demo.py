@@ -9,7 +9,9 @@ import logging
 
 import pytest
 
-from kvcanary import cli, demo, faults
+from kvcanary.cli import demo
+from kvcanary.cli.main import LOG_FORMAT, _build_parser, main
+from kvcanary.runtime import faults
 from kvcanary.sim import injector
 
 FAST = ["demo", "--seconds", "0.3", "--injections", "1", "--device", "cpu"]
@@ -60,7 +62,8 @@ def test_text_and_json_forms(result: demo.DemoResult) -> None:
     assert " 2/2 | " in row and "verify_real_kv_hash" in row  # via=host_tier for both detections
     assert "PASS: every fault class detected, 0 false positives" in text
     # the violation line is the log's own: logging prefix, then the frozen key=value line
-    assert result.violation_line and result.violation_line.startswith("WARNING kvcanary.report: kvcanary violation: ")
+    assert result.violation_line
+    assert result.violation_line.startswith("WARNING kvcanary.report.reporter: kvcanary violation: ")
     obj = json.loads(json.dumps(result.to_json()))
     assert obj["passed"] is True and obj["false_positives"] == 0
     assert set(obj["faults"]) == set(faults.FAULT_CLASSES)
@@ -77,7 +80,7 @@ def test_a_missed_fault_fails_the_demo(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(injector.faults, "flip_real_kv", no_flip)
     out = io.StringIO()
-    code = cli.main(["demo", "--seconds", "0.2", "--injections", "1", "--faults", "real_kv_flip,token_swap",
+    code = main(["demo", "--seconds", "0.2", "--injections", "1", "--faults", "real_kv_flip,token_swap",
                      "--device", "cpu"], out=out)
     assert code == 1, out.getvalue()
     assert "FAIL: not every injection detected: real_kv_flip" in out.getvalue()
@@ -85,14 +88,14 @@ def test_a_missed_fault_fails_the_demo(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_cli_demo_json_exit_zero() -> None:
     out = io.StringIO()
-    assert cli.main([*FAST, "--json"], out=out) == 0, out.getvalue()
+    assert main([*FAST, "--json"], out=out) == 0, out.getvalue()
     obj = json.loads(out.getvalue())
     assert obj["schema"] == "kvcanary.demo/1" and obj["passed"] is True
 
 
 def test_cli_demo_host_tier_faults_only() -> None:
     out = io.StringIO()
-    code = cli.main(["demo", "--seconds", "0.2", "--injections", "1", "--faults", ",".join(faults.HOST_TIER_CLASSES),
+    code = main(["demo", "--seconds", "0.2", "--injections", "1", "--faults", ",".join(faults.HOST_TIER_CLASSES),
                      "--device", "cpu"], out=out)
     text = out.getvalue()
     assert code == 0, text
@@ -103,7 +106,7 @@ def test_cli_demo_host_tier_faults_only() -> None:
 
 def test_a_load_back_that_skips_the_records_fails_the_demo(monkeypatch: pytest.MonkeyPatch) -> None:
     """If the host tier's records did not follow a load-back, the clean phase reports the loaded slots: FAIL."""
-    from kvcanary.manager import CanaryManager
+    from kvcanary.runtime.manager import CanaryManager
 
     monkeypatch.setattr(CanaryManager, "load_from_host", lambda self, host_slots, device_slots: None)
     result = demo.run_demo(seconds=0, min_forwards=200, per_class=1, fault_classes=[faults.TOKEN_SWAP], device="cpu")
@@ -121,7 +124,7 @@ def test_demo_leaves_logging_as_it_found_it() -> None:
 
 def test_bad_faults_argument_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        cli.main(["demo", "--faults", "token_swap,nonsense"])
+        main(["demo", "--faults", "token_swap,nonsense"])
     assert exc.value.code == 2
     assert "nonsense" in capsys.readouterr().err
 
@@ -140,11 +143,11 @@ def test_parse_faults() -> None:
      (["demo", "-v"], True), (["report", "-v", "x.jsonl"], True), (["-v", "report", "x.jsonl"], True)],
 )
 def test_verbose_before_or_after_the_subcommand(argv: list[str], verbose: bool) -> None:
-    assert cli._build_parser().parse_args(argv).verbose is verbose
+    assert _build_parser().parse_args(argv).verbose is verbose
 
 
 def test_log_format_is_the_commands() -> None:
-    assert demo.LOG_FORMAT == cli.LOG_FORMAT
+    assert demo.LOG_FORMAT == LOG_FORMAT
 
 
 # ------------------------------------------------------------------------------------------------ protect mode
@@ -199,7 +202,7 @@ def test_a_protect_that_does_not_act_fails_the_demo(monkeypatch: pytest.MonkeyPa
 
 def test_cli_demo_protect(monkeypatch: pytest.MonkeyPatch) -> None:
     out = io.StringIO()
-    code = cli.main(["demo", "--mode", "protect", "--seconds", "0.2", "--injections", "1", "--device", "cpu",
+    code = main(["demo", "--mode", "protect", "--seconds", "0.2", "--injections", "1", "--device", "cpu",
                      "--faults", "token_swap,cached_idle_corruption", "--json"], out=out)
     assert code == 0, out.getvalue()
     obj = json.loads(out.getvalue())

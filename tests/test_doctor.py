@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import kvcanary
-from kvcanary import cli, doctor, layout
+from kvcanary.cli import doctor
+from kvcanary.cli.main import main
+from kvcanary.kernels import layout
 
 CPU_ROW = re.compile(r"^cpu\s+\|\s+\S+\s+\|\s+(cached|\d+\.\d s)\s+\|\s+PASS\s+\|\s+\d+ checks ok", re.MULTILINE)
 
@@ -91,7 +93,7 @@ def test_cpu_backend_row_reports_cached_build() -> None:
 def test_cli_exit_status_is_nonzero_when_selftest_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(doctor, "_corrupt_token", lambda canary_buf, slot: None)
     out = io.StringIO()
-    assert cli.main(["doctor"], out=out) == 1
+    assert main(["doctor"], out=out) == 1
     text = out.getvalue()
     assert re.search(r"^cpu\s+\|.*\|\s+FAIL\s+\|", text, re.MULTILINE), text
     assert "FAIL verify detects a changed token" in text
@@ -104,14 +106,14 @@ def test_cli_exit_status_is_nonzero_when_build_fails(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(doctor.jit, "build", broken_build)
     out = io.StringIO()
-    assert cli.main(["doctor"], out=out) == 1
+    assert main(["doctor"], out=out) == 1
     assert re.search(r"^cpu\s+\|.*\|\s+failed\s+\|\s+FAIL\s+\|\s+build failed: RuntimeError: compiler exploded$",
                      out.getvalue(), re.MULTILINE), out.getvalue()
 
 
 def test_cli_in_process_passes() -> None:
     out = io.StringIO()
-    assert cli.main(["doctor"], out=out) == 0, out.getvalue()
+    assert main(["doctor"], out=out) == 0, out.getvalue()
     assert CPU_ROW.search(out.getvalue()), out.getvalue()
     assert "all backends passed" in out.getvalue()
 
@@ -137,5 +139,5 @@ def test_python_m_kvcanary_doctor_subprocess(tmp_path: Path) -> None:
 
 def test_cli_requires_a_subcommand() -> None:
     with pytest.raises(SystemExit) as exc:
-        cli.main([])
+        main([])
     assert exc.value.code != 0

@@ -1,4 +1,4 @@
-"""kvcanary.metrics: the canary's counters appear in a Prometheus scrape under sglang's names and labels, fed by
+"""kvcanary.report.metrics: the canary's counters appear in a Prometheus scrape under sglang's names and labels, fed by
 deltas from the managers (counters only go up, several managers never double count), in-process
 (``generate_latest``) and in multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` + ``MultiProcessCollector``, what
 sglang's ``/metrics`` serves); without prometheus_client one INFO line says metrics are off."""
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from kvcanary import layout, metrics
-from kvcanary.manager import CanaryStats
-from kvcanary.report import Violation
-from kvcanary.tags import LaunchTag
+from kvcanary.kernels import layout
+from kvcanary.kernels.tags import LaunchTag
+from kvcanary.report import Violation, metrics
+from kvcanary.runtime.manager import CanaryStats
 
 prometheus_client = pytest.importorskip("prometheus_client", reason="the test extra installs prometheus_client")
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
@@ -161,7 +161,7 @@ def test_labels_from_rank() -> None:
 
 def test_a_failing_update_is_logged_once_and_never_raises(caplog: pytest.LogCaptureFixture) -> None:
     m = metrics.CanaryMetrics(LABELS, CollectorRegistry())
-    with caplog.at_level(logging.ERROR, logger="kvcanary.metrics"):
+    with caplog.at_level(logging.ERROR, logger="kvcanary.report.metrics"):
         m.observe([object()])  # not a manager
         m.observe([object()])
     assert len([r for r in caplog.records if "metrics update failed" in r.getMessage()]) == 1
@@ -169,7 +169,7 @@ def test_a_failing_update_is_logged_once_and_never_raises(caplog: pytest.LogCapt
 
 def test_real_manager_feeds_the_counters() -> None:
     """A real CPU CanaryManager in the serving simulator, with a real KV flip: the scrape matches its own numbers."""
-    from kvcanary import faults
+    from kvcanary.runtime import faults
     from kvcanary.sim import SimConfig, build_sim
 
     registry = CollectorRegistry()
@@ -200,8 +200,8 @@ def test_real_manager_feeds_the_counters() -> None:
 
 MULTIPROC_WRITER = textwrap.dedent("""
     import sys
-    from kvcanary import metrics
-    from kvcanary.manager import CanaryStats
+    from kvcanary.report import metrics
+    from kvcanary.runtime.manager import CanaryStats
     from kvcanary.report import Violation
 
     class Reporter:
@@ -254,12 +254,12 @@ def test_without_prometheus_client_one_info_line(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import fails
     monkeypatch.setattr(metrics, "_by_labels", {})
     monkeypatch.setattr(metrics, "_off_logged", False)
-    with caplog.at_level(logging.INFO, logger="kvcanary.metrics"):
+    with caplog.at_level(logging.INFO, logger="kvcanary.report.metrics"):
         first = metrics.metrics_for({"tp_rank": 0})
         second = metrics.metrics_for({"tp_rank": 1})
     assert isinstance(first, metrics.NoMetrics) and isinstance(second, metrics.NoMetrics)
     first.observe([FakeManager()])  # a no-op
-    lines = [r.getMessage() for r in caplog.records if r.name == "kvcanary.metrics"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvcanary.report.metrics"]
     assert lines == ["kvcanary: metrics are off (prometheus_client is not installed; pip install 'kvcanary[metrics]')"]
 
 
@@ -267,10 +267,10 @@ def _installation(mode: str, drain_every: int = 1):
     """A real CPU manager inside an Installation (the adapter's per-runner glue), with one 6-token request."""
     import torch
 
-    from kvcanary.batch import BatchView, ForwardKind
-    from kvcanary.config import Config, Mode
-    from kvcanary.installation import Group, GroupSpec, Installation
-    from kvcanary.manager import CanaryManager
+    from kvcanary.runtime.batch import BatchView, ForwardKind
+    from kvcanary.runtime.config import Config, Mode
+    from kvcanary.runtime.installation import Group, GroupSpec, Installation
+    from kvcanary.runtime.manager import CanaryManager
 
     config = Config(mode=Mode(mode), stats_every=0, drain_every=drain_every)
     r2t = torch.zeros((2, 16), dtype=torch.int32)
@@ -295,7 +295,7 @@ def _installation(mode: str, drain_every: int = 1):
 def test_installation_host_after_feeds_the_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
     """The adapter's wiring: the first host_after builds the process metrics from the manager's rank and the
     installation's model_name; every host_after adds the managers' deltas."""
-    from kvcanary import installation
+    from kvcanary.runtime import installation
 
     registry = CollectorRegistry()
     asked = []

@@ -76,8 +76,11 @@ def test_wheel_carries_kernel_sources(wheel: Path) -> None:
 
 def test_wheel_carries_python_modules(wheel: Path) -> None:
     names = _names(wheel)
-    for module in ("__init__", "__main__", "cli", "doctor", "jit", "layout", "ops", "real_kv", "demo", "summarize",
-                   "matcher", "metrics", "table", "sim/__init__", "sim/engine", "sim/injector"):
+    for module in ("__init__", "__main__", "ops", "kernels/__init__", "kernels/jit", "kernels/layout", "kernels/ops",
+                   "kernels/real_kv", "runtime/__init__", "runtime/manager", "runtime/config", "report/__init__",
+                   "report/record", "report/reporter", "report/summarize", "report/matcher", "report/metrics",
+                   "report/table", "cli/__init__", "cli/main", "cli/doctor", "cli/demo", "cli/check", "sim/__init__",
+                   "sim/engine", "sim/injector", "sglang/__init__"):
         assert f"kvcanary/{module}.py" in names, sorted(names)
     # Sources live in plugin/ in the repo but install as the top-level kvcanary package.
     assert not any(n.startswith("plugin/") for n in names), sorted(names)
@@ -112,8 +115,8 @@ def test_license_is_apache_2_and_ships_in_the_wheel(wheel: Path) -> None:
 
 
 def test_editable_wheel_carries_only_the_path_hook(tmp_path: Path) -> None:
-    """An editable install reads include/ and csrc/ from the checkout (kvcanary.jit.source_root); copying them into
-    site-packages/kvcanary (what a force-include did) left an empty kvcanary/include there after pip uninstall."""
+    """An editable install reads include/ and csrc/ from the checkout (kvcanary.kernels.jit.source_root); copying them
+    into site-packages/kvcanary (what a force-include did) left an empty kvcanary/include there after pip uninstall."""
     pytest.importorskip("editables", reason="the test extra installs editables (hatchling's editable wheels)")
     names = _names(_build("wheel:editable", tmp_path))
     assert not [n for n in names if n.startswith("kvcanary/")], sorted(names)

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from kvcanary import cli, layout, matcher, summarize
-from kvcanary.config import Mode
-from kvcanary.faults import Injection
-from kvcanary.report import Reporter, Violation
-from kvcanary.tags import LaunchTag
+from kvcanary.cli.main import main
+from kvcanary.kernels import layout
+from kvcanary.kernels.tags import LaunchTag
+from kvcanary.report import Reporter, Violation, matcher, summarize
+from kvcanary.runtime.config import Mode
+from kvcanary.runtime.faults import Injection
 
 R = layout.FailReason
 REPO = Path(__file__).resolve().parent.parent
@@ -75,7 +76,7 @@ def reports(tmp_path: Path) -> Path:
 
 def _run(argv: list[str]) -> tuple[int, str]:
     out = io.StringIO()
-    return cli.main(argv, out=out), out.getvalue()
+    return main(argv, out=out), out.getvalue()
 
 
 def test_multi_rank_summary(reports: Path) -> None:
@@ -255,7 +256,7 @@ def test_eagle_reports_pool_rank_keys_and_spec_lines(tmp_path) -> None:
     (the first H200 EAGLE run's report was read as 100 % bad lines)."""
     import json
 
-    from kvcanary.summarize import read_reports, render
+    from kvcanary.report.summarize import read_reports, render
 
     rank = {"tp_rank": 0, "pool": "target"}
     rows = [

@@ -1,15 +1,16 @@
 """kvcanary: a KV-cache integrity canary for LLM serving (an out-of-tree SGLang plugin).
 
-Kernels are JIT-built on first use (``kvcanary.ops``); ``kvcanary.ref`` is their plain reference.
+Kernels are JIT-built on first use (``kvcanary.ops``, the stable public path of ``kvcanary.kernels.ops``);
+``kvcanary.kernels.ref`` is their plain reference.
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from kvcanary import layout
-from kvcanary.batch import BatchView, ForwardKind
-from kvcanary.plan import VerifyPlan, WritePlan
-from kvcanary.real_kv import RealKvSource
+from kvcanary.kernels import layout
+from kvcanary.kernels.plan import VerifyPlan, WritePlan
+from kvcanary.kernels.real_kv import RealKvSource
+from kvcanary.runtime.batch import BatchView, ForwardKind
 
 __all__ = ["BatchView", "ForwardKind", "RealKvSource", "VerifyPlan", "WritePlan", "__version__", "layout"]

@@ -62,9 +62,9 @@ def main(argv: list[str]) -> int:
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.server_args import set_global_server_args_for_scheduler
 
-    from kvcanary import faults
+    from kvcanary.kernels.tags import LaunchTag
+    from kvcanary.runtime import faults
     from kvcanary.sglang import hooks, ranks
-    from kvcanary.tags import LaunchTag
 
     lines = _Lines()
     logging.getLogger("kvcanary").addHandler(lines)

@@ -46,8 +46,8 @@ assert TpModelWorker.forward_batch_generation.e2e_probe == "fbg_ns"
 assert Scheduler.process_batch_result.e2e_probe == "result_ns"
 assert Scheduler.launch_batch_sample_if_needed.__name__ == "probed_sample"
 assert torch.cuda.Event.synchronize.__name__ == "event_synchronize"
-from kvcanary.manager import CanaryManager
-from kvcanary.drain import ViolationDrain
+from kvcanary.runtime.manager import CanaryManager
+from kvcanary.runtime.drain import ViolationDrain
 assert CanaryManager.step.e2e_probe == "kvc_step_ns" and ViolationDrain.drain.e2e_probe == "kvc_drain_ns"
 assert lp.install_kvcanary_pieces() == 0  # once
 import importlib

@@ -32,13 +32,13 @@ import sgl_engine_0_5_23 as engine  # noqa: E402
 import sglang  # noqa: E402,F401  (installed but broken must fail, not skip)
 
 import kvcanary.sglang as kvcanary_sglang  # noqa: E402
-from kvcanary import faults  # noqa: E402
+from kvcanary.kernels.tags import LaunchTag  # noqa: E402
 from kvcanary.report import CanaryViolationError  # noqa: E402
+from kvcanary.runtime import faults  # noqa: E402
 from kvcanary.sglang import contract, v0_5_23  # noqa: E402
 from kvcanary.sglang.guards import UnsupportedSetupError  # noqa: E402
 from kvcanary.sglang.hooks import hooks_for, installation_of  # noqa: E402
 from kvcanary.sglang.targets import HookTargetError, Target, resolve_target  # noqa: E402
-from kvcanary.tags import LaunchTag  # noqa: E402
 
 FORWARDS = 210
 SWEEP_INTERVAL = 7
@@ -112,7 +112,7 @@ def test_register_is_cheap_idempotent_and_needs_no_model_runner(hooks, monkeypat
     installation, no device memory) and a second call registers nothing twice."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from kvcanary.installation import installations
+    from kvcanary.runtime.installation import installations
 
     monkeypatch.setenv("KVCANARY_MODE", "log")
     before = len(installations())

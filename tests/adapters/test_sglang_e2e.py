@@ -24,10 +24,10 @@ import hooks_state  # noqa: E402
 import sgl_engine  # noqa: E402
 import sglang  # noqa: E402,F401  (installed but broken must fail, not skip)
 
-from kvcanary import faults  # noqa: E402
+from kvcanary.kernels.tags import LaunchTag  # noqa: E402
 from kvcanary.report import CanaryViolationError  # noqa: E402
+from kvcanary.runtime import faults  # noqa: E402
 from kvcanary.sglang import hooks, radix, radix_index, v0_5_12  # noqa: E402
-from kvcanary.tags import LaunchTag  # noqa: E402
 
 FORWARDS = 210
 SWEEP_INTERVAL = 7

@@ -38,9 +38,9 @@ import hooks_state  # noqa: E402
 import sgl_engine  # noqa: E402
 import sglang  # noqa: E402,F401  (installed but broken must fail, not skip)
 
+from kvcanary.runtime.speculative import DRAFT_TOKEN_OFFSET, SpecCounters  # noqa: E402
 from kvcanary.sglang import hooks, speculative, v0_5_12  # noqa: E402
 from kvcanary.sglang.guards import UnsupportedSetupError  # noqa: E402
-from kvcanary.speculative import DRAFT_TOKEN_OFFSET, SpecCounters  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 64

@@ -25,7 +25,7 @@ import hooks_state  # noqa: E402
 import sgl_engine  # noqa: E402
 import sglang  # noqa: E402,F401
 
-from kvcanary import faults  # noqa: E402
+from kvcanary.runtime import faults  # noqa: E402
 from kvcanary.sglang import hooks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,7 +133,7 @@ def test_token_swap_leaves_no_record_the_prefix_cache_disagrees_with(tmp_path, m
     request's identical prefix, the tree linked the first slot after the shared part to that request's record
     and the sweep reported a slot no injection touched. The row is now rewritten after its detecting forward:
     every slot the RadixCache holds must carry the tree's token and the chain hash of the tree path before it."""
-    from kvcanary import layout, ref
+    from kvcanary.kernels import layout, ref
 
     inst, rows, _ = _run(tmp_path, monkeypatch, "token_swap", sgl_engine.free_port())
     injections = [r for r in rows if r["schema"] == "kvcanary.injection/1"]

@@ -25,10 +25,10 @@ import hooks_state  # noqa: E402
 import sgl_engine  # noqa: E402
 import sgl_hicache  # noqa: E402
 
-from kvcanary import faults  # noqa: E402
+from kvcanary.kernels.tags import LaunchTag  # noqa: E402
 from kvcanary.report import VIA_HOST_TIER, CanaryViolationError  # noqa: E402
+from kvcanary.runtime import faults  # noqa: E402
 from kvcanary.sglang import hicache, hooks, v0_5_12  # noqa: E402
-from kvcanary.tags import LaunchTag  # noqa: E402
 
 PREFIXES = 6  # distinct long prefixes, each reused many times: more than the device pool holds at once
 PREFIX_TOKENS = 150

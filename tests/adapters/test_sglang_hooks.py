@@ -19,9 +19,9 @@ import sgl_engine  # noqa: E402
 import sglang  # noqa: E402,F401  (installed but broken must fail, not skip)
 
 import kvcanary.sglang as kvcanary_sglang  # noqa: E402
-from kvcanary.config import Config, Mode  # noqa: E402
-from kvcanary.manager import CanaryManager  # noqa: E402
-from kvcanary.real_kv import RealKvSource  # noqa: E402
+from kvcanary.kernels.real_kv import RealKvSource  # noqa: E402
+from kvcanary.runtime.config import Config, Mode  # noqa: E402
+from kvcanary.runtime.manager import CanaryManager  # noqa: E402
 from kvcanary.sglang import (  # noqa: E402
     contract,
     fault_injection,
@@ -270,7 +270,7 @@ def _mha(page_size: int, layers: int = 3):
 
 
 def _cfg(real_kv: str = "partial"):
-    from kvcanary.config import Config
+    from kvcanary.runtime.config import Config
 
     return Config.from_env({"KVCANARY_MODE": "raise", "KVCANARY_REAL_KV": real_kv})
 
@@ -311,7 +311,7 @@ def test_real_kv_layers_are_ascii_integers(raw) -> None:
 
 
 def test_known_variable_is_not_warned_about(caplog) -> None:
-    from kvcanary.config import Config
+    from kvcanary.runtime.config import Config
 
     with caplog.at_level(logging.WARNING):
         Config.from_env({"KVCANARY_MODE": "log", "KVCANARY_REAL_KV_LAYERS": "0"})
@@ -388,7 +388,7 @@ def test_batch_view_of_binds_a_mode_table() -> None:
     by name on every call, and a mode missing from the table is refused every time (naming it)."""
     import enum
 
-    from kvcanary.batch import ForwardKind
+    from kvcanary.runtime.batch import ForwardKind
     from kvcanary.sglang import batches
 
     class Mode(enum.IntEnum):
@@ -685,7 +685,7 @@ def test_log_mode_an_error_in_the_forward_hook_or_batch_hook_stops_the_canary_no
     (later forwards call straight through); the batch hook then does nothing. Raise mode re-raises."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    from kvcanary.installation import Group, GroupSpec, Installation
+    from kvcanary.runtime.installation import Group, GroupSpec, Installation
 
     def installation(mode: Mode) -> Installation:
         cfg = Config(mode=mode, stats_every=0)

@@ -18,9 +18,10 @@ import hooks_state  # noqa: E402
 import sgl_engine  # noqa: E402
 import sglang  # noqa: E402,F401  (installed but broken must fail, not skip)
 
-from kvcanary import faults, metrics  # noqa: E402
+from kvcanary.kernels.tags import LaunchTag  # noqa: E402
+from kvcanary.report import metrics  # noqa: E402
+from kvcanary.runtime import faults  # noqa: E402
 from kvcanary.sglang import hooks  # noqa: E402
-from kvcanary.tags import LaunchTag  # noqa: E402
 
 
 def test_counters_on_the_scrape_with_sglangs_labels(tmp_path, monkeypatch) -> None:

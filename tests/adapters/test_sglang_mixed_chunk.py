@@ -16,9 +16,9 @@ if importlib.util.find_spec("sglang") is None:
 import hooks_state  # noqa: E402
 import sgl_engine  # noqa: E402
 
+from kvcanary.kernels.tags import LaunchTag  # noqa: E402
 from kvcanary.report import CanaryViolationError  # noqa: E402
 from kvcanary.sglang import hooks  # noqa: E402
-from kvcanary.tags import LaunchTag  # noqa: E402
 
 
 @pytest.fixture

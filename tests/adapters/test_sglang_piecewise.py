@@ -34,13 +34,13 @@ import hooks_state  # noqa: E402
 import sgl_engine  # noqa: E402
 import sglang  # noqa: E402,F401  (installed but broken must fail, not skip)
 
-from kvcanary import layout  # noqa: E402
-from kvcanary.batch import BatchView, ForwardKind  # noqa: E402
-from kvcanary.config import Config, Mode  # noqa: E402
-from kvcanary.installation import Group, GroupSpec, HostTime, Installation, WrapperCall  # noqa: E402
-from kvcanary.manager import CanaryManager  # noqa: E402
+from kvcanary.kernels import layout  # noqa: E402
+from kvcanary.kernels.tags import LaunchTag  # noqa: E402
+from kvcanary.runtime.batch import BatchView, ForwardKind  # noqa: E402
+from kvcanary.runtime.config import Config, Mode  # noqa: E402
+from kvcanary.runtime.installation import Group, GroupSpec, HostTime, Installation, WrapperCall  # noqa: E402
+from kvcanary.runtime.manager import CanaryManager  # noqa: E402
 from kvcanary.sglang import guards, hooks, piecewise, v0_5_12  # noqa: E402
-from kvcanary.tags import LaunchTag  # noqa: E402
 
 CHUNK = 48
 CAPTURE_SIZES = [4, 8, 16, 32, 64]  # a chunk of 48 tokens pads to 64

@@ -31,10 +31,10 @@ import hooks_state  # noqa: E402
 import sgl_engine  # noqa: E402
 import sgl_models  # noqa: E402
 
-from kvcanary import faults  # noqa: E402
+from kvcanary.kernels.tags import LaunchTag  # noqa: E402
 from kvcanary.report import CanaryViolationError  # noqa: E402
+from kvcanary.runtime import faults  # noqa: E402
 from kvcanary.sglang import hooks  # noqa: E402
-from kvcanary.tags import LaunchTag  # noqa: E402
 
 FORWARDS = 150
 SWEEP_INTERVAL = 7

@@ -28,7 +28,7 @@ import sgl_engine  # noqa: E402
 import sgl_protect  # noqa: E402
 import sglang  # noqa: E402,F401  (installed but broken must fail, not skip)
 
-from kvcanary import faults, protect  # noqa: E402
+from kvcanary.runtime import faults, protect  # noqa: E402
 from kvcanary.sglang import hooks, v0_5_12  # noqa: E402
 from kvcanary.sglang import protect as sgl_protect_mod  # noqa: E402
 from kvcanary.sglang.radix import cached_nodes  # noqa: E402
@@ -263,7 +263,7 @@ def test_protect_counters_and_log_lines(make_engine, caplog) -> None:
     pytest.importorskip("prometheus_client")
     import prometheus_client
 
-    from kvcanary import metrics
+    from kvcanary.report import metrics
 
     caplog.set_level("INFO")
     clean, reqs, state, report, flipped_at, loop, inst = _decode_fault(make_engine, stream=False, max_new=16)

@@ -22,9 +22,9 @@ if not importlib.metadata.version("sglang").startswith("0.5.12"):
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
 
-from kvcanary import layout  # noqa: E402
+from kvcanary.kernels import layout  # noqa: E402
+from kvcanary.runtime.sweep_index import MIN_COMPACTION_ENTRIES  # noqa: E402
 from kvcanary.sglang import radix, radix_index, v0_5_12  # noqa: E402
-from kvcanary.sweep_index import MIN_COMPACTION_ENTRIES  # noqa: E402
 
 
 class Allocator:

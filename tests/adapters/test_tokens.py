@@ -11,8 +11,8 @@ import weakref
 
 import torch
 
+from kvcanary.runtime.token_table import TokenColumns, TokenTable
 from kvcanary.sglang.tokens import expected_token_updates
-from kvcanary.token_table import TokenColumns, TokenTable
 
 
 class Req:

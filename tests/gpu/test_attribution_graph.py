@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcanary.config import Config, Mode
-from kvcanary.simulate import DecodeRig, RigShape
+from kvcanary.cli.simulate import DecodeRig, RigShape
+from kvcanary.runtime.config import Config, Mode
 
 pytestmark = [
     pytest.mark.gpu,

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from kvcanary import layout, ops
-from kvcanary.real_kv import RealKvSource
+from kvcanary.kernels import layout, ops
+from kvcanary.kernels.real_kv import RealKvSource
 
 pytestmark = [
     pytest.mark.gpu,

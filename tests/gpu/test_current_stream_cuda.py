@@ -1,12 +1,13 @@
-"""kvcanary.streams.current_stream on CUDA: the same stream as torch.cuda.current_stream, under stream switches, and an
-event recorded on it orders after the work queued there (the token table's and the drain's stagings rely on it)."""
+"""kvcanary.runtime.streams.current_stream on CUDA: the same stream as torch.cuda.current_stream, under stream switches,
+and an event recorded on it orders after the work queued there (the token table's and the drain's stagings rely on
+it)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvcanary.streams import current_stream
+from kvcanary.runtime.streams import current_stream
 
 pytestmark = pytest.mark.gpu
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcanary.pump import PinnedChannel
+from kvcanary.runtime.pump import PinnedChannel
 
 pytestmark = pytest.mark.gpu
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcanary.serial_upload import RING_SIZE, RowSerialUpload
+from kvcanary.runtime.serial_upload import RING_SIZE, RowSerialUpload
 
 pytestmark = pytest.mark.gpu
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcanary.streams import run_on_producer_stream
+from kvcanary.runtime.streams import run_on_producer_stream
 
 pytestmark = [
     pytest.mark.gpu,
@@ -61,7 +61,7 @@ def _update_behind_a_queued_read(ordered: bool) -> tuple[list[int], list[int]]:
     """A plan the consumer stream reads (a sweep's verify, queued behind a lag) and the producer rewrites (the
     incremental sweep plan's update from node values, kvcanary.sglang.radix_index). Returns (queued read, later
     read)."""
-    from kvcanary.streams import update_on_producer_stream
+    from kvcanary.runtime.streams import update_on_producer_stream
 
     producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
     plan = torch.arange(4096, dtype=torch.int64, device="cuda")

@@ -23,7 +23,7 @@ def test_driver_imports_neither_kvcanary_nor_sglang_at_module_level() -> None:
 
 
 def test_expected_reasons_match_kvcanary(e2e) -> None:
-    from kvcanary import faults
+    from kvcanary.runtime import faults
 
     for c in e2e.E2E_FAULTS:
         assert c in faults.FAULT_CLASSES
@@ -184,12 +184,12 @@ def test_tp_size_and_fault_rank_reach_the_engine_and_the_fault_phase(e2e, tmp_pa
 
 def test_host_time_line_of_the_adapter_parses(e2e, caplog) -> None:
     """The driver reads the adapter's own ``kvcanary host time:`` line (same text, no shared code)."""
-    from kvcanary.config import Config
-    from kvcanary.installation import HostTime, Installation
+    from kvcanary.runtime.config import Config
+    from kvcanary.runtime.installation import HostTime, Installation
 
     inst = Installation(config=Config(stats_every=2), groups=[], to_views=lambda *a: [], req_to_token=None)
     inst.host_time = HostTime(eager_forwards=1, in_forward_ns=90_000)
-    with caplog.at_level("INFO", logger="kvcanary.installation"):
+    with caplog.at_level("INFO", logger="kvcanary.runtime.installation"):
         inst.account_batch_init(7_000)  # the batch hook (ForwardBatch.init_new), once per batch
         inst.account_batch_init(5_000)
         inst.account_forward(forward_ns=2_000_000, hook_ns=40_000)

@@ -202,7 +202,7 @@ def test_match_eagle(e2e) -> None:
 
 
 def test_spec_stats_line_is_the_adapters(e2e) -> None:
-    from kvcanary.speculative import SpecCounters
+    from kvcanary.runtime.speculative import SpecCounters
 
     c = SpecCounters()
     c.add_verify(rows=4, draft_token_num=3)

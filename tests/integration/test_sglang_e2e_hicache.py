@@ -10,7 +10,7 @@ DRIVER_DIR = __import__("pathlib").Path(__file__).resolve().parents[2] / "integr
 
 
 def test_host_tier_classes_match_kvcanary(e2e) -> None:
-    from kvcanary import faults
+    from kvcanary.runtime import faults
 
     hp = e2e.hicache_phases
     assert hp.HOST_TIER_FAULTS == faults.HOST_TIER_CLASSES

@@ -172,12 +172,12 @@ def test_dry_run_cli_with_piecewise(tmp_path) -> None:
 
 def test_the_adapters_host_time_line_parses_with_its_piecewise_count(e2e, caplog) -> None:
     """The driver reads kvcanary's own ``kvcanary host time:`` line (same text, no shared code)."""
-    from kvcanary.config import Config
-    from kvcanary.installation import HostTime, Installation
+    from kvcanary.runtime.config import Config
+    from kvcanary.runtime.installation import HostTime, Installation
 
     inst = Installation(config=Config(stats_every=2), groups=[], to_views=lambda *a: [], req_to_token=None)
     inst.host_time = HostTime(eager_forwards=1, in_forward_ns=250_000, piecewise_launch_ns=160_000)
-    with caplog.at_level("INFO", logger="kvcanary.installation"):
+    with caplog.at_level("INFO", logger="kvcanary.runtime.installation"):
         inst._piecewise_now = True  # what the model.forward wrapper sets when a piecewise replay served the forward
         inst.account_forward(forward_ns=2_000_000, hook_ns=40_000)
         inst.account_forward(forward_ns=3_000_000, hook_ns=60_000)

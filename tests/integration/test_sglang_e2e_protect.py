@@ -13,7 +13,7 @@ KEYS = ("21", "22", "23")
 
 
 def test_facts_match_kvcanary(e2e) -> None:
-    from kvcanary import protect
+    from kvcanary.runtime import protect
 
     pp = e2e.protect_phases
     assert pp.ACTION_SCHEMA == protect.ACTION_SCHEMA

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from kvcanary import layout, ref
-from kvcanary.real_kv import RealKvSource
+from kvcanary.kernels import layout, ref
+from kvcanary.kernels.real_kv import RealKvSource
 
 STRIDES = (32, 48, 64)
 PAGE_SIZES = (1, 2, 16)

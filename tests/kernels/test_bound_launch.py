@@ -23,9 +23,9 @@ import torch
 from canary_cases import capture_after_warmup, random_sources, random_write_launch
 from test_check import assert_same, random_check_case, run_fused
 
-from kvcanary import layout, ops
-from kvcanary.plan import WritePlan
-from kvcanary.real_kv import RealKvSource
+from kvcanary.kernels import layout, ops
+from kvcanary.kernels.plan import WritePlan
+from kvcanary.kernels.real_kv import RealKvSource
 
 SCENARIOS = 60
 H = layout.STATE_HEADER_FIELDS

@@ -5,7 +5,7 @@
   hand (drained-ring reuse before the launch, snapshot copies, per-row valid-length gather, int64 conversions) leave:
   write plan, snapshots, state header (counters, forward counter, epoch, drained_to, write index), ring rows and
   metadata rows. CPU: bit-exact, rows in order. CUDA: rows as multisets (appends race), and CUDA equals CPU.
-* kvcanary.ref.canary_check_step (the plan and verify references composed) equals the CPU kernel.
+* kvcanary.kernels.ref.canary_check_step (the plan and verify references composed) equals the CPU kernel.
 * The forward counter, the drained-ring reuse (before the launch's appends) and the many-row / many-entry grid paths,
   by hand; on CUDA, a many-block launch whose blocks all append after the reuse.
 * A CUDA graph of check + write replays with the counter +1 per replay.
@@ -22,9 +22,9 @@ import pytest
 import torch
 from canary_cases import capture_after_warmup
 
-from kvcanary import layout, ops, ref
-from kvcanary.plan import VerifyPlan, WritePlan
-from kvcanary.real_kv import RealKvSource
+from kvcanary.kernels import layout, ops, ref
+from kvcanary.kernels.plan import VerifyPlan, WritePlan
+from kvcanary.kernels.real_kv import RealKvSource
 
 SCENARIOS = 400
 CHUNKS = 4

@@ -1,6 +1,6 @@
 """CPU-CI check that the CUDA backend compiles (nvcc, no GPU needed).
 
-Builds ``kvcanary.jit.build("cuda", arch="9.0a")`` into a fresh cache directory and checks that the
+Builds ``kvcanary.kernels.jit.build("cuda", arch="9.0a")`` into a fresh cache directory and checks that the
 shared library exists. Skipped only when nvcc cannot be found. Takes ~25-40 s (one nvcc build).
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcanary import jit
+from kvcanary.kernels import jit
 
 
 def _find_nvcc() -> str | None:

@@ -1,4 +1,4 @@
-"""Differential suite: CPU kernels, CUDA kernels (when present) and kvcanary.ref agree bit for bit.
+"""Differential suite: CPU kernels, CUDA kernels (when present) and kvcanary.kernels.ref agree bit for bit.
 
 Per scenario: canary buffer bytes, write index, both counters, and violation rows. The CPU loop runs
 entries in the reference's order, so its ring equals the reference's exactly; CUDA rows arrive in any
@@ -15,7 +15,7 @@ import pytest
 import torch
 from canary_cases import Launch, kept_rows, random_verify_launch, random_write_launch, run_launch
 
-from kvcanary import ops, ref
+from kvcanary.kernels import ops, ref
 
 SCENARIOS = 1000
 CHUNKS = 10

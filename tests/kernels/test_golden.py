@@ -1,6 +1,6 @@
 """Golden values computed by SGLang's own reference of the seed semantics
 (/work/shared/golden/canary_golden.json, copied into tests/data), checked against the CPU kernels
-(and CUDA when present) directly, independent of kvcanary.ref."""
+(and CUDA when present) directly, independent of kvcanary.kernels.ref."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcanary import layout, ops
-from kvcanary.real_kv import RealKvSource
+from kvcanary.kernels import layout, ops
+from kvcanary.kernels.real_kv import RealKvSource
 
 GOLDEN = json.loads((Path(__file__).parent.parent / "data" / "canary_golden.json").read_text())
 MASK = (1 << 64) - 1
@@ -67,7 +67,7 @@ def test_splitmix64_and_mix3_golden() -> None:
     # The kernels' hashes surface through the chain: a head's prev_hash is splitmix64(anchor).
     records = GOLDEN["chain5_mode0"]["records_[token,position,prev_hash,real_kv_hash]"]
     assert GOLDEN["chain_head_prev_hash"] == records[0][2]
-    from kvcanary import ref  # the reference must agree with the golden file too
+    from kvcanary.kernels import ref  # the reference must agree with the golden file too
 
     for case in GOLDEN["splitmix64_u64"]:
         assert ref.splitmix64(case["in"]) == case["out"]
@@ -129,7 +129,7 @@ def test_verify_after_corruption_matches_golden(device: str) -> None:
 
 
 def test_real_kv_fold_of_fixed_bytes_hand_computed() -> None:
-    """A hand-rolled fold (not kvcanary.ref) over fixed bytes equals the kernel's fingerprint."""
+    """A hand-rolled fold (not kvcanary.kernels.ref) over fixed bytes equals the kernel's fingerprint."""
 
     def sm(x: int) -> int:
         x ^= x >> 30

@@ -8,7 +8,7 @@ import pytest
 import torch
 from canary_cases import int64, random_verify_launch, random_write_launch, scalar_i32, scalar_i64
 
-from kvcanary import layout, ops
+from kvcanary.kernels import layout, ops
 
 
 def devices() -> list[str]:

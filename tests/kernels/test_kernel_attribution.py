@@ -6,7 +6,7 @@ int32 expected-token table (csrc/canary_write.cuh, canary_verify.cuh, canary_pla
 * The attribution table after a write is what the launch implies (every stored record: forward counter and the
   serial of its request's row), and each metadata row describes its ring row (counter value, request row, the
   slot's attribution before the launch).
-* The plan writes each batch row's and each verify entry's req_to_token row (checked against kvcanary.ref by
+* The plan writes each batch row's and each verify entry's req_to_token row (checked against kvcanary.kernels.ref by
   tests/kernels/test_plan.py), counts a forward, and gives the same plan for an int32 and an int64 token table.
 * The raw exports: the seed ABI keeps its argument count; the ``*_attributed`` exports take the new ones after it.
 """
@@ -21,9 +21,9 @@ import torch
 from canary_cases import Launch, random_verify_launch, random_write_launch
 from test_plan import random_plan_case, run_plan
 
-from kvcanary import layout, ops
-from kvcanary.jit import load_module
-from kvcanary.plan import VerifyPlan, WritePlan
+from kvcanary.kernels import layout, ops
+from kvcanary.kernels.jit import load_module
+from kvcanary.kernels.plan import VerifyPlan, WritePlan
 
 SCENARIOS = 300
 CHUNKS = 3  # ids like [0-cuda]: integration/gpu_check.sh runs chunks 0 and 1 under compute-sanitizer memcheck

@@ -1,9 +1,9 @@
-"""kvcanary.layout mirrors include/kvcanary/layout.h: compared with the compiled export."""
+"""kvcanary.kernels.layout mirrors include/kvcanary/layout.h: compared with the compiled export."""
 
 from __future__ import annotations
 
-from kvcanary import layout
-from kvcanary.jit import load_module
+from kvcanary.kernels import layout
+from kvcanary.kernels.jit import load_module
 
 
 def test_python_layout_equals_exported_constants() -> None:
@@ -23,8 +23,8 @@ def test_reason_names_decode_every_bit() -> None:
 
 
 def test_launch_tags_and_state_header_agree_with_the_python_names() -> None:
-    """The kernels stamp and count by these values; kvcanary.tags names them for the host."""
-    from kvcanary.tags import NUM_LAUNCH_TAGS, LaunchTag
+    """The kernels stamp and count by these values; kvcanary.kernels.tags names them for the host."""
+    from kvcanary.kernels.tags import NUM_LAUNCH_TAGS, LaunchTag
 
     assert (LaunchTag.VERIFY, LaunchTag.WRITE, LaunchTag.SWEEP) == (
         layout.LAUNCH_TAG_VERIFY, layout.LAUNCH_TAG_WRITE, layout.LAUNCH_TAG_SWEEP)

@@ -2,7 +2,7 @@
 a meta tensor, a non-integer flag. Each gives a ``TypeError`` / ``ValueError`` whose message starts with
 ``"<fn>: <argument>: "`` (like the C++ checks), not tvm-ffi's positional message or torch's C++ stack.
 
-The check runs only when a call fails (kvcanary.ops), so a valid call pays nothing; these tests also pin that an
+The check runs only when a call fails (kvcanary.kernels.ops), so a valid call pays nothing; these tests also pin that an
 invalid argument the C++ layer names (a wrong dtype) still reaches the caller unchanged.
 """
 
@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from kvcanary import layout, ops
-from kvcanary.plan import VerifyPlan, WritePlan
-from kvcanary.real_kv import RealKvSource
+from kvcanary.kernels import layout, ops
+from kvcanary.kernels.plan import VerifyPlan, WritePlan
+from kvcanary.kernels.real_kv import RealKvSource
 
 NUM_SLOTS = 16
 RING = 4

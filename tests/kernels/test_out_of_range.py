@@ -14,7 +14,7 @@ import pytest
 import torch
 from canary_cases import int64, random_verify_launch, random_write_launch, scalar_i32
 
-from kvcanary import layout, ops
+from kvcanary.kernels import layout, ops
 
 OOB = layout.REASON_SLOT_OUT_OF_RANGE
 GUARD = 4096  # bytes of sentinel on each side of a guarded buffer
@@ -139,7 +139,7 @@ ASAN_SCRIPT = r"""
 import random, sys
 sys.path.insert(0, sys.argv[1])
 from canary_cases import random_write_launch, random_verify_launch
-from kvcanary import ops
+from kvcanary.kernels import ops
 for seed in range(int(sys.argv[2])):
     ops.canary_write_step(**random_write_launch(random.Random(seed)).clone_to("cpu"))
     ops.canary_verify_step(**random_verify_launch(random.Random(seed)).clone_to("cpu"))

@@ -1,4 +1,4 @@
-"""Plan kernel: CPU (and CUDA when present) bit-exact with kvcanary.ref over random batches, plus
+"""Plan kernel: CPU (and CUDA when present) bit-exact with kvcanary.kernels.ref over random batches, plus
 hand-checked cases."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from dataclasses import fields
 import pytest
 import torch
 
-from kvcanary import layout, ops, ref
-from kvcanary.plan import VerifyPlan, WritePlan
+from kvcanary.kernels import layout, ops, ref
+from kvcanary.kernels.plan import VerifyPlan, WritePlan
 
 SCENARIOS = 1000
 CHUNKS = 5

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from kvcanary import ops
+from kvcanary.kernels import ops
 
 ROWS = 40
 UNSET = -7

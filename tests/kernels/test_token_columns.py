@@ -11,8 +11,8 @@ import struct
 import pytest
 import torch
 
-from kvcanary import layout
-from kvcanary.token_table import LONG_UPDATE_TOKENS, TokenColumns, TokenTable
+from kvcanary.kernels import layout
+from kvcanary.runtime.token_table import LONG_UPDATE_TOKENS, TokenColumns, TokenTable
 
 ROWS, WIDTH = 6, 200
 CPU = torch.device("cpu")

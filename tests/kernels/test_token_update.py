@@ -25,8 +25,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from kvcanary import layout, ops
-from kvcanary.token_table import MIN_STAGING_VALUES, StagingRing, TokenTable
+from kvcanary.kernels import layout, ops
+from kvcanary.runtime.token_table import MIN_STAGING_VALUES, StagingRing, TokenTable
 
 CPU = torch.device("cpu")
 FIELDS = layout.TOKEN_UPDATE_FIELDS

@@ -22,9 +22,9 @@ import pytest
 import torch
 
 import kvcanary
-from kvcanary import layout, ops
-from kvcanary.jit import load_module
-from kvcanary.real_kv import RealKvSource
+from kvcanary.kernels import layout, ops
+from kvcanary.kernels.jit import load_module
+from kvcanary.kernels.real_kv import RealKvSource
 
 WRITE = "canary_write_step"
 VERIFY = "canary_verify_step"

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from kvcanary.batch import BatchView, ForwardKind
-from kvcanary.config import Config, Mode
-from kvcanary.manager import CanaryManager
-from kvcanary.real_kv import RealKvSource
+from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.report import Violation
+from kvcanary.runtime.batch import BatchView, ForwardKind
+from kvcanary.runtime.config import Config, Mode
+from kvcanary.runtime.manager import CanaryManager
 
 
 class OneRequest:

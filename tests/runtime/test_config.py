@@ -1,4 +1,4 @@
-"""kvcanary.config: KVCANARY_* parsing, defaults, errors and the unknown-variable warning."""
+"""kvcanary.runtime.config: KVCANARY_* parsing, defaults, errors and the unknown-variable warning."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import traceback
 
 import pytest
 
-from kvcanary.config import (
+from kvcanary.kernels.layout import RealKvHashMode
+from kvcanary.kernels.tags import NUM_LAUNCH_TAGS, LaunchTag, is_write, tag_name
+from kvcanary.runtime.config import (
     FAULT_ENV_VARS,
     KNOWN_ENV_VARS,
     Config,
@@ -22,9 +24,7 @@ from kvcanary.config import (
     parse_cuda_arch,
     unknown_env_vars,
 )
-from kvcanary.health import expected_launch_tags
-from kvcanary.layout import RealKvHashMode
-from kvcanary.tags import NUM_LAUNCH_TAGS, LaunchTag, is_write, tag_name
+from kvcanary.runtime.health import expected_launch_tags
 
 
 def test_defaults_from_empty_environment() -> None:
@@ -213,7 +213,7 @@ def test_unknown_variables_warn_but_do_not_fail(caplog: pytest.LogCaptureFixture
         "KVCANARY_FAULT": "x",
         "OTHER_VAR": "1",
     }
-    with caplog.at_level(logging.WARNING, logger="kvcanary.config"):
+    with caplog.at_level(logging.WARNING, logger="kvcanary.runtime.config"):
         cfg = Config.from_env(env)
     assert cfg.mode is Mode.LOG
     assert unknown_env_vars(env) == ["KVCANARY_MOD", "KVCANARY_SWEEP"]
@@ -229,7 +229,7 @@ def test_unknown_variables_warn_but_do_not_fail(caplog: pytest.LogCaptureFixture
 
 def test_no_warning_for_known_variables(caplog: pytest.LogCaptureFixture) -> None:
     env = {name: "" for name in KNOWN_ENV_VARS}
-    with caplog.at_level(logging.WARNING, logger="kvcanary.config"):
+    with caplog.at_level(logging.WARNING, logger="kvcanary.runtime.config"):
         Config.from_env(env)
     assert not caplog.records
 
@@ -261,7 +261,7 @@ def test_describe_is_one_line_with_every_setting() -> None:
 
 
 def test_expected_launch_tags() -> None:
-    """The one rule the manager's health check uses (kvcanary.health.expected_launch_tags)."""
+    """The one rule the manager's health check uses (kvcanary.runtime.health.expected_launch_tags)."""
     assert expected_launch_tags(0, 100, True) == (LaunchTag.VERIFY, LaunchTag.WRITE)
     assert expected_launch_tags(10, 100, True) == (LaunchTag.VERIFY, LaunchTag.WRITE, LaunchTag.SWEEP)
     assert expected_launch_tags(10, 100, False) == (LaunchTag.VERIFY, LaunchTag.WRITE)  # no sweep source: no sweeps
@@ -304,7 +304,7 @@ def test_parse_ascii_int_accepts_plain_digits(raw: str, value: int) -> None:
 )
 @pytest.mark.parametrize("raw", ["1_0", "\u0661\u0660"])
 def test_fault_integers_are_ascii_only(var: str, raw: str) -> None:
-    from kvcanary.faults import FaultPlan
+    from kvcanary.runtime.faults import FaultPlan
 
     with pytest.raises(ValueError, match=f"^{var}: expected an integer"):
         FaultPlan.from_env({"KVCANARY_FAULT": "token_swap", var: raw})
@@ -315,13 +315,13 @@ def test_fault_integers_are_ascii_only(var: str, raw: str) -> None:
 
 
 def test_fault_variables_are_listed_and_typos_warn(caplog: pytest.LogCaptureFixture) -> None:
-    from kvcanary import faults
+    from kvcanary.runtime import faults
 
     owned = {v for k, v in vars(faults).items() if k.startswith("ENV_FAULT")}
     assert owned == set(FAULT_ENV_VARS) and owned <= KNOWN_ENV_VARS
     env = {"KVCANARY_FAULT": "token_swap", "KVCANARY_FAULT_EVREY": "5", "KVCANARY_FAULTS": "all"}
     assert unknown_env_vars(env) == ["KVCANARY_FAULTS", "KVCANARY_FAULT_EVREY"]
-    with caplog.at_level(logging.WARNING, logger="kvcanary.config"):
+    with caplog.at_level(logging.WARNING, logger="kvcanary.runtime.config"):
         Config.from_env(env)
     (record,) = caplog.records
     assert "KVCANARY_FAULT_EVREY (did you mean KVCANARY_FAULT_EVERY?)" in record.getMessage()
@@ -375,7 +375,7 @@ def test_cuda_arch_bad_values_name_the_variable(raw: str, monkeypatch: pytest.Mo
     pattern += re.escape(repr(raw)) + "$"
     with pytest.raises(ValueError, match=pattern):
         Config.from_env({"KVCANARY_CUDA_ARCH": raw})
-    from kvcanary import jit
+    from kvcanary.kernels import jit
 
     monkeypatch.setenv("KVCANARY_CUDA_ARCH", raw)
     with pytest.raises(ValueError, match=pattern):
@@ -385,7 +385,7 @@ def test_cuda_arch_bad_values_name_the_variable(raw: str, monkeypatch: pytest.Mo
 
 
 def test_jit_uses_the_normalised_arch(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    from kvcanary import jit
+    from kvcanary.kernels import jit
 
     monkeypatch.setenv("KVCANARY_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("KVCANARY_CUDA_ARCH", "sm_90a")
@@ -520,7 +520,7 @@ def test_cache_dir_that_is_a_file(tmp_path, monkeypatch: pytest.MonkeyPatch) -> 
     blocker.write_text("x")
     assert "is not a directory" in _cache_error(str(blocker))
     assert "is not a directory" in _cache_error(str(blocker / "sub"))
-    from kvcanary import jit
+    from kvcanary.kernels import jit
 
     monkeypatch.setenv("KVCANARY_CACHE_DIR", str(blocker))
     with pytest.raises(ValueError, match="^KVCANARY_CACHE_DIR: .* is not a directory"):
@@ -535,7 +535,7 @@ def test_cache_dir_unwritable(open_tmp, monkeypatch: pytest.MonkeyPatch) -> None
     locked.chmod(0o555)
     import tvm_ffi.cpp  # noqa: F401 - imported here: the unprivileged child cannot read every site-package
 
-    from kvcanary import jit
+    from kvcanary.kernels import jit
 
     # Imported and hashed here, as root: the child may not enter the checkout at all (a clone in a 0700 temporary
     # directory or under /root), and where the checkout lives is not what this test checks.

@@ -1,4 +1,4 @@
-"""kvcanary.streams.current_stream: torch's current stream, its Stream object built once per raw handle."""
+"""kvcanary.runtime.streams.current_stream: torch's current stream, its Stream object built once per raw handle."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvcanary import streams
+from kvcanary.runtime import streams
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""kvcanary.health: stalled-tag detection and the periodic stats line."""
+"""kvcanary.runtime.health: stalled-tag detection and the periodic stats line."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from kvcanary.health import HealthMonitor, StatsLogger
-from kvcanary.tags import NUM_LAUNCH_TAGS, LaunchTag
+from kvcanary.kernels.tags import NUM_LAUNCH_TAGS, LaunchTag
+from kvcanary.runtime.health import HealthMonitor, StatsLogger
 
 V, W, S = int(LaunchTag.VERIFY), int(LaunchTag.WRITE), int(LaunchTag.SWEEP)
 
@@ -108,7 +108,7 @@ def test_message_names_tags() -> None:
 def test_stats_logger_period(caplog: pytest.LogCaptureFixture) -> None:
     stats = StatsLogger(every=3)
     numbers = dict(forwards=1, tokens_written=2, entries_verified=3, entries_swept=4, violations=5, lost=6)
-    with caplog.at_level(logging.INFO, logger="kvcanary.health"):
+    with caplog.at_level(logging.INFO, logger="kvcanary.runtime.health"):
         lines = {step: stats.maybe_log(step, **numbers) for step in range(1, 11)}
     assert [s for s, line in lines.items() if line is not None] == [3, 6, 9]
     assert lines[3] == (
@@ -121,7 +121,7 @@ def test_stats_logger_period(caplog: pytest.LogCaptureFixture) -> None:
 def test_stats_logger_off_and_skipped_steps(caplog: pytest.LogCaptureFixture) -> None:
     numbers = dict(forwards=0, tokens_written=0, entries_verified=0, entries_swept=0, violations=0, lost=0)
     off = StatsLogger(every=0)
-    with caplog.at_level(logging.INFO, logger="kvcanary.health"):
+    with caplog.at_level(logging.INFO, logger="kvcanary.runtime.health"):
         assert all(off.maybe_log(step, **numbers) is None for step in range(100))
     assert not caplog.records
     stats = StatsLogger(every=10)

@@ -1,4 +1,4 @@
-"""A host KV tier's records (kvcanary.host_tier): backup and load-back move a request's prefix to new slots, and
+"""A host KV tier's records (kvcanary.runtime.host_tier): backup and load-back move a request's prefix to new slots, and
 the canary follows; a wrong copy on the way is reported with via=host_tier."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 from one_request import OneRequest
 
-from kvcanary.config import Mode
 from kvcanary.report import VIA_HOST_TIER
-from kvcanary.writers import LOADED_FROM_HOST_TIER, WriterTable, loaded_from_host_tier
+from kvcanary.runtime.config import Mode
+from kvcanary.runtime.writers import LOADED_FROM_HOST_TIER, WriterTable, loaded_from_host_tier
 
 PREFIX = 6
 NEW_BASE = 80  # the device slots the load-back puts the prefix in (slots 1..PREFIX held it before)
@@ -120,7 +120,7 @@ def test_a_batch_naming_a_destination_twice_keeps_the_later_copy() -> None:
 def test_a_write_row_on_a_loaded_slot_does_not_say_via_host_tier() -> None:
     """A write violation reports the token being written; the slot's old content having come through the host tier
     says nothing about it (the row's attribution is that old content's)."""
-    from kvcanary.batch import BatchView, ForwardKind
+    from kvcanary.runtime.batch import BatchView, ForwardKind
 
     r = OneRequest(Mode.LOG)
     r.mgr.assign_requests([1], ["req-a"])

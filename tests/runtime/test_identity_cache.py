@@ -1,4 +1,4 @@
-"""kvcanary.identity_cache: one value per (object, key), objects told apart by identity."""
+"""kvcanary.runtime.identity_cache: one value per (object, key), objects told apart by identity."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import gc
 import pytest
 import torch
 
-from kvcanary.identity_cache import IdentityCache
+from kvcanary.runtime.identity_cache import IdentityCache
 
 
 def test_values_are_per_object_identity_and_key() -> None:

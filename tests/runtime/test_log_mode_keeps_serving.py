@@ -8,11 +8,11 @@ import logging
 import pytest
 import torch
 
-from kvcanary.batch import BatchView, ForwardKind
-from kvcanary.config import Config, Mode
-from kvcanary.installation import Group, GroupSpec, Installation
-from kvcanary.manager import CanaryManager
-from kvcanary.tags import LaunchTag
+from kvcanary.kernels.tags import LaunchTag
+from kvcanary.runtime.batch import BatchView, ForwardKind
+from kvcanary.runtime.config import Config, Mode
+from kvcanary.runtime.installation import Group, GroupSpec, Installation
+from kvcanary.runtime.manager import CanaryManager
 
 
 def _i64(*v: int) -> torch.Tensor:
@@ -52,7 +52,7 @@ def test_log_mode_stops_the_canary_and_serves_on(caplog) -> None:
     inst, model = _installation(Mode.LOG, strided_slots=True), Model()
     inst.wrap_model_forward(model)
     ids, pos = torch.arange(3, 7), torch.arange(4)
-    with caplog.at_level(logging.ERROR, logger="kvcanary.installation"):
+    with caplog.at_level(logging.ERROR, logger="kvcanary.runtime.installation"):
         assert torch.equal(model.forward(ids, pos, None), ids * 2 + pos)  # the model's own output
         assert torch.equal(model.forward(ids, pos, None), ids * 2 + pos)
     assert inst.stopped is not None and "out_cache_loc" in inst.stopped and "before the forward" in inst.stopped
@@ -117,7 +117,7 @@ def test_keeps_serving_is_false_outside_log_mode() -> None:
 def test_the_stop_reaches_the_health_errors_counter() -> None:
     """The installation's metrics get the stop at once (its host_after, which feeds them, no longer runs)."""
     prometheus_client = pytest.importorskip("prometheus_client")
-    from kvcanary.metrics import PREFIX, CanaryMetrics
+    from kvcanary.report.metrics import PREFIX, CanaryMetrics
 
     registry = prometheus_client.CollectorRegistry()
     inst, model = _installation(Mode.LOG, strided_slots=True), Model()

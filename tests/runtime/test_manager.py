@@ -7,13 +7,13 @@ import logging
 import pytest
 import torch
 
-from kvcanary import layout
-from kvcanary.batch import BatchView, ForwardKind
-from kvcanary.config import Config, Mode
-from kvcanary.manager import CanaryManager
-from kvcanary.real_kv import RealKvSource
+from kvcanary.kernels import layout
+from kvcanary.kernels.real_kv import RealKvSource
+from kvcanary.kernels.tags import LaunchTag
 from kvcanary.report import CanaryHealthError, CanaryViolationError
-from kvcanary.tags import LaunchTag
+from kvcanary.runtime.batch import BatchView, ForwardKind
+from kvcanary.runtime.config import Config, Mode
+from kvcanary.runtime.manager import CanaryManager
 
 NUM_SLOTS = 128
 

@@ -12,13 +12,13 @@ import logging
 import pytest
 import torch
 
-from kvcanary import writers
-from kvcanary.batch import BatchView, ForwardKind
-from kvcanary.config import Config, Mode
-from kvcanary.health import STATS_PREFIX
-from kvcanary.manager import CanaryManager
-from kvcanary.real_kv import RealKvSource
+from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.report import CanaryHealthError
+from kvcanary.runtime import writers
+from kvcanary.runtime.batch import BatchView, ForwardKind
+from kvcanary.runtime.config import Config, Mode
+from kvcanary.runtime.health import STATS_PREFIX
+from kvcanary.runtime.manager import CanaryManager
 
 NUM_SLOTS = 128
 KV_BYTES = 32

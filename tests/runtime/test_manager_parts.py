@@ -7,10 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcanary import layout, ref, writers
-from kvcanary.batch import BatchView, ForwardKind
-from kvcanary.config import Mode
-from kvcanary.device_state import (
+from kvcanary.kernels import layout, ref
+from kvcanary.kernels.tags import NUM_LAUNCH_TAGS, LaunchTag
+from kvcanary.report import Reporter
+from kvcanary.runtime import writers
+from kvcanary.runtime.batch import BatchView, ForwardKind
+from kvcanary.runtime.config import Mode
+from kvcanary.runtime.device_state import (
     STATE_FORWARD,
     STATE_HEADER,
     STATE_KERNEL_RUNS,
@@ -19,12 +22,10 @@ from kvcanary.device_state import (
     DeviceState,
     parse_header,
 )
-from kvcanary.drain import ROW_PEEK, CanaryStats, ViolationDrain
-from kvcanary.report import Reporter
-from kvcanary.sweep import Sweeper
-from kvcanary.tags import NUM_LAUNCH_TAGS, LaunchTag
-from kvcanary.token_table import TokenTable
-from kvcanary.writers import WriterTable
+from kvcanary.runtime.drain import ROW_PEEK, CanaryStats, ViolationDrain
+from kvcanary.runtime.sweep import Sweeper
+from kvcanary.runtime.token_table import TokenTable
+from kvcanary.runtime.writers import WriterTable
 
 CPU = torch.device("cpu")
 
@@ -261,7 +262,7 @@ def test_status_read_converts_the_peeked_rows_only_when_there_are_new_ones() -> 
 def test_status_copy_is_one_copy_while_the_metadata_it_carries_is_small() -> None:
     """A copy start is ~10 us of host time on a GPU host: the status copy is one copy (metadata rows first.., the
     header, the peeked ring rows: adjacent in memory) unless the metadata after the first peeked row is large."""
-    from kvcanary.device_state import STATUS_COPY_MAX_META
+    from kvcanary.runtime.device_state import STATUS_COPY_MAX_META
 
     assert len(device_state(1024).status_copy(0, ROW_PEEK).sources) == 1  # the default ring
     big = device_state(4096)

@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 from test_manager_attribution import KV_BYTES, Harness, t64
 
-from kvcanary import layout, ref
-from kvcanary.batch import BatchView, ForwardKind
-from kvcanary.config import Mode
-from kvcanary.plan import WritePlan
-from kvcanary.real_kv import RealKvSource
+from kvcanary.kernels import layout, ref
+from kvcanary.kernels.plan import WritePlan
+from kvcanary.kernels.real_kv import RealKvSource
+from kvcanary.runtime.batch import BatchView, ForwardKind
+from kvcanary.runtime.config import Mode
 
 
 def _stale_decode_batch(h: Harness, rows: list[int], stale: list[tuple[int, int]]) -> BatchView:

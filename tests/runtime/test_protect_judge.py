@@ -1,10 +1,11 @@
-"""kvcanary.protect.judge on its own (no engine): what a violation condemns of its request."""
+"""kvcanary.runtime.protect.judge on its own (no engine): what a violation condemns of its request."""
 
 from __future__ import annotations
 
-from kvcanary import layout, protect
+from kvcanary.kernels import layout
+from kvcanary.kernels.tags import LaunchTag
 from kvcanary.report import Violation
-from kvcanary.tags import LaunchTag
+from kvcanary.runtime import protect
 
 
 def _violation(step: int, row: int, slot: int, position: int, bits: int) -> Violation:

@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcanary.batch import BatchView, ForwardKind
-from kvcanary.config import Config, Mode
-from kvcanary.manager import CanaryManager
-from kvcanary.real_kv import RealKvSource
+from kvcanary.kernels.real_kv import RealKvSource
+from kvcanary.kernels.tags import LaunchTag
 from kvcanary.report import Reporter, parse_log_line
+from kvcanary.runtime.batch import BatchView, ForwardKind
+from kvcanary.runtime.config import Config, Mode
+from kvcanary.runtime.manager import CanaryManager
 from kvcanary.sglang.v0_5_12 import runner_ranks
-from kvcanary.tags import LaunchTag
 
 NUM_SLOTS = 96
 HEAD_BYTES = 32  # one KV head shard per rank: [slots, HEAD_BYTES] bytes

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from kvcanary import layout
-from kvcanary.config import Mode
+from kvcanary.kernels import layout
+from kvcanary.kernels.tags import LaunchTag
 from kvcanary.report import (
     HEALTH_SCHEMA,
     INJECTION_SCHEMA,
@@ -32,7 +32,7 @@ from kvcanary.report import (
     hex64,
     parse_log_line,
 )
-from kvcanary.tags import LaunchTag
+from kvcanary.runtime.config import Mode
 
 NEG_HASH = -0x1234_5678_9ABC_DEF0  # a negative int64, as the ring stores hashes >= 2^63
 NEG_HASH_HEX = "0xedcba98765432110"
@@ -298,7 +298,7 @@ def test_log_mode_logs_one_warning_per_violation_and_writes_jsonl(
 ) -> None:
     path = tmp_path / "sub" / "dir" / "report.jsonl"
     batch = [make(verify_row()), make(write_row()), make(sweep_row())]
-    with caplog.at_level(logging.WARNING, logger="kvcanary.report"):
+    with caplog.at_level(logging.WARNING, logger="kvcanary.report.reporter"):
         with Reporter(Mode.LOG, str(path)) as reporter:
             reporter.report(batch)
             # written already, before close
@@ -326,7 +326,7 @@ def test_raise_mode_writes_before_raising_with_all_violations(tmp_path: Path, ca
     batch = [make(verify_row(), step=s) for s in range(8)]
     reporter = Reporter(Mode.RAISE, str(path))
     try:
-        with caplog.at_level(logging.WARNING, logger="kvcanary.report"):
+        with caplog.at_level(logging.WARNING, logger="kvcanary.report.reporter"):
             reporter.report(batch, lost=3)
     except CanaryViolationError as exc:
         rows = read_jsonl(path)  # read inside the except block: no close() has happened
@@ -363,7 +363,7 @@ def test_empty_batch_is_a_no_op(tmp_path: Path) -> None:
 
 def test_lost_rows(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "r.jsonl"
-    with caplog.at_level(logging.WARNING, logger="kvcanary.report"):
+    with caplog.at_level(logging.WARNING, logger="kvcanary.report.reporter"):
         with Reporter(Mode.LOG, str(path), rank={"tp_rank": 1}) as reporter:
             reporter.report([make(verify_row(), step=4)], lost=10)
             reporter.report([], lost=5, step=6)
@@ -411,7 +411,7 @@ def test_bad_report_path_fails_at_construction(tmp_path: Path) -> None:
 
 def test_health_error_log_mode(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "r.jsonl"
-    with caplog.at_level(logging.WARNING, logger="kvcanary.report"):
+    with caplog.at_level(logging.WARNING, logger="kvcanary.report.reporter"):
         with Reporter(Mode.LOG, str(path)) as reporter:
             reporter.health_error("verify did not run", step=200, tags=[LaunchTag.VERIFY])
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
@@ -432,7 +432,7 @@ def test_health_error_raise_mode_writes_first(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("mode", [Mode.LOG, Mode.RAISE])
 def test_record_injection_writes_one_line_and_never_raises(tmp_path: Path, mode: Mode) -> None:
-    from kvcanary.faults import Injection
+    from kvcanary.runtime.faults import Injection
 
     path = tmp_path / "r.jsonl"
     inj = Injection("req_to_token_redirect", 41, (7, 9, 12), "req_to_token[3, 5]: 9 -> 7")
@@ -452,7 +452,7 @@ def test_record_injection_writes_one_line_and_never_raises(tmp_path: Path, mode:
 
 
 def test_record_injection_off_mode_and_no_path(tmp_path: Path) -> None:
-    from kvcanary.faults import Injection
+    from kvcanary.runtime.faults import Injection
 
     inj = Injection("token_swap", None, (), "input_ids[0] 1 <-> input_ids[1] 2")
     assert Reporter(Mode.OFF, str(tmp_path / "off.jsonl")).record_injection(inj) is None

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvcanary import layout
-from kvcanary.config import Mode
-from kvcanary.repeats import RepeatFilter
+from kvcanary.kernels import layout
+from kvcanary.kernels.tags import LaunchTag
 from kvcanary.report import (
     LOG_PREFIX,
     REPEAT_LOG_PREFIX,
@@ -21,10 +20,11 @@ from kvcanary.report import (
     parse_log_line,
     parse_repeat_line,
 )
-from kvcanary.tags import LaunchTag
+from kvcanary.report.repeats import RepeatFilter
+from kvcanary.runtime.config import Mode
 
 R = layout.FailReason
-LOGGER = "kvcanary.report"
+LOGGER = "kvcanary.report.reporter"
 
 
 def violation(step: int, slot: int = 17, token: int = 101, rank: dict[str, int] | None = None) -> Violation:
@@ -173,8 +173,8 @@ def test_the_managers_reporter_takes_the_window_from_its_config() -> None:
     """A Config built in code (not from the environment) sets the window of the Reporter the manager builds."""
     import torch
 
-    from kvcanary.config import Config, Mode
-    from kvcanary.manager import CanaryManager
+    from kvcanary.runtime.config import Config, Mode
+    from kvcanary.runtime.manager import CanaryManager
 
     def manager(mode: Mode, window: int) -> CanaryManager:
         return CanaryManager(Config(mode=mode, log_repeat_window=window, stats_every=0), num_slots=8,

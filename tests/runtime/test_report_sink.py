@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 from one_request import OneRequest
 
-from kvcanary import layout
-from kvcanary.config import Mode
-from kvcanary.faults import Injection
+from kvcanary.kernels import layout
+from kvcanary.kernels.tags import LaunchTag
 from kvcanary.report import (
     HEALTH_SCHEMA,
     INJECTION_SCHEMA,
@@ -26,10 +25,11 @@ from kvcanary.report import (
     Reporter,
     Violation,
 )
-from kvcanary.tags import LaunchTag
+from kvcanary.runtime.config import Mode
+from kvcanary.runtime.faults import Injection
 
 R = layout.FailReason
-LOGGER = "kvcanary.report"
+LOGGER = "kvcanary.report.reporter"
 
 
 def row(slot: int = 17) -> list[int]:
@@ -212,7 +212,7 @@ def test_fake_fd_errors_are_retried_on_the_next_report(
             raise OSError(errno.EIO, "Input/output error")
         return real_write(fd, data)
 
-    monkeypatch.setattr("kvcanary.sink.os.write", flaky_write)
+    monkeypatch.setattr("kvcanary.report.sink.os.write", flaky_write)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         rep.report([violation(1), violation(1, slot=2), violation(1, slot=3)])  # first line fails: batch dropped
         rep.report([violation(2)])  # fails again
@@ -237,7 +237,7 @@ def test_a_torn_line_does_not_corrupt_the_next(tmp_path: Path, monkeypatch: pyte
             raise OSError(errno.ENOSPC, "No space left on device")  # ... then the disk is full
         return real_write(fd, data)
 
-    monkeypatch.setattr("kvcanary.sink.os.write", half_then_enospc)
+    monkeypatch.setattr("kvcanary.report.sink.os.write", half_then_enospc)
     rep.report([violation(1)])
     rep.report([violation(2)])
     lines = path.read_text().split("\n")
@@ -279,7 +279,7 @@ def test_open_failure_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     def refuse(*args: object, **kwargs: object) -> int:
         raise OSError(errno.EROFS, "Read-only file system")
 
-    monkeypatch.setattr("kvcanary.sink.os.open", refuse)
+    monkeypatch.setattr("kvcanary.report.sink.os.open", refuse)
     with pytest.raises(ValueError, match=r"^KVCANARY_REPORT: cannot open .* Read-only file system") as info:
         Reporter(Mode.LOG, str(tmp_path / "r.jsonl"))
     assert isinstance(info.value.__cause__, OSError)

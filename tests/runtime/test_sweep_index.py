@@ -1,4 +1,4 @@
-"""The incremental sweep plan (``kvcanary.sweep_index.SweepIndex``) on its own: after any sequence of appends,
+"""The incremental sweep plan (``kvcanary.runtime.sweep_index.SweepIndex``) on its own: after any sequence of appends,
 splits and removals its live entries (plan entries that are not the padding slot) are exactly the (slot,
 predecessor, position) of the spans it holds, checked against a model of chained spans; tombstones are counted for
 the sweep to take off, and the plan is compacted by a rebuild."""
@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from kvcanary import layout
-from kvcanary.sweep import SweepPlan
-from kvcanary.sweep_index import MIN_COMPACTION_ENTRIES, Span, SweepIndex, UnplacedSpan
+from kvcanary.kernels import layout
+from kvcanary.runtime.sweep import SweepPlan
+from kvcanary.runtime.sweep_index import MIN_COMPACTION_ENTRIES, Span, SweepIndex, UnplacedSpan
 
 
 def live(planned: SweepPlan) -> list[tuple[int, int, int]]:
@@ -165,8 +165,8 @@ def test_a_plan_is_a_sweep_plan() -> None:
 
 
 def test_the_sweeper_counts_its_host_time_and_the_host_line_reports_it() -> None:
-    from kvcanary.installation import HostTime
-    from kvcanary.sweep import Sweeper
+    from kvcanary.runtime.installation import HostTime
+    from kvcanary.runtime.sweep import Sweeper
 
     launched = []
 

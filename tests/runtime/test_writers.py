@@ -7,10 +7,10 @@ import re
 import pytest
 import torch
 
-from kvcanary import writers
-from kvcanary.serial_upload import RowSerialUpload
-from kvcanary.token_table import MIN_STAGING_VALUES
-from kvcanary.writers import WriterTable
+from kvcanary.runtime import writers
+from kvcanary.runtime.serial_upload import RowSerialUpload
+from kvcanary.runtime.token_table import MIN_STAGING_VALUES
+from kvcanary.runtime.writers import WriterTable
 
 
 def test_writer_ids_wrap_around_the_ring(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,4 @@
-"""Each injector in kvcanary.faults mutates exactly what it says, logs it, and returns an Injection;
+"""Each injector in kvcanary.runtime.faults mutates exactly what it says, logs it, and returns an Injection;
 FaultPlan.from_env parses good values and names the variable on bad ones."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import logging
 import pytest
 import torch
 
-from kvcanary import faults
-from kvcanary.faults import FaultPlan, Injection
-from kvcanary.real_kv import RealKvSource
+from kvcanary.kernels.real_kv import RealKvSource
+from kvcanary.runtime import faults
+from kvcanary.runtime.faults import FaultPlan, Injection
 
 
 def _r2t() -> torch.Tensor:
@@ -22,7 +22,8 @@ def _changed(before: torch.Tensor, after: torch.Tensor) -> list[tuple[int, ...]]
 
 
 def _logged(caplog, inj: Injection) -> None:
-    lines = [r.getMessage() for r in caplog.records if r.name == "kvcanary.faults" and r.levelno == logging.WARNING]
+    lines = [r.getMessage() for r in caplog.records
+             if r.name == "kvcanary.runtime.faults" and r.levelno == logging.WARNING]
     assert len(lines) == 1, lines
     assert inj.fault in lines[0] and inj.detail in lines[0]
     caplog.clear()
@@ -197,7 +198,7 @@ def test_out_of_range_slot(caplog) -> None:
 
 
 def test_every_class_has_expected_reasons() -> None:
-    from kvcanary import layout
+    from kvcanary.kernels import layout
 
     names = set(layout.reason_names(sum(int(r) for r in layout.FailReason)))
     assert set(faults.EXPECTED_REASONS) == set(faults.FAULT_CLASSES)

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvcanary import faults
-from kvcanary.faults import EXPECTED_REASONS
+from kvcanary.runtime import faults
+from kvcanary.runtime.faults import EXPECTED_REASONS
 from kvcanary.sim.engine import SimConfig, Simulator, build_sim
 from kvcanary.sim.injector import FaultDriver
 
@@ -90,7 +90,7 @@ def test_fault_class_detected(fault: str, host_pages: int) -> None:
 
 def test_fault_table() -> None:
     """Runs last in this module: the table of the classes above (skipped if they did not run), and what it must say
-    as a whole: every class of kvcanary.faults ran with the host tier, each at 100 % with no false positive."""
+    as a whole: every class of kvcanary.runtime.faults ran with the host tier, each at 100 % with no false positive."""
     if not RESULTS:
         pytest.skip("no fault class ran")
     print(f"\n{'fault class':<34} | {'injections':>10} | {'detections':>10} | {'expected reason':<48} | {'tags':<12} "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcanary import faults
+from kvcanary.runtime import faults
 from kvcanary.sim.engine import SimConfig, Simulator, build_sim
 from kvcanary.sim.injector import FaultDriver
 

@@ -1,12 +1,13 @@
 """Protect mode in the serving simulator (issue 26 item 5): ``SimConfig.kv_sampling`` makes a request's tokens depend on
-the K/V it reads, ``Simulator.clean_tokens`` is its clean output, and ``SimProtect`` (kvcanary.protect.judge over the
-simulator) recomputes every request a fault touched to that clean output, where log mode leaves outputs changed."""
+the K/V it reads, ``Simulator.clean_tokens`` is its clean output, and ``SimProtect`` (kvcanary.runtime.protect.judge
+over the simulator) recomputes every request a fault touched to that clean output, where log mode leaves outputs
+changed."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvcanary import faults
+from kvcanary.runtime import faults
 from kvcanary.sim.engine import SimConfig, build_sim
 from kvcanary.sim.injector import FaultDriver
 from kvcanary.sim.protect import SimProtect, chain

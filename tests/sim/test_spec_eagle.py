@@ -1,4 +1,5 @@
-"""EAGLE (topk 1) speculative decoding through two real CanaryManagers (CPU kernels), checked against kvcanary.ref.
+"""EAGLE (topk 1) speculative decoding through two real CanaryManagers (CPU kernels), checked against
+kvcanary.kernels.ref.
 
 ``EagleRig`` models sglang 0.5.12's spec-v2 step exactly where the canary can see it (what each forward writes
 where, and what every later forward verifies), with a scripted accept length per row instead of a model:
@@ -22,13 +23,13 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from kvcanary import layout, ref
-from kvcanary.batch import BatchView, ForwardKind
-from kvcanary.config import Config, Mode
-from kvcanary.layout import RealKvHashMode
-from kvcanary.manager import CanaryManager
-from kvcanary.real_kv import RealKvSource
-from kvcanary.speculative import (
+from kvcanary.kernels import layout, ref
+from kvcanary.kernels.layout import RealKvHashMode
+from kvcanary.kernels.real_kv import RealKvSource
+from kvcanary.runtime.batch import BatchView, ForwardKind
+from kvcanary.runtime.config import Config, Mode
+from kvcanary.runtime.manager import CanaryManager
+from kvcanary.runtime.speculative import (
     DRAFT_TOKEN_OFFSET,
     SpecCounters,
     SpecLens,
@@ -231,7 +232,7 @@ class EagleRig:
 
     def expected_records(self, pool: str, req: Req) -> list[tuple[int, int, int, int]]:
         """(token, position, prev_hash, real_kv_hash) a one-by-one decode would leave at each committed position
-        (kvcanary.ref): the target holds token p at p, the draft holds token p + 1 at p."""
+        (kvcanary.kernels.ref): the target holds token p at p, the draft holds token p + 1 at p."""
         shift = DRAFT_TOKEN_OFFSET if pool == "draft" else 0
         src = [RealKvSource(self.kv[pool], 1, KV_BYTES, KV_BYTES)]
         out, h = [], ref.chain_head_hash()

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from kvcanary import layout
+from kvcanary.kernels import layout
 from kvcanary.report import Reporter, Violation, parse_log_line
-from kvcanary.speculative import DRAFT_ROLE, TARGET_ROLE, SpecCounters
+from kvcanary.runtime.speculative import DRAFT_ROLE, TARGET_ROLE, SpecCounters
 
 
 def _violation(rank) -> Violation:

@@ -20,7 +20,8 @@ Layout: this module (entry point, version table); ``contract`` (what a version m
 defaults every supported version shares); one thin module per version stating only what differs from them
 (``v0_5_12``, ``v0_5_23``); the shared pieces ``targets`` (hook targets, registration), ``hooks`` (hook bodies,
 install), ``installed`` (where a runner's Installation lives), ``guards``, ``pools``, ``batches``, ``radix``,
-``tokens``, ``ranks`` and ``fault_injection``; the engine-agnostic per-runner glue is :mod:`kvcanary.installation`.
+``tokens``, ``ranks`` and ``fault_injection``; the engine-agnostic per-runner glue is
+:mod:`kvcanary.runtime.installation`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import os
 from dataclasses import dataclass
 from types import ModuleType
 
-from kvcanary.config import ENV_MODE
+from kvcanary.runtime.config import ENV_MODE
 
 logger = logging.getLogger("kvcanary.sglang")
 
@@ -117,7 +118,7 @@ def register() -> None:
 
 def _register_version(adapter: ModuleType) -> None:
     """Validate the configuration, verify every target of ``adapter``, register its hooks."""
-    from kvcanary.config import Config, Mode
+    from kvcanary.runtime.config import Config, Mode
     from kvcanary.sglang.fault_injection import fault_plan_from_env
     from kvcanary.sglang.hooks import hooks_for
     from kvcanary.sglang.pools import parse_real_kv_layers

@@ -172,7 +172,7 @@ SETTINGS: tuple[Setting, ...] = (
             lambda sa, v: _hicache(sa) and v in HICACHE_VERSIONS and not _get(sa, "speculative_algorithm"),
             "set, sglang 0.5.12, no speculative decoding",
             "records and writer rows are backed up to the host tier and loaded back with the KV "
-            "(kvcanary.host_tier)", test=HICACHE_TEST),
+            "(kvcanary.runtime.host_tier)", test=HICACHE_TEST),
     Setting("enable_hierarchical_cache", "--enable-hierarchical-cache", R,
             lambda sa, v: _hicache(sa) and v not in HICACHE_VERSIONS, "set, sglang other than 0.5.12",
             "kvcanary follows the host tier's backups and loads on sglang 0.5.12 only",

@@ -28,9 +28,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from kvcanary.batch import ForwardKind
-from kvcanary.config import Config
-from kvcanary.installation import GroupSpec
+from kvcanary.runtime.batch import ForwardKind
+from kvcanary.runtime.config import Config
+from kvcanary.runtime.installation import GroupSpec
 from kvcanary.sglang import batches, guards, piecewise, pools, radix, radix_index, ranks
 from kvcanary.sglang.batches import BatchViewFn
 from kvcanary.sglang.contract import RunnerParts

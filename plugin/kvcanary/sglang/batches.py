@@ -1,5 +1,5 @@
-"""ForwardBatch → :class:`~kvcanary.batch.BatchView` (SPEC §4.3 mode table): the forward-mode mapping comes from the
-version module (``FORWARD_MODES``), the ForwardBatch fields read here are ``forward_mode``, ``req_pool_indices``,
+"""ForwardBatch → :class:`~kvcanary.runtime.batch.BatchView` (SPEC §4.3 mode table): the forward-mode mapping comes from
+the version module (``FORWARD_MODES``), the ForwardBatch fields read here are ``forward_mode``, ``req_pool_indices``,
 ``out_cache_loc`` (``out_cache_loc_swa`` when present), ``extend_prefix_lens`` and ``extend_seq_lens``."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from kvcanary.batch import BatchView, ForwardKind
-from kvcanary.identity_cache import IdentityCache
-from kvcanary.installation import GroupSpec
+from kvcanary.runtime.batch import BatchView, ForwardKind
+from kvcanary.runtime.identity_cache import IdentityCache
+from kvcanary.runtime.installation import GroupSpec
 
 # (forward_batch, input_ids, positions, ones, empty) -> BatchView: a version module's batch_view.
 BatchViewFn = Callable[[object, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], BatchView]

@@ -19,12 +19,12 @@ from typing import Protocol
 
 import torch
 
-from kvcanary.batch import BatchView, ForwardKind
-from kvcanary.config import Config
-from kvcanary.installation import GroupSpec, Installation, WrapperCall
+from kvcanary.runtime.batch import BatchView, ForwardKind
+from kvcanary.runtime.config import Config
+from kvcanary.runtime.installation import GroupSpec, Installation, WrapperCall
+from kvcanary.runtime.sweep import SweepPlan
 from kvcanary.sglang.radix_index import RadixNodeHooks
 from kvcanary.sglang.targets import Target
-from kvcanary.sweep import SweepPlan
 
 # The hook bodies of kvcanary.sglang.hooks.AdapterHooks a version can attach to targets; a version module's
 # HOOK_TARGETS maps each to its target. REQUIRED_HOOKS must be there; the others fix one version's quirks.
@@ -119,7 +119,7 @@ class VersionModule(Protocol):
     def sweep_source(self, tree_cache, producer_stream: Callable[[], torch.cuda.Stream | None] | None = None
                      ) -> Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | SweepPlan] | None:
         """``() -> (slots, prevs, positions)`` of every slot the prefix cache holds, or a plan of them the source
-        keeps up to date (:class:`kvcanary.sweep.SweepPlan`); None: it cannot be swept."""
+        keeps up to date (:class:`kvcanary.runtime.sweep.SweepPlan`); None: it cannot be swept."""
 
     def wrapper_gate(self, inst: Installation) -> Callable[[], WrapperCall]:
         """How kvcanary's ``model.forward`` wrapper classifies each of its calls (``inst.wrapper_call``)."""

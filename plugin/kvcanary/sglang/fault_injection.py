@@ -1,8 +1,8 @@
-"""KVCANARY_FAULT in a real sglang engine (tests only): the :class:`~kvcanary.faults.FaultPlan` of this rank,
+"""KVCANARY_FAULT in a real sglang engine (tests only): the :class:`~kvcanary.runtime.faults.FaultPlan` of this rank,
 :func:`inject_fault` (one fault class into live engine state before a forward, undone after it) and
 :func:`repair_token_swaps` (rewrite a token swap's records once a later forward has verified them).
 
-The engine-agnostic injectors are :mod:`kvcanary.faults`; the manager is driven through its public API only
+The engine-agnostic injectors are :mod:`kvcanary.runtime.faults`; the manager is driven through its public API only
 (``sweeps_on_next_step``, ``chain_position_assert_on``, ``rewrite_last_forward``, ``before_forward``/``after_forward``).
 """
 
@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvcanary.installation import Installation
+from kvcanary.runtime.installation import Installation
 from kvcanary.sglang.batches import i64, mode_name
 from kvcanary.sglang.radix import idle_cached_slots
 
 if TYPE_CHECKING:
-    from kvcanary.faults import FaultPlan, Injection
+    from kvcanary.runtime.faults import FaultPlan, Injection
     from kvcanary.sglang.contract import VersionModule
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ CHUNKED_REMAINING = 1 << 30
 
 def fault_plan_from_env() -> FaultPlan | None:
     try:
-        from kvcanary.faults import FaultPlan
+        from kvcanary.runtime.faults import FaultPlan
     except ImportError:  # pragma: no cover - faults ships with kvcanary
         return None
     return FaultPlan.from_env()
@@ -174,7 +174,7 @@ def inject_fault(inst: Installation, step: int, fb, cls: str | None, version: Ve
       verify reads the loaded slots); after that forward the host bytes are restored and the slots loaded again
       (:class:`kvcanary.sglang.hicache.LoadFaults`).
     """
-    from kvcanary import faults
+    from kvcanary.runtime import faults
 
     if cls is None:
         cls = inst.fault_plan.pick(step)

@@ -49,8 +49,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcanary.installation import Installation
-from kvcanary.real_kv import RealKvSource
+from kvcanary.kernels.real_kv import RealKvSource
+from kvcanary.runtime.installation import Installation
 from kvcanary.sglang.pools import parse_real_kv_layers, resolve_layers, token_major_source
 from kvcanary.sglang.refusal import UnsupportedSetupError
 
@@ -194,7 +194,7 @@ def follow(tree, installations: Sequence[Installation]) -> HostTierFollower | No
 
 
 # ------------------------------------------------------------------------------------------------ fault injection
-# (KVCANARY_FAULT, tests only: the host-tier classes of kvcanary.faults act on a load-back's copies)
+# (KVCANARY_FAULT, tests only: the host-tier classes of kvcanary.runtime.faults act on a load-back's copies)
 def host_and_device_sources(controller) -> list[tuple[RealKvSource, RealKvSource]] | None:
     """(host copy, device buffer) byte views of the K and V of each real-KV layer (``KVCANARY_REAL_KV_LAYERS``) of
     an MHA HiCache; None for a host layout whose per-token bytes are not one contiguous run (``page_head`` splits
@@ -272,7 +272,7 @@ class LoadFaults:
 
     def before_start_loading(self) -> None:
         """Inside ``start_loading``, before its copies are enqueued: apply the armed class to the first load op."""
-        from kvcanary import faults
+        from kvcanary.runtime import faults
 
         if self.armed is None or not self.controller.load_queue:
             return

@@ -25,11 +25,11 @@ from types import ModuleType
 
 import torch
 
-from kvcanary.config import Config
-from kvcanary.identity_cache import IdentityCache
-from kvcanary.installation import Group, Installation, installations, remember
-from kvcanary.manager import CanaryManager
-from kvcanary.report import Reporter
+from kvcanary.report.reporter import Reporter
+from kvcanary.runtime.config import Config
+from kvcanary.runtime.identity_cache import IdentityCache
+from kvcanary.runtime.installation import Group, Installation, installations, remember
+from kvcanary.runtime.manager import CanaryManager
 from kvcanary.sglang import hicache, speculative
 from kvcanary.sglang.batches import BatchConverter, mode_name, unsupported_mode
 from kvcanary.sglang.contract import VersionModule

@@ -1,9 +1,9 @@
-"""Where the adapter keeps a ModelRunner's :class:`~kvcanary.installation.Installation` (a leaf module: the hooks,
-protect mode and a version module's own checks all read it, and none of them needs to import another for it)."""
+"""Where the adapter keeps a ModelRunner's :class:`~kvcanary.runtime.installation.Installation` (a leaf module: the
+hooks, protect mode and a version module's own checks all read it, and none of them needs to import another for it)."""
 
 from __future__ import annotations
 
-from kvcanary.installation import Installation
+from kvcanary.runtime.installation import Installation
 
 # The attribute of a ModelRunner that holds its Installation.
 INSTALL_ATTR = "_kvcanary"

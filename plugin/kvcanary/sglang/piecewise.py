@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from kvcanary.installation import Installation, WrapperCall
+from kvcanary.runtime.installation import Installation, WrapperCall
 from kvcanary.sglang.refusal import UnsupportedSetupError
 
 logger = logging.getLogger(__name__)

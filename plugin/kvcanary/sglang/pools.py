@@ -1,4 +1,4 @@
-"""KV pools → groups: one :class:`~kvcanary.installation.GroupSpec` per shadowed (sub-)pool of an sglang
+"""KV pools → groups: one :class:`~kvcanary.runtime.installation.GroupSpec` per shadowed (sub-)pool of an sglang
 token-to-KV pool, with the real-KV sources the fingerprint reads (``KVCANARY_REAL_KV_LAYERS``, the adapter's own
 variable). The pool classes come from the version module (:class:`PoolClasses`); the buffers they hold
 (``k_buffer``/``v_buffer``, ``kv_buffer``, ``full_kv_pool``/``swa_kv_pool``) are read here."""
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcanary.config import Config, parse_ascii_int
-from kvcanary.installation import GroupSpec
-from kvcanary.real_kv import RealKvSource
+from kvcanary.kernels.real_kv import RealKvSource
+from kvcanary.runtime.config import Config, parse_ascii_int
+from kvcanary.runtime.installation import GroupSpec
 
 ENV_REAL_KV_LAYERS = "KVCANARY_REAL_KV_LAYERS"
 DEFAULT_REAL_KV_LAYERS: tuple[int, ...] = (0, -1)
@@ -34,7 +34,7 @@ def parse_real_kv_layers(environ: Mapping[str, str] | None = None) -> tuple[int,
     """``KVCANARY_REAL_KV_LAYERS``: comma-separated layer indices (negative counts from the last layer).
 
     Default ``0,-1`` (the first and the last layer). Each index is ASCII digits with an optional sign, as every
-    ``KVCANARY_*`` integer (``kvcanary.config.parse_ascii_int``: no ``1_0``, no non-ASCII digits). A bad value
+    ``KVCANARY_*`` integer (``kvcanary.runtime.config.parse_ascii_int``: no ``1_0``, no non-ASCII digits). A bad value
     raises ValueError naming the variable.
     """
     env = os.environ if environ is None else environ

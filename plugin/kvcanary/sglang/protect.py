@@ -1,12 +1,12 @@
-"""Protect mode on sglang 0.5.12 (``KVCANARY_MODE=protect``): the actions :mod:`kvcanary.protect` decides, done with
-sglang's own scheduler calls between forwards.
+"""Protect mode on sglang 0.5.12 (``KVCANARY_MODE=protect``): the actions :mod:`kvcanary.runtime.protect` decides, done
+with sglang's own scheduler calls between forwards.
 
 Hooks (registered only in protect mode, ``PROTECT_HOOK_TARGETS`` of the version module):
 
 * ``Scheduler.init_cache_with_memory_pool`` (after): one :class:`SchedulerProtect` per scheduler over its
   installations and its prefix cache; setups it cannot protect are refused here, at start-up;
 * ``ForwardBatch.init_new`` (after): the forward's rows, requests, sequence and prefix lengths
-  (:class:`kvcanary.protect.BatchHistory`);
+  (:class:`kvcanary.runtime.protect.BatchHistory`);
 * ``Scheduler.get_next_batch_to_run`` (before): act on every violation drained since the last call, where sglang
   itself retracts requests (``update_running_batch``), before the next batch is built;
 * ``Scheduler.process_batch_result`` (before, only with ``KVCANARY_PROTECT_HOLD=1``): wait for the device, drain,
@@ -51,10 +51,10 @@ from types import ModuleType
 
 import torch
 
-from kvcanary import protect
-from kvcanary.config import Config, Mode
-from kvcanary.installation import Installation, installations
-from kvcanary.metrics import metrics_for
+from kvcanary.report.metrics import metrics_for
+from kvcanary.runtime import protect
+from kvcanary.runtime.config import Config, Mode
+from kvcanary.runtime.installation import Installation, installations
 from kvcanary.sglang.installed import installation_of
 from kvcanary.sglang.radix import cached_nodes
 

@@ -13,7 +13,7 @@ that cannot be followed (a subclass such as HiRadixCache, 0.5.23's legacy RadixC
 The walk is tight (no generator, no per-node dict, ``numel()`` as the cheapest size read of a node value) and the
 gather is 11 torch calls whatever the node count (one cat behind a -1, so every predecessor is one
 ``index_select``; the host facts in one upload). Node values are read on the scheduler's stream, which frees and
-reuses them (:mod:`kvcanary.streams`).
+reuses them (:mod:`kvcanary.runtime.streams`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from kvcanary.streams import run_on_producer_stream
+from kvcanary.runtime.streams import run_on_producer_stream
 
 _Entries = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -106,7 +106,7 @@ def radix_sweep_source(tree, producer_stream: Callable[[], torch.cuda.Stream | N
     ``producer_stream()`` returns the stream the tree's node values live on (sglang's scheduler stream), or None
     (CPU, or the event loop has not started): the gather runs there, because the scheduler frees and reuses node
     value blocks on that stream while the sweep's caller (the forward stream) may still lag behind
-    (:mod:`kvcanary.streams`).
+    (:mod:`kvcanary.runtime.streams`).
 
     """
 

@@ -3,8 +3,8 @@
 Why. Walking the tree on every sweep whose tree changed (:func:`kvcanary.sglang.radix.radix_sweep_source`) costs
 ~1-2 ms of host time per sweep in a serving engine, where the tree changes between nearly every two sweeps (phase 2
 of the H200 driver: 141 µs per forward at a sweep every 10 forwards, most of kvcanary's host cost). Here each node
-of the tree is a span of a :class:`kvcanary.sweep_index.SweepIndex`, and the tree's own methods tell the index what
-changed (instance attributes of the one tree, wrapped once; nothing else is patched):
+of the tree is a span of a :class:`kvcanary.runtime.sweep_index.SweepIndex`, and the tree's own methods tell the index
+what changed (instance attributes of the one tree, wrapped once; nothing else is patched):
 
 * **a node stored** (the version's ``RadixNodeHooks.stored``: 0.5.12's ``_record_store_event``, which
   ``_insert_helper`` calls with every node it creates, and only then): the node is *pending*; at the next sweep all
@@ -24,8 +24,8 @@ exactly the entries the tree holds at that moment; a sweep of an unchanged tree 
 is (no device work before it), a sweep after changes costs a few device operations for what changed.
 
 Streams: the appends read node values, which sglang's scheduler stream produces and frees, so they run on that
-stream (:func:`kvcanary.streams.update_on_producer_stream`) after the sweeps already queued on the forward stream,
-which waits for them.
+stream (:func:`kvcanary.runtime.streams.update_on_producer_stream`) after the sweeps already queued on the forward
+stream, which waits for them.
 
 Only an exact ``RADIX_CACHE_CLASS`` instance is followed (:func:`kvcanary.sglang.base.sweep_source`): a subclass
 (HiRadixCache moves node values to and from the host in methods of its own) is walked on every sweep.
@@ -41,9 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcanary.streams import update_on_producer_stream
-from kvcanary.sweep import SweepPlan
-from kvcanary.sweep_index import Span, SweepIndex, UnplacedSpan
+from kvcanary.runtime.streams import update_on_producer_stream
+from kvcanary.runtime.sweep import SweepPlan
+from kvcanary.runtime.sweep_index import Span, SweepIndex, UnplacedSpan
 
 logger = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 
 sglang's ``EAGLEWorkerV2`` runs two ModelRunners over one slot space: the target and a draft model with its own KV
 pool (``is_draft_worker``; both share ``req_to_token`` and the allocator). kvcanary installs in both, one manager
-per pool (the draft's with the token shift of :data:`kvcanary.speculative.DRAFT_TOKEN_OFFSET`), and its lines and
-records carry ``pool=target`` / ``pool=draft``. Per scheduler step (seq_lens = L committed positions, the bonus
+per pool (the draft's with the token shift of :data:`kvcanary.runtime.speculative.DRAFT_TOKEN_OFFSET`), and its lines
+and records carry ``pool=target`` / ``pool=draft``. Per scheduler step (seq_lens = L committed positions, the bonus
 token at L known), in this order:
 
 ==============================  ======================  ===================================================
@@ -23,7 +23,7 @@ IDLE (DP attention)             as the runner           nothing written, plan/ve
 
 The draft-extend graph leaves the padded rows' ``req_pool_indices`` stale (0.5.12): its replay hook zeroes them
 first, as ``after_populate`` does for decode and verify graphs. Rejected drafts are never rolled back: see
-:mod:`kvcanary.speculative` for why no later verify can reach their records. ``DRAFT_EXTEND`` (spec v1) and
+:mod:`kvcanary.runtime.speculative` for why no later verify can reach their records. ``DRAFT_EXTEND`` (spec v1) and
 every other mode are refused by name; so are the setups :func:`check_speculative` lists.
 """
 
@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcanary.batch import BatchView, ForwardKind
-from kvcanary.installation import Installation
-from kvcanary.sglang.batches import dense
-from kvcanary.speculative import (
+from kvcanary.kernels.tags import LaunchTag
+from kvcanary.runtime.batch import BatchView, ForwardKind
+from kvcanary.runtime.installation import Installation
+from kvcanary.runtime.speculative import (
     DRAFT,
     DRAFT_ROLE,
     TARGET,
@@ -50,7 +50,7 @@ from kvcanary.speculative import (
     draft_extend_view,
     target_verify_view,
 )
-from kvcanary.tags import LaunchTag
+from kvcanary.sglang.batches import dense
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,8 @@ def manager_kwargs(role: PoolRole | None) -> dict[str, int]:
 
 
 class SpecBatchView:
-    """A version's ``batch_view`` plus the speculative modes (SPEC §4.3 mode table, ``kvcanary.speculative``)."""
+    """A version's ``batch_view`` plus the speculative modes (SPEC §4.3 mode table,
+    ``kvcanary.runtime.speculative``)."""
 
     def __init__(self, base: Callable[..., BatchView], lens: SpecLens) -> None:
         self.base = base
@@ -219,8 +220,8 @@ def log_stats(state: SpecState) -> None:
 
 
 def feed_metrics(state: SpecState) -> None:
-    """``sglang:kv_canary_drafts_rolled_back_total`` (kvcanary.metrics; the installation builds its metrics on its
-    first host step): the growth of this pool's ``rolled_back`` count."""
+    """``sglang:kv_canary_drafts_rolled_back_total`` (kvcanary.report.metrics; the installation builds its metrics on
+    its first host step): the growth of this pool's ``rolled_back`` count."""
     metrics = state.inst.metrics
     if metrics is not None:
         metrics.update_drafts(state.counters, state.counters.rolled_back)

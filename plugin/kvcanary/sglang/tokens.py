@@ -6,7 +6,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 
-from kvcanary.token_table import TokenColumns, TokenRuns
+from kvcanary.runtime.token_table import TokenColumns, TokenRuns
 
 
 def _ref_of(req: object) -> Callable[[], object]:
@@ -22,7 +22,7 @@ def _ref_of(req: object) -> Callable[[], object]:
 
 
 def expected_token_updates(mirror: dict, reqs) -> TokenColumns:
-    """What each request's row gained since its last upload, as :class:`~kvcanary.token_table.TokenColumns` (its
+    """What each request's row gained since its last upload, as :class:`~kvcanary.runtime.token_table.TokenColumns` (its
     updates are ``(row, start, tokens)``; ``mirror`` is updated: row -> [a weak reference to the request, tokens sent,
     the last token sent]).
 

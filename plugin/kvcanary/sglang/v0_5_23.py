@@ -45,14 +45,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvcanary.installation import Installation, WrapperCall
+from kvcanary.runtime.installation import Installation, WrapperCall
+from kvcanary.runtime.streams import run_on_producer_stream
 from kvcanary.sglang import base, guards, radix, ranks
 from kvcanary.sglang.base import *  # noqa: F403  (the shared defaults; what follows is what 0.5.23 states)
 from kvcanary.sglang.contract import RunnerParts
 from kvcanary.sglang.installed import installation_of
 from kvcanary.sglang.refusal import UnsupportedSetupError
 from kvcanary.sglang.targets import Target
-from kvcanary.streams import run_on_producer_stream
 
 logger = logging.getLogger(__name__)
 
@@ -249,7 +249,7 @@ def sweep_source(tree_cache, producer_stream: Callable[[], torch.cuda.Stream | N
     """``() -> (slots, prevs, positions)`` of every slot the prefix cache holds, or None for a cache kvcanary cannot
     walk. UnifiedRadixCache: its tree core's ``walk_for_kv_canary`` (every FULL device slot with its position and
     predecessor, -1 under the root; device-evicted nodes keep their depth); a legacy RadixCache: the shared walker.
-    The walk runs on the scheduler's stream (the node values' producer; :mod:`kvcanary.streams`)."""
+    The walk runs on the scheduler's stream (the node values' producer; :mod:`kvcanary.runtime.streams`)."""
     unified = pkgutil.resolve_name(UNIFIED_RADIX_CACHE_CLASS)
     if isinstance(tree_cache, unified):
         core = tree_cache.tree_core

@@ -2,10 +2,10 @@
 
 * :mod:`kvcanary.sim.engine`: :class:`~kvcanary.sim.engine.Simulator`, a small SGLang-like serving loop (prefix
   cache with eviction, slot reuse, chunked prefill, decode, mixed and idle forwards, optionally a HiCache-like host
-  KV tier with backups and load-backs) that drives a real :class:`~kvcanary.manager.CanaryManager` once per
+  KV tier with backups and load-backs) that drives a real :class:`~kvcanary.runtime.manager.CanaryManager` once per
   forward.
 * :mod:`kvcanary.sim.injector`: :class:`~kvcanary.sim.injector.FaultDriver`, which injects the fault classes of
-  :mod:`kvcanary.faults` into a running simulator one at a time, repairs each after it is reported, and scores
+  :mod:`kvcanary.runtime.faults` into a running simulator one at a time, repairs each after it is reported, and scores
   the canary's reports (detections, latency, false positives).
 * :mod:`kvcanary.sim.protect`: :class:`~kvcanary.sim.protect.SimProtect`, protect mode over the simulator (the
   requests that read bad KV recomputed, the cached nodes holding bad slots dropped), for ``kvcanary demo --mode

@@ -68,8 +68,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcanary.batch import BatchView, ForwardKind
-from kvcanary.real_kv import RealKvSource
+from kvcanary.kernels.real_kv import RealKvSource
+from kvcanary.runtime.batch import BatchView, ForwardKind
 
 M64 = (1 << 64) - 1
 KV_BYTES = 64  # bytes per token per KV buffer
@@ -804,9 +804,9 @@ def build_sim(sim_cfg: SimConfig, *, mode: str = "raise", sweep_interval: int = 
     ``drain_every=1`` (the default here, not the runtime's) reports each violation after the forward that found
     it, so a fault driver can attribute it to that forward.
     """
-    from kvcanary.config import Config, Mode
-    from kvcanary.layout import RealKvHashMode
-    from kvcanary.manager import CanaryManager
+    from kvcanary.kernels.layout import RealKvHashMode
+    from kvcanary.runtime.config import Config, Mode
+    from kvcanary.runtime.manager import CanaryManager
 
     config = Config(mode=Mode(mode), real_kv=RealKvHashMode[real_kv.upper()], sweep_interval=sweep_interval,
                     stats_every=0, verify_tokens=sim_cfg.verify_tokens, ring_capacity=4096, drain_every=drain_every)

@@ -6,7 +6,7 @@ A :class:`FaultDriver` is the simulator's hook. Protocol:
   are false positives.
 * At most one injection is open at a time; the classes take turns (round robin) until each has ``per_class``
   injections. An injection is open until a violation with one of its class's expected reasons
-  (``kvcanary.faults.EXPECTED_REASONS``) names one of the slots it touched ("detected"), or until ``deadline``
+  (``kvcanary.runtime.faults.EXPECTED_REASONS``) names one of the slots it touched ("detected"), or until ``deadline``
   forwards pass ("missed").
 * Closing repairs the fault so that the next injection starts clean: a redirected or out-of-range
   ``req_to_token`` entry is restored, a flipped byte is flipped back, and requests whose own records went bad
@@ -22,14 +22,14 @@ A :class:`FaultDriver` is the simulator's hook. Protocol:
   bytes return at ``post_load``, once the copy has read them); closing rewrites the loaded pages' device copies.
 * Protect mode (:class:`kvcanary.sim.protect.SimProtect` acts before the driver scores): the victims are
   recomputed rather than aborted (closing aborts only a request still running), and a request protect recomputed
-  is never chosen again (it would be aborted after ``kvcanary.protect.MAX_RECOMPUTES``, and each injection's
+  is never chosen again (it would be aborted after ``kvcanary.runtime.protect.MAX_RECOMPUTES``, and each injection's
   actions are its own). :meth:`FaultDriver.note_action` attributes each ``kvcanary.action/1`` record to the
   injection it answers (the open one, else the last closed).
 * Precision: every violation must name a slot of the open injection (one it touched, or one of a victim request
   whose chain it corrupted: that request's next writes build on the bad record), or of one closed fewer than
   ``grace`` forwards ago (the same fault still draining); anything else is a false positive.
 
-Each injector uses only :mod:`kvcanary.faults` and the simulator's own state; which row or slot is hit is drawn
+Each injector uses only :mod:`kvcanary.runtime.faults` and the simulator's own state; which row or slot is hit is drawn
 from a seeded ``random.Random``, so a run is reproducible.
 """
 
@@ -40,9 +40,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvcanary import faults
-from kvcanary.faults import EXPECTED_REASONS, Injection
-from kvcanary.report import VIA_HOST_TIER, Violation
+from kvcanary.report.record import VIA_HOST_TIER, Violation
+from kvcanary.runtime import faults
+from kvcanary.runtime.faults import EXPECTED_REASONS, Injection
 from kvcanary.sim.engine import LoadBack, Node, Request, Simulator
 
 
@@ -95,7 +95,7 @@ class FaultDriver:
     """The simulator hook that injects ``classes`` in turn and scores the canary's reports (module docstring).
 
     Args:
-        classes: fault class names (``kvcanary.faults.FAULT_CLASSES``), injected round robin.
+        classes: fault class names (``kvcanary.runtime.faults.FAULT_CLASSES``), injected round robin.
         seed: seeds the choice of rows, slots, bytes and masks.
         per_class: injections per class before the driver is done.
         warmup: the first forward that may inject (or call :meth:`arm` later).

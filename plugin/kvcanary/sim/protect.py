@@ -1,10 +1,11 @@
 """Protect mode (``KVCANARY_MODE=protect``) in the serving simulator: what :mod:`kvcanary.sglang.protect` does in
 sglang's scheduler, done with the simulator's own calls between forwards, over the same engine-agnostic judge
-(:func:`kvcanary.protect.judge`), action records and counters (:mod:`kvcanary.protect`).
+(:func:`kvcanary.runtime.protect.judge`), action records and counters (:mod:`kvcanary.runtime.protect`).
 
 :class:`SimProtect` is a simulator hook (chain it with a fault driver: :func:`chain`):
 
-* ``pre_forward``: the forward's rows, requests, sequence and prefix lengths (:class:`kvcanary.protect.BatchHistory`);
+* ``pre_forward``: the forward's rows, requests, sequence and prefix lengths
+  (:class:`kvcanary.runtime.protect.BatchHistory`);
 * ``pre_results`` (``hold``, the ``KVCANARY_PROTECT_HOLD=1`` behaviour): wait for the device and drain
   (``mgr.flush()``), then act, before the forward's tokens are appended to its requests;
 * ``post_step`` (the forward's tokens appended; sglang's ``get_next_batch_to_run`` hook, the only place it acts
@@ -14,8 +15,8 @@ sglang's scheduler, done with the simulator's own calls between forwards, over t
 Acting: every request a violation condemns is recomputed (:meth:`Simulator.retract`: its KV released uncached, its
 outputs from ``Verdict.keep_len`` on dropped, requeued with the kept tokens as its prompt), or aborted after
 ``MAX_RECOMPUTES``; a request that finished before protect acted is ``missed`` (the detection window). The
-prefix-cache nodes holding a bad slot (:func:`kvcanary.protect.slot_scoped` violations, and the slots a condemned
-request wrote from ``Verdict.taint_from`` on) are dropped with their subtrees (:meth:`Simulator.discard`, host
+prefix-cache nodes holding a bad slot (:func:`kvcanary.runtime.protect.slot_scoped` violations, and the slots a
+condemned request wrote from ``Verdict.taint_from`` on) are dropped with their subtrees (:meth:`Simulator.discard`, host
 copies included) once no running request holds them; the running requests that hold one are recomputed from their
 prompt. The simulator has no streaming and no speculative decoding, so nothing here needs sglang's abort path.
 """
@@ -26,7 +27,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from kvcanary import protect
+from kvcanary.runtime import protect
 from kvcanary.sim.engine import Node, Request, Simulator
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,311 @@
+"""The device half of one canary (SPEC §5): every buffer the kernels read and write, and every launch.
+
+:class:`DeviceState` owns the canary buffer, the write and verify plans, one flat int64 state buffer (a header,
+then the violation ring) right after the violation metadata in one allocation (so that the host drains the header,
+the next ring rows and their metadata with one copy), the per-slot writer attribution, the row serials, and the
+forward's snapshot of token ids, positions and slots. Every buffer keeps its address for the state's lifetime
+(CUDA-graph capture). Every kernel launch of the runtime (``kvcanary.kernels.ops``) happens here, and only here (host →
+device uploads live with their owners: the token table, the sweep plan):
+
+* ``DeviceState.check_batch(batch, count_forward, forward_step_value)``: one ``canary_check_step`` launch (plan +
+  verify of every batch row's prefix, the write plan, the snapshot of token ids, positions and slots, the forward
+  counter, the drained-ring reuse);
+* ``DeviceState.write_tokens(num_tokens)``: write;
+* :meth:`DeviceState.sweep`: verify over a sweep plan (tag SWEEP).
+
+The forward counter (kvcanary+). Forward k is the one after which the manager's ``step()`` has run k times
+(``steps``). The header's forward counter holds the number of the forward whose launches run: the check launch of
+every forward sets it, to ``steps + 1`` when ``check_batch`` runs eagerly (the host knows the number), or to
+the counter + 1 when the launch is captured in a CUDA graph (each replay counts one forward: no host work, no
+sync). Every violation row gets a metadata row beside it (``violation_meta``; the ring's 8 columns stay the
+seed's) holding the counter value its launch read, the request's req_to_token row and the slot's writer
+attribution. A sweep launched by ``step()`` after forward k reads k: its rows say step k too.
+
+What keeps the counter equal to ``steps``: eager planning sets it, so a re-plan inside a forward (an adapter
+rewriting records) or a warm-up run that no ``step()`` follows cannot push it ahead; :meth:`mark_init_finished`
+(called once warm-up and graph capture are over) sets it to ``steps``, so the first replay after the warm-up
+runs counts from there. The drain (:mod:`kvcanary.runtime.drain`) corrects any drift that nothing anchored.
+
+Writer attribution (kvcanary+): ``slot_attribution`` (int64 ``[num_slots, 2]``) gets, from the write kernel, the
+forward counter and the writer serial of every record it stores; the writer serial is ``row_serials[req_to_token
+row]`` (:meth:`upload_row_serials`; serials are handed out by :mod:`kvcanary.runtime.writers`). Verify and sweep read it
+for failing entries only.
+
+The drain reads this state only through :meth:`status_copy`, :meth:`ring_segments`, :func:`parse_header` and
+:meth:`acknowledge_ring`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from kvcanary.kernels import layout, ops
+from kvcanary.kernels.plan import VerifyPlan, WritePlan
+from kvcanary.kernels.real_kv import RealKvSource
+from kvcanary.kernels.tags import NUM_LAUNCH_TAGS, LaunchTag
+from kvcanary.runtime.serial_upload import RowSerialUpload
+from kvcanary.runtime.token_table import TokenTable
+
+logger = logging.getLogger(__name__)
+
+# The flat int64 state buffer: a header (layout ``STATE_*``, the kernels' kvcanary/layout.h), then the violation
+# ring. The ring's int32 write index lives in the low half of element 0.
+STATE_HEADER = layout.STATE_HEADER_FIELDS
+STATE_WRITE_INDEX = layout.STATE_WRITE_INDEX
+STATE_KERNEL_RUNS = layout.STATE_KERNEL_RUNS
+STATE_SLOT_RUNS = layout.STATE_SLOT_RUNS
+STATE_RING_EPOCH = layout.STATE_RING_EPOCH
+STATE_FORWARD = layout.STATE_FORWARD
+STATE_DRAINED_TO = layout.STATE_DRAINED_TO
+STATE_RING_LOST_AT_RESET = layout.STATE_RING_LOST_AT_RESET
+STATE_RING_REUSED_AT = layout.STATE_RING_REUSED_AT
+_KERNEL_RUNS = slice(STATE_KERNEL_RUNS, STATE_KERNEL_RUNS + NUM_LAUNCH_TAGS)
+_SLOT_RUNS = slice(STATE_SLOT_RUNS, STATE_SLOT_RUNS + NUM_LAUNCH_TAGS)
+_MAX_CACHED_SEGMENTS = 64  # status-copy source views kept (one per (first, peek_end) the drain asks for)
+# Metadata elements a status copy may carry beyond the rows it peeks to be one copy instead of two (64 KiB, a few
+# µs of copy-engine time per drain period at most): the default 1024-row ring's whole table (32 KiB) qualifies.
+STATUS_COPY_MAX_META = 8192
+
+
+class StateHeader(NamedTuple):
+    """A host copy of the state header (see :func:`parse_header`)."""
+
+    write_index: int  # the ring's int32 write index (negative: it wrapped, the ring is full)
+    kernel_runs: tuple[int, ...]  # per launch tag
+    slot_runs: tuple[int, ...]  # per launch tag
+    ring_epoch: int  # how many times the drained ring was emptied
+    forward: int  # the device forward counter
+    lost_at_reset: int  # rows never stored that ring resets counted (cumulative; the host reports them lost)
+    reused_at: int  # the acknowledged index the last ring reuse applied (where the emptied epoch ended)
+
+
+class StatusCopy(NamedTuple):
+    """One status copy (:meth:`DeviceState.status_copy`): its device sources, copied back to back, and where its
+    parts land in the copy (offsets in int64 elements)."""
+
+    sources: tuple[torch.Tensor, ...]
+    state_at: int  # the header, then the ring rows up to the peek's end
+    meta_at: int  # the metadata of the first peeked row, then the next rows'
+
+
+def parse_header(values: Sequence[int]) -> StateHeader:
+    """The header at the start of a host copy of the state buffer (``values``: at least ``STATE_HEADER`` ints)."""
+    index = values[STATE_WRITE_INDEX] & 0xFFFFFFFF
+    index = index - (1 << 32) if index >= 1 << 31 else index  # the int32 in the low half
+    # (positional: a NamedTuple built by keywords costs ~1 us more, and the drain parses one header per read)
+    return StateHeader(index, tuple(values[_KERNEL_RUNS]), tuple(values[_SLOT_RUNS]), values[STATE_RING_EPOCH],
+                       values[STATE_FORWARD], values[STATE_RING_LOST_AT_RESET], values[STATE_RING_REUSED_AT])
+
+
+def _staged(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host int64 values to copy to ``device`` without blocking (pinned on CUDA: the caching host allocator keeps
+    the buffer until the copy has run)."""
+    staged = torch.tensor(values, dtype=torch.int64)
+    return staged.pin_memory() if device.type == "cuda" else staged
+
+
+class DeviceState:
+    """The buffers and launches of one KV pool's canary (arguments as in
+    :class:`~kvcanary.runtime.manager.CanaryManager`, already checked by it).
+
+    Public buffers (stable addresses): ``canary_buf``, ``write_plan``, ``state`` (the flat
+    header + ring) and its views ``violation_write_index``, ``kernel_run_counters``,
+    ``slot_run_counters``, ``violation_ring``, ``forward_counter``; ``violation_meta``, ``slot_attribution``,
+    ``row_serials``, ``enable_chain_position_assert``, and the snapshot ``input_ids_snapshot``,
+    ``positions_snapshot``, ``out_cache_loc_snapshot``. Per-forward launches: ``check_batch`` / ``write_tokens``
+    (bound calls, below).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_slots: int,
+        req_to_token: torch.Tensor,
+        device: torch.device,
+        max_batch_size: int,
+        max_tokens_per_forward: int,
+        ring_capacity: int,
+        real_kv_sources: Sequence[RealKvSource],
+        real_kv_mode: int,
+        swa_window_size: int,
+        kv_token_id_vs_position_offset: int,
+        full_to_swa_index_mapping: torch.Tensor | None,
+        token_table: TokenTable | None,
+    ) -> None:
+        self.device = dev = device
+        self.req_to_token = req_to_token
+        self.real_kv_sources = tuple(real_kv_sources)
+        self.real_kv_mode = real_kv_mode
+        self._real_kv_launch = ops.prepare_real_kv(self.real_kv_sources, dev)  # once, not per launch
+        self.swa_window_size = swa_window_size
+        self.kv_token_id_vs_position_offset = kv_token_id_vs_position_offset
+        self.full_to_swa_index_mapping = full_to_swa_index_mapping
+        self.ring_capacity = ring_capacity
+        i64 = {"dtype": torch.int64, "device": dev}
+
+        self.canary_buf = torch.zeros((num_slots, layout.RECORD_BYTES), dtype=torch.uint8, device=dev)
+        self.write_plan = WritePlan.allocate(max_batch_size, dev)
+        # One allocation: the violation metadata table (kvcanary+), then the state buffer. The status copy then
+        # takes the metadata rows it peeks, the header and the peeked ring rows in ONE device -> host copy while
+        # the metadata it carries along is small (:meth:`status_copy`): each copy start is ~10 us of host time.
+        meta = layout.VIOLATION_META_FIELDS
+        self._meta_numel = ring_capacity * meta
+        self._status_backing = torch.empty(self._meta_numel + STATE_HEADER + ring_capacity * layout.VIOLATION_FIELDS,
+                                           **i64)
+        self.state = state = self._status_backing[self._meta_numel :]
+        state.zero_()
+        self.violation_write_index = state[STATE_WRITE_INDEX : STATE_WRITE_INDEX + 1].view(torch.int32)[0:1]
+        self.kernel_run_counters = state[STATE_KERNEL_RUNS : STATE_KERNEL_RUNS + NUM_LAUNCH_TAGS]
+        self.slot_run_counters = state[STATE_SLOT_RUNS : STATE_SLOT_RUNS + NUM_LAUNCH_TAGS]
+        self.violation_ring = state[STATE_HEADER:].view(ring_capacity, layout.VIOLATION_FIELDS)
+        self.forward_counter = state[STATE_FORWARD : STATE_FORWARD + 1]
+        # kvcanary+ metadata beside the ring (row i describes ring row i) and writer attribution beside the
+        # canary buffer; the ring and the 32-byte records stay the seed's.
+        self.violation_meta = self._status_backing[: self._meta_numel].view(ring_capacity, meta)
+        self.violation_meta.fill_(layout.META_UNKNOWN)
+        self.slot_attribution = torch.full((num_slots, layout.SLOT_ATTRIBUTION_FIELDS), layout.META_UNKNOWN, **i64)
+        self.row_serials = torch.full((req_to_token.shape[0],), layout.META_UNKNOWN, **i64)
+        # (its stagings are allocated on the first upload: a canary that never gets a new request holds none)
+        self._row_serial_upload = RowSerialUpload(self.row_serials)
+        # Ring index up to which the host has read every row (<= 0: none acknowledged): the check launch of the
+        # next forward empties the ring if nothing was appended since (csrc/canary_check.cuh).
+        self._ring_drained_to = state[STATE_DRAINED_TO : STATE_DRAINED_TO + 1]
+        self.enable_chain_position_assert = torch.zeros(1, dtype=torch.int32, device=dev)
+        # The forward's own copy of the batch's token ids, positions and slots: some models change them in place
+        # during the forward, and the write after it must record what the forward was given.
+        self.input_ids_snapshot = torch.zeros(max_tokens_per_forward, **i64)
+        self.positions_snapshot = torch.zeros(max_tokens_per_forward, **i64)
+        self.out_cache_loc_snapshot = torch.zeros(max_tokens_per_forward, **i64)
+        # The token check: the table and its per-row valid lengths (uploads are the TokenTable's; the check launch
+        # reads each batch row's valid length itself).
+        self._expected_tokens: torch.Tensor | None = None
+        self._expected_valid_lens_by_row: torch.Tensor | None = None
+        if token_table is not None:
+            self._expected_tokens = token_table.expected_tokens
+            self._expected_valid_lens_by_row = token_table.valid_lens_by_row
+        self._sweep_views = self._build_counter_views(LaunchTag.SWEEP)  # (verify-tag launches: the check's state)
+        self._status_copies: dict[tuple[int, int], StatusCopy] = {}
+        # The two per-forward launches, their fixed arguments bound once (a forward's host time is the product's cost)
+        self._check = ops.CheckLaunch(
+            state=self.state, canary_buf=self.canary_buf, write_plan=self.write_plan, req_to_token=req_to_token,
+            input_ids_out=self.input_ids_snapshot, positions_out=self.positions_snapshot,
+            out_cache_loc_out=self.out_cache_loc_snapshot, violation_meta=self.violation_meta,
+            slot_attribution=self.slot_attribution, swa_window_size=swa_window_size,
+            full_to_swa_index_mapping=full_to_swa_index_mapping, expected_tokens=self._expected_tokens,
+            expected_valid_lens_by_row=self._expected_valid_lens_by_row,
+            kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, real_kv_sources=self._real_kv_launch,
+            real_kv_hash_mode=real_kv_mode, check_tokens=self._expected_tokens is not None,
+        )
+        self._write = ops.WriteLaunch(
+            canary_buf=self.canary_buf, write_plan=self.write_plan, input_ids=self.input_ids_snapshot,
+            positions=self.positions_snapshot, out_cache_loc=self.out_cache_loc_snapshot, kernel_kind=LaunchTag.WRITE,
+            **self._build_counter_views(LaunchTag.WRITE),
+            enable_chain_position_assert=self.enable_chain_position_assert, real_kv_sources=self._real_kv_launch,
+            real_kv_hash_mode=real_kv_mode,
+        )
+        # The two per-forward launches, their fixed arguments bound once, called positionally (a frame and a keyword
+        # call fewer than methods: a forward's host time is the product's cost):
+        # ``check_batch(batch, count_forward, forward_step_value)``: everything that runs before the model writes KV,
+        # as ONE launch (``ops.canary_check_step``): plan and verify every batch row's prefix, store the write plan,
+        # snapshot the batch's token ids, positions and slots, set the forward counter (``count_forward`` 1: to
+        # ``forward_step_value``, or the counter + 1 when that is -1, i.e. captured) and empty a ring the host
+        # acknowledged in full. The batch was validated and fits the capacities (the manager checks both); its
+        # arrays may be int32 or int64. ``write_tokens(num_tokens)``: write the records of the last planned forward's
+        # ``num_tokens`` tokens from the snapshot (after the model wrote KV): one launch.
+        self.check_batch = self._check.of_batch
+        self.write_tokens = self._write
+
+    # ------------------------------------------------------------------------------------------ launches
+    def _build_counter_views(self, tag: LaunchTag) -> dict[str, torch.Tensor]:
+        """The ring, counter and metadata arguments of a ``tag`` launch (built once: slicing costs host time)."""
+        views = {
+            "violation_ring": self.violation_ring,
+            "violation_write_index": self.violation_write_index,
+            "slot_run_counter": self.slot_run_counters[tag : tag + 1],
+            "kernel_run_counter": self.kernel_run_counters[tag : tag + 1],
+            "violation_meta": self.violation_meta,
+            "forward_step": self.forward_counter,
+            "slot_attribution": self.slot_attribution,
+        }
+        if tag == LaunchTag.WRITE:
+            views["row_serials"] = self.row_serials
+        return views
+
+    def sweep(self, plan: VerifyPlan, skipped: int = 0) -> None:
+        """Verify ``plan``'s entries with real-KV and no token check, tag SWEEP (host-called, outside capture).
+
+        ``skipped``: how many of the entries are tombstones (the padding slot): verify's entry counter counts every
+        plan entry, so they are taken off the SWEEP count right after the launch, in stream order (a status copy
+        sees both or neither)."""
+        views = self._sweep_views
+        ops.canary_verify_step(
+            canary_buf=self.canary_buf,
+            **plan.kernel_args(),
+            kernel_kind=LaunchTag.SWEEP,
+            **views,
+            real_kv_sources=self._real_kv_launch,
+            real_kv_hash_mode=self.real_kv_mode,
+            check_tokens=False,
+        )
+        if skipped:
+            views["slot_run_counter"].sub_(skipped)
+
+    # ------------------------------------------------------------------------------------------ host-called updates
+    def mark_init_finished(self, steps: int) -> None:
+        """Switch the write chain-position assert on and set the forward counter to ``steps``."""
+        self.enable_chain_position_assert.fill_(1)
+        self.forward_counter.fill_(steps)
+
+    def set_snapshot_position(self, index: int, position: int) -> None:
+        """Overwrite the snapshot position of token ``index`` of the last forward (stream-ordered)."""
+        self.positions_snapshot[index] = position
+
+    def upload_row_serials(self, rows: list[int], serials: list[int]) -> None:
+        """``row_serials[rows[i]] = serials[i]``: one batched, non-blocking upload (a reused staging, one launch that
+        reads it in place: :class:`kvcanary.runtime.serial_upload.RowSerialUpload`)."""
+        self._row_serial_upload(rows, serials)
+
+    # ------------------------------------------------------------------------------------------ what the drain reads
+    def status_copy(self, first: int, peek_end: int) -> StatusCopy:
+        """What a status copy copies: the state prefix up to ring row ``peek_end`` (header included) and the
+        metadata of ring rows ``first..peek_end``. One source (metadata rows ``first..ring_capacity``, then the
+        state prefix: they are adjacent in memory) while those metadata rows are at most ``STATUS_COPY_MAX_META``
+        elements, else two (the state prefix, the metadata rows ``first..peek_end``)."""
+        key = (first, peek_end)
+        copy = self._status_copies.get(key)
+        if copy is None:  # views built once per range (a clean run uses one): slicing costs host time per drain
+            if len(self._status_copies) >= _MAX_CACHED_SEGMENTS:
+                self._status_copies.clear()
+            copy = self._status_copies[key] = self._build_status_copy(first, peek_end)
+        return copy
+
+    def _build_status_copy(self, first: int, peek_end: int) -> StatusCopy:
+        numel = STATE_HEADER + peek_end * layout.VIOLATION_FIELDS
+        meta_after = (self.ring_capacity - first) * layout.VIOLATION_META_FIELDS  # metadata rows first.. to the end
+        if meta_after <= STATUS_COPY_MAX_META:
+            start = self._meta_numel - meta_after
+            return StatusCopy((self._status_backing[start : self._meta_numel + numel],), state_at=meta_after,
+                              meta_at=0)
+        return StatusCopy((self.state[:numel], self.violation_meta[first:peek_end].view(-1)), state_at=0,
+                          meta_at=numel)
+
+    def ring_segments(self, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ring rows ``first..end`` and their metadata rows, both flat."""
+        return self.violation_ring[first:end].view(-1), self.violation_meta[first:end].view(-1)
+
+    def acknowledge_ring(self, index: int, epoch: int) -> None:
+        """Tell the device the host read every ring row below write index ``index`` (> 0) in ring epoch ``epoch``:
+        the next forward's check launch may then empty the ring, keeping the rows appended since (an
+        acknowledgement of an epoch the device already emptied is ignored; csrc/canary_check.cuh). A non-blocking
+        copy, stream-ordered before the next forward."""
+        value = (epoch << layout.DRAINED_TO_EPOCH_SHIFT) | index
+        self._ring_drained_to.copy_(_staged([value], self.device), non_blocking=True)
+
+    def synchronize(self) -> None:
+        """Wait for all device work (shutdown and tests only)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

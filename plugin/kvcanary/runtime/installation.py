@@ -1,0 +1,384 @@
+"""One engine runner's canary installation, independent of any engine: the managers of its KV groups
+(:class:`Group`, one :class:`~kvcanary.runtime.manager.CanaryManager` per :class:`GroupSpec`), the ``model.forward``
+wrapper that puts plan/verify/write inside the model's forward (and so inside captured CUDA graphs), the host
+half run around each real forward (fault injection, drain, sweep) and its host-time accounting.
+
+Nothing here names an engine attribute: an engine adapter (``kvcanary.sglang``) turns engine objects into
+:class:`GroupSpec`, :class:`~kvcanary.runtime.batch.BatchView` and plain callables, and calls these methods from its
+hooks.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcanary.kernels.real_kv import RealKvSource
+from kvcanary.report.metrics import CanaryMetrics, NoMetrics, metrics_for
+from kvcanary.runtime.batch import BatchView
+from kvcanary.runtime.config import Config
+from kvcanary.runtime.manager import CanaryManager, SweepSource
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(repr=False)
+class GroupSpec:
+    """One shadowed KV (sub-)pool: its slot count, real-KV sources and, for a sliding-window pool, the LUT."""
+
+    name: str
+    num_slots: int
+    sources: tuple[RealKvSource, ...]
+    swa_window_size: int = 0
+    full_to_swa_index_mapping: torch.Tensor | None = None
+    # Which slot array of a ForwardBatch this group writes: "full" (out_cache_loc) or "swa" (translated).
+    loc: str = "full"
+
+
+class WrapperCall(enum.Enum):
+    """What one call of the ``model.forward`` wrapper is, as the engine adapter's gate sees it."""
+
+    EAGER = "eager"  # run the canary: an eager forward, or a decode-graph capture (the launches are captured)
+    PIECEWISE = "piecewise"  # run the canary: a real forward a piecewise (prefill) graph runner serves around it
+    SKIP = "skip"  # run nothing: a capture-time forward of a piecewise graph runner (dummy batch, not serving)
+
+
+@dataclass
+class HostTime:
+    """Host time the canary adds to forwards, against the host time of the forwards themselves (ns).
+
+    A serving engine whose scheduler loop is CPU-bound (small models, CUDA-graph decode) pays every host
+    microsecond of the canary per forward; this is what ``kvcanary host time:`` lines report. Three places add
+    it: the forward hook around each real forward (``hook_ns``), the ``model.forward`` wrapper's launches
+    (``in_forward_ns``) and the engine's per-batch hook where the batch is built (``batch_init_ns``: writer
+    attribution, token-table uploads, the fault injector's request facts; sglang's ``ForwardBatch.init_new``).
+    """
+
+    forwards: int = 0
+    eager_forwards: int = 0  # forwards whose wrapper launched eagerly, not served by a piecewise graph runner
+    forward_ns: int = 0  # around ModelRunner.forward, canary included (launch time: nothing waits for the GPU)
+    # host_before + host_after (fault injection, drain, health, stats, sweep), and the adapter's hooks that run inside
+    # the forward (sglang 0.5.12: zeroing a decode graph's padded input rows before the replay)
+    hook_ns: int = 0
+    in_forward_ns: int = 0  # the wrapper's plan/verify/write launches (eager and piecewise-served forwards)
+    piecewise_forwards: int = 0  # real forwards a piecewise (prefill) graph runner served, the wrapper around it
+    piecewise_launch_ns: int = 0  # the wrapper's launches in those forwards (part of in_forward_ns)
+    piecewise_hook_ns: int = 0  # the hooks' time in those forwards (part of hook_ns)
+    batch_inits: int = 0  # calls of the adapter's batch hook (one per batch the engine builds)
+    batch_init_ns: int = 0  # their host time (outside ModelRunner.forward: not in forward_ns)
+    host_tier_ns: int = 0  # the host KV tier's hooks (record copies of backups and load-backs; outside forwards)
+    sweep_ns: int = 0  # the prefix-cache sweeps' share of hook_ns (set when a line is made: the sweepers count it)
+
+    def line(self, step: int) -> str:
+        n = max(self.forwards, 1)
+        canary = (self.hook_ns + self.in_forward_ns + self.batch_init_ns + self.host_tier_ns) / n / 1e3
+        eager_launch = self.in_forward_ns - self.piecewise_launch_ns
+        pw = max(self.piecewise_forwards, 1)
+        # batch_init_us, then host_tier_us (only with a host tier) and sweep_us (the sweeps' part of hooks_us, only
+        # with a sweep), go last: parsers of the older line still match
+        return (
+            f"kvcanary host time: step={step} forwards={self.forwards} eager={self.eager_forwards} "
+            f"canary_us_per_forward={canary:.1f} hooks_us={self.hook_ns / n / 1e3:.1f} "
+            f"launch_us_per_eager_forward={eager_launch / max(self.eager_forwards, 1) / 1e3:.1f} "
+            f"forward_us={self.forward_ns / n / 1e3:.1f} piecewise={self.piecewise_forwards} "
+            f"launch_us_per_piecewise_forward={self.piecewise_launch_ns / pw / 1e3:.1f} "
+            f"canary_us_per_piecewise_forward={(self.piecewise_launch_ns + self.piecewise_hook_ns) / pw / 1e3:.1f} "
+            f"batch_init_us={self.batch_init_ns / n / 1e3:.1f}"
+            + (f" host_tier_us={self.host_tier_ns / n / 1e3:.1f}" if self.host_tier_ns else "")
+            + (f" sweep_us={self.sweep_ns / n / 1e3:.1f}" if self.sweep_ns else "")
+        )
+
+
+@dataclass(repr=False)
+class Group:
+    spec: GroupSpec
+    manager: CanaryManager
+
+
+@dataclass(repr=False)
+class Installation:
+    """kvcanary on one engine runner (e.g. an sglang ModelRunner): its KV groups' managers and the per-forward glue."""
+
+    config: Config
+    groups: list[Group]
+    to_views: Callable[[object, torch.Tensor, torch.Tensor], list[BatchView]]  # forward_batch, ids, pos -> per group
+    req_to_token: torch.Tensor
+    fault_plan: object | None = None
+    runner_ref: Callable[[], object] | None = None
+    steps: int = 0
+    injections: list = field(default_factory=list)
+    # Fault injection (KVCANARY_FAULT, tests only): the class due but not yet injected (no fitting batch yet)
+    # and the step it fell due; undo actions for this forward's injection, run in host_after before
+    # ("before_step") or after ("after_step") the managers' step (drain + sweep).
+    pending_fault: tuple[str, int] | None = None
+    fault_skips: int = 0
+    _undo: list = field(default_factory=list)
+    # Engine facts the adapter records for the fault injector (row -> tokens the request still decodes).
+    row_remaining: dict = field(default_factory=dict)
+    batch_reqs: list = field(default_factory=list)  # the engine's request objects of this forward's rows, in order
+    pending_repairs: list = field(default_factory=list)  # injections whose records are rewritten after detection
+    # Token check: per req_to_token row, (request object, tokens uploaded, last token uploaded), so a forward
+    # uploads only what each row appended since (the adapter keeps it).
+    token_mirror: dict = field(default_factory=dict)
+    prefix_cache: object | None = None
+    host_time: HostTime = field(default_factory=HostTime)
+    # The adapter's gate, asked on every call of the model.forward wrapper (None: always EAGER), and how many real
+    # forwards are in progress (the adapter's forward hook counts them, so the gate can tell a replay of a real
+    # forward from a capture-time one).
+    wrapper_call: Callable[[], WrapperCall] | None = None
+    serving: int = 0
+    _piecewise_now: bool = False  # this real forward was served by a piecewise graph runner (for account_forward)
+    # Prometheus counters (kvcanary.report.metrics), built on the first host_after; model_name is their label when
+    # known.
+    metrics: CanaryMetrics | NoMetrics | None = None
+    model_name: str | None = None
+    # What the metrics were last fed from: that object and the sum of the managers' drain reads then (the counts
+    # metrics read move only when a drain reads; an unchanged sum means nothing to add).
+    _metrics_fed: tuple[object, int] | None = None
+    _sweep_ns_at_init: int = 0  # the sweepers' host time before serving (HostTime restarts then)
+    # The adapter's follower of a host KV tier this runner's pool has (None: no host tier; kvcanary.sglang.hicache).
+    host_tier: object | None = None
+    # Log mode: why kvcanary stopped on this runner after an error in its part of a forward (None: running). Every
+    # per-forward entry point (the model.forward wrapper, the adapter's hooks) then calls straight through.
+    stopped: str | None = None
+    # Protect mode (KVCANARY_MODE=protect): the adapter's protector of this runner (kvcanary.sglang.protect), or None.
+    protect: object | None = None
+
+    @property
+    def manager(self) -> CanaryManager:
+        """The manager of the full pool (the first group)."""
+        return self.groups[0].manager
+
+    def keeps_serving(self, exc: Exception, where: str) -> bool:
+        """Whether the engine's forward goes on after ``exc`` was raised by kvcanary's part of it (``where``, e.g.
+        "before the forward"). Log mode: yes, and kvcanary stops on this runner (``stopped``; one ERROR line with the
+        traceback): nothing kvcanary does may stop serving, and a canary that failed half-way through a forward
+        cannot be trusted on the next. Protect mode: the same as log mode. Raise and off modes: no, the caller
+        re-raises."""
+        if not self.config.mode.keeps_serving:
+            return False
+        if self.stopped is None:
+            self.stopped = f"{where}: {type(exc).__name__}: {exc}"
+            logger.error("kvcanary: stopped on this runner after an error %s (log mode: serving goes on without the "
+                         "canary; its records are no longer checked here): %s: %s", where, type(exc).__name__, exc,
+                         exc_info=exc)
+            # The health channels say so too (a kvcanary.health/1 JSON line, the health-errors counter), so an alert
+            # on canary health fires: the health check itself stops with the canary. Once, on the first group's
+            # reporter (the groups share the report file).
+            try:
+                self.manager.reporter.health_error(f"kvcanary stopped on this runner after an error {where}: "
+                                                   f"{type(exc).__name__}: {exc}", step=self.steps)
+            except Exception:  # noqa: BLE001 - log mode: a failing report must not stop serving either
+                logger.exception("kvcanary: could not report the stop")
+            self.flush_metrics()
+        return True
+
+    # ------------------------------------------------------------------------------------------- in-graph half
+    def wrap_model_forward(self, model: torch.nn.Module) -> None:
+        """Replace the instance's ``model.forward`` so plan/verify/write sit inside captured decode graphs.
+
+        A piecewise (prefill) graph runner replays only the layer stack inside this forward: there the launches
+        run eagerly on the forward's stream before and after the replayed pieces. ``wrapper_call`` tells such
+        a forward (counted apart) from a capture-time forward of that runner (nothing runs); while torch.compile
+        traces a caller, the wrapper only calls through.
+        """
+        original = model.forward
+        if getattr(original, "kvcanary_wrapped", False):
+            return
+        install = self
+
+        @functools.wraps(original)
+        def forward(input_ids, positions, forward_batch, *args, **kwargs):
+            # torch.compile tracing this frame (a compiled caller): trace the model only, never a kvcanary op
+            # (nor a clock read: dynamo cannot trace time.perf_counter_ns).
+            if torch.compiler.is_compiling():
+                return original(input_ids, positions, forward_batch, *args, **kwargs)
+            t0 = time.perf_counter_ns()  # before the gate: asking it is the canary's host time too
+            call = install.wrapper_call() if install.wrapper_call is not None else WrapperCall.EAGER
+            if call is WrapperCall.SKIP or install.stopped is not None:
+                return original(input_ids, positions, forward_batch, *args, **kwargs)
+            try:
+                views = install.to_views(forward_batch, input_ids, positions)
+                # A real forward's adapter hook asked the device already (it runs nothing while a capture is in
+                # progress): no second driver query here. Outside one (a graph capture calling model.forward), ask.
+                capturing = False if install.serving else None
+                for group, view in zip(install.groups, views, strict=False):
+                    group.manager.before_forward(view, capturing=capturing)
+            except Exception as exc:  # (log mode: this forward and the rest run without the canary)
+                if not install.keeps_serving(exc, "before the forward (plan/verify launch)"):
+                    raise
+                return original(input_ids, positions, forward_batch, *args, **kwargs)
+            t1 = time.perf_counter_ns()
+            out = original(input_ids, positions, forward_batch, *args, **kwargs)
+            t2 = time.perf_counter_ns()
+            try:
+                for group, view in zip(install.groups, views, strict=False):
+                    group.manager.after_forward(view)
+            except Exception as exc:
+                if not install.keeps_serving(exc, "after the forward (write launch)"):
+                    raise
+                return out
+            host = install.host_time
+            launch = t1 - t0 + time.perf_counter_ns() - t2
+            host.in_forward_ns += launch
+            if call is WrapperCall.PIECEWISE:
+                host.piecewise_launch_ns += launch
+                install._piecewise_now = True
+            else:
+                host.eager_forwards += 1  # also counted during capture; reset by mark_init_finished
+            return out
+
+        forward.kvcanary_wrapped = True  # type: ignore[attr-defined]
+        model.forward = forward
+
+    # ------------------------------------------------------------------------------------------- host half
+    def host_before(self, inject: Callable[[Installation, int, str], object | None] | None = None) -> None:
+        """Outside the graph, before a real forward: fault injection (when KVCANARY_FAULT asks for it).
+
+        When the plan is due, its class becomes pending; ``inject(self, step, fault_class)`` is tried on this and
+        the following forwards until it returns an Injection (a class that needs a particular batch, e.g. a
+        sweep step or an extend, waits for one). A class still pending when the plan falls due again is
+        counted in ``fault_skips`` and replaced.
+        """
+        plan = self.fault_plan
+        if plan is None or inject is None:
+            return
+        if plan.due(self.steps):
+            if self.pending_fault is not None:
+                self.fault_skips += 1
+                logger.warning("kvcanary: fault %s (due at step %d) found no fitting batch before step %d; skipped",
+                               self.pending_fault[0], self.pending_fault[1], self.steps)
+            self.pending_fault = (plan.pick(self.steps), self.steps)
+        if self.pending_fault is None:
+            return
+        injection = inject(self, self.steps, self.pending_fault[0])
+        if injection is not None:
+            self.pending_fault = None
+            self.record_injection(injection)
+
+    def record_injection(self, injection) -> None:
+        """Keep an injection and write it to the report (``kvcanary.injection/1``) of the first group's manager."""
+        self.injections.append(injection)
+        self.manager.reporter.record_injection(injection)
+
+    def undo_after_forward(self, action: Callable[[], None], *, after_step: bool = False) -> None:
+        """Run ``action`` in this forward's host_after: before the managers' step, or after it (``after_step``,
+        e.g. to keep a corruption in place for the sweep that step runs)."""
+        self._undo.append((after_step, action))
+
+    def _run_undo(self, after_step: bool) -> None:
+        keep = []
+        for when, action in self._undo:
+            if when == after_step:
+                action()
+            else:
+                keep.append((when, action))
+        self._undo = keep
+
+    def host_after(self) -> None:
+        """Outside the graph, after a real forward: drain violations, health, stats, sweep (per group)."""
+        self.steps += 1
+        try:
+            if self._undo:
+                self._run_undo(False)
+            for group in self.groups:
+                group.manager.step(capturing=False)  # host_after runs for real forwards only, never in capture
+        finally:
+            if self._undo:
+                self._run_undo(True)
+            metrics = self.metrics
+            if metrics is None:
+                metrics = self.metrics = metrics_for(self.manager.rank, self.model_name)
+            # deltas of the managers' counts, fed after every drain read (a violation is counted at once, raise
+            # mode included: the drain counts a read before it reports; the volume counters at most once a second,
+            # see kvcanary.report.metrics); a forward without one adds an integer sum and a compare. observe never
+            # raises.
+            reads = 0
+            for group in self.groups:
+                reads += group.manager.violation_drain.reads
+            fed = self._metrics_fed
+            if fed is None or fed[0] is not metrics or fed[1] != reads:
+                metrics.observe([g.manager for g in self.groups])
+                self._metrics_fed = (metrics, reads)
+
+    def mark_init_finished(self) -> None:
+        for group in self.groups:
+            group.manager.mark_init_finished()
+        self.host_time = HostTime()  # warmup and graph capture are not serving
+        self._sweep_ns_at_init = self._sweep_ns()
+
+    def _sweep_ns(self) -> int:
+        return sum(group.manager.sweeper.host_ns for group in self.groups)
+
+    def account_forward(self, forward_ns: int, hook_ns: int) -> None:
+        """One real forward's host times (called by the adapter's forward hook); logs a
+        ``kvcanary host time:`` line with the stats line."""
+        host = self.host_time
+        host.forwards += 1
+        host.forward_ns += forward_ns
+        host.hook_ns += hook_ns
+        if self._piecewise_now:
+            host.piecewise_forwards += 1
+            host.piecewise_hook_ns += hook_ns
+            self._piecewise_now = False
+        every = self.config.stats_every
+        if every and host.forwards % every == 0:
+            host.sweep_ns = self._sweep_ns() - self._sweep_ns_at_init
+            logger.info("%s", host.line(self.steps))
+
+    def account_host_tier(self, ns: int) -> None:
+        """Host time of a host KV tier's hook (a backup's or load-back's record copies), outside any forward."""
+        self.host_time.host_tier_ns += ns
+
+    def account_batch_init(self, ns: int) -> None:
+        """Host time of one call of the adapter's per-batch hook (where the engine builds a forward's batch)."""
+        host = self.host_time
+        host.batch_inits += 1
+        host.batch_init_ns += ns
+
+    def set_sweep_source(self, source: SweepSource | None) -> None:
+        self.manager.set_sweep_source(source)
+
+    def update_expected_tokens(self, updates: Sequence[tuple[int, int, Sequence[int]]]) -> None:
+        """The token check's uploads (see :meth:`CanaryManager.update_expected_tokens`), the same ``updates`` for
+        every group's table (:class:`~kvcanary.runtime.token_table.TokenColumns` are read, never changed)."""
+        for group in self.groups:
+            group.manager.update_expected_tokens(updates)
+
+    @property
+    def verify_tokens(self) -> bool:
+        return self.config.verify_tokens
+
+    def flush_metrics(self) -> None:
+        """Add to the metrics whatever the managers counted that :meth:`host_after` left for later (the volume
+        counters wait up to ``kvcanary.report.metrics.PUBLISH_INTERVAL_S``); never raises."""
+        if self.metrics is not None:
+            self.metrics.flush([g.manager for g in self.groups])
+
+    def close(self) -> None:
+        try:
+            for group in self.groups:
+                group.manager.close()
+        finally:  # after the managers' final drains (raise mode: what they counted before raising)
+            self.flush_metrics()
+
+
+_INSTALLATIONS: list[weakref.ReferenceType] = []
+
+
+def remember(inst: Installation) -> None:
+    _INSTALLATIONS.append(weakref.ref(inst))
+
+
+def installations() -> list[Installation]:
+    """Live installations in this process (one per hooked ModelRunner)."""
+    alive = [r() for r in _INSTALLATIONS]
+    _INSTALLATIONS[:] = [r for r, i in zip(_INSTALLATIONS, alive, strict=False) if i is not None]
+    return [i for i in alive if i is not None]

@@ -1,0 +1,394 @@
+"""The expected-token table of the token check (SPEC §4.3; ``KVCANARY_VERIFY_TOKENS``) and its uploads.
+
+One row per ``req_to_token`` row: the token the request holds at each position (int32, like req_to_token and
+sglang's own ``req_to_verify_expected_tokens``: half the memory of int64), and a valid length per row. The plan
+(:meth:`kvcanary.runtime.device_state.DeviceState.before_forward`) puts the expected token into each verify entry inside
+the valid length, and verify compares it with the stored token (``verify_token``).
+
+A serving loop sends each row only what it appended since its last update (one token per decode row), and every
+row of a forward in one call, best as :class:`TokenColumns` (rows, starts, counts, and the updates' tokens back to
+back: what :func:`kvcanary.sglang.tokens.expected_token_updates` builds). A call is one launch of
+``canary_token_update`` (csrc/canary_tokens.cuh) and no device or pinned allocation: the columns are packed by one
+``struct.pack_into`` (plus one per prompt) into a staging buffer of int64 (the layout of
+:data:`~kvcanary.kernels.layout.TOKEN_UPDATE_FIELDS`), which on CUDA is pinned host memory the kernel reads in place
+(no H2D copy). A batch of one token per row (a decode forward) is staged as rows, starts and tokens alone (the layout
+of :data:`~kvcanary.kernels.layout.TOKEN_APPEND_FIELDS`) for ``canary_token_append``: no valid lengths or offsets to
+build on the host, 3 values a row instead of 6. A launch may still be reading its staging when the host packs the next
+batch, so the stagings form a ring: each is reused only once the event recorded after its last launch has completed
+(the host waits on that event in the rare case the GPU is a whole ring behind).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import operator
+import struct
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from itertools import accumulate, chain
+from typing import Any, Protocol
+
+import torch
+
+from kvcanary.kernels import layout, ops
+from kvcanary.kernels.jit import load_module
+from kvcanary.runtime.streams import current_stream
+
+logger = logging.getLogger(__name__)
+
+# Stagings in the ring on CUDA: a launch's staging is rewritten RING_SIZE batches later, by when the GPU has long run
+# the (microsecond) launch unless it is that many forwards behind.
+RING_SIZE = 8
+# int64 values a staging holds at first (32 KiB: a decode batch of 64 rows needs 384); a batch that does not fit
+# grows its staging to the next power of two.
+MIN_STAGING_VALUES = 4096
+
+# Tokens from which an update's tokens are a run of their own in TokenColumns (packed by a call of their own, never
+# copied); shorter updates (a decode row's one token) share a run, so a row costs at most one pack call.
+LONG_UPDATE_TOKENS = 32
+
+_FIELDS = layout.TOKEN_UPDATE_FIELDS
+_APPEND_FIELDS = layout.TOKEN_APPEND_FIELDS
+_VALUE_BYTES = 8  # int64 staging values
+_ERROR_PREFIX = "CanaryManager.update_expected_tokens"
+_add = operator.add
+_pack_into = struct.pack_into
+
+
+@dataclass(eq=False, slots=True)
+class TokenColumns(Sequence):
+    """A batch of expected-token updates as columns: update ``i`` writes its ``counts[i]`` tokens into row ``rows[i]``
+    from position ``starts[i]``. The updates' tokens, back to back in update order, are held in ``token_runs``, split
+    into runs anywhere: a prompt is best a run of its own (its request's own list, never copied), short updates
+    share one (a decode batch: one run of a token per row).
+
+    The form :meth:`TokenTable.update` stages in bulk (whole-column calls and one per run, no per-update Python),
+    which a serving loop can build directly (:func:`kvcanary.sglang.tokens.expected_token_updates`). It is also the
+    sequence of the ``(row, start, tokens)`` updates it holds, so it goes wherever a list of them does. Runs may be
+    the caller's own lists: stage the columns before those change.
+    """
+
+    rows: Sequence[int]
+    starts: Sequence[int]
+    counts: Sequence[int]
+    token_runs: Sequence[Sequence[int]]
+
+    @classmethod
+    def of(cls, updates: Sequence[tuple[int, int, Sequence[int]]]) -> TokenColumns:
+        """The columns of ``(row, start, tokens)`` updates (long updates' tokens are runs of their own, not copies)."""
+        if not updates:
+            return cls((), (), (), ())
+        rows, starts, per_update = zip(*updates, strict=True)
+        runs = TokenRuns()
+        for update_tokens in per_update:
+            runs.add(update_tokens)
+        return cls(rows, starts, tuple(map(len, per_update)), runs.done())
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every update's tokens back to back (a copy of the runs, joined)."""
+        return list(chain.from_iterable(self.token_runs))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index):  # an update (row, start, tokens); a slice gives a list of them
+        return list(self)[index]
+
+    def __eq__(self, other: object) -> bool:  # the same updates in the same order, in whatever sequence
+        if not isinstance(other, Sequence) or isinstance(other, str | bytes):
+            return NotImplemented
+        return list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]  # equal to mutable sequences
+
+    def __iter__(self):
+        tokens = self.tokens
+        offset = 0
+        for row, start, count in zip(self.rows, self.starts, self.counts, strict=True):
+            yield row, start, tokens[offset : offset + count]
+            offset += count
+
+
+class TokenRuns:
+    """The updates' tokens of :class:`TokenColumns`, back to back, as they are added: a short update's tokens join
+    the current run (``run``: a caller may append a one-token update to it directly), a long one
+    (:data:`LONG_UPDATE_TOKENS` or more: a prompt) is a run of its own, the caller's list (packed as it is, not
+    copied). ``run`` is a new list after a long update."""
+
+    __slots__ = ("runs", "run")
+
+    def __init__(self) -> None:
+        self.runs: list[Sequence[int]] = []
+        self.run: list[int] = []
+
+    def add(self, tokens: Sequence[int]) -> None:
+        if len(tokens) < LONG_UPDATE_TOKENS:
+            self.run += tokens
+            return
+        if self.run:
+            self.runs.append(self.run)
+            self.run = []
+        self.runs.append(tokens)
+
+    def done(self) -> list[Sequence[int]]:
+        """Every run, in order (at least one, maybe empty)."""
+        if self.run or not self.runs:
+            self.runs.append(self.run)
+        return self.runs
+
+
+class StagingEvent(Protocol):
+    """What the ring needs of an event (:class:`CudaStagingEvent` on CUDA; tests inject their own)."""
+
+    def record(self) -> None: ...
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+class CudaStagingEvent:
+    """A ``torch.cuda.Event`` recorded on ``device``'s current stream: the stream tvm-ffi launches on for the table's
+    tensors, whichever device is current (a tensor-parallel rank may call with another one current). A ``device``
+    without an index means the device current at each record, as ``torch.cuda.current_stream(device)`` reads it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device_index = device.index
+        self._event = torch.cuda.Event()
+
+    def record(self) -> None:
+        index = self._device_index
+        # (streams.current_stream: an event record per upload; torch.cuda.current_stream alone costs ~3 µs)
+        self._event.record(current_stream(index if index is not None else torch.cuda.current_device()))
+
+    def query(self) -> bool:
+        return self._event.query()
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
+
+
+@dataclass
+class Staging:
+    """One staging of the ring: the buffer, a writable byte view of it, and the event after its last launch."""
+
+    buffer: torch.Tensor  # int64 [capacity]; pinned on CUDA
+    view: Any  # ctypes byte array over buffer's memory (struct.pack_into writes through it; holds no reference)
+    event: StagingEvent | None
+    capacity: int  # buffer's int64 values (kept here: buffer.numel() is a torch call on every upload)
+    in_flight: bool = False  # event recorded after a launch that read buffer, not yet seen complete
+
+
+class StagingRing:
+    """Host stagings that are safe to write: each is handed out again only once the event recorded after its last
+    launch has completed (queried; waited on when the device is a whole ring behind), and a staging too small for a
+    batch is replaced only then, so no buffer the device may still read is ever rewritten or freed.
+
+    ``pinned``: allocate pinned host memory (CUDA). ``event_factory``: None means no events (the launches read the
+    staging before they return, as the CPU build's do).
+    """
+
+    def __init__(self, size: int, *, pinned: bool, event_factory: Callable[[], StagingEvent] | None) -> None:
+        if size < 1:
+            raise ValueError(f"StagingRing: size must be >= 1, got {size}")
+        self._slots: list[Staging | None] = [None] * size
+        self._next = 0
+        self._pinned = pinned
+        self._event_factory = event_factory
+        self.waits = 0  # stagings still read by the device when their turn came (the host waited)
+        self.grows = 0  # stagings replaced by a larger one
+
+    @property
+    def size(self) -> int:
+        return len(self._slots)
+
+    def acquire(self, values: int) -> Staging:
+        """The ring's next staging, no longer read by the device, holding at least ``values`` int64."""
+        index = self._next
+        self._next = index + 1 if index + 1 < len(self._slots) else 0
+        staging = self._slots[index]
+        if staging is not None and staging.in_flight:
+            event = staging.event
+            assert event is not None  # in_flight is only set after recording it
+            if not event.query():  # the device is a whole ring of batches behind: wait, never overwrite its input
+                self.waits += 1
+                event.synchronize()
+            staging.in_flight = False
+        if staging is None or staging.capacity < values:
+            # the old buffer (if any) is dropped only now: its last launch completed above, or it never had one
+            if staging is not None:
+                self.grows += 1
+            staging = self._slots[index] = self._new(values, staging.event if staging is not None else None)
+        return staging
+
+    def launched(self, staging: Staging) -> None:
+        """Record ``staging``'s event after the launch that reads it (on the launch's stream: the current one)."""
+        if staging.event is not None:
+            staging.event.record()
+            staging.in_flight = True
+
+    def _new(self, values: int, event: StagingEvent | None) -> Staging:
+        capacity = max(MIN_STAGING_VALUES, 1 << (values - 1).bit_length())
+        buffer = torch.empty(capacity, dtype=torch.int64, pin_memory=self._pinned)
+        view = (ctypes.c_char * (capacity * buffer.element_size())).from_address(buffer.data_ptr())
+        if event is None and self._event_factory is not None:
+            event = self._event_factory()
+        logger.debug("token table: staging of %d values (%s)", capacity, "pinned" if self._pinned else "cpu")
+        return Staging(buffer, view, event, capacity)
+
+
+def _one_token_each(counts: Sequence[int], n: int) -> bool:
+    """Whether all ``n`` counts are 1 (a decode forward's batch), for the lists and tuples a serving loop builds
+    (``list.count``: no Python loop); False for any other sequence (it takes the general path)."""
+    return counts.__class__ in _COUNTED and counts.count(1) == n
+
+
+_COUNTED = (list, tuple)
+
+
+class TokenTable:
+    """``expected_tokens`` (int32 ``[rows, width]``, :data:`~kvcanary.kernels.layout.NO_EXPECTED_TOKEN` where
+    unknown) and ``valid_lens_by_row`` (int64 ``[rows]``) on ``device``; both keep their addresses (graph capture).
+
+    ``staging`` is the :class:`StagingRing` of the uploads. ``event_factory`` makes its events (default:
+    :class:`CudaStagingEvent` on CUDA; on the CPU the kernel has run when the call returns, so there are no events and
+    one staging, unless a factory is given: tests drive the ring with simulated events). ``ring_size`` defaults to
+    :data:`RING_SIZE` with events, 1 without.
+    """
+
+    def __init__(self, rows: int, width: int, device: torch.device, *,
+                 event_factory: Callable[[], StagingEvent] | None = None, ring_size: int | None = None) -> None:
+        self.device = device
+        self.expected_tokens = torch.full((rows, width), layout.NO_EXPECTED_TOKEN, dtype=torch.int32, device=device)
+        self.valid_lens_by_row = torch.zeros(rows, dtype=torch.int64, device=device)
+        self._rows, self._width = rows, width
+        if event_factory is None and device.type == "cuda":
+            event_factory = functools.partial(CudaStagingEvent, device)
+        size = ring_size if ring_size is not None else (RING_SIZE if event_factory is not None else 1)
+        self.staging = StagingRing(size, pinned=device.type == "cuda", event_factory=event_factory)
+        module = load_module("cuda" if device.type == "cuda" else "cpu")
+        self._launch = module.canary_token_update
+        self._launch_append = module.canary_token_append
+
+    def update(self, updates: Sequence[tuple[int, int, Sequence[int]]]) -> None:
+        """For each ``(row, start, tokens)``: the row's expected tokens at positions ``start..`` become ``tokens``
+        (clipped at the table width) and its valid length ``start + len(tokens)`` (clipped likewise; earlier
+        positions keep what they hold). Updates apply in order: a row updated twice in one call ends as the later
+        update leaves it. Non-blocking; call outside graph capture. Raises ``ValueError`` for a row outside the
+        table or a negative start (nothing is written to the table).
+
+        ``updates`` may be :class:`TokenColumns` (staged as they are: the serving loop's form) or any sequence of
+        tuples (turned into columns first)."""
+        columns = updates if updates.__class__ is TokenColumns else TokenColumns.of(updates)
+        self.update_columns(columns.rows, columns.starts, columns.counts, columns.token_runs)
+
+    def update_columns(self, rows: Sequence[int], starts: Sequence[int], counts: Sequence[int],
+                       token_runs: Sequence[Sequence[int]]) -> None:
+        """:meth:`update` of the updates in columns (see :class:`TokenColumns`): update ``i`` writes its ``counts[i]``
+        tokens (the next ones of ``token_runs``, joined) into row ``rows[i]`` from position ``starts[i]``. One
+        launch; the staging is written by one pack of all the columns, plus one per further run (one token per
+        update in list or tuple columns, every start inside the width: the rows, starts and tokens alone, for
+        ``canary_token_append``). Raises
+        ``ValueError`` naming the column (and the update) for a row outside the table, a negative start or count,
+        columns of different lengths, or runs of another length than ``counts`` add up to (nothing is written to
+        the table)."""
+        n = len(rows)
+        if len(starts) != n or len(counts) != n:
+            raise ValueError(f"{_ERROR_PREFIX}: rows, starts and counts have {n}, {len(starts)} and {len(counts)} "
+                             "values (one per update each)")
+        if not n and not any(token_runs):
+            return
+        if len(token_runs) == 1 and _one_token_each(counts, n) and len(token_runs[0]) == n:
+            try:
+                self._append(rows, starts, token_runs[0])
+                return
+            except Exception:
+                # Refused before anything was written (the pack, or the export's host-side check of every update):
+                # a start at or past the width (which only the general path clips), a bad row or token. The general
+                # path below clips, or raises the error naming the column.
+                logger.debug("token table: a one-token-per-row batch refused by canary_token_append", exc_info=True)
+        try:
+            self._stage_and_launch(rows, starts, counts, map(_add, starts, counts), token_runs)
+        except Exception:
+            # Nothing was written: the pack refuses runs that do not add up, and the launch checks every header on
+            # the host before it writes (csrc/canary_tokens.cuh), so the columns are checked here only when refused
+            # (a decode batch pays no Python loop over them): the first bad one is named, or updates past the width
+            # are staged again clipped.
+            clipped = self._checked_and_clipped(rows, starts, counts, token_runs)
+            if clipped is None:  # the columns are fine: the launch refused something else, its error stands
+                raise
+            self._stage_and_launch(*clipped)
+
+    def _append(self, rows: Sequence[int], starts: Sequence[int], tokens: Sequence[int]) -> None:
+        """Stage one token per update (a decode forward's batch) as the runs of layout.TOKEN_APPEND_FIELD_*: rows,
+        starts, tokens, in one pack of 3 values a row (the general header's 5 and an offset accumulation not built)
+        and launch ``canary_token_append``. Raises (before the launch) for a row outside the table, a start outside
+        ``[0, width)`` or a value the pack refuses."""
+        n = len(rows)
+        staged_len = _APPEND_FIELDS * n
+        staging = self.staging.acquire(staged_len)
+        _pack_into(f"{staged_len}q", staging.view, 0, *rows, *starts, *tokens)
+        self._launch_append(self.expected_tokens, self.valid_lens_by_row, staging.buffer, n)
+        self.staging.launched(staging)
+
+    def _stage_and_launch(self, rows: Sequence[int], starts: Sequence[int], counts: Sequence[int],
+                          ends: Iterable[int], token_runs: Sequence[Sequence[int]]) -> None:
+        """Pack the columns into the ring's next staging (the field-major header of layout.TOKEN_UPDATE_FIELD_*:
+        row, start, count, valid length ``ends``, offset; then the tokens) and launch the update. Raises (before the
+        launch) if the runs do not hold the tokens ``counts`` add up to."""
+        n = len(rows)
+        header_len = _FIELDS * n
+        offsets = list(accumulate(counts, initial=header_len))  # each update's first token in the staging
+        staged_len = offsets.pop()
+        staging = self.staging.acquire(staged_len)
+        view = staging.view
+        if len(token_runs) == 1:  # a decode batch: header and tokens in one call
+            _pack_into(f"{staged_len}q", view, 0, *rows, *starts, *counts, *ends, *offsets, *token_runs[0])
+        else:
+            # ``*run`` of a list or tuple copies its item array in C: a prompt's run is one call, no per-token Python
+            _pack_into(f"{header_len}q", view, 0, *rows, *starts, *counts, *ends, *offsets)
+            at = header_len
+            for run in token_runs:
+                _pack_into(f"{len(run)}q", view, at * _VALUE_BYTES, *run)
+                at += len(run)
+            if at != staged_len:
+                raise ValueError(f"{_ERROR_PREFIX}: token_runs hold {at - header_len} tokens, counts add up to "
+                                 f"{staged_len - header_len}")
+        try:
+            self._launch(self.expected_tokens, self.valid_lens_by_row, staging.buffer, n, staged_len)
+        except Exception:
+            # Validation fails before anything is launched: the keyword wrapper names the argument (or re-raises).
+            ops.canary_token_update(expected_tokens=self.expected_tokens, valid_lens_by_row=self.valid_lens_by_row,
+                                    staging=staging.buffer, num_updates=n, staged_len=staged_len)
+            raise
+        self.staging.launched(staging)
+
+    def _checked_and_clipped(self, rows: Sequence[int], starts: Sequence[int], counts: Sequence[int],
+                             token_runs: Sequence[Sequence[int]]) -> tuple[list, ...] | None:
+        """The columns one update at a time: an error for the first bad update; None if no update reaches past the
+        width, else the columns with each update's tokens clipped at the width (its valid length too): rows, starts,
+        counts, valid lengths and the tokens as one run."""
+        rows_total, width = self._rows, self._width
+        tokens = list(chain.from_iterable(token_runs))
+        clipped_counts, ends, kept = [], [], []
+        offset = 0
+        past_the_width = False
+        for i, (row, start, count) in enumerate(zip(rows, starts, counts, strict=True)):
+            if not 0 <= row < rows_total:
+                raise ValueError(f"{_ERROR_PREFIX}: row {row} outside [0, {rows_total}): rows[{i}]")
+            if start < 0:
+                raise ValueError(f"{_ERROR_PREFIX}: start {start} < 0 (row {row}): starts[{i}]")
+            if count < 0:
+                raise ValueError(f"{_ERROR_PREFIX}: count {count} < 0 (row {row}): counts[{i}]")
+            past_the_width = past_the_width or start + count > width
+            fits = max(0, min(count, width - start))
+            clipped_counts.append(fits)
+            ends.append(min(start + count, width))
+            kept += tokens[offset : offset + fits]
+            offset += count
+        if offset != len(tokens):
+            raise ValueError(f"{_ERROR_PREFIX}: token_runs hold {len(tokens)} tokens, counts add up to {offset}")
+        return (list(rows), list(starts), clipped_counts, ends, [kept]) if past_the_width else None
