@@ -19,8 +19,8 @@ import time
 import torch
 
 from kvcanary.kernels import layout, ops
+from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.real_kv import RealKvSource
-from kvcanary.runtime.batch import BatchView, ForwardKind
 from kvcanary.runtime.config import Config, Mode
 from kvcanary.runtime.manager import CanaryManager
 from kvcanary.runtime.pump import PinnedChannel

@@ -125,8 +125,8 @@ def kvcanary_launches(dev: torch.device) -> None:
     ~2x the bench's)."""
     import tvm_ffi
 
+    from kvcanary.kernels.batch import BatchView, ForwardKind
     from kvcanary.kernels.real_kv import RealKvSource
-    from kvcanary.runtime.batch import BatchView, ForwardKind
     from kvcanary.runtime.config import Config, Mode
     from kvcanary.runtime.manager import CanaryManager
 

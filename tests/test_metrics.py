@@ -267,7 +267,7 @@ def _installation(mode: str, drain_every: int = 1):
     """A real CPU manager inside an Installation (the adapter's per-runner glue), with one 6-token request."""
     import torch
 
-    from kvcanary.runtime.batch import BatchView, ForwardKind
+    from kvcanary.kernels.batch import BatchView, ForwardKind
     from kvcanary.runtime.config import Config, Mode
     from kvcanary.runtime.installation import Group, GroupSpec, Installation
     from kvcanary.runtime.manager import CanaryManager

@@ -76,11 +76,11 @@ def test_wheel_carries_kernel_sources(wheel: Path) -> None:
 
 def test_wheel_carries_python_modules(wheel: Path) -> None:
     names = _names(wheel)
-    for module in ("__init__", "__main__", "ops", "kernels/__init__", "kernels/jit", "kernels/layout", "kernels/ops",
-                   "kernels/real_kv", "runtime/__init__", "runtime/manager", "runtime/config", "report/__init__",
-                   "report/record", "report/reporter", "report/summarize", "report/matcher", "report/metrics",
-                   "report/table", "cli/__init__", "cli/main", "cli/doctor", "cli/demo", "cli/check", "sim/__init__",
-                   "sim/engine", "sim/injector", "sglang/__init__"):
+    for module in ("__init__", "__main__", "ops", "settings", "kernels/__init__", "kernels/jit", "kernels/layout",
+                   "kernels/ops", "kernels/batch", "kernels/real_kv", "runtime/__init__", "runtime/manager",
+                   "runtime/config", "report/__init__", "report/record", "report/reporter", "report/metrics",
+                   "report/table", "cli/__init__", "cli/main", "cli/doctor", "cli/demo", "cli/check", "cli/summarize",
+                   "cli/matcher", "sim/__init__", "sim/engine", "sim/injector", "sglang/__init__"):
         assert f"kvcanary/{module}.py" in names, sorted(names)
     # Sources live in plugin/ in the repo but install as the top-level kvcanary package.
     assert not any(n.startswith("plugin/") for n in names), sorted(names)

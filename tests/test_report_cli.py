@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from kvcanary.cli import matcher, summarize
 from kvcanary.cli.main import main
 from kvcanary.kernels import layout
 from kvcanary.kernels.tags import LaunchTag
-from kvcanary.report import Reporter, Violation, matcher, summarize
+from kvcanary.report import Reporter, Violation
 from kvcanary.runtime.config import Mode
 from kvcanary.runtime.faults import Injection
 
@@ -256,7 +257,7 @@ def test_eagle_reports_pool_rank_keys_and_spec_lines(tmp_path) -> None:
     (the first H200 EAGLE run's report was read as 100 % bad lines)."""
     import json
 
-    from kvcanary.report.summarize import read_reports, render
+    from kvcanary.cli.summarize import read_reports, render
 
     rank = {"tp_rank": 0, "pool": "target"}
     rows = [

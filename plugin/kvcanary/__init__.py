@@ -9,8 +9,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from kvcanary.kernels import layout
+from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.plan import VerifyPlan, WritePlan
 from kvcanary.kernels.real_kv import RealKvSource
-from kvcanary.runtime.batch import BatchView, ForwardKind
 
 __all__ = ["BatchView", "ForwardKind", "RealKvSource", "VerifyPlan", "WritePlan", "__version__", "layout"]

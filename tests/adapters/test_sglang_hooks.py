@@ -388,7 +388,7 @@ def test_batch_view_of_binds_a_mode_table() -> None:
     by name on every call, and a mode missing from the table is refused every time (naming it)."""
     import enum
 
-    from kvcanary.runtime.batch import ForwardKind
+    from kvcanary.kernels.batch import ForwardKind
     from kvcanary.sglang import batches
 
     class Mode(enum.IntEnum):

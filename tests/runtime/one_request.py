@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.report import Violation
-from kvcanary.runtime.batch import BatchView, ForwardKind
 from kvcanary.runtime.config import Config, Mode
 from kvcanary.runtime.manager import CanaryManager
 

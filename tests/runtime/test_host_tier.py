@@ -120,7 +120,7 @@ def test_a_batch_naming_a_destination_twice_keeps_the_later_copy() -> None:
 def test_a_write_row_on_a_loaded_slot_does_not_say_via_host_tier() -> None:
     """A write violation reports the token being written; the slot's old content having come through the host tier
     says nothing about it (the row's attribution is that old content's)."""
-    from kvcanary.runtime.batch import BatchView, ForwardKind
+    from kvcanary.kernels.batch import BatchView, ForwardKind
 
     r = OneRequest(Mode.LOG)
     r.mgr.assign_requests([1], ["req-a"])

@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch
 
+from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.tags import LaunchTag
-from kvcanary.runtime.batch import BatchView, ForwardKind
 from kvcanary.runtime.config import Config, Mode
 from kvcanary.runtime.installation import Group, GroupSpec, Installation
 from kvcanary.runtime.manager import CanaryManager

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from kvcanary.kernels import layout
+from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.kernels.tags import LaunchTag
 from kvcanary.report import CanaryHealthError, CanaryViolationError
-from kvcanary.runtime.batch import BatchView, ForwardKind
 from kvcanary.runtime.config import Config, Mode
 from kvcanary.runtime.manager import CanaryManager
 

@@ -12,10 +12,10 @@ import logging
 import pytest
 import torch
 
+from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.report import CanaryHealthError
 from kvcanary.runtime import writers
-from kvcanary.runtime.batch import BatchView, ForwardKind
 from kvcanary.runtime.config import Config, Mode
 from kvcanary.runtime.health import STATS_PREFIX
 from kvcanary.runtime.manager import CanaryManager

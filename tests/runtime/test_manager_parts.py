@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from kvcanary.kernels import layout, ref
+from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.tags import NUM_LAUNCH_TAGS, LaunchTag
 from kvcanary.report import Reporter
 from kvcanary.runtime import writers
-from kvcanary.runtime.batch import BatchView, ForwardKind
 from kvcanary.runtime.config import Mode
 from kvcanary.runtime.device_state import (
     STATE_FORWARD,

@@ -13,9 +13,9 @@ import torch
 from test_manager_attribution import KV_BYTES, Harness, t64
 
 from kvcanary.kernels import layout, ref
+from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.plan import WritePlan
 from kvcanary.kernels.real_kv import RealKvSource
-from kvcanary.runtime.batch import BatchView, ForwardKind
 from kvcanary.runtime.config import Mode
 
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.kernels.tags import LaunchTag
 from kvcanary.report import Reporter, parse_log_line
-from kvcanary.runtime.batch import BatchView, ForwardKind
 from kvcanary.runtime.config import Config, Mode
 from kvcanary.runtime.manager import CanaryManager
 from kvcanary.sglang.v0_5_12 import runner_ranks

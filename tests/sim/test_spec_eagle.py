@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from kvcanary.kernels import layout, ref
+from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.layout import RealKvHashMode
 from kvcanary.kernels.real_kv import RealKvSource
-from kvcanary.runtime.batch import BatchView, ForwardKind
 from kvcanary.runtime.config import Config, Mode
 from kvcanary.runtime.manager import CanaryManager
 from kvcanary.runtime.speculative import (

@@ -354,7 +354,7 @@ def _progress(text: str) -> None:
 
 
 def _cmd_report(args: argparse.Namespace, out: TextIO) -> int:
-    from kvcanary.report import summarize
+    from kvcanary.cli import summarize
 
     summary, unmatched = summarize.read_reports(args.files)
     for pattern in unmatched:  # (a name with control characters is quoted, never written raw to the terminal)

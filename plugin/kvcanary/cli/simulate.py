@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.real_kv import RealKvSource
-from kvcanary.runtime.batch import BatchView, ForwardKind
 from kvcanary.runtime.config import Config
 from kvcanary.runtime.manager import CanaryManager
 

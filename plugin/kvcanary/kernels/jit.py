@@ -6,7 +6,7 @@ Cache layout: ``$KVCANARY_CACHE_DIR`` (default ``~/.cache/kvcanary``) /
 A finished build leaves a ``.complete`` marker; a warm load only dlopens the ``.so``.
 
 Environment (checked here and, at start-up, by ``kvcanary.runtime.config.Config.from_env``; a bad value is a
-``kvcanary.runtime.config.ConfigError`` naming the variable): ``KVCANARY_CACHE_DIR`` must be a directory or creatable,
+``kvcanary.settings.ConfigError`` naming the variable): ``KVCANARY_CACHE_DIR`` must be a directory or creatable,
 and writable when a build is needed (a prebuilt read-only cache only loads); ``KVCANARY_CUDA_ARCH`` is one or
 more archs in any of the forms ``9.0``, ``9.0a``, ``90``, ``90a``, ``sm_90a``, ``100a``, ``10.0f``
 (``config.parse_cuda_arch``), normalised to ``major.minor[a|f]`` for tvm-ffi; ``KVCANARY_SANITIZE`` is ``address``
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcanary.runtime.config import ConfigError, check_cache_dir, parse_cuda_arch, parse_sanitize
+from kvcanary.settings import ConfigError, check_cache_dir, parse_cuda_arch, parse_sanitize
 
 logger = logging.getLogger(__name__)
 

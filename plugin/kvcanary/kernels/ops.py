@@ -23,10 +23,10 @@ from typing import Any, NoReturn
 import torch
 
 from kvcanary.kernels import layout
+from kvcanary.kernels.batch import BatchView
 from kvcanary.kernels.jit import load_module
 from kvcanary.kernels.plan import VerifyPlan, WritePlan
 from kvcanary.kernels.real_kv import RealKvSource
-from kvcanary.runtime.batch import BatchView
 
 __all__ = [
     "CheckLaunch", "RealKvLaunch", "WriteLaunch", "canary_check_step", "canary_plan_step", "canary_token_update",

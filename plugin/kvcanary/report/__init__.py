@@ -1,7 +1,8 @@
 """What kvcanary tells the world: violation records and their log-line and JSONL forms (``record``), the
 ``Reporter`` that emits them (``reporter``), log-line repeat suppression (``repeats``), the JSONL file (``sink``),
-Prometheus counters (``metrics``), and the offline side of ``kvcanary report``: reading report files back
-(``summarize``), matching detections to injected faults (``matcher``) and the tables it prints (``table``).
+Prometheus counters (``metrics``) and the tables ``kvcanary report`` prints (``table``; the command reads report
+files back in ``kvcanary.cli.summarize`` and matches detections to injected faults in ``kvcanary.cli.matcher``,
+above the runtime whose fault classes it matches against).
 
 The public report API is importable from here (``from kvcanary.report import parse_log_line, Reporter``), as it
 was when ``kvcanary.report`` was one module.
@@ -50,7 +51,7 @@ from kvcanary.report.reporter import (
     Reporter,
 )
 from kvcanary.report.sink import ReportFile
-from kvcanary.runtime.config import Mode, log_repeat_window_from_env  # noqa: F401
+from kvcanary.settings import Mode, log_repeat_window_from_env  # noqa: F401
 
 __all__ = [
     "ERROR_MESSAGE_LINES", "HEALTH_LOG_PREFIX", "HEALTH_SCHEMA", "INJECTION_SCHEMA", "LOG_KEYS", "LOG_LINE_RE",

@@ -48,7 +48,7 @@ from kvcanary.report.record import (
 )
 from kvcanary.report.repeats import RepeatFilter, RepeatSummary
 from kvcanary.report.sink import ReportFile
-from kvcanary.runtime.config import Mode, log_repeat_window_from_env
+from kvcanary.settings import Mode, log_repeat_window_from_env
 
 logger = logging.getLogger(__name__)
 _MODULE_LOGGER = logger

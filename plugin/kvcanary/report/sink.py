@@ -22,7 +22,7 @@ import errno
 import logging
 import os
 
-from kvcanary.runtime.config import ENV_REPORT, check_report_path
+from kvcanary.settings import ENV_REPORT, check_report_path
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ wrapper that puts plan/verify/write inside the model's forward (and so inside ca
 half run around each real forward (fault injection, drain, sweep) and its host-time accounting.
 
 Nothing here names an engine attribute: an engine adapter (``kvcanary.sglang``) turns engine objects into
-:class:`GroupSpec`, :class:`~kvcanary.runtime.batch.BatchView` and plain callables, and calls these methods from its
+:class:`GroupSpec`, :class:`~kvcanary.kernels.batch.BatchView` and plain callables, and calls these methods from its
 hooks.
 """
 
@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcanary.kernels.batch import BatchView
 from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.report.metrics import CanaryMetrics, NoMetrics, metrics_for
-from kvcanary.runtime.batch import BatchView
 from kvcanary.runtime.config import Config
 from kvcanary.runtime.manager import CanaryManager, SweepSource
 

@@ -30,11 +30,11 @@ from collections.abc import Sequence
 import torch
 
 from kvcanary.kernels import layout
+from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.kernels.tags import LaunchTag
 from kvcanary.report.record import Violation
 from kvcanary.report.reporter import Reporter
-from kvcanary.runtime.batch import BatchView, ForwardKind
 from kvcanary.runtime.config import Config, Mode
 from kvcanary.runtime.device_state import DeviceState
 from kvcanary.runtime.drain import CanaryStats, ViolationDrain

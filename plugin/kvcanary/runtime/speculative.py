@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from kvcanary.runtime.batch import BatchView, ForwardKind
+from kvcanary.kernels.batch import BatchView, ForwardKind
 
 # kv_token_id_vs_position_offset of the EAGLE draft pool: its slot at position p holds the KV of token p + 1.
 DRAFT_TOKEN_OFFSET = 1

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from kvcanary.runtime.batch import ForwardKind
+from kvcanary.kernels.batch import ForwardKind
 from kvcanary.runtime.config import Config
 from kvcanary.runtime.installation import GroupSpec
 from kvcanary.sglang import batches, guards, piecewise, pools, radix, radix_index, ranks

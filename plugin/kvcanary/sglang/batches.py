@@ -1,4 +1,4 @@
-"""ForwardBatch → :class:`~kvcanary.runtime.batch.BatchView` (SPEC §4.3 mode table): the forward-mode mapping comes from
+"""ForwardBatch → :class:`~kvcanary.kernels.batch.BatchView` (SPEC §4.3 mode table): the forward-mode mapping comes from
 the version module (``FORWARD_MODES``), the ForwardBatch fields read here are ``forward_mode``, ``req_pool_indices``,
 ``out_cache_loc`` (``out_cache_loc_swa`` when present), ``extend_prefix_lens`` and ``extend_seq_lens``."""
 
@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from kvcanary.runtime.batch import BatchView, ForwardKind
+from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.runtime.identity_cache import IdentityCache
 from kvcanary.runtime.installation import GroupSpec
 

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from kvcanary.runtime.batch import BatchView, ForwardKind
+from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.runtime.config import Config
 from kvcanary.runtime.installation import GroupSpec, Installation, WrapperCall
 from kvcanary.runtime.sweep import SweepPlan

@@ -34,7 +34,7 @@ def parse_real_kv_layers(environ: Mapping[str, str] | None = None) -> tuple[int,
     """``KVCANARY_REAL_KV_LAYERS``: comma-separated layer indices (negative counts from the last layer).
 
     Default ``0,-1`` (the first and the last layer). Each index is ASCII digits with an optional sign, as every
-    ``KVCANARY_*`` integer (``kvcanary.runtime.config.parse_ascii_int``: no ``1_0``, no non-ASCII digits). A bad value
+    ``KVCANARY_*`` integer (``kvcanary.settings.parse_ascii_int``: no ``1_0``, no non-ASCII digits). A bad value
     raises ValueError naming the variable.
     """
     env = os.environ if environ is None else environ

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.tags import LaunchTag
-from kvcanary.runtime.batch import BatchView, ForwardKind
 from kvcanary.runtime.installation import Installation
 from kvcanary.runtime.speculative import (
     DRAFT,

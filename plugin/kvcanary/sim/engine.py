@@ -68,8 +68,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.real_kv import RealKvSource
-from kvcanary.runtime.batch import BatchView, ForwardKind
 
 M64 = (1 << 64) - 1
 KV_BYTES = 64  # bytes per token per KV buffer

@@ -6,7 +6,7 @@ or of the wrong type, not UTF-8), which it reports as ``file:line: what is wrong
 (a binary file never reaches the terminal raw). ``-`` is stdin; a FIFO or character device is read as a stream
 (``/dev/null`` is an empty report); a directory is refused by name. :class:`ReportSummary` holds what the
 records say: violations per reason, rank, tag, slot and request, the step range, lost and health records, and the
-injections (``kvcanary.injection/1``) matched to violations by :func:`kvcanary.report.matcher.match_injections`.
+injections (``kvcanary.injection/1``) matched to violations by :func:`kvcanary.cli.matcher.match_injections`.
 :func:`render` is the text form, :meth:`ReportSummary.to_json` the machine form.
 
 :func:`explain` names a pattern of violations only where the records pin it (:data:`EAGLE_DRAFT_WRONG_TOKEN`); a
@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcanary.report.matcher import DEFAULT_WINDOW, WINDOWS, MatchResult, match_injections, rank_key
+from kvcanary.cli.matcher import DEFAULT_WINDOW, WINDOWS, MatchResult, match_injections, rank_key
 from kvcanary.report.record import HEALTH_SCHEMA, INJECTION_SCHEMA, LOST_SCHEMA, VIOLATION_SCHEMA
 from kvcanary.report.table import format_table
 
