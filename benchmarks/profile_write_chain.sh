@@ -29,7 +29,7 @@ git log -1 --format='HEAD %h %s' || true
 
 start=$(date +%s)
 # All builds first, in parallel (no timing runs while nvcc loads the CPU).
-python3 -c "from kvcanary import jit; print(jit.build('cuda'))" > "$OUT/.build.log" 2>&1 &
+python3 -c "from kvcanary.kernels import jit; print(jit.build('cuda'))" > "$OUT/.build.log" 2>&1 &
 build_pid=$!
 python3 benchmarks/bench_chain_variants.py --build-only || { echo "FAIL: bench module build"; exit 1; }
 wait "$build_pid"

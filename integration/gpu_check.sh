@@ -178,7 +178,8 @@ record setup "$(status_of $setup_rc)" "$setup_s" "${setup_note:-see setup.log}"
 run_step build 240 "$PY" - <<'EOF'
 import time
 
-from kvcanary import jit, ops
+from kvcanary import ops
+from kvcanary.kernels import jit
 
 for backend in ("cpu", "cuda"):
     t0 = time.perf_counter()

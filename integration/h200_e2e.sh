@@ -29,12 +29,12 @@ export PYTHONPATH=$SITE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED
   TORCHINDUCTOR_CACHE_DIR=${C}torchinductor
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 # A carried prebuilt kernel cache (.kvc: built where nvcc is, e.g. `KVCANARY_CACHE_DIR=$PWD/.kvc
-# KVCANARY_CUDA_ARCH=9.0a python -c "from kvcanary import jit; jit.build('cuda')"`) seeds this run's cache; its
+# KVCANARY_CUDA_ARCH=9.0a python -c "from kvcanary.kernels import jit; jit.build('cuda')"`) seeds this run's cache; its
 # folder names carry the sources' digest and the arch, so a stale one is simply not used.
 [ -d .kvc ] && mkdir -p "$KVCANARY_CACHE_DIR" && cp -an .kvc/. "$KVCANARY_CACHE_DIR"/
 # Build kvcanary's CUDA module before any Engine starts: on a fresh machine the build takes 50-100 s, which would
 # otherwise be spent inside the first phase's timeout (2026-11-30: phases cut before serving a request).
-python3 -c "import time; from kvcanary import jit; t = time.time(); i = jit.build('cuda'); print(f'kvcanary cuda build: {time.time() - t:.1f} s (cached={i.cached})')" || exit 1
+python3 -c "import time; from kvcanary.kernels import jit; t = time.time(); i = jit.build('cuda'); print(f'kvcanary cuda build: {time.time() - t:.1f} s (cached={i.cached})')" || exit 1
 python3 integration/sglang_e2e.py --model .e2e/tiny-llama --out /tmp/e2e-$TAG "$@"
 rc=$?
 cp /tmp/e2e-$TAG/summary.md "$OUT/summary-$TAG.md" 2>/dev/null
