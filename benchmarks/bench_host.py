@@ -21,10 +21,11 @@ import torch
 from kvcanary.kernels import layout, ops
 from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.real_kv import RealKvSource
-from kvcanary.runtime.config import Config, Mode
+from kvcanary.runtime.config import Config
 from kvcanary.runtime.manager import CanaryManager
 from kvcanary.runtime.pump import PinnedChannel
 from kvcanary.runtime.serial_upload import RowSerialUpload
+from kvcanary.settings import Mode
 
 
 def timed(fn, iters: int, sync) -> float:

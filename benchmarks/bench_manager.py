@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from kvcanary.cli.simulate import DecodeRig, RigShape
-from kvcanary.runtime.config import Config, Mode
+from kvcanary.runtime.config import Config
+from kvcanary.settings import Mode
 
 
 def _replay_times(graph: torch.cuda.CUDAGraph, reps: int) -> float:

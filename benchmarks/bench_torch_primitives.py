@@ -127,8 +127,9 @@ def kvcanary_launches(dev: torch.device) -> None:
 
     from kvcanary.kernels.batch import BatchView, ForwardKind
     from kvcanary.kernels.real_kv import RealKvSource
-    from kvcanary.runtime.config import Config, Mode
+    from kvcanary.runtime.config import Config
     from kvcanary.runtime.manager import CanaryManager
+    from kvcanary.settings import Mode
 
     nop = tvm_ffi.get_global_func("testing.nop")
     six = [torch.zeros(64, dtype=torch.int64, device=dev) for _ in range(6)]

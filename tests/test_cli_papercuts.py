@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import kvcanary
+from kvcanary import settings
 from kvcanary.cli import demo, doctor
 from kvcanary.cli.main import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, _build_parser, main
 from kvcanary.kernels import jit
@@ -90,9 +91,9 @@ def test_item1_bad_build_variables_are_named_in_one_line(tmp_path: Path, monkeyp
 
 
 def test_item1_start_up_refuses_a_bad_sanitizer_too() -> None:
-    with pytest.raises(config.ConfigError, match="^KVCANARY_SANITIZE: "):
+    with pytest.raises(settings.ConfigError, match="^KVCANARY_SANITIZE: "):
         config.Config.from_env({"KVCANARY_SANITIZE": "bogus"})
-    assert config.SANITIZERS == tuple(jit._SANITIZE_FLAGS)  # what start-up accepts is what the JIT can build
+    assert settings.SANITIZERS == tuple(jit._SANITIZE_FLAGS)  # what start-up accepts is what the JIT can build
 
 
 # ---------------------------------------------------------------------------------------------- item 2

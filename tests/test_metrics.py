@@ -268,9 +268,10 @@ def _installation(mode: str, drain_every: int = 1):
     import torch
 
     from kvcanary.kernels.batch import BatchView, ForwardKind
-    from kvcanary.runtime.config import Config, Mode
+    from kvcanary.runtime.config import Config
     from kvcanary.runtime.installation import Group, GroupSpec, Installation
     from kvcanary.runtime.manager import CanaryManager
+    from kvcanary.settings import Mode
 
     config = Config(mode=Mode(mode), stats_every=0, drain_every=drain_every)
     r2t = torch.zeros((2, 16), dtype=torch.int32)

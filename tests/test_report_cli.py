@@ -22,8 +22,8 @@ from kvcanary.cli.main import main
 from kvcanary.kernels import layout
 from kvcanary.kernels.tags import LaunchTag
 from kvcanary.report import Reporter, Violation
-from kvcanary.runtime.config import Mode
 from kvcanary.runtime.faults import Injection
+from kvcanary.settings import Mode
 
 R = layout.FailReason
 REPO = Path(__file__).resolve().parent.parent

@@ -20,8 +20,9 @@ import sglang  # noqa: E402,F401  (installed but broken must fail, not skip)
 
 import kvcanary.sglang as kvcanary_sglang  # noqa: E402
 from kvcanary.kernels.real_kv import RealKvSource  # noqa: E402
-from kvcanary.runtime.config import Config, Mode  # noqa: E402
+from kvcanary.runtime.config import Config  # noqa: E402
 from kvcanary.runtime.manager import CanaryManager  # noqa: E402
+from kvcanary.settings import Mode
 from kvcanary.sglang import (  # noqa: E402
     contract,
     fault_injection,

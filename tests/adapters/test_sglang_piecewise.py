@@ -37,9 +37,10 @@ import sglang  # noqa: E402,F401  (installed but broken must fail, not skip)
 from kvcanary.kernels import layout  # noqa: E402
 from kvcanary.kernels.batch import BatchView, ForwardKind  # noqa: E402
 from kvcanary.kernels.tags import LaunchTag  # noqa: E402
-from kvcanary.runtime.config import Config, Mode  # noqa: E402
+from kvcanary.runtime.config import Config  # noqa: E402
 from kvcanary.runtime.installation import Group, GroupSpec, HostTime, Installation, WrapperCall  # noqa: E402
 from kvcanary.runtime.manager import CanaryManager  # noqa: E402
+from kvcanary.settings import Mode
 from kvcanary.sglang import guards, hooks, piecewise, v0_5_12  # noqa: E402
 
 CHUNK = 48

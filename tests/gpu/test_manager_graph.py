@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kvcanary.cli.simulate import DecodeRig, RigShape
-from kvcanary.runtime.config import Config, Mode
+from kvcanary.runtime.config import Config
+from kvcanary.settings import Mode
 
 pytestmark = [
     pytest.mark.gpu,

@@ -7,8 +7,9 @@ import torch
 from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.report import Violation
-from kvcanary.runtime.config import Config, Mode
+from kvcanary.runtime.config import Config
 from kvcanary.runtime.manager import CanaryManager
+from kvcanary.settings import Mode
 
 
 class OneRequest:

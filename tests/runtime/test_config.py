@@ -15,16 +15,9 @@ import pytest
 
 from kvcanary.kernels.layout import RealKvHashMode
 from kvcanary.kernels.tags import NUM_LAUNCH_TAGS, LaunchTag, is_write, tag_name
-from kvcanary.runtime.config import (
-    FAULT_ENV_VARS,
-    KNOWN_ENV_VARS,
-    Config,
-    Mode,
-    parse_ascii_int,
-    parse_cuda_arch,
-    unknown_env_vars,
-)
+from kvcanary.runtime.config import Config
 from kvcanary.runtime.health import expected_launch_tags
+from kvcanary.settings import FAULT_ENV_VARS, KNOWN_ENV_VARS, Mode, parse_ascii_int, parse_cuda_arch, unknown_env_vars
 
 
 def test_defaults_from_empty_environment() -> None:

@@ -10,8 +10,8 @@ import torch
 from one_request import OneRequest
 
 from kvcanary.report import VIA_HOST_TIER
-from kvcanary.runtime.config import Mode
 from kvcanary.runtime.writers import LOADED_FROM_HOST_TIER, WriterTable, loaded_from_host_tier
+from kvcanary.settings import Mode
 
 PREFIX = 6
 NEW_BASE = 80  # the device slots the load-back puts the prefix in (slots 1..PREFIX held it before)

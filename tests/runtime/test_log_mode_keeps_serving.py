@@ -10,9 +10,10 @@ import torch
 
 from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.tags import LaunchTag
-from kvcanary.runtime.config import Config, Mode
+from kvcanary.runtime.config import Config
 from kvcanary.runtime.installation import Group, GroupSpec, Installation
 from kvcanary.runtime.manager import CanaryManager
+from kvcanary.settings import Mode
 
 
 def _i64(*v: int) -> torch.Tensor:

@@ -12,8 +12,9 @@ from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.kernels.tags import LaunchTag
 from kvcanary.report import CanaryHealthError, CanaryViolationError
-from kvcanary.runtime.config import Config, Mode
+from kvcanary.runtime.config import Config
 from kvcanary.runtime.manager import CanaryManager
+from kvcanary.settings import Mode
 
 NUM_SLOTS = 128
 

@@ -16,9 +16,10 @@ from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.report import CanaryHealthError
 from kvcanary.runtime import writers
-from kvcanary.runtime.config import Config, Mode
+from kvcanary.runtime.config import Config
 from kvcanary.runtime.health import STATS_PREFIX
 from kvcanary.runtime.manager import CanaryManager
+from kvcanary.settings import Mode
 
 NUM_SLOTS = 128
 KV_BYTES = 32

@@ -12,7 +12,6 @@ from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.tags import NUM_LAUNCH_TAGS, LaunchTag
 from kvcanary.report import Reporter
 from kvcanary.runtime import writers
-from kvcanary.runtime.config import Mode
 from kvcanary.runtime.device_state import (
     STATE_FORWARD,
     STATE_HEADER,
@@ -26,6 +25,7 @@ from kvcanary.runtime.drain import ROW_PEEK, CanaryStats, ViolationDrain
 from kvcanary.runtime.sweep import Sweeper
 from kvcanary.runtime.token_table import TokenTable
 from kvcanary.runtime.writers import WriterTable
+from kvcanary.settings import Mode
 
 CPU = torch.device("cpu")
 

@@ -16,7 +16,7 @@ from kvcanary.kernels import layout, ref
 from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.plan import WritePlan
 from kvcanary.kernels.real_kv import RealKvSource
-from kvcanary.runtime.config import Mode
+from kvcanary.settings import Mode
 
 
 def _stale_decode_batch(h: Harness, rows: list[int], stale: list[tuple[int, int]]) -> BatchView:

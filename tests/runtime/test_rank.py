@@ -24,8 +24,9 @@ from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.kernels.tags import LaunchTag
 from kvcanary.report import Reporter, parse_log_line
-from kvcanary.runtime.config import Config, Mode
+from kvcanary.runtime.config import Config
 from kvcanary.runtime.manager import CanaryManager
+from kvcanary.settings import Mode
 from kvcanary.sglang.v0_5_12 import runner_ranks
 
 NUM_SLOTS = 96

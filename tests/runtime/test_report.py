@@ -32,7 +32,7 @@ from kvcanary.report import (
     hex64,
     parse_log_line,
 )
-from kvcanary.runtime.config import Mode
+from kvcanary.settings import Mode
 
 NEG_HASH = -0x1234_5678_9ABC_DEF0  # a negative int64, as the ring stores hashes >= 2^63
 NEG_HASH_HEX = "0xedcba98765432110"

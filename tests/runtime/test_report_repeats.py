@@ -21,7 +21,7 @@ from kvcanary.report import (
     parse_repeat_line,
 )
 from kvcanary.report.repeats import RepeatFilter
-from kvcanary.runtime.config import Mode
+from kvcanary.settings import Mode
 
 R = layout.FailReason
 LOGGER = "kvcanary.report.reporter"
@@ -173,8 +173,9 @@ def test_the_managers_reporter_takes_the_window_from_its_config() -> None:
     """A Config built in code (not from the environment) sets the window of the Reporter the manager builds."""
     import torch
 
-    from kvcanary.runtime.config import Config, Mode
+    from kvcanary.runtime.config import Config
     from kvcanary.runtime.manager import CanaryManager
+    from kvcanary.settings import Mode
 
     def manager(mode: Mode, window: int) -> CanaryManager:
         return CanaryManager(Config(mode=mode, log_repeat_window=window, stats_every=0), num_slots=8,

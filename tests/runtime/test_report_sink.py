@@ -25,8 +25,8 @@ from kvcanary.report import (
     Reporter,
     Violation,
 )
-from kvcanary.runtime.config import Mode
 from kvcanary.runtime.faults import Injection
+from kvcanary.settings import Mode
 
 R = layout.FailReason
 LOGGER = "kvcanary.report.reporter"

@@ -27,7 +27,7 @@ from kvcanary.kernels import layout, ref
 from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.layout import RealKvHashMode
 from kvcanary.kernels.real_kv import RealKvSource
-from kvcanary.runtime.config import Config, Mode
+from kvcanary.runtime.config import Config
 from kvcanary.runtime.manager import CanaryManager
 from kvcanary.runtime.speculative import (
     DRAFT_TOKEN_OFFSET,
@@ -37,6 +37,7 @@ from kvcanary.runtime.speculative import (
     parse_spec_line,
     target_verify_view,
 )
+from kvcanary.settings import Mode
 
 KV_BYTES = 32
 VOCAB = 1000

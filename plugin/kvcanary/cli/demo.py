@@ -43,7 +43,9 @@ from kvcanary.kernels.layout import RealKvHashMode
 from kvcanary.kernels.tags import LaunchTag
 from kvcanary.report.table import format_table
 from kvcanary.runtime import faults
-from kvcanary.runtime.config import (
+from kvcanary.runtime.config import Config
+from kvcanary.runtime.protect import ACTION_LOG_PREFIX, RECOMPUTE
+from kvcanary.settings import (
     ENV_CACHE_DIR,
     ENV_CUDA_ARCH,
     ENV_DRAIN_EVERY,
@@ -60,11 +62,9 @@ from kvcanary.runtime.config import (
     ENV_SWEEP_INTERVAL,
     ENV_VERIFY_TOKENS,
     FAULT_ENV_VARS,
-    Config,
     Mode,
     check_cache_dir,
 )
-from kvcanary.runtime.protect import ACTION_LOG_PREFIX, RECOMPUTE
 from kvcanary.sim.engine import Request, SimConfig, Simulator
 from kvcanary.sim.injector import ClassResult, FaultDriver
 from kvcanary.sim.protect import SimProtect, chain

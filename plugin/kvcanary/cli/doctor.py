@@ -26,7 +26,7 @@ import torch
 
 from kvcanary.kernels import jit, layout, ref
 from kvcanary.kernels.real_kv import RealKvSource
-from kvcanary.runtime.config import ConfigError
+from kvcanary.settings import ConfigError
 
 logger = logging.getLogger(__name__)
 

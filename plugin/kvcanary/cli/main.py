@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from kvcanary.report.table import format_table as _format_table
-from kvcanary.runtime.config import ConfigError
+from kvcanary.settings import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -295,7 +295,7 @@ def _cmd_build(args: argparse.Namespace, out: TextIO) -> int:
 
     from kvcanary.cli import doctor
     from kvcanary.kernels import jit
-    from kvcanary.runtime.config import parse_cuda_arch
+    from kvcanary.settings import parse_cuda_arch
 
     doctor.check_environment()  # a bad cache dir or sanitizer: one named line
     arch = parse_cuda_arch(args.arch, "--arch") if args.arch else None

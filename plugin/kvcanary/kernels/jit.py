@@ -9,8 +9,8 @@ Environment (checked here and, at start-up, by ``kvcanary.runtime.config.Config.
 ``kvcanary.settings.ConfigError`` naming the variable): ``KVCANARY_CACHE_DIR`` must be a directory or creatable,
 and writable when a build is needed (a prebuilt read-only cache only loads); ``KVCANARY_CUDA_ARCH`` is one or
 more archs in any of the forms ``9.0``, ``9.0a``, ``90``, ``90a``, ``sm_90a``, ``100a``, ``10.0f``
-(``config.parse_cuda_arch``), normalised to ``major.minor[a|f]`` for tvm-ffi; ``KVCANARY_SANITIZE`` is ``address``
-or unset (``config.parse_sanitize``).
+(``kvcanary.settings.parse_cuda_arch``), normalised to ``major.minor[a|f]`` for tvm-ffi; ``KVCANARY_SANITIZE``
+is ``address`` or unset (``kvcanary.settings.parse_sanitize``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ EXPORT_SOURCE = "kvcanary_ops.cc"
 CACHE_DIR_ENV = "KVCANARY_CACHE_DIR"
 CUDA_ARCH_ENV = "KVCANARY_CUDA_ARCH"
 SANITIZE_ENV = "KVCANARY_SANITIZE"  # "address": CPU build under AddressSanitizer (tests; needs libasan preloaded)
-# Keyed by config.SANITIZERS (the values start-up accepts; tests/test_cli_papercuts.py pins the two together).
+# Keyed by kvcanary.settings.SANITIZERS (the values start-up accepts; tests/test_cli_papercuts.py pins the two
+# together).
 _SANITIZE_FLAGS = {"address": ["-fsanitize=address", "-fno-omit-frame-pointer", "-g"]}
 # What a cold build took on the machines of the GPU checks (CPU 23-37 s, CUDA 52-68 s): the progress line's estimate.
 TYPICAL_BUILD_SECONDS = {"cpu": 30, "cuda": 60}

@@ -3,7 +3,7 @@
 ``ReportFile`` only moves bytes; what a failure means (log mode: log, count, drop; raise mode: raise) is the
 ``Reporter``'s policy (``kvcanary.report``). Rules:
 
-* Start-up: ``open()`` checks the path (``config.check_report_path``), creates missing parent directories and
+* Start-up: ``open()`` checks the path (``kvcanary.settings.check_report_path``), creates missing parent directories and
   opens with ``O_WRONLY | O_APPEND | O_CREAT``; any failure is a ``ValueError`` naming ``KVCANARY_REPORT``.
 * Each line is one ``os.write`` on an ``O_APPEND`` descriptor, so lines of several processes never interleave on a
   local file system. ``EINTR`` is retried; a short write continues with the rest of the line.

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcanary.kernels.real_kv import RealKvSource
-from kvcanary.runtime.config import parse_int_env
+from kvcanary.settings import parse_int_env
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ ENV_FAULT_EVERY = "KVCANARY_FAULT_EVERY"
 ENV_FAULT_WARMUP = "KVCANARY_FAULT_WARMUP"
 ENV_FAULT_SEED = "KVCANARY_FAULT_SEED"
 ENV_FAULT_RANK = "KVCANARY_FAULT_RANK"
-# kvcanary.runtime.config.FAULT_ENV_VARS lists the same names (a test pins it), so a typo in the family is flagged.
+# kvcanary.settings.FAULT_ENV_VARS lists the same names (a test pins it), so a typo in the family is flagged.
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.kernels.tags import LaunchTag
 from kvcanary.report.record import Violation
 from kvcanary.report.reporter import Reporter
-from kvcanary.runtime.config import Config, Mode
+from kvcanary.runtime.config import Config
 from kvcanary.runtime.device_state import DeviceState
 from kvcanary.runtime.drain import CanaryStats, ViolationDrain
 from kvcanary.runtime.health import HealthMonitor, StatsLogger, expected_launch_tags
@@ -43,6 +43,7 @@ from kvcanary.runtime.host_tier import HostTierRecords
 from kvcanary.runtime.sweep import Sweeper, SweepSource
 from kvcanary.runtime.token_table import TokenTable
 from kvcanary.runtime.writers import WriterTable
+from kvcanary.settings import Mode
 
 __all__ = ["CanaryManager", "CanaryStats", "SweepSource"]
 

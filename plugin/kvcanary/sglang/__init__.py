@@ -32,7 +32,7 @@ import os
 from dataclasses import dataclass
 from types import ModuleType
 
-from kvcanary.runtime.config import ENV_MODE
+from kvcanary.settings import ENV_MODE
 
 logger = logging.getLogger("kvcanary.sglang")
 
@@ -118,7 +118,8 @@ def register() -> None:
 
 def _register_version(adapter: ModuleType) -> None:
     """Validate the configuration, verify every target of ``adapter``, register its hooks."""
-    from kvcanary.runtime.config import Config, Mode
+    from kvcanary.runtime.config import Config
+    from kvcanary.settings import Mode
     from kvcanary.sglang.fault_injection import fault_plan_from_env
     from kvcanary.sglang.hooks import hooks_for
     from kvcanary.sglang.pools import parse_real_kv_layers

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from kvcanary.kernels.real_kv import RealKvSource
-from kvcanary.runtime.config import Config, parse_ascii_int
+from kvcanary.runtime.config import Config
 from kvcanary.runtime.installation import GroupSpec
+from kvcanary.settings import parse_ascii_int
 
 ENV_REAL_KV_LAYERS = "KVCANARY_REAL_KV_LAYERS"
 DEFAULT_REAL_KV_LAYERS: tuple[int, ...] = (0, -1)

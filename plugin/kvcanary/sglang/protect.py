@@ -53,8 +53,9 @@ import torch
 
 from kvcanary.report.metrics import metrics_for
 from kvcanary.runtime import protect
-from kvcanary.runtime.config import Config, Mode
+from kvcanary.runtime.config import Config
 from kvcanary.runtime.installation import Installation, installations
+from kvcanary.settings import Mode
 from kvcanary.sglang.installed import installation_of
 from kvcanary.sglang.radix import cached_nodes
 

@@ -805,8 +805,9 @@ def build_sim(sim_cfg: SimConfig, *, mode: str = "raise", sweep_interval: int = 
     it, so a fault driver can attribute it to that forward.
     """
     from kvcanary.kernels.layout import RealKvHashMode
-    from kvcanary.runtime.config import Config, Mode
+    from kvcanary.runtime.config import Config
     from kvcanary.runtime.manager import CanaryManager
+    from kvcanary.settings import Mode
 
     config = Config(mode=Mode(mode), real_kv=RealKvHashMode[real_kv.upper()], sweep_interval=sweep_interval,
                     stats_every=0, verify_tokens=sim_cfg.verify_tokens, ring_capacity=4096, drain_every=drain_every)
