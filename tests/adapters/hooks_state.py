@@ -42,12 +42,14 @@ def _reset_adapter_hooks() -> None:
     the version's one AdapterHooks for the process's life (a test after it would see an EAGLE process)."""
     import sys
 
+    from kvcanary.sglang import fault_hooks
     from kvcanary.sglang.hooks import hooks_for
 
     for name in ("kvcanary.sglang.v0_5_12", "kvcanary.sglang.v0_5_23"):
         version = sys.modules.get(name)
         if version is not None:
             hooks_for(version).zero_graph_padding = False
+            fault_hooks.hooks_for(version).zero_graph_padding = False  # (the layer KVCANARY_FAULT registers)
 
 
 def all_targets():

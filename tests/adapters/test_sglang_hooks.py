@@ -754,3 +754,23 @@ def test_writer_attribution_runs_for_the_batches_that_bring_new_requests(mode: s
     ah = adapter_hooks.AdapterHooks(v0_5_12)
     assert ah.after_forward_batch_init("result", None, batch, types.SimpleNamespace(_kvcanary=inst)) == "result"
     assert calls == ([([3], ["a"])] if attributed else [])
+
+
+@pytest.mark.parametrize("fault", ["", "real_kv_flip"])
+def test_the_fault_injection_layer_is_registered_only_with_kvcanary_fault(monkeypatch, fault: str) -> None:
+    """Without KVCANARY_FAULT the registered hooks are the plain AdapterHooks (the serving path checks no fault plan
+    and has no injection code); with it, the fault-injection layer over the same targets."""
+    from kvcanary.sglang import fault_hooks, targets
+
+    hooks_state.clear_kvcanary_env(monkeypatch)
+    monkeypatch.setenv("KVCANARY_MODE", "log")
+    if fault:
+        monkeypatch.setenv("KVCANARY_FAULT", fault)
+    registered = []
+    monkeypatch.setattr(targets, "register_hooks", registered.extend)
+    kvcanary_sglang._register_version(v0_5_12)
+    owners = {type(hook.__self__) for _, hook in registered}
+    assert owners == ({fault_hooks.FaultInjectingHooks} if fault else {adapter_hooks.AdapterHooks})
+    assert [t for t, _ in registered] == list(v0_5_12.TARGETS)
+    plain = adapter_hooks.AdapterHooks(v0_5_12)
+    assert plain.fault_plan(0, None) is None  # an installation of the plain hooks never injects

@@ -127,8 +127,12 @@ def _register_version(adapter: ModuleType) -> None:
 
     config = Config.from_env()
     parse_real_kv_layers()
-    fault_plan_from_env()
-    table = hooks_for(adapter).table
+    if fault_plan_from_env() is not None:  # KVCANARY_FAULT: the fault-injection layer instead of the plain hooks
+        from kvcanary.sglang.fault_hooks import hooks_for as fault_hooks_for
+
+        table = fault_hooks_for(adapter).table
+    else:
+        table = hooks_for(adapter).table
     if config.mode is Mode.PROTECT:  # (its hooks are registered in protect mode only; refused where there are none)
         from kvcanary.sglang.protect import hooks_for as protect_hooks_for
 

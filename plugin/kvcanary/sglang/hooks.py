@@ -6,13 +6,14 @@ version's targets with the bound hook (built once, so ``HookRegistry`` sees the 
 ``register()``). The hooks:
 
 * ``after_init_memory_pool``: :meth:`AdapterHooks.install`: one manager per KV group, ``model.forward`` wrapped;
-* ``around_forward``: the host half of each real forward (fault injection, drain, health, stats, sweep);
+* ``around_forward``: the host half of each real forward (drain, health, stats, sweep; fault injection in the layer
+  :mod:`kvcanary.sglang.fault_hooks` registers instead of these hooks when ``KVCANARY_FAULT`` is set);
 * ``after_initialize``: init finished (warm-up and graph capture are over): the version's after-init checks
   (``check_after_initialize``), then the chain-position assert goes on;
 * ``after_populate``: with an EAGLE pool, zero the padded rows' ``req_pool_indices`` of a decode graph that 0.5.12
   leaves stale (without one nothing: the plan treats a row whose first token is on the padding slot as padding);
 * ``after_init_cache``: the prefix cache becomes the sweep source (the version's ``sweep_source``);
-* ``after_forward_batch_init``: token-table uploads (``KVCANARY_VERIFY_TOKENS``), request facts for the injector.
+* ``after_forward_batch_init``: writer attribution, token-table uploads (``KVCANARY_VERIFY_TOKENS``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from kvcanary.runtime.manager import CanaryManager
 from kvcanary.sglang import hicache, speculative
 from kvcanary.sglang.batches import BatchConverter, mode_name, unsupported_mode
 from kvcanary.sglang.contract import VersionModule
-from kvcanary.sglang.fault_injection import fault_plan_for_rank, inject_fault, repair_token_swaps, rows_remaining
 from kvcanary.sglang.installed import INSTALL_ATTR, installation_of
 from kvcanary.sglang.targets import Target
 from kvcanary.sglang.tokens import expected_token_updates
@@ -110,7 +110,7 @@ class AdapterHooks:
             to_views=BatchConverter(specs, max_bs, device,
                                     speculative.batch_view_for(role, v.batch_view, max_bs, device)),
             req_to_token=r2t,
-            fault_plan=fault_plan_for_rank(report_rank) if role is None or role.inject_faults else None,
+            fault_plan=self.fault_plan(report_rank, role),
             model_name=getattr(v.server_args_of(runner), "served_model_name", None),  # the metrics' model_name label
         )
         # set before piecewise graphs capture (they call the wrapper); each version classifies calls its own way
@@ -126,6 +126,28 @@ class AdapterHooks:
                       for g in groups),
         )
         return inst
+
+    # ------------------------------------------------------------------------------------------- around the model
+    # What a real forward does on the host around the model; the fault-injection layer extends each
+    # (kvcanary.sglang.fault_hooks), so the serving path carries no test machinery.
+    def fault_plan(self, report_rank: int, role) -> object | None:
+        """The fault plan of a new installation: none (the fault-injection layer gives one)."""
+        del report_rank, role
+        return None
+
+    def before_model(self, inst: Installation, forward_batch) -> None:
+        """Before the model runs: HiCache's records of the copies since the last forward, and its load fence."""
+        if inst.host_tier is not None:
+            inst.host_tier.before_forward()
+
+    def after_model(self, inst: Installation, forward_batch) -> None:
+        """After the model ran: drain, health, stats, sweep (``Installation.host_after``)."""
+        del forward_batch
+        inst.host_after()
+
+    def batch_facts(self, inst: Installation, reqs) -> None:
+        """Per batch, what else needs the batch's requests: nothing (the fault injector's request facts)."""
+        del inst, reqs
 
     # ------------------------------------------------------------------------------------------- hooks
     def after_init_memory_pool(self, result, runner, *args, **kwargs):
@@ -153,10 +175,7 @@ class AdapterHooks:
             mode = mode_name(forward_batch)
             if mode not in modes:
                 raise unsupported_mode(mode, modes, self.version.SGLANG_VERSION)
-            if inst.host_tier is not None:  # HiCache: records of the copies since the last forward, load fence
-                inst.host_tier.before_forward()
-            if inst.fault_plan is not None:
-                inst.host_before(lambda i, step, cls: inject_fault(i, step, forward_batch, cls, self.version))
+            self.before_model(inst, forward_batch)
         except Exception as exc:  # (log mode: kvcanary stops on this runner, the forward runs: Installation)
             if not inst.keeps_serving(exc, "before a forward (host half)"):
                 raise
@@ -170,9 +189,7 @@ class AdapterHooks:
             inst.serving -= 1
         t2 = time.perf_counter_ns()
         try:
-            if inst.pending_repairs:
-                repair_token_swaps(inst, forward_batch)
-            inst.host_after()
+            self.after_model(inst, forward_batch)
             if spec is not None:
                 speculative.after_forward(runner, forward_batch)  # EAGLE: spec counters and their stats line
         except Exception as exc:  # (raise mode's violations and health errors raise from here: they stand)
@@ -265,10 +282,8 @@ class AdapterHooks:
         return result
 
     def around_hicache_start_loading(self, original, controller, *args, **kwargs):
-        """Fault injection only: the host-tier classes corrupt a load's copies before they are enqueued."""
-        follower = hicache.follower_of(controller)
-        if follower is not None and follower.faults is not None:
-            self._in_hicache_hook(follower, "injecting a host-tier fault", follower.faults.before_start_loading)
+        """Nothing here: the fault-injection layer (:mod:`kvcanary.sglang.fault_hooks`) corrupts a load's copies
+        before they are enqueued."""
         return original(controller, *args, **kwargs)
 
     @staticmethod
@@ -303,16 +318,13 @@ class AdapterHooks:
         return result
 
     def _batch_init(self, inst: Installation, batch) -> None:
-        """The per-batch host work: writer attribution for new requests, the fault injector's request facts,
-        token-table uploads."""
+        """The per-batch host work: writer attribution for new requests, :meth:`batch_facts`, token-table uploads."""
         reqs = self.version.batch_requests(batch)
         if mode_name(batch) not in _NO_NEW_REQUESTS:  # writer attribution: a row gets a new request in a prefill
             rows, rids = request_rows(reqs)
             for group in inst.groups:
                 group.manager.assign_requests(rows, rids)
-        if inst.fault_plan is not None:
-            inst.batch_reqs = list(reqs)
-            inst.row_remaining = rows_remaining(reqs)
+        self.batch_facts(inst, reqs)
         if inst.verify_tokens:
             inst.update_expected_tokens(expected_token_updates(inst.token_mirror, reqs))
 
