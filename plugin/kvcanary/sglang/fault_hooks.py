@@ -17,6 +17,7 @@ from kvcanary.runtime.installation import Installation
 from kvcanary.sglang import hicache
 from kvcanary.sglang.fault_injection import fault_plan_for_rank, inject_fault, repair_token_swaps, rows_remaining
 from kvcanary.sglang.hooks import AdapterHooks
+from kvcanary.sglang.hooks import hooks_for as adapter_hooks_for
 
 
 class FaultInjectingHooks(AdapterHooks):
@@ -48,12 +49,6 @@ class FaultInjectingHooks(AdapterHooks):
         return original(controller, *args, **kwargs)
 
 
-_HOOKS: dict[str, FaultInjectingHooks] = {}
-
-
 def hooks_for(version: ModuleType) -> FaultInjectingHooks:
     """The one FaultInjectingHooks of ``version`` in this process."""
-    found = _HOOKS.get(version.__name__)
-    if found is None or found.version is not version:
-        found = _HOOKS[version.__name__] = FaultInjectingHooks(version)  # type: ignore[arg-type]
-    return found
+    return adapter_hooks_for(version, FaultInjectingHooks)  # type: ignore[return-value]

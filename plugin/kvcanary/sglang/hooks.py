@@ -351,12 +351,13 @@ def request_rows(reqs) -> tuple[list, list]:
     return [row for row, _ in pairs], [rid for _, rid in pairs]
 
 
-_HOOKS: dict[str, AdapterHooks] = {}
+_HOOKS: dict[tuple[str, type], AdapterHooks] = {}
 
 
-def hooks_for(version: ModuleType) -> AdapterHooks:
-    """The one AdapterHooks of ``version`` in this process."""
-    found = _HOOKS.get(version.__name__)
+def hooks_for(version: ModuleType, kind: type[AdapterHooks] = AdapterHooks) -> AdapterHooks:
+    """The one ``kind`` (AdapterHooks, or a layer over them) of ``version`` in this process."""
+    key = (version.__name__, kind)
+    found = _HOOKS.get(key)
     if found is None or found.version is not version:
-        found = _HOOKS[version.__name__] = AdapterHooks(version)  # type: ignore[arg-type]
+        found = _HOOKS[key] = kind(version)  # type: ignore[arg-type]
     return found
