@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from kvcanary.cli.simulate import DecodeRig, RigShape
 from kvcanary.runtime.config import Config
 from kvcanary.settings import Mode
+from kvcanary.sim.workload import DecodeRig, RigShape
 
 
 def _replay_times(graph: torch.cuda.CUDAGraph, reps: int) -> float:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcanary.cli.simulate import DecodeRig, RigShape
 from kvcanary.runtime.config import Config
 from kvcanary.settings import Mode
+from kvcanary.sim.workload import DecodeRig, RigShape
 
 pytestmark = [
     pytest.mark.gpu,

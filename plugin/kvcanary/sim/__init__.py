@@ -10,8 +10,10 @@
 * :mod:`kvcanary.sim.protect`: :class:`~kvcanary.sim.protect.SimProtect`, protect mode over the simulator (the
   requests that read bad KV recomputed, the cached nodes holding bad slots dropped), for ``kvcanary demo --mode
   protect``.
+* :mod:`kvcanary.sim.workload`: ``DecodeRig``, a synthetic decode workload (no serving loop) for the GPU tests and
+  the per-forward device benchmarks.
 
-Neither needs sglang or a GPU.
+None needs sglang or a GPU.
 """
 
 from __future__ import annotations
