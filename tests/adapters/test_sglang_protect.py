@@ -50,7 +50,7 @@ def make_engine(tmp_path, monkeypatch):
 
     made = []
 
-    def make(**env):
+    def make(page_size: int = 1, **env):
         hooks_state.clear_kvcanary_env(monkeypatch)
         report = tmp_path / f"kv-{len(made)}.jsonl"
         for key, value in {"KVCANARY_MODE": "protect", "KVCANARY_REPORT": str(report), **env}.items():
@@ -63,8 +63,8 @@ def make_engine(tmp_path, monkeypatch):
         plugins.load_plugins()
         for t in (*v0_5_12.TARGETS, *v0_5_12.PROTECT_HOOK_TARGETS.values()):
             assert hooks_state.is_patched(t.dotted), t.dotted
-        sa = sgl_engine.server_args(sgl_engine.write_model_dir(tmp_path / "tiny-llama"), dtype="float32",
-                                    chunked_prefill_size=4096)
+        sa = sgl_engine.server_args(sgl_engine.write_model_dir(tmp_path / "tiny-llama"), page_size=page_size,
+                                    dtype="float32", chunked_prefill_size=4096)
         mr = sgl_engine.build_runner(sa)
         sched = sgl_protect.build_scheduler(mr, sa)
         inst = hooks.installation_of(mr)
@@ -226,9 +226,10 @@ def test_request_mid_chunked_prefill_is_aborted_once_and_leaks_nothing(make_engi
     assert allocator.available_size() == free_at_start  # nothing leaked
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("hold", ["0", "1"])
 @pytest.mark.parametrize("seed", [1, 2])
-def test_the_driver_fault_mix_leaks_no_slot(make_engine, hold: str, seed: int) -> None:
+def test_the_driver_fault_mix_leaks_no_slot(make_engine, hold: str, seed: int, page_size: int) -> None:
     """The H200 protect phases' faults (all five classes, one every 4 forwards, sweep every 3) over shared-prefix,
     chunked, streaming and plain requests: every request finishes, and every KV slot is back (free, or held by the
     radix cache). Regression (H200 phase 23, 2026-12-02, sglang's idle check: "pool memory leak detected"): with
@@ -237,7 +238,7 @@ def test_the_driver_fault_mix_leaks_no_slot(make_engine, hold: str, seed: int) -
     import random
 
     mr, sched, inst, state, report = make_engine(
-        KVCANARY_PROTECT_HOLD=hold, KVCANARY_SWEEP_INTERVAL="3", KVCANARY_VERIFY_TOKENS="1",
+        page_size=page_size, KVCANARY_PROTECT_HOLD=hold, KVCANARY_SWEEP_INTERVAL="3", KVCANARY_VERIFY_TOKENS="1",
         KVCANARY_FAULT=",".join((faults.REQ_TO_TOKEN_REDIRECT, faults.REAL_KV_FLIP, faults.CACHED_IDLE_CORRUPTION,
                                  faults.TOKEN_SWAP, faults.POSITION_SKEW)),
         KVCANARY_FAULT_EVERY="4", KVCANARY_FAULT_WARMUP="10", KVCANARY_FAULT_SEED=str(seed))

@@ -339,15 +339,22 @@ class SchedulerProtect:
         launched the next batch: that batch committed one more slot per decoding request (its input is this batch's
         sampled token, not yet appended), which the release would leak (H200 phase 23, 2026-12-02: sglang's idle
         check found the pool short). The slot's KV is written by the batch in flight; a later allocation of it is
-        written by a later forward on the same stream."""
+        written by a later forward on the same stream.
+
+        Paged KV: the allocator frees whole pages, and the release frees the page of the request's last token with
+        it; only the slots on later pages are freed here (as sglang's own release aligns its over-allocated tail:
+        ``ceil_align(start, page_size)``), else a shared page would be freed twice."""
         covered = len(req.origin_input_ids) + len(req.output_ids)
-        extra = int(getattr(req, "kv_committed_len", 0) or 0) - covered
-        if extra <= 0:
+        committed = int(getattr(req, "kv_committed_len", 0) or 0)
+        if committed <= covered:
             return
-        slots = scheduler.req_to_token_pool.req_to_token[req.req_pool_idx, covered:covered + extra]
-        scheduler.token_to_kv_pool_allocator.free(slots)
-        req.kv_committed_len -= extra
-        req.kv_allocated_len = max(int(req.kv_allocated_len) - extra, req.kv_committed_len)
+        allocator = scheduler.token_to_kv_pool_allocator
+        page = max(int(getattr(allocator, "page_size", 1) or 1), 1)
+        first = -(-covered // page) * page  # the first slot on a page no token of the request is on
+        if first < committed:
+            allocator.free(scheduler.req_to_token_pool.req_to_token[req.req_pool_idx, first:committed])
+        req.kv_committed_len = covered
+        req.kv_allocated_len = max(int(req.kv_allocated_len) - (committed - covered), covered)
 
     @staticmethod
     def _abort(req, message: str, chunked: bool = False) -> None:
