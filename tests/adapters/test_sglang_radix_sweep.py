@@ -125,13 +125,16 @@ def test_every_change_of_the_entries_is_followed(tree: RadixCache, mutation: str
     assert not freed & {slot for slot, _, _ in after}  # a freed slot is never swept from a stale plan
 
 
+@pytest.mark.parametrize("eagle", [False, True], ids=["plain", "eagle-bigram"])
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_serving_matches_a_walk_after_every_sweep(seed: int, page_size: int) -> None:
+def test_random_serving_matches_a_walk_after_every_sweep(seed: int, page_size: int, eagle: bool) -> None:
     """Requests over a few shared prefixes inserted, matched (splits), evicted by sglang and by protect mode, the
-    tree reset now and then; two sources on one tree (EAGLE: the target's and the draft's installations)."""
+    tree reset now and then; two sources on one tree (EAGLE: the target's and the draft's installations, whose
+    tree keys by token pairs: ``is_eagle``); page sizes 1 and 4."""
     rng = random.Random(seed)
     tree = RadixCache.create_simulated(mock_allocator=Allocator(), page_size=page_size)
+    tree.is_eagle = eagle  # (what an EAGLE server's RadixCache is built with: bigram keys, one slot fewer per key)
     sources = [v0_5_12.sweep_source(tree), v0_5_12.sweep_source(tree)]
     prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(4, 40))] for _ in range(4)]
     next_slot, resets = 1, 0
@@ -143,7 +146,7 @@ def test_random_serving_matches_a_walk_after_every_sweep(seed: int, page_size: i
             next_slot += len(tokens)
         if rng.random() < 0.5:
             tokens = rng.choice(prefixes)[: rng.randrange(1, 40)] + [rng.randrange(1, 50)]
-            tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
+            tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))  # (bigram view taken by the tree)
         if rng.random() < 0.3:
             tree.evict(EvictParams(num_tokens=rng.randrange(1, 60)))
         if rng.random() < 0.15:
