@@ -74,9 +74,10 @@ class HostTime:
     batch_inits: int = 0  # calls of the adapter's batch hook (one per batch the engine builds)
     batch_init_ns: int = 0  # their host time (outside ModelRunner.forward: not in forward_ns)
     host_tier_ns: int = 0  # the host KV tier's hooks (record copies of backups and load-backs; outside forwards)
-    sweep_ns: int = 0  # the prefix-cache sweeps' share of hook_ns (set when a line is made: the sweepers count it)
 
-    def line(self, step: int) -> str:
+    def line(self, step: int, sweep_ns: int = 0) -> str:
+        """The ``kvcanary host time:`` line; ``sweep_ns``: the prefix-cache sweeps' share of ``hook_ns`` (the
+        sweepers count it)."""
         n = max(self.forwards, 1)
         canary = (self.hook_ns + self.in_forward_ns + self.batch_init_ns + self.host_tier_ns) / n / 1e3
         eager_launch = self.in_forward_ns - self.piecewise_launch_ns
@@ -92,7 +93,7 @@ class HostTime:
             f"canary_us_per_piecewise_forward={(self.piecewise_launch_ns + self.piecewise_hook_ns) / pw / 1e3:.1f} "
             f"batch_init_us={self.batch_init_ns / n / 1e3:.1f}"
             + (f" host_tier_us={self.host_tier_ns / n / 1e3:.1f}" if self.host_tier_ns else "")
-            + (f" sweep_us={self.sweep_ns / n / 1e3:.1f}" if self.sweep_ns else "")
+            + (f" sweep_us={sweep_ns / n / 1e3:.1f}" if sweep_ns else "")
         )
 
 
@@ -330,8 +331,7 @@ class Installation:
             self._piecewise_now = False
         every = self.config.stats_every
         if every and host.forwards % every == 0:
-            host.sweep_ns = self._sweep_ns() - self._sweep_ns_at_init
-            logger.info("%s", host.line(self.steps))
+            logger.info("%s", host.line(self.steps, self._sweep_ns() - self._sweep_ns_at_init))
 
     def account_host_tier(self, ns: int) -> None:
         """Host time of a host KV tier's hook (a backup's or load-back's record copies), outside any forward."""
