@@ -71,10 +71,8 @@ def run_on_producer_stream(producer: torch.cuda.Stream | None, read: Callable[[]
     it allocated. With ``producer`` None (CPU, no engine stream known yet) or already current, ``read()`` runs
     as is. Never synchronises the host.
     """
-    if producer is None:
-        return read()
-    consumer = torch.cuda.current_stream(producer.device)
-    if consumer == producer:
+    consumer = _other_consumer(producer)
+    if consumer is None:
         return read()
     with torch.cuda.stream(producer):
         results = read()
@@ -95,14 +93,20 @@ def update_on_producer_stream(producer: torch.cuda.Stream | None, update: Callab
     free a tensor the consumer may still read (grow buffers before, outside ``producer``). With ``producer`` None or
     current, ``update()`` runs as is. Never synchronises the host.
     """
-    if producer is None:
-        update()
-        return
-    consumer = torch.cuda.current_stream(producer.device)
-    if consumer == producer:
+    consumer = _other_consumer(producer)
+    if consumer is None:
         update()
         return
     producer.wait_stream(consumer)
     with torch.cuda.stream(producer):
         update()
     consumer.wait_stream(producer)
+
+
+def _other_consumer(producer: torch.cuda.Stream | None) -> torch.cuda.Stream | None:
+    """The caller's current stream on ``producer``'s device when it is another stream than ``producer``; None when
+    there is nothing to order (no producer: CPU or no engine stream yet; or the producer is current)."""
+    if producer is None:
+        return None
+    consumer = torch.cuda.current_stream(producer.device)
+    return None if consumer == producer else consumer
