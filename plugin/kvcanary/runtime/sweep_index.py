@@ -20,8 +20,9 @@ the cache:
   ``skipped``): "entries swept" stays the number of cached entries checked.
 * **Splits** (:meth:`SweepIndex.split`): a span cut in two keeps its entries where they are; only the host ranges
   change (a split keeps every slot, predecessor and position).
-* **Compaction.** Tombstones are dropped by rebuilding the plan from scratch (the caller walks its cache once and
-  calls :meth:`SweepIndex.rebuild`) when they are at least half the plan (:meth:`SweepIndex.wants_compaction`).
+* **Compaction.** Tombstones are dropped by rebuilding the plan from scratch (the caller walks its cache once,
+  calls :meth:`SweepIndex.clear` and appends every span again) when they are at least half the plan
+  (:meth:`SweepIndex.wants_compaction`).
 
 The index never reads a slot on the host (no device sync). It does not know streams: its caller runs the device
 operations where the slot tensors it hands over are produced
@@ -87,17 +88,8 @@ class SweepIndex:
         return key in self._ranges
 
     @property
-    def spans(self) -> int:
-        return len(self._ranges)
-
-    @property
     def tombstones(self) -> int:
         return self._dead
-
-    def end_position(self, key: Hashable) -> int:
-        """The position right after the span ``key``'s last slot (the first position of a span continuing it)."""
-        _, length, first = self._ranges[key]
-        return first + length
 
     def wants_compaction(self) -> bool:
         """Whether tombstones are at least half the plan (and more than :data:`MIN_COMPACTION_ENTRIES`)."""
@@ -150,11 +142,6 @@ class SweepIndex:
         self._planned = None
 
     # ------------------------------------------------------------------------------------------ device changes
-    def rebuild(self, spans: Sequence[Span]) -> None:
-        """Replace every entry by ``spans`` (a walk of the whole cache, parents before children): no tombstones."""
-        self.clear()
-        self.append(spans)
-
     def append(self, spans: Sequence[Span]) -> None:
         """Add ``spans`` at the plan's tail (~10 device operations, whatever their number); each ``after`` is held
         already or earlier in ``spans``. Raises :class:`UnplacedSpan` (nothing changed) when one is neither, and

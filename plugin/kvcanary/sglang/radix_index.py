@@ -103,12 +103,8 @@ class RadixSweepIndex:
         else:
             self._stale = True
 
-    def tree_reset(self) -> None:
-        self._stale = True
-        self._pending.clear()
-
     def invalidate(self) -> None:
-        """Walk the whole tree at the next sweep (a tree event could not be followed)."""
+        """Walk the whole tree at the next sweep (the tree was reset, or a tree event could not be followed)."""
         self._stale = True
         self._pending.clear()
 
@@ -226,7 +222,7 @@ def _watch(tree, hooks: RadixNodeHooks) -> _TreeWatch:
     @functools.wraps(reset)
     def on_reset(*args, **kwargs):
         result = reset(*args, **kwargs)
-        watch.emit("tree_reset")
+        watch.emit("invalidate")
         return result
 
     for name, wrapper in ((hooks.stored, _node_event(stored, "node_stored", watch)), (hooks.split, on_split),
