@@ -499,7 +499,8 @@ def render(summary: dict) -> str:
     ov = summary.get("overhead")
     if ov:
         base, arm = overhead_arms_of(ov)
-        lines += ["", "| overhead | output tok/s | total tok/s | workload s | forwards | ms/forward |",
+        # forwards: the timed workload's only (the phase row above also counts the unmeasured warm-up groups)
+        lines += ["", "| overhead | output tok/s | total tok/s | workload s | timed forwards | ms/forward |",
                   "|---|---|---|---|---|---|"]
         for k in (base, arm):
             r = ov.get(k) or {}
@@ -519,13 +520,13 @@ def render(summary: dict) -> str:
                    "period" if (ov.get(host_arm) or {}).get("ms_per_forward") else "") + " | | | | |")
         for w in ov.get("warmup_rounds") or []:
             lines.append(f"| warm-up pair {w['round']} (first Engines on this machine), {arm}/{base} | "
-                         f"{_fmt(w['ratio'], 4)} ({_fmt(w[base])} vs {_fmt(w[arm])} tok/s) | | | | |")
+                         f"{_fmt(w['ratio'], 4)} ({arm} {_fmt(w[arm])} vs {base} {_fmt(w[base])} tok/s) | | | | |")
         if ov.get("ratio") is not None:
             r = ov["ratio"]
             what = (f"{100 * (1 - r):.2f} % fewer tok/s" if r < 1 else
                     f"no slowdown measurable: {100 * (r - 1):.2f} % more tok/s, within Engine-to-Engine noise")
-            lines.append(f"| {arm}/{base} | {r:.4f} ({what}) | | | | {_fmt(ov.get('ms_per_forward_delta'), 3)} ms more "
-                         f"per forward |")
+            lines.append(f"| {arm}/{base} | {r:.4f} ({what}) | | | | {_fmt(ov.get('ms_per_forward_delta'), 3)} ms per "
+                         f"forward, {arm} - {base} |")
     lines += render_eagle(summary.get("eagle") or [])
     lines += hicache_phases.render(summary.get("hicache") or [])
     lines += hunt_phases.render(summary.get("hunt") or [])
