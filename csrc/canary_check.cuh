@@ -283,7 +283,7 @@ __device__ __forceinline__ void check_reuse_gate(const CheckParams& p) {
   }
 }
 
-__global__ void __launch_bounds__(kCheckThreads, kCheckMinBlocksPerSm)
+KVCANARY_KERNEL void __launch_bounds__(kCheckThreads, kCheckMinBlocksPerSm)
     canary_check_kernel(const __grid_constant__ CheckParams p) {
   // The current chunk's rows: where each row's entries start, and what plan_entry needs of its RowPlan.
   __shared__ int64_t s_start[kCheckThreads];

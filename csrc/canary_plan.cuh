@@ -376,7 +376,7 @@ __device__ __forceinline__ bool plan_chunk_padding(const PlanParams& p, int64_t 
   return in_batch && plan_row_writes(p, r) && start >= static_cast<int64_t>(*cut);
 }
 
-__global__ void __launch_bounds__(kPlanRowThreads) canary_plan_rows_kernel(const __grid_constant__ PlanParams p) {
+KVCANARY_KERNEL void __launch_bounds__(kPlanRowThreads) canary_plan_rows_kernel(const __grid_constant__ PlanParams p) {
   __shared__ long long s_cut;
   if (threadIdx.x == 0) {
     s_cut = INT64_MAX;
@@ -411,7 +411,7 @@ __global__ void __launch_bounds__(kPlanRowThreads) canary_plan_rows_kernel(const
   }
 }
 
-__global__ void __launch_bounds__(kPlanEntryThreads) canary_plan_entries_kernel(const __grid_constant__ PlanParams p) {
+KVCANARY_KERNEL void __launch_bounds__(kPlanEntryThreads) canary_plan_entries_kernel(const __grid_constant__ PlanParams p) {
   if (*p.verify_enable == 0) {
     return;
   }

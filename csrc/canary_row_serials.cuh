@@ -59,7 +59,7 @@ KVCANARY_HD int64_t row_serial_update_serial(const RowSerialParams& p, int64_t u
 #if KVCANARY_DEVICE_BUILD
 
 /*! \brief Distinct rows: every update is written by its own thread, in any order. */
-__global__ void __launch_bounds__(kRowSerialThreads) canary_row_serial_update_kernel(RowSerialParams p) {
+KVCANARY_KERNEL void __launch_bounds__(kRowSerialThreads) canary_row_serial_update_kernel(RowSerialParams p) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < p.num_updates; u += stride) {
     p.row_serials[row_serial_update_row(p, u)] = row_serial_update_serial(p, u);
@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(kRowSerialThreads) canary_row_serial_update_ke
 }
 
 /*! \brief A row repeats: one block, the updates a chunk at a time in batch order; the later update of a row wins. */
-__global__ void __launch_bounds__(kRowSerialThreads) canary_row_serial_update_ordered_kernel(RowSerialParams p) {
+KVCANARY_KERNEL void __launch_bounds__(kRowSerialThreads) canary_row_serial_update_ordered_kernel(RowSerialParams p) {
   __shared__ int64_t chunk_rows[kRowSerialThreads];
   const uint32_t t = threadIdx.x;
   for (int64_t first = 0; first < p.num_updates; first += kRowSerialThreads) {

@@ -90,7 +90,7 @@ KVCANARY_HD void token_append_apply(const TokenUpdateParams& p, int64_t u) {
 #if KVCANARY_DEVICE_BUILD
 
 /*! \brief Appends to distinct rows: every update is applied by its own thread, in any order. */
-__global__ void __launch_bounds__(kTokenUpdateThreads) canary_token_append_kernel(TokenUpdateParams p) {
+KVCANARY_KERNEL void __launch_bounds__(kTokenUpdateThreads) canary_token_append_kernel(TokenUpdateParams p) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < p.num_updates; u += stride) {
     token_append_apply(p, u);
@@ -98,13 +98,13 @@ __global__ void __launch_bounds__(kTokenUpdateThreads) canary_token_append_kerne
 }
 
 /*! \brief Appends where a row repeats (launched as one thread): in batch order, so the later update wins. */
-__global__ void canary_token_append_ordered_kernel(TokenUpdateParams p) {
+KVCANARY_KERNEL void canary_token_append_ordered_kernel(TokenUpdateParams p) {
   for (int64_t u = 0; u < p.num_updates; ++u) {
     token_append_apply(p, u);
   }
 }
 
-__global__ void __launch_bounds__(kTokenUpdateThreads) canary_token_update_kernel(TokenUpdateParams p) {
+KVCANARY_KERNEL void __launch_bounds__(kTokenUpdateThreads) canary_token_update_kernel(TokenUpdateParams p) {
   __shared__ int64_t header[kTokenUpdateFields];
   for (int64_t u = blockIdx.x; u < p.num_updates; u += gridDim.x) {
     if (threadIdx.x < static_cast<uint32_t>(kTokenUpdateFields)) {

@@ -192,7 +192,7 @@ KVCANARY_HD void verify_entry(const VerifyParams& p, int64_t e) {
 
 #if KVCANARY_DEVICE_BUILD
 
-__global__ void __launch_bounds__(kVerifyThreadsPerBlock) canary_verify_kernel(const __grid_constant__ VerifyParams p) {
+KVCANARY_KERNEL void __launch_bounds__(kVerifyThreadsPerBlock) canary_verify_kernel(const __grid_constant__ VerifyParams p) {
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     verify_bump_counters(p);
   }

@@ -426,7 +426,7 @@ __device__ __forceinline__ void write_request_payloads(const WriteParams& p, int
   }
 }
 
-__global__ void __launch_bounds__(kWriteThreadsPerBlock) canary_write_kernel(const __grid_constant__ WriteParams p) {
+KVCANARY_KERNEL void __launch_bounds__(kWriteThreadsPerBlock) canary_write_kernel(const __grid_constant__ WriteParams p) {
   const int64_t r = blockIdx.x;
   const uint32_t warp = threadIdx.x / kWarpSize;
   if (r == 0 && threadIdx.x == 0) {

@@ -62,7 +62,8 @@ def test_wheel_carries_kernel_sources(wheel: Path) -> None:
     names = _names(wheel)
     for required in (
         "kvcanary/include/kvcanary/layout.h",
-        "kvcanary/csrc/kvcanary_ops.cc",
+        "kvcanary/csrc/export_write.cc",
+        "kvcanary/csrc/export_shims.h",
         "kvcanary/csrc/canary_write.cuh",
         "kvcanary/csrc/canary_verify.cuh",
     ):
@@ -133,7 +134,7 @@ def test_sdist_carries_what_the_readme_needs_and_builds_the_same_wheel(sdist: Pa
         names = {n.removeprefix(prefix) for n in tar.getnames()}
         tar.extractall(tmp_path, filter="data")
     for required in ("requirements-sglang-cpu.txt", "LICENSE", "README.md", "pyproject.toml",
-                     "plugin/kvcanary/__init__.py", "include/kvcanary/layout.h", "csrc/kvcanary_ops.cc"):
+                     "plugin/kvcanary/__init__.py", "include/kvcanary/layout.h", "csrc/export_write.cc"):
         assert required in names, sorted(names)
     for doc in (REPO / "docs").glob("*.md"):
         assert f"docs/{doc.name}" in names, sorted(names)

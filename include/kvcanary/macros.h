@@ -18,6 +18,10 @@
 #define KVCANARY_DEVICE_BUILD 0
 #endif
 
+// Every __global__ kernel is declared KVCANARY_KERNEL: internal linkage, because a kernel header may be included by
+// more than one export translation unit (csrc/export_shims.h), and each keeps its own copy.
+#define KVCANARY_KERNEL static __global__
+
 #if defined(__CUDA_ARCH__)
 #define KVCANARY_DEVICE_CODE 1
 #else

@@ -121,7 +121,8 @@ def test_piecewise_and_eager_combine_with_the_arms(e2e, tmp_path) -> None:
     kvcanary Engine must show piecewise prefill; the Engines run eagerly."""
     out = tmp_path / "o"
     text = _dry_run("log,protect-hold", "--piecewise", "--overhead-eager", out=out)
-    assert "| warm-up pair 1 (first Engines on this machine), protect-hold/log | 0.9850 (protect-hold 985.0 vs log 1000.0 tok/s)" in text
+    assert ("| warm-up pair 1 (first Engines on this machine), protect-hold/log | "
+            "0.9850 (protect-hold 985.0 vs log 1000.0 tok/s)") in text
     assert "overhead, protect-hold/log tok/s over 3 pairs: median 1.0050, min 0.9850, max 1.0250" in text
     assert "per log Engine: [240, 240, 240], per protect-hold Engine: [240, 240, 240]" in text
     saved = json.loads((out / "summary.json").read_text())

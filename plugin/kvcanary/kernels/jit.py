@@ -1,5 +1,7 @@
-"""Build and load the kernels: one export table (csrc/kvcanary_ops.cc) built for CPU (g++) and CUDA
-(nvcc) through tvm-ffi, cached under a project-owned directory keyed by the sources' content.
+"""Build and load the kernels: the export units (``csrc/export_*.cc``, one per kernel) built for CPU (g++) and
+CUDA (nvcc) through tvm-ffi into one module per backend, cached under a project-owned directory keyed by the
+sources' content. The units compile in parallel (ninja: one job per core, ``MAX_JOBS`` caps it), so a cold CUDA
+build takes about as long as its slowest unit.
 
 Cache layout: ``$KVCANARY_CACHE_DIR`` (default ``~/.cache/kvcanary``) /
 ``<kvcanary version>-<sha256 of include/ + csrc/ contents>`` / ``<backend>-<arch>-tvmffi<version>``.
@@ -33,9 +35,10 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("cpu", "cuda")
 MODULE_NAME = "kvcanary_ops"
-EXPORT_SOURCE = "kvcanary_ops.cc"
+EXPORT_GLOB = "export_*.cc"  # the export translation units in csrc/ (csrc/export_shims.h)
 CACHE_DIR_ENV = "KVCANARY_CACHE_DIR"
 CUDA_ARCH_ENV = "KVCANARY_CUDA_ARCH"
+MAX_JOBS_ENV = "MAX_JOBS"  # tvm-ffi's (and torch's) cap on a build's parallel compiles
 SANITIZE_ENV = "KVCANARY_SANITIZE"  # "address": CPU build under AddressSanitizer (tests; needs libasan preloaded)
 # Keyed by kvcanary.settings.SANITIZERS (the values start-up accepts; tests/test_cli_papercuts.py pins the two
 # together).
@@ -69,12 +72,17 @@ def source_root() -> Path:
     """Directory holding ``include/`` and ``csrc/``: the installed package, else the repository root."""
     here = Path(__file__).resolve().parents[1]  # the kvcanary package (this file is kvcanary/kernels/jit.py)
     for candidate in (here, here.parent.parent):  # the wheel's kvcanary/, else the checkout's root above plugin/
-        if (candidate / "include" / "kvcanary").is_dir() and (candidate / "csrc" / EXPORT_SOURCE).is_file():
+        if (candidate / "include" / "kvcanary").is_dir() and export_units(candidate):
             return candidate
     raise FileNotFoundError(
         f"kvcanary: cannot find include/ and csrc/ next to {here} or in the repository root; "
         "reinstall kvcanary (the wheel must carry them)"
     )
+
+
+def export_units(root: Path) -> list[Path]:
+    """The export translation units under ``root/csrc``, in a fixed order."""
+    return sorted((root / "csrc").glob(EXPORT_GLOB))
 
 
 def source_digest(root: Path | None = None) -> str:
@@ -166,6 +174,43 @@ def build_directory(backend: str, arch: str | None = None) -> Path:
     return cache_root() / f"{_package_version()}-{source_digest()}" / f"{tag}-tvmffi{_tvm_ffi_version()}"
 
 
+def build_jobs() -> int:
+    """How many compiles a build may run at once: ``$MAX_JOBS`` (tvm-ffi passes it to ninja as ``-j``), else the
+    machine's cores."""
+    raw = os.environ.get(MAX_JOBS_ENV, "").strip()
+    if raw:
+        try:
+            jobs = int(raw)
+        except ValueError:
+            jobs = 0
+        if jobs < 1:
+            raise ConfigError(f"{MAX_JOBS_ENV}: expected a positive integer (compiles at once), got {raw!r}")
+        return jobs
+    return os.cpu_count() or 1
+
+
+def compile_units(units: list[Path], directory: Path, suffix: str) -> list[str]:
+    """The files the build compiles: one per export unit, or with a single job one file including them all (the
+    units share their headers, so compiling them apart costs ~1.4x the CPU time: worth it only in parallel).
+
+    A file is written into the build directory (``suffix`` ".cu": nvcc compiles a ``.cc`` file as host code only, so
+    the CUDA build reaches each unit through a file whose suffix says CUDA); a CPU unit compiled apart is used as is.
+    """
+    groups = [[unit] for unit in units] if build_jobs() > 1 else [units]
+    files = []
+    for group in groups:
+        if len(group) == 1 and suffix == ".cc":
+            files.append(str(group[0]))
+            continue
+        stem = group[0].stem if len(group) == 1 else "export_all"
+        wrapper = directory / f"{stem}{suffix}"
+        text = "".join(f'#include "{unit.name}"\n' for unit in group)
+        if not wrapper.is_file() or wrapper.read_text() != text:
+            wrapper.write_text(text)
+        files.append(str(wrapper))
+    return files
+
+
 def _check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"kvcanary: backend: expected one of {BACKENDS}, got {backend!r}")
@@ -216,7 +261,7 @@ def build(backend: str, *, arch: str | None = None, force: bool = False) -> Buil
     import tvm_ffi.cpp
 
     root = source_root()
-    wrapper = f'#include "{EXPORT_SOURCE}"\n'
+    units = export_units(root)
     defines = [f"-DKVCANARY_SRC_TAG={source_digest(root)}"]
     common = {
         "extra_include_paths": [str(root / "include"), str(root / "csrc")],
@@ -226,17 +271,17 @@ def build(backend: str, *, arch: str | None = None, force: bool = False) -> Buil
     with _toolchain_env(backend, arch):
         if backend == "cpu":
             san_flags = _SANITIZE_FLAGS.get(sanitizer() or "", [])
-            path = tvm_ffi.cpp.build_inline(
+            path = tvm_ffi.cpp.build(
                 MODULE_NAME,
-                cpp_sources=wrapper,
+                cpp_files=compile_units(units, directory, ".cc"),
                 extra_cflags=[_CXX_STD, _OPT, *san_flags, *defines],
                 extra_ldflags=san_flags,
                 **common,
             )
         else:
-            path = tvm_ffi.cpp.build_inline(
+            path = tvm_ffi.cpp.build(
                 MODULE_NAME,
-                cuda_sources=wrapper,
+                cuda_files=compile_units(units, directory, ".cu"),
                 extra_cuda_cflags=[_CXX_STD, _OPT, "-lineinfo", *defines],
                 **common,
             )
