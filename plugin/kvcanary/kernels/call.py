@@ -200,23 +200,21 @@ class KernelSpec:
 
     fn: str  # the wrapper's name, which starts its errors
     args: tuple[Arg, ...]
+    device: str  # the argument (an ``Arg`` name) whose device picks the backend
     per_forward: tuple[str, ...] = ()
     bind_export: str | None = None
+    _device_arg: Arg = field(init=False, repr=False, compare=False)
     _seed_args: tuple[Arg, ...] = field(init=False, repr=False, compare=False)
     _attributed_args: tuple[Arg, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_device_arg", Arg(self.device))
         object.__setattr__(self, "_seed_args", tuple(a for a in self.args if not a.attributed))
         object.__setattr__(self, "_attributed_args", tuple(a for a in self.args if a.attributed))
 
     @property
     def attributed_export(self) -> str:
         return f"{self.fn}_attributed"
-
-    @property
-    def keywords(self) -> frozenset[str]:
-        """The wrapper's keyword arguments."""
-        return frozenset(a.keyword for a in self.args)
 
     def positional(self, args: Mapping[str, Any], device: torch.device, *, skip: Sequence[str] = (),
                    attributed: bool = True) -> tuple:
@@ -238,6 +236,15 @@ class KernelSpec:
                 out.append(value)
         return tuple(out)
 
+    def run(self, args: Mapping[str, Any]) -> None:
+        """The wrapper's call with its keyword ``args``: the export on the backend of ``device``'s tensor, and the
+        named error when it fails."""
+        try:
+            device = self._device_arg.value(args).device
+            self.call(module_for(device), args, device)
+        except CALL_ERRORS as exc:
+            self.reraise(exc, args)
+
     def call(self, module: Any, args: Mapping[str, Any], device: torch.device) -> None:
         """One call of the export: the seed one, or the attributed one when any attributed tensor is given."""
         if any(a.value(args) is not None for a in self._attributed_args if a.kind == OPTIONAL):
@@ -245,10 +252,12 @@ class KernelSpec:
         else:
             getattr(module, self.fn)(*self.positional(args, device, attributed=False))
 
-    def bind(self, module: Any, fixed: Mapping[str, Any], device: torch.device) -> Any:
+    def bind(self, fixed: Mapping[str, Any]) -> Any:
         """``bind_export`` with every argument but the ``per_forward`` ones (``fixed``); a failure is named as a call
         of the wrapper would name it, less the per-forward arguments (a fixed argument tvm-ffi cannot take at all is
         named here, at binding)."""
+        device = self._device_arg.value(fixed).device
+        module = module_for(device)
         try:
             return getattr(module, str(self.bind_export))(*self.positional(fixed, device, skip=self.per_forward))
         except CALL_ERRORS as exc:

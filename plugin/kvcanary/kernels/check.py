@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 # The export's order (one export, no attributed variant); ``canary_check_bind`` takes all but the per-forward ones.
 SPEC = KernelSpec(
-    fn="canary_check_step",
+    fn="canary_check_step", device="canary_buf",
     args=(
         Arg("state"), Arg("violation_meta", OPTIONAL), Arg("slot_attribution", OPTIONAL), Arg("canary_buf"),
         *plan_args("write_plan", WritePlan, skip=("verify_row_offsets",)),
@@ -79,15 +79,9 @@ def canary_check_step(
     ``forward_step_value`` (>= 0) or the counter + 1 (< 0: a captured launch, every replay counts one forward);
     else only read it. Rows carry the forward number in ``violation_meta`` and the slot's ``slot_attribution``.
     """
-    args = locals()
-    try:
-        if not isinstance(write_plan, WritePlan):
-            raise TypeError(f"canary_check_step: write_plan: expected WritePlan, got {type(write_plan).__name__}")
-        SPEC.call(call.module_for(canary_buf.device), args, canary_buf.device)
-    except call.CALL_ERRORS as exc:
-        if not isinstance(write_plan, WritePlan):
-            raise
-        SPEC.reraise(exc, args)
+    if not isinstance(write_plan, WritePlan):  # (its fields are named in errors: not to be read from anything else)
+        raise TypeError(f"canary_check_step: write_plan: expected WritePlan, got {type(write_plan).__name__}")
+    SPEC.run(locals())
 
 
 class CheckLaunch:
@@ -120,7 +114,7 @@ class CheckLaunch:
             real_kv_sources=prepare_real_kv(real_kv_sources, canary_buf.device), real_kv_hash_mode=real_kv_hash_mode,
             check_tokens=check_tokens,
         )
-        self._fn = SPEC.bind(call.module_for(canary_buf.device), self._fixed, canary_buf.device)
+        self._fn = SPEC.bind(self._fixed)
 
     def __call__(self, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
                  input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor, *,

@@ -7,7 +7,6 @@ import logging
 
 import torch
 
-from kvcanary.kernels import call
 from kvcanary.kernels.call import INT, OPTIONAL, Arg, KernelSpec, plan_args
 from kvcanary.kernels.plan import VerifyPlan, WritePlan
 
@@ -16,7 +15,7 @@ logger = logging.getLogger(__name__)
 # The export's order; the attributed export appends the plans' request rows, the forward counter, its value and the
 # forward's slots (the plans' kvcanary+ fields are named in errors where the plan lists them).
 SPEC = KernelSpec(
-    fn="canary_plan_step",
+    fn="canary_plan_step", device="write_plan.write_offsets",
     args=(
         *plan_args("write_plan", WritePlan, attributed=True), *plan_args("verify_plan", VerifyPlan, attributed=True),
         Arg("req_pool_indices"), Arg("prefix_lens"), Arg("extend_lens"), Arg("req_to_token"),
@@ -59,15 +58,9 @@ def canary_plan_step(
     int32 or int64, optional): a row that writes and whose first new token is on the padding slot is a padding row
     (no window entries, no write, no seed), as ``canary_check_step`` plans it.
     """
-    args = locals()
-    try:
-        if not isinstance(write_plan, WritePlan):
-            raise TypeError(f"canary_plan_step: write_plan: expected WritePlan, got {type(write_plan).__name__}")
-        if not isinstance(verify_plan, VerifyPlan):
-            raise TypeError(f"canary_plan_step: verify_plan: expected VerifyPlan, got {type(verify_plan).__name__}")
-        device = write_plan.write_offsets.device
-        SPEC.call(call.module_for(device), args, device)
-    except call.CALL_ERRORS as exc:
-        if not isinstance(write_plan, WritePlan) or not isinstance(verify_plan, VerifyPlan):
-            raise
-        SPEC.reraise(exc, args)
+    # (the plans' fields are named in errors: not to be read from anything else)
+    if not isinstance(write_plan, WritePlan):
+        raise TypeError(f"canary_plan_step: write_plan: expected WritePlan, got {type(write_plan).__name__}")
+    if not isinstance(verify_plan, VerifyPlan):
+        raise TypeError(f"canary_plan_step: verify_plan: expected VerifyPlan, got {type(verify_plan).__name__}")
+    SPEC.run(locals())

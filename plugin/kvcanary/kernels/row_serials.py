@@ -7,12 +7,12 @@ import logging
 
 import torch
 
-from kvcanary.kernels import call
 from kvcanary.kernels.call import INDEX, Arg, KernelSpec
 
 logger = logging.getLogger(__name__)
 
-SPEC = KernelSpec(fn="canary_row_serial_update", args=(Arg("row_serials"), Arg("staging"), Arg("num_updates", INDEX)))
+SPEC = KernelSpec(fn="canary_row_serial_update", device="row_serials",
+                  args=(Arg("row_serials"), Arg("staging"), Arg("num_updates", INDEX)))
 
 
 def canary_row_serial_update(*, row_serials: torch.Tensor, staging: torch.Tensor, num_updates: int) -> None:
@@ -26,8 +26,4 @@ def canary_row_serial_update(*, row_serials: torch.Tensor, staging: torch.Tensor
     the host first: a row outside ``row_serials`` raises a ``ValueError`` naming the update, and nothing is written.
     One launch, no copy, no allocation; never synchronises.
     """
-    args = locals()
-    try:
-        SPEC.call(call.module_for(row_serials.device), args, row_serials.device)
-    except call.CALL_ERRORS as exc:
-        SPEC.reraise(exc, args)
+    SPEC.run(locals())

@@ -8,14 +8,14 @@ import logging
 
 import torch
 
-from kvcanary.kernels import call
 from kvcanary.kernels.call import INDEX, Arg, KernelSpec
 
 logger = logging.getLogger(__name__)
 
 _TABLE_ARGS = (Arg("expected_tokens"), Arg("valid_lens_by_row"), Arg("staging"), Arg("num_updates", INDEX))
-UPDATE_SPEC = KernelSpec(fn="canary_token_update", args=(*_TABLE_ARGS, Arg("staged_len", INDEX)))
-APPEND_SPEC = KernelSpec(fn="canary_token_append", args=_TABLE_ARGS)
+UPDATE_SPEC = KernelSpec(fn="canary_token_update", device="expected_tokens",
+                         args=(*_TABLE_ARGS, Arg("staged_len", INDEX)))
+APPEND_SPEC = KernelSpec(fn="canary_token_append", device="expected_tokens", args=_TABLE_ARGS)
 
 
 def canary_token_update(
@@ -34,11 +34,7 @@ def canary_token_update(
     [rows, width] and ``valid_lens_by_row`` int64 [rows] are updated in batch order (a later update of a row wins).
     One launch, no copy, no allocation; never synchronises.
     """
-    args = locals()
-    try:
-        UPDATE_SPEC.call(call.module_for(expected_tokens.device), args, expected_tokens.device)
-    except call.CALL_ERRORS as exc:
-        UPDATE_SPEC.reraise(exc, args)
+    UPDATE_SPEC.run(locals())
 
 
 def canary_token_append(
@@ -57,8 +53,4 @@ def canary_token_append(
     Updates apply in batch order (a later update of a row wins). One launch, no copy, no allocation; never
     synchronises.
     """
-    args = locals()
-    try:
-        APPEND_SPEC.call(call.module_for(expected_tokens.device), args, expected_tokens.device)
-    except call.CALL_ERRORS as exc:
-        APPEND_SPEC.reraise(exc, args)
+    APPEND_SPEC.run(locals())

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvcanary.kernels import call, layout
+from kvcanary.kernels import layout
 from kvcanary.kernels.call import INT, OPTIONAL, REAL_KV, Arg, KernelSpec, RealKvLaunch
 from kvcanary.kernels.real_kv import RealKvSource
 
@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 # The export's order; the attributed export appends the kvcanary+ tensors.
 SPEC = KernelSpec(
-    fn="canary_verify_step",
+    fn="canary_verify_step", device="canary_buf",
     args=(
         Arg("canary_buf"), Arg("verify_slot_indices"), Arg("verify_expected_tokens"), Arg("verify_expected_positions"),
         Arg("verify_prev_slot_indices"), Arg("verify_num_valid"), Arg("verify_enable"), Arg("kernel_kind", INT),
@@ -58,8 +58,4 @@ def canary_verify_step(
     ring row: ``forward_step``'s value, the entry's row from ``verify_request_rows`` int64 [cap] and the
     failing slot's ``slot_attribution`` row (read for failing entries only).
     """
-    args = locals()
-    try:
-        SPEC.call(call.module_for(canary_buf.device), args, canary_buf.device)
-    except call.CALL_ERRORS as exc:
-        SPEC.reraise(exc, args)
+    SPEC.run(locals())

@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 # The export's order: the seed export is ``canary_write_step(...)``, the attributed one appends the kvcanary+
 # tensors, and ``canary_write_bind`` takes all but the three per-forward token arrays.
 SPEC = KernelSpec(
-    fn="canary_write_step",
+    fn="canary_write_step", device="canary_buf",
     args=(
         Arg("canary_buf"), Arg("write_offsets"), Arg("write_seed_slot_indices"), Arg("write_num_valid_reqs"),
         Arg("input_ids"), Arg("positions"), Arg("out_cache_loc"),
@@ -73,11 +73,7 @@ def canary_write_step(
     (``forward_step``'s value, ``row_serials[row]``) for every record stored. Records, rows and counters are
     bit-exact with the seed call.
     """
-    args = locals()
-    try:
-        SPEC.call(call.module_for(canary_buf.device), args, canary_buf.device)
-    except call.CALL_ERRORS as exc:
-        SPEC.reraise(exc, args)
+    SPEC.run(locals())
 
 
 class WriteLaunch:
@@ -110,7 +106,7 @@ class WriteLaunch:
         )
         self._kwargs.setdefault("write_request_rows", None)
         self._buffers = (input_ids, positions, out_cache_loc)
-        self._fn = SPEC.bind(call.module_for(canary_buf.device), self._kwargs, canary_buf.device)
+        self._fn = SPEC.bind(self._kwargs)
         self._by_count: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._max_cached = max_cached
 
