@@ -39,8 +39,9 @@ if str(REPO_ROOT / "plugin") not in sys.path:
 
 import torch  # noqa: E402
 
-from kvcanary.kernels import layout, ops  # noqa: E402
+from kvcanary.kernels import call, layout, verify  # noqa: E402
 from kvcanary.kernels.real_kv import RealKvSource  # noqa: E402
+from kvcanary.kernels.write import canary_write_step  # noqa: E402
 
 SLEEP_CYCLES = 200_000  # ~100 us on an H200: longer than queueing a graph replay
 KV_ROW_BYTES = 256
@@ -109,7 +110,7 @@ def write_launch(shape: Shape, device: torch.device, gen: torch.Generator) -> tu
         "expected_input_tokens": None,
         "expected_input_positions": None,
         "enable_chain_position_assert": i32(0, device),
-        "real_kv_sources": ops.prepare_real_kv([RealKvSource(kv, 1, KV_ROW_BYTES, KV_ROW_BYTES)], device),
+        "real_kv_sources": call.prepare_real_kv([RealKvSource(kv, 1, KV_ROW_BYTES, KV_ROW_BYTES)], device),
         "real_kv_hash_mode": layout.REAL_KV_HASH_MODE_PARTIAL,
         **sinks(1024, shape.num_slots, device),
     }
@@ -123,7 +124,7 @@ def verify_launch(shape: Shape, device: torch.device, gen: torch.Generator,
                   dirty_fraction: float) -> tuple[dict[str, Any], dict[str, Any]]:
     """A written buffer (one write of the same shape) and the verify plan of every written entry."""
     write, _ = write_launch(shape, device, gen)
-    ops.canary_write_step(**write)
+    canary_write_step(**write)
     n = shape.requests * shape.tokens_per_request
     slots = write["out_cache_loc"]
     prevs = torch.cat([torch.full((shape.requests, 1), -1, dtype=torch.int64, device=device),
@@ -225,20 +226,20 @@ def run(device: torch.device, quick: bool) -> list[Row]:
     rows: list[Row] = []
     for name, shape in write_shapes.items():
         seed, extra = write_launch(shape, device, gen)
-        rows.append(Row("write", name, *time_pair(ops.canary_write_step, seed, {**seed, **extra}, device, reps,
+        rows.append(Row("write", name, *time_pair(canary_write_step, seed, {**seed, **extra}, device, reps,
                                                   launches)))
     for shape in verify_shapes:
         for dirty in (0.0, 0.01):
             seed, extra = verify_launch(shape, device, gen, dirty)
             label = f"{'dirty 1%' if dirty else 'clean'} {shape.requests} x {shape.tokens_per_request}"
-            rows.append(Row("verify", label, *time_pair(ops.canary_verify_step, seed, {**seed, **extra}, device,
+            rows.append(Row("verify", label, *time_pair(verify.canary_verify_step, seed, {**seed, **extra}, device,
                                                         reps, launches)))
     seed, extra = write_launch(Shape(1, 1, 64), device, gen)
     rows.append(Row("write", "host: one-entry wrapper call",
-                    *time_host_pair(ops.canary_write_step, seed, {**seed, **extra}, 500)))
+                    *time_host_pair(canary_write_step, seed, {**seed, **extra}, 500)))
     seed, extra = verify_launch(Shape(1, 1, 64), device, gen, 0.0)
     rows.append(Row("verify", "host: one-entry wrapper call",
-                    *time_host_pair(ops.canary_verify_step, seed, {**seed, **extra}, 500)))
+                    *time_host_pair(verify.canary_verify_step, seed, {**seed, **extra}, 500)))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return rows

@@ -5,7 +5,8 @@ per entry) for one request of N entries, against the one-thread serial-mix floor
 the real write kernel (csrc/canary_write.cuh, built here once per chain walk with
 -DKVCANARY_WRITE_CHAIN_WALK / -DKVCANARY_WRITE_CHAIN_UNROLL) with every per-entry side effect it has
 (prev_hash and payload stores, the chain-position assert, optionally the slot attribution), 1 request of N
-tokens, real-KV NONE. Every variant is checked bit-exact against the Python model (kvcanary.kernels.ref). CUDA only.
+tokens, real-KV NONE. Every variant is checked bit-exact against the Python model (kvcanary.kernels.write_ref). CUDA
+only.
 
     python benchmarks/bench_chain_variants.py [--entries 8192] [--no-kernel]
 """
@@ -292,9 +293,10 @@ def make_case(device: torch.device, requests: list[tuple[list[int], list[int], l
 
 def launch_args(c: WriteCase) -> tuple[Any, ...]:
     """canary_write_step_attributed's raw arguments for `c` (no real-KV sources)."""
-    from kvcanary.kernels import layout, ops
+    from kvcanary.kernels import layout
+    from kvcanary.kernels.call import real_kv_launch_args
 
-    bufs, params, num_sources = ops.real_kv_launch_args((), c.canary.device)
+    bufs, params, num_sources = real_kv_launch_args((), c.canary.device)
     return (c.canary, c.offsets, c.seeds, c.num_valid, c.tokens, c.positions, c.slots, KIND_WRITE, 0, None, None,
             c.ring, c.index, c.slot_runs, c.kernel_runs, c.chain_assert, *bufs, params, num_sources,
             layout.REAL_KV_HASH_MODE_NONE, c.meta, c.step, c.rows, c.attribution, c.serials)
@@ -309,11 +311,11 @@ KIND_WRITE = 1  # kernel_kind stamped into violation rows; any value works for t
 
 def model(c: WriteCase) -> WriteCase:
     """The Python model's result for `c` (records, ring, counters; the CPU tensors of a copy)."""
-    from kvcanary.kernels import ref
+    from kvcanary.kernels import write_ref
 
     m = c.fresh()
     m = WriteCase(**{k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in vars(m).items()})
-    ref.canary_write_step(
+    write_ref.canary_write_step(
         canary_buf=m.canary, write_offsets=m.offsets, write_seed_slot_indices=m.seeds,
         write_num_valid_reqs=m.num_valid, input_ids=m.tokens, positions=m.positions, out_cache_loc=m.slots,
         kernel_kind=KIND_WRITE, enable_write_input_assert=False, expected_input_tokens=None,
@@ -410,12 +412,12 @@ def time_launches(fn: Callable[[], None], reps: int) -> float:
 
 def chain_model(tokens: list[int], positions: list[int]) -> list[int]:
     """The hash before each entry (int64), from the chain head: the Python model of the chain."""
-    from kvcanary.kernels import ref
+    from kvcanary.kernels import hash_ref
 
-    out, running = [], ref.chain_head_hash()
+    out, running = [], hash_ref.chain_head_hash()
     for t, p in zip(tokens, positions, strict=True):
-        out.append(ref.to_i64(running))
-        running = ref.chain_step(running, t, p)
+        out.append(hash_ref.to_i64(running))
+        running = hash_ref.chain_step(running, t, p)
     return out
 
 
@@ -453,7 +455,7 @@ def build_walk_module(name: str) -> Any:
 
 
 def bench_chain_only(n: int, reps: int) -> dict[str, float]:
-    from kvcanary.kernels import ref
+    from kvcanary.kernels import hash_ref
 
     mod = build_chain_module()
     dev = torch.device("cuda")
@@ -463,9 +465,9 @@ def bench_chain_only(n: int, reps: int) -> dict[str, float]:
     befores = chain_model(tokens.tolist(), positions.tolist())
     want = torch.zeros(n + 1, dtype=torch.int64)
     want[slots.cpu()] = torch.tensor(befores, dtype=torch.int64)
-    floor_want = ref.to_i64(ref.chain_head_hash())
+    floor_want = hash_ref.to_i64(hash_ref.chain_head_hash())
     for i in range(n):
-        floor_want = ref.to_i64(ref.chain_step(floor_want, i, i))
+        floor_want = hash_ref.to_i64(hash_ref.chain_step(floor_want, i, i))
     times = {}
     for name in CHAIN_LABELS:
         out = torch.zeros(n + 1, dtype=torch.int64, device=dev)

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcanary.kernels import ops
+from kvcanary.kernels import call
 from kvcanary.runtime.installation import HostTime, Installation, WrapperCall
 from kvcanary.sglang import base, piecewise, pools, v0_5_12
 from kvcanary.sglang import hooks as hooks_module
@@ -428,7 +428,7 @@ def null_export(*args) -> None:
 
 
 class KernelModule:
-    """The kernel module ``ops.load_module`` returns, with every ``canary_*`` export timed (``kernels``) and, with
+    """The kernel module ``call.load_module`` returns, with every ``canary_*`` export timed (``kernels``) and, with
     ``null``, replaced by :func:`null_export`; a ``*_bind`` export's per-forward launch is the function it returns,
     so that function is what is timed or replaced. Everything else passes through."""
 
@@ -445,18 +445,19 @@ class KernelModule:
 
 
 def patch_kernels(pieces: Pieces, null: bool) -> Callable[[], None]:
-    """Route every kernel export the runtime binds (``kvcanary.kernels.ops`` fetches them through ``load_module``, also
-    for the launches it binds once per manager) through :class:`KernelModule`; returns the undo."""
-    saved = ops.load_module
+    """Route every kernel export the runtime binds (the wrappers in ``kvcanary.kernels`` fetch them through
+    ``kvcanary.kernels.call.load_module``, also for the launches they bind once per manager) through
+    :class:`KernelModule`; returns the undo."""
+    saved = call.load_module
 
     @functools.wraps(saved)
     def load_module(*args, **kwargs):
         return KernelModule(saved(*args, **kwargs), pieces, null)
 
-    ops.load_module = load_module
+    call.load_module = load_module
 
     def undo() -> None:
-        ops.load_module = saved
+        call.load_module = saved
 
     return undo
 

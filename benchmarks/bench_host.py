@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from kvcanary.kernels import layout, ops
+from kvcanary.kernels import call, layout
 from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.runtime.config import Config
@@ -62,14 +62,14 @@ def export_rows(make_manager, batch: BatchView, iters: int, sync) -> list[tuple[
     + C++ checks + the CUDA launch), to set against the whole manager call. The manager's launches bind their export
     when it is built, so a second manager is built against a recorder."""
     recorder = _Recorder()
-    saved = ops.load_module
-    ops.load_module = lambda backend: recorder  # type: ignore[assignment]
+    saved = call.load_module
+    call.load_module = lambda backend: recorder  # type: ignore[assignment]
     try:
         mgr = make_manager()
         mgr.before_forward(batch)
         mgr.after_forward(batch)
     finally:
-        ops.load_module = saved
+        call.load_module = saved
     module = saved(batch.input_ids.device.type)
     bound = {}  # bind name -> the function it returned (binds run once per manager: not timed)
     rows = []
@@ -186,10 +186,10 @@ def main() -> None:
          timed(lambda: tok.update_expected_tokens([(r, 0, t) for r, t in seqs.items()]),
                max(args.iters // 50, 5), sync)),
         ("canary_token_update: the export alone, the decode update's staging prebuilt",
-         timed(functools.partial(ops.load_module(dev.type).canary_token_update, tok.token_table.expected_tokens,
+         timed(functools.partial(call.load_module(dev.type).canary_token_update, tok.token_table.expected_tokens,
                                  tok.token_table.valid_lens_by_row, *decode_staging(seqs, dev)), args.iters, sync)),
         ("canary_token_append: the export alone, the decode update's staging prebuilt (what a decode batch runs)",
-         timed(functools.partial(ops.load_module(dev.type).canary_token_append, tok.token_table.expected_tokens,
+         timed(functools.partial(call.load_module(dev.type).canary_token_append, tok.token_table.expected_tokens,
                                  tok.token_table.valid_lens_by_row, *append_staging(seqs, dev)), args.iters, sync)),
     ]
     # writer attribution: a prefill batch of 64 new requests uploads their rows' serials
@@ -201,7 +201,7 @@ def main() -> None:
         ("row-serial upload, 64 rows (RowSerialUpload: a prefill batch's writer serials)",
          timed(lambda: serial_upload(serial_rows, serials), args.iters, sync)),
         ("canary_row_serial_update: the export alone, the 64 rows' staging prebuilt",
-         timed(functools.partial(ops.load_module(dev.type).canary_row_serial_update, row_serials,
+         timed(functools.partial(call.load_module(dev.type).canary_row_serial_update, row_serials,
                                  serial_staging(serial_rows, serials, dev), len(serial_rows)), args.iters, sync)),
     ]
     mgr.flush()

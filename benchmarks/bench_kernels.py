@@ -50,7 +50,7 @@ if str(REPO_ROOT / "plugin") not in sys.path:
 
 import torch  # noqa: E402
 
-from kvcanary.kernels import jit, layout, ops  # noqa: E402
+from kvcanary.kernels import call, jit, layout, verify, write  # noqa: E402
 from kvcanary.kernels.real_kv import RealKvSource  # noqa: E402
 
 MASK64 = (1 << 64) - 1
@@ -298,7 +298,7 @@ class VerifyPlan:
 
 
 def call_write(canary: torch.Tensor, w: WriteInputs, sinks: Sinks, sources: list[RealKvSource], mode: int) -> None:
-    ops.canary_write_step(
+    write.canary_write_step(
         canary_buf=canary,
         write_offsets=w.offsets,
         write_seed_slot_indices=w.seeds,
@@ -321,7 +321,7 @@ def call_write(canary: torch.Tensor, w: WriteInputs, sinks: Sinks, sources: list
 
 
 def call_verify(canary: torch.Tensor, v: VerifyPlan, sinks: Sinks, sources: list[RealKvSource], mode: int) -> None:
-    ops.canary_verify_step(
+    verify.canary_verify_step(
         canary_buf=canary,
         verify_slot_indices=v.slots,
         verify_expected_tokens=v.tokens,
@@ -493,7 +493,7 @@ class Bench:
     # ---------------------------------------------------------------- builds
     def build(self) -> None:
         t0 = time.perf_counter()
-        ops.load_module("cuda")
+        call.load_module("cuda")
         info = jit.build_info("cuda")
         self.results["build"] = {
             "kvcanary_cuda_s": round(time.perf_counter() - t0, 2),

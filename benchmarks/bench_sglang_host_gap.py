@@ -132,10 +132,10 @@ def worker(args) -> Result:
     inst = hooks.installation_of(mr)
     assert (inst is not None) == (args.mode != "off")
     if args.stub_kernels:  # the CPU kernels compute inline (a GPU launch does not): keep only the host Python
-        from kvcanary.kernels import ops
+        from kvcanary.kernels import check, write
 
-        ops.CheckLaunch.__call__ = lambda self, *a, **k: None
-        ops.WriteLaunch.__call__ = lambda self, n: None
+        check.CheckLaunch.__call__ = lambda self, *a, **k: None
+        write.WriteLaunch.__call__ = lambda self, n: None
 
     # model time: the layers and the logits processor, below kvcanary's model.forward wrapper
     model_ns = [0]

@@ -70,8 +70,10 @@ from bench_kernels import (  # noqa: E402
     write_inputs,
 )
 
-from kvcanary.kernels import jit, layout, ops  # noqa: E402
+from kvcanary.kernels import call, jit, layout  # noqa: E402
 from kvcanary.kernels.real_kv import RealKvSource  # noqa: E402
+from kvcanary.kernels.verify import canary_verify_step  # noqa: E402
+from kvcanary.kernels.write import canary_write_step  # noqa: E402
 
 NONE = layout.REAL_KV_HASH_MODE_NONE
 PARTIAL = layout.REAL_KV_HASH_MODE_PARTIAL
@@ -223,7 +225,7 @@ class SglKernels:
 
     def write(self, canary: torch.Tensor, w: WriteInputs, sinks: Sinks, sources, mode: int,
               kind: int = KIND_WRITE, expected: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        bufs, params, n = ops.real_kv_launch_args(sources, canary.device)
+        bufs, params, n = call.real_kv_launch_args(sources, canary.device)
         self.m.sgl_canary_write_step_cuda(
             canary, w.offsets, w.seeds, w.num_valid, w.tokens, w.positions, w.slots, int(kind),
             1 if expected is not None else 0,
@@ -235,7 +237,7 @@ class SglKernels:
 
     def verify(self, canary: torch.Tensor, v: VerifyPlan, sinks: Sinks, sources, mode: int,
                kind: int = KIND_VERIFY, check_tokens: bool = True) -> None:
-        bufs, params, n = ops.real_kv_launch_args(sources, canary.device)
+        bufs, params, n = call.real_kv_launch_args(sources, canary.device)
         fn = (self.m.sgl_canary_verify_step_cuda_check_token if check_tokens
               else self.m.sgl_canary_verify_step_cuda_no_check_token)
         fn(canary, v.slots, v.tokens, v.positions, v.prevs, v.num_valid, v.enable, int(kind),
@@ -247,7 +249,7 @@ def ours_write(canary: torch.Tensor, w: WriteInputs, sinks: Sinks, sources, mode
     if kind == KIND_WRITE and expected is None:
         call_write(canary, w, sinks, sources, mode)
         return
-    ops.canary_write_step(
+    canary_write_step(
         canary_buf=canary, write_offsets=w.offsets, write_seed_slot_indices=w.seeds,
         write_num_valid_reqs=w.num_valid, input_ids=w.tokens, positions=w.positions, out_cache_loc=w.slots,
         kernel_kind=kind, enable_write_input_assert=expected is not None,
@@ -264,7 +266,7 @@ def ours_verify(canary: torch.Tensor, v: VerifyPlan, sinks: Sinks, sources, mode
     if kind == KIND_VERIFY and check_tokens:
         call_verify(canary, v, sinks, sources, mode)
         return
-    ops.canary_verify_step(
+    canary_verify_step(
         canary_buf=canary, verify_slot_indices=v.slots, verify_expected_tokens=v.tokens,
         verify_expected_positions=v.positions, verify_prev_slot_indices=v.prevs, verify_num_valid=v.num_valid,
         verify_enable=v.enable, kernel_kind=kind, violation_ring=sinks.ring, violation_write_index=sinks.index,

@@ -78,7 +78,10 @@ def test_wheel_carries_kernel_sources(wheel: Path) -> None:
 def test_wheel_carries_python_modules(wheel: Path) -> None:
     names = _names(wheel)
     for module in ("__init__", "__main__", "ops", "settings", "kernels/__init__", "kernels/jit", "kernels/layout",
-                   "kernels/ops", "kernels/batch", "kernels/real_kv", "runtime/__init__", "runtime/manager",
+                   "kernels/call", "kernels/write", "kernels/verify", "kernels/plan_step", "kernels/check",
+                   "kernels/tokens", "kernels/row_serials", "kernels/hash_ref", "kernels/write_ref",
+                   "kernels/verify_ref", "kernels/plan_step_ref", "kernels/check_ref", "kernels/batch",
+                   "kernels/real_kv", "runtime/__init__", "runtime/manager",
                    "runtime/config", "report/__init__", "report/record", "report/reporter", "report/metrics",
                    "report/table", "cli/__init__", "cli/main", "cli/doctor", "cli/demo", "cli/check", "cli/summarize",
                    "cli/matcher", "sim/__init__", "sim/engine", "sim/injector", "sglang/__init__"):

@@ -1,7 +1,7 @@
 """kvcanary: a KV-cache integrity canary for LLM serving (an out-of-tree SGLang plugin).
 
-Kernels are JIT-built on first use (``kvcanary.ops``, the stable public path of ``kvcanary.kernels.ops``);
-``kvcanary.kernels.ref`` is their plain reference.
+Kernels are JIT-built on first use (``kvcanary.ops``, the stable public path of the per-kernel wrappers in
+``kvcanary.kernels``); each wrapper module has its plain reference beside it (``kvcanary.kernels.write_ref`` …).
 """
 
 from __future__ import annotations

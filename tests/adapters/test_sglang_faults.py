@@ -133,7 +133,7 @@ def test_token_swap_leaves_no_record_the_prefix_cache_disagrees_with(tmp_path, m
     request's identical prefix, the tree linked the first slot after the shared part to that request's record
     and the sweep reported a slot no injection touched. The row is now rewritten after its detecting forward:
     every slot the RadixCache holds must carry the tree's token and the chain hash of the tree path before it."""
-    from kvcanary.kernels import layout, ref
+    from kvcanary.kernels import hash_ref, layout
 
     inst, rows, _ = _run(tmp_path, monkeypatch, "token_swap", sgl_engine.free_port())
     injections = [r for r in rows if r["schema"] == "kvcanary.injection/1"]
@@ -141,12 +141,12 @@ def test_token_swap_leaves_no_record_the_prefix_cache_disagrees_with(tmp_path, m
     records = inst.manager.canary_buf.view(torch.int64).tolist()
     checked, swapped = 0, {s for r in injections for s in r["slots"]}
     for slots, tokens in _tree_paths(inst.prefix_cache):
-        running = ref.chain_head_hash()
+        running = hash_ref.chain_head_hash()
         for pos, (slot, tok) in enumerate(zip(slots, tokens, strict=True)):
             rec = records[slot]
             assert (rec[layout.RECORD_FIELD_TOKEN], rec[layout.RECORD_FIELD_POSITION]) == (tok, pos), (slot, pos)
-            assert rec[layout.RECORD_FIELD_PREV_HASH] == ref.to_i64(running), (slot, pos)
-            running = ref.chain_step(running, tok, pos)
+            assert rec[layout.RECORD_FIELD_PREV_HASH] == hash_ref.to_i64(running), (slot, pos)
+            running = hash_ref.chain_step(running, tok, pos)
             checked += 1
     assert checked > 1000
     # the test is only meaningful if swapped rows reached the tree

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from kvcanary.kernels import layout, ops
+from kvcanary.kernels import layout, verify, write
 from kvcanary.kernels.real_kv import RealKvSource
 
 pytestmark = [
@@ -99,7 +99,7 @@ class State:
 
     def step(self, source: RealKvSource) -> None:
         """One forward's canary work: verify the planned prefixes, then write the new records."""
-        ops.canary_verify_step(
+        verify.canary_verify_step(
             canary_buf=self.canary,
             verify_slot_indices=self.v_slots,
             verify_expected_tokens=self.v_tokens,
@@ -116,7 +116,7 @@ class State:
             real_kv_hash_mode=layout.REAL_KV_HASH_MODE_PARTIAL,
             check_tokens=True,
         )
-        ops.canary_write_step(
+        write.canary_write_step(
             canary_buf=self.canary,
             write_offsets=self.offsets,
             write_seed_slot_indices=self.seeds,

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kvcanary.kernels import layout, ref
+from kvcanary.kernels import layout, write_ref
 from kvcanary.kernels.real_kv import RealKvSource
 
 STRIDES = (32, 48, 64)
@@ -192,7 +192,7 @@ def random_verify_launch(rng: random.Random, *, allow_out_of_range: bool = True)
     for c in chains:
         offsets.append(offsets[-1] + len(c))
     write_mode = mode if rng.random() < 0.9 else rng.choice([0, 1, 2])
-    ref.canary_write_step(
+    write_ref.canary_write_step(
         canary_buf=canary,
         write_offsets=int64(offsets),
         write_seed_slot_indices=int64([-1] * len(chains)),

@@ -23,9 +23,12 @@ import torch
 from canary_cases import capture_after_warmup, random_sources, random_write_launch
 from test_check import assert_same, random_check_case, run_fused
 
-from kvcanary.kernels import layout, ops
+from kvcanary.kernels import layout
+from kvcanary.kernels.call import load_module, real_kv_launch_args
+from kvcanary.kernels.check import CheckLaunch, canary_check_step
 from kvcanary.kernels.plan import WritePlan
 from kvcanary.kernels.real_kv import RealKvSource
+from kvcanary.kernels.write import WriteLaunch, canary_write_step
 
 SCENARIOS = 60
 H = layout.STATE_HEADER_FIELDS
@@ -60,11 +63,11 @@ def _check_forwards(kw: dict[str, Any]) -> list[tuple[dict[str, torch.Tensor], b
 
 def _check_unbound(**kw: Any) -> None:
     for batch, new_forward, step in _check_forwards(kw):
-        ops.canary_check_step(**{**kw, **batch, "new_forward": new_forward, "forward_step_value": step})
+        canary_check_step(**{**kw, **batch, "new_forward": new_forward, "forward_step_value": step})
 
 
 def _check_bound(**kw: Any) -> None:
-    launch = ops.CheckLaunch(**{k: v for k, v in kw.items() if k not in CHECK_PER_FORWARD + CHECK_FLAGS})
+    launch = CheckLaunch(**{k: v for k, v in kw.items() if k not in CHECK_PER_FORWARD + CHECK_FLAGS})
     for batch, new_forward, step in _check_forwards(kw):
         launch(*(batch[k] for k in CHECK_PER_FORWARD), new_forward=new_forward, forward_step_value=step)
 
@@ -72,7 +75,7 @@ def _check_bound(**kw: Any) -> None:
 def _check_bound_of_batch(**kw: Any) -> None:
     """As _check_bound, through ``CheckLaunch.of_batch`` (the manager's per-forward call: the batch's arrays read from
     one object, the flags as ints)."""
-    launch = ops.CheckLaunch(**{k: v for k, v in kw.items() if k not in CHECK_PER_FORWARD + CHECK_FLAGS})
+    launch = CheckLaunch(**{k: v for k, v in kw.items() if k not in CHECK_PER_FORWARD + CHECK_FLAGS})
     for batch, new_forward, step in _check_forwards(kw):
         launch.of_batch(types.SimpleNamespace(**batch), int(new_forward), int(step))
 
@@ -134,15 +137,15 @@ def _token_counts(kw: dict[str, Any]) -> list[int]:
 def _write_unbound(kw: dict[str, Any]) -> None:
     args = {k: v for k, v in kw.items() if k != "num_tokens"}
     for n in _token_counts(kw):
-        ops.canary_write_step(**{**args, **{k: kw[k][:n] for k in WRITE_PER_FORWARD}})
+        canary_write_step(**{**args, **{k: kw[k][:n] for k in WRITE_PER_FORWARD}})
 
 
-def _write_launch(kw: dict[str, Any]) -> ops.WriteLaunch:
+def _write_launch(kw: dict[str, Any]) -> WriteLaunch:
     plan = WritePlan(kw["write_offsets"], kw["write_seed_slot_indices"], kw["write_num_valid_reqs"],
                      torch.zeros_like(kw["write_offsets"]), kw["write_request_rows"])
     skip = {"num_tokens", "write_offsets", "write_seed_slot_indices", "write_num_valid_reqs", "write_request_rows",
             "enable_write_input_assert", "expected_input_tokens", "expected_input_positions"}
-    return ops.WriteLaunch(write_plan=plan, **{k: v for k, v in kw.items() if k not in skip})
+    return WriteLaunch(write_plan=plan, **{k: v for k, v in kw.items() if k not in skip})
 
 
 def _write_bound(kw: dict[str, Any]) -> None:
@@ -196,9 +199,9 @@ def _check_bad_batches() -> list[tuple[str, Any]]:
 def test_bound_check_names_a_bad_batch_like_the_export(name: str, value: Any, call: str) -> None:
     """Called with the per-forward tensors, or with a batch holding them (``of_batch``, the eager path)."""
     kw = _small_check_case()
-    want = _raised(lambda: ops.canary_check_step(**{**kw, name: value}))
+    want = _raised(lambda: canary_check_step(**{**kw, name: value}))
     bad = {**kw, name: value}
-    launch = ops.CheckLaunch(**{k: v for k, v in kw.items() if k not in CHECK_PER_FORWARD + CHECK_FLAGS})
+    launch = CheckLaunch(**{k: v for k, v in kw.items() if k not in CHECK_PER_FORWARD + CHECK_FLAGS})
     if call == "bound":
         got = _raised(lambda: launch(*(bad[k] for k in CHECK_PER_FORWARD), new_forward=bad["new_forward"],
                                      forward_step_value=bad["forward_step_value"]))
@@ -216,8 +219,8 @@ def test_bound_check_names_a_bad_fixed_argument_at_binding(name: str, kind: str)
           "expected_valid_lens_by_row": torch.zeros(2, dtype=torch.int64)}
     value = kw[name].tolist() if kind == "list" else torch.empty(kw[name].shape, device="meta")
     bad = {**kw, name: value}
-    want = _raised(lambda: ops.canary_check_step(**bad))
-    got = _raised(lambda: ops.CheckLaunch(**{k: v for k, v in bad.items()
+    want = _raised(lambda: canary_check_step(**bad))
+    got = _raised(lambda: CheckLaunch(**{k: v for k, v in bad.items()
                                              if k not in CHECK_PER_FORWARD + CHECK_FLAGS}))
     assert type(got) is type(want) and str(got) == str(want)
     assert str(got).startswith(f"canary_check_step: {name}: ")
@@ -231,7 +234,7 @@ def test_bound_write_names_bad_snapshots_like_the_export(name: str, value: torch
     kw = _write_case(5)
     n = kw["num_tokens"]
     args = {k: v for k, v in kw.items() if k != "num_tokens"}
-    want = _raised(lambda: ops.canary_write_step(**{**args, **{k: kw[k][:n] for k in WRITE_PER_FORWARD},
+    want = _raised(lambda: canary_write_step(**{**args, **{k: kw[k][:n] for k in WRITE_PER_FORWARD},
                                                     name: value[:n]}))
     launch = _write_launch({**kw, name: value})
     got = _raised(lambda: launch(n))
@@ -245,7 +248,7 @@ def test_bound_write_names_a_bad_fixed_argument_at_binding(name: str) -> None:
     kw.setdefault(name, torch.zeros(1, dtype=torch.int64))
     meta = torch.empty(kw[name].shape, dtype=kw[name].dtype, device="meta")
     args = {k: v for k, v in kw.items() if k != "num_tokens"}
-    want = _raised(lambda: ops.canary_write_step(**{**args, name: meta}))
+    want = _raised(lambda: canary_write_step(**{**args, name: meta}))
     got = _raised(lambda: _write_launch({**kw, name: meta}))
     assert type(got) is type(want) and str(got) == str(want)
     assert str(got).startswith(f"canary_write_step: {name}: ")
@@ -259,11 +262,11 @@ def _overwrite_freed_memory() -> list[torch.Tensor]:
     return [torch.full((n,), 0x5A, dtype=torch.uint8) for n in (64, 256, 1024, 4096, 16384) for _ in range(8)]
 
 
-# ops.CheckLaunch / ops.WriteLaunch keep Python references to their fixed arguments (to name errors), so these tests
+# CheckLaunch / WriteLaunch keep Python references to their fixed arguments (to name errors), so these tests
 # call the raw binds, whose returned functions are the only owners once the test drops its references.
 def _check_bind_args(kw: dict[str, Any]) -> tuple:
     """canary_check_bind's positional arguments (the export's ABI, csrc/canary_check.cuh)."""
-    bufs, params, num_sources = ops.real_kv_launch_args(kw.pop("real_kv_sources"), torch.device("cpu"))
+    bufs, params, num_sources = real_kv_launch_args(kw.pop("real_kv_sources"), torch.device("cpu"))
     plan = kw["write_plan"]
     # canary_buf: a copy only the bind owns (the results read the case's, which the check never writes)
     return (kw["state"], kw["violation_meta"], kw["slot_attribution"], kw["canary_buf"].clone(), plan.write_offsets,
@@ -276,7 +279,7 @@ def _check_bind_args(kw: dict[str, Any]) -> tuple:
 
 def _check_through_the_raw_bind(**kw: Any) -> None:
     forwards = _check_forwards(kw)
-    bound = ops.load_module("cpu").canary_check_bind(*_check_bind_args(kw))  # pops the inputs the check only reads
+    bound = load_module("cpu").canary_check_bind(*_check_bind_args(kw))  # pops the inputs the check only reads
     gc.collect()
     garbage = _overwrite_freed_memory()
     for batch, new_forward, step in forwards:
@@ -297,7 +300,7 @@ def test_bound_check_keeps_its_fixed_tensors_alive() -> None:
 def _write_bind_args(kw: dict[str, Any]) -> tuple:
     """canary_write_bind's positional arguments (the export's ABI, csrc/canary_write.cuh); pops the inputs the write
     only reads."""
-    bufs, params, num_sources = ops.real_kv_launch_args(kw.pop("real_kv_sources"), torch.device("cpu"))
+    bufs, params, num_sources = real_kv_launch_args(kw.pop("real_kv_sources"), torch.device("cpu"))
     return (kw["canary_buf"], kw.pop("write_offsets"), kw.pop("write_seed_slot_indices"),
             kw.pop("write_num_valid_reqs"), kw["kernel_kind"], 0, None, None, kw["violation_ring"],
             kw["violation_write_index"], kw["slot_run_counter"], kw["kernel_run_counter"],
@@ -314,7 +317,7 @@ def test_bound_write_keeps_its_fixed_tensors_alive() -> None:
         want, got = _clone(case), _clone(case)
         _write_unbound(want)
         counts = _token_counts(got)
-        bound = ops.load_module("cpu").canary_write_bind(*_write_bind_args(got))
+        bound = load_module("cpu").canary_write_bind(*_write_bind_args(got))
         gc.collect()
         garbage = _overwrite_freed_memory()
         for n in counts:
@@ -342,9 +345,9 @@ def test_bound_launches_capture_on_the_current_stream() -> None:
     kw["real_kv_sources"] = ()
     state = kw["state"]
     state[layout.STATE_DRAINED_TO] = -1
-    check = ops.CheckLaunch(**{k: v for k, v in kw.items() if k not in CHECK_PER_FORWARD + CHECK_FLAGS})
+    check = CheckLaunch(**{k: v for k, v in kw.items() if k not in CHECK_PER_FORWARD + CHECK_FLAGS})
     write_tag = layout.LAUNCH_TAG_WRITE
-    write = ops.WriteLaunch(
+    write = WriteLaunch(
         canary_buf=kw["canary_buf"], write_plan=kw["write_plan"], input_ids=kw["input_ids_out"],
         positions=kw["positions_out"], out_cache_loc=kw["out_cache_loc_out"], kernel_kind=write_tag,
         violation_ring=state[H:].view(-1, layout.VIOLATION_FIELDS),

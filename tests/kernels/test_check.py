@@ -5,7 +5,7 @@
   hand (drained-ring reuse before the launch, snapshot copies, per-row valid-length gather, int64 conversions) leave:
   write plan, snapshots, state header (counters, forward counter, epoch, drained_to, write index), ring rows and
   metadata rows. CPU: bit-exact, rows in order. CUDA: rows as multisets (appends race), and CUDA equals CPU.
-* kvcanary.kernels.ref.canary_check_step (the plan and verify references composed) equals the CPU kernel.
+* kvcanary.kernels.check_ref.canary_check_step (the plan and verify references composed) equals the CPU kernel.
 * The forward counter, the drained-ring reuse (before the launch's appends) and the many-row / many-entry grid paths,
   by hand; on CUDA, a many-block launch whose blocks all append after the reuse.
 * A CUDA graph of check + write replays with the counter +1 per replay.
@@ -22,7 +22,7 @@ import pytest
 import torch
 from canary_cases import capture_after_warmup
 
-from kvcanary.kernels import layout, ops, ref
+from kvcanary.kernels import check, check_ref, layout, plan_step, verify, write
 from kvcanary.kernels.plan import VerifyPlan, WritePlan
 from kvcanary.kernels.real_kv import RealKvSource
 
@@ -111,7 +111,7 @@ def random_check_case(rng: random.Random, *, bs_max: int = 8, ctx_max: int = 40)
     sink = {"violation_ring": torch.zeros((1, layout.VIOLATION_FIELDS), dtype=torch.int64),
             "violation_write_index": _ints([0], torch.int32), "slot_run_counter": _ints([0]),
             "kernel_run_counter": _ints([0])}
-    ops.canary_write_step(
+    write.canary_write_step(
         canary_buf=canary, write_offsets=_ints(offsets), write_seed_slot_indices=_ints([-1] * req_rows),
         write_num_valid_reqs=_ints([req_rows], torch.int32), input_ids=_ints(ids), positions=_ints(pos),
         out_cache_loc=_ints(locs), kernel_kind=1, enable_write_input_assert=False, expected_input_tokens=None,
@@ -235,7 +235,7 @@ def run_composed(case: dict[str, Any], device: str) -> dict[str, Any]:
     # the drained-ring reuse, before the launch's appends (the reference's, on the host: a test helper)
     host_state = state.cpu()
     host_meta = kw["violation_meta"].cpu() if kw["violation_meta"] is not None else None
-    ref.reuse_drained_ring(host_state, host_meta)
+    check_ref.reuse_drained_ring(host_state, host_meta)
     state.copy_(host_state)
     if host_meta is not None:
         kw["violation_meta"].copy_(host_meta)
@@ -253,7 +253,7 @@ def run_composed(case: dict[str, Any], device: str) -> dict[str, Any]:
     max_ctx = kw["req_to_token"].shape[1]
     verify_plan = VerifyPlan.allocate(max(1, rps.shape[0] * (max_ctx + 2)), device)  # never overflows
     counter = state[layout.STATE_FORWARD : layout.STATE_FORWARD + 1]
-    ops.canary_plan_step(
+    plan_step.canary_plan_step(
         write_plan=kw["write_plan"], verify_plan=verify_plan, req_pool_indices=rps,
         prefix_lens=kw["prefix_lens"].to(torch.int64), extend_lens=kw["extend_lens"].to(torch.int64),
         req_to_token=kw["req_to_token"], swa_window_size=kw["swa_window_size"],
@@ -262,7 +262,7 @@ def run_composed(case: dict[str, Any], device: str) -> dict[str, Any]:
         forward_counter=counter if kw["new_forward"] else None, forward_step_value=kw["forward_step_value"],
         out_cache_loc=kw["out_cache_loc"],
     )
-    ops.canary_verify_step(
+    verify.canary_verify_step(
         canary_buf=kw["canary_buf"], **verify_plan.kernel_args(), kernel_kind=V,
         violation_ring=state[H:].view(-1, layout.VIOLATION_FIELDS), violation_write_index=write_index,
         slot_run_counter=state[layout.STATE_SLOT_RUNS + V : layout.STATE_SLOT_RUNS + V + 1],
@@ -331,11 +331,11 @@ def test_fused_equals_plan_verify_and_small_ops(backend: str, chunk: int) -> Non
     for seed in range(chunk * SCENARIOS // CHUNKS, (chunk + 1) * SCENARIOS // CHUNKS):
         case = random_check_case(random.Random(seed))
         ctx = f"seed={seed} backend={backend}"
-        fused = run_fused(ops.canary_check_step, case, backend)
+        fused = run_fused(check.canary_check_step, case, backend)
         composed = run_composed(case, backend)
         assert_same(fused, composed, ctx, ordered=backend == "cpu")
         if backend == "cuda":  # the CUDA kernel equals the CPU loop
-            assert_same(fused, run_fused(ops.canary_check_step, case, "cpu"), ctx + " vs cpu", ordered=False)
+            assert_same(fused, run_fused(check.canary_check_step, case, "cpu"), ctx + " vs cpu", ordered=False)
         reused = int(fused["header"][layout.STATE_RING_EPOCH]) != int(case["state"][layout.STATE_RING_EPOCH])
         start = 0 if reused else int(case["state"][layout.STATE_WRITE_INDEX])
         appended = _appended(fused, start)
@@ -357,8 +357,8 @@ def test_fused_equals_plan_verify_and_small_ops(backend: str, chunk: int) -> Non
 def test_reference_equals_the_cpu_kernel() -> None:
     for seed in range(60):
         case = random_check_case(random.Random(10**6 + seed), bs_max=5, ctx_max=16)
-        got = run_fused(ops.canary_check_step, case, "cpu")
-        want = run_fused(ref.canary_check_step, case, "cpu")
+        got = run_fused(check.canary_check_step, case, "cpu")
+        want = run_fused(check_ref.canary_check_step, case, "cpu")
         assert_same(got, want, f"seed={seed}", ordered=True)
 
 
@@ -385,7 +385,7 @@ def test_many_rows_and_many_entries(backend: str) -> None:
             case["state"][layout.STATE_WRITE_INDEX] = 0
             case["violation_meta"] = torch.full((case["state"][H:].numel() // layout.VIOLATION_FIELDS,
                                                  layout.VIOLATION_META_FIELDS), SENTINEL, dtype=torch.int64)
-        fused = run_fused(ops.canary_check_step, case, backend)
+        fused = run_fused(check.canary_check_step, case, backend)
         assert_same(fused, run_composed(case, backend), f"bs={bs}", ordered=backend == "cpu")
         if bs == 3:
             at = layout.STATE_SLOT_RUNS + V
@@ -406,7 +406,7 @@ def _hand(device: str, *, index: int, drained_to: int, corrupt: bool, new_forwar
     table[1, :5] = torch.tensor([11, 12, 13, 14, 15])
     z = {"violation_ring": torch.zeros((1, 8), dtype=torch.int64), "violation_write_index": _ints([0], torch.int32),
          "slot_run_counter": _ints([0]), "kernel_run_counter": _ints([0])}
-    ops.canary_write_step(
+    write.canary_write_step(
         canary_buf=canary, write_offsets=_ints([0, 4]), write_seed_slot_indices=_ints([-1]),
         write_num_valid_reqs=_ints([1], torch.int32), input_ids=_ints([5, 6, 7, 8]), positions=_ints([0, 1, 2, 3]),
         out_cache_loc=_ints([11, 12, 13, 14]), kernel_kind=1, enable_write_input_assert=False,
@@ -437,7 +437,7 @@ def _hand(device: str, *, index: int, drained_to: int, corrupt: bool, new_forwar
         "slot_attribution": torch.full((16, 2), layout.META_UNKNOWN, dtype=torch.int64), "write_capacity": 2,
         "sources": [],
     })
-    return case, run_fused(ops.canary_check_step, case, device)
+    return case, run_fused(check.canary_check_step, case, device)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -472,12 +472,12 @@ def test_stale_graph_padding_is_planned_as_padding(backend: str) -> None:
         "out_cache_loc": _ints([15, 0, 0]), "input_ids_out": _ints([0] * 3), "positions_out": _ints([0] * 3),
         "out_cache_loc_out": _ints([0] * 3), "write_capacity": 4,
     })
-    out = run_fused(ops.canary_check_step, case, backend)
+    out = run_fused(check.canary_check_step, case, backend)
     assert out["header"][layout.STATE_WRITE_INDEX] == 0, out["ring"]  # no violation row
     assert out["header"][layout.STATE_SLOT_RUNS + V] == 4  # row 1's prefix only
     assert out["write_offsets"].tolist() == [0, 1, 1, 1, 1]
     assert out["write_seed_slot_indices"].tolist() == [14, -1, -1, -1]
-    assert_same(out, run_fused(ref.canary_check_step, case, "cpu"), backend, ordered=backend == "cpu")
+    assert_same(out, run_fused(check_ref.canary_check_step, case, "cpu"), backend, ordered=backend == "cpu")
     assert_same(out, run_composed(case, backend), backend + " composed", ordered=backend == "cpu")
 
 
@@ -541,7 +541,7 @@ def test_drained_ring_reuse(backend: str, index: int, acked: int, stale: bool, c
     assert out["meta"][first : first + stored, layout.VIOLATION_META_COL_STEP].tolist() == [42] * stored
     untouched = [i for i in range(4) if not (reused and i < kept) and not first <= i < first + stored]
     assert out["ring"][untouched, 0].tolist() == [100 + i for i in untouched], "rows nothing moved stay"
-    assert_same(out, run_fused(ref.canary_check_step, case, "cpu"), backend + " vs ref", ordered=backend == "cpu")
+    assert_same(out, run_fused(check_ref.canary_check_step, case, "cpu"), backend + " vs ref", ordered=backend == "cpu")
 
 
 @pytest.mark.gpu
@@ -565,7 +565,7 @@ def test_many_blocks_all_append_after_the_reuse(kept: int) -> None:
     locs = table[1:, :length].reshape(-1).to(torch.int64)
     z = {"violation_ring": torch.zeros((1, 8), dtype=torch.int64), "violation_write_index": _ints([0], torch.int32),
          "slot_run_counter": _ints([0]), "kernel_run_counter": _ints([0])}
-    ops.canary_write_step(  # request rows 1.. hold clean chains of `length` tokens
+    write.canary_write_step(  # request rows 1.. hold clean chains of `length` tokens
         canary_buf=canary, write_offsets=torch.arange(0, req_rows * length, length, dtype=torch.int64),
         write_seed_slot_indices=_ints([-1] * (req_rows - 1)), write_num_valid_reqs=_ints([req_rows - 1], torch.int32),
         input_ids=torch.randint(0, 30000, (locs.numel(),)), positions=torch.arange(length).repeat(req_rows - 1),
@@ -597,8 +597,8 @@ def test_many_blocks_all_append_after_the_reuse(kept: int) -> None:
         "violation_meta": torch.full((ring_capacity, layout.VIOLATION_META_FIELDS), SENTINEL, dtype=torch.int64),
         "slot_attribution": None, "write_capacity": bs, "sources": [],
     })
-    want = run_fused(ops.canary_check_step, case, "cpu")
-    got = run_fused(ops.canary_check_step, case, "cuda")
+    want = run_fused(check.canary_check_step, case, "cpu")
+    got = run_fused(check.canary_check_step, case, "cuda")
     count = int(want["header"][layout.STATE_WRITE_INDEX])
     # about 2/3 of the 30720 entries (one per thread of a ~126-block grid) fail: every block appends, all are kept
     assert 15_000 + kept < count < ring_capacity
@@ -628,8 +628,8 @@ def test_graph_replays_count_forwards() -> None:
     write_tag = layout.LAUNCH_TAG_WRITE
 
     def forward() -> None:
-        ops.canary_check_step(**{**kw, "new_forward": True, "forward_step_value": -1})
-        ops.canary_write_step(
+        check.canary_check_step(**{**kw, "new_forward": True, "forward_step_value": -1})
+        write.canary_write_step(
             canary_buf=kw["canary_buf"], **kw["write_plan"].kernel_args(), input_ids=kw["input_ids_out"][:1],
             positions=kw["positions_out"][:1], out_cache_loc=kw["out_cache_loc_out"][:1], kernel_kind=write_tag,
             enable_write_input_assert=False, expected_input_tokens=None, expected_input_positions=None,
@@ -666,7 +666,7 @@ def _valid_kwargs() -> dict[str, Any]:
 
 
 def test_valid_call_runs() -> None:
-    ops.canary_check_step(**_valid_kwargs())
+    check.canary_check_step(**_valid_kwargs())
 
 
 TENSORS = ("state", "canary_buf", "req_pool_indices", "prefix_lens", "extend_lens", "req_to_token", "input_ids",
@@ -676,7 +676,7 @@ OPTIONAL = ("violation_meta", "slot_attribution")
 
 def _expect(kwargs: dict[str, Any], exc: type[Exception], pattern: str) -> None:
     with pytest.raises(exc, match=pattern) as info:
-        ops.canary_check_step(**kwargs)
+        check.canary_check_step(**kwargs)
     assert type(info.value) is exc
     assert "frame #" not in str(info.value) and "Mismatched type" not in str(info.value)
 

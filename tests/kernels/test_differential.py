@@ -1,4 +1,5 @@
-"""Differential suite: CPU kernels, CUDA kernels (when present) and kvcanary.kernels.ref agree bit for bit.
+"""Differential suite: CPU kernels, CUDA kernels (when present) and the references (kvcanary.kernels.*_ref) agree bit
+for bit.
 
 Per scenario: canary buffer bytes, write index, both counters, and violation rows. The CPU loop runs
 entries in the reference's order, so its ring equals the reference's exactly; CUDA rows arrive in any
@@ -15,7 +16,7 @@ import pytest
 import torch
 from canary_cases import Launch, kept_rows, random_verify_launch, random_write_launch, run_launch
 
-from kvcanary.kernels import ops, ref
+from kvcanary.kernels import verify, verify_ref, write, write_ref
 
 SCENARIOS = 1000
 CHUNKS = 10
@@ -57,7 +58,7 @@ def test_write_matches_reference(backend: str, chunk: int) -> None:
     _skip_unavailable(backend)
     for seed in range(chunk * SCENARIOS // CHUNKS, (chunk + 1) * SCENARIOS // CHUNKS):
         launch = random_write_launch(random.Random(seed))
-        _compare(launch, ops.canary_write_step, ref.canary_write_step, backend, seed)
+        _compare(launch, write.canary_write_step, write_ref.canary_write_step, backend, seed)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -66,4 +67,4 @@ def test_verify_matches_reference(backend: str, chunk: int) -> None:
     _skip_unavailable(backend)
     for seed in range(chunk * SCENARIOS // CHUNKS, (chunk + 1) * SCENARIOS // CHUNKS):
         launch = random_verify_launch(random.Random(10**6 + seed))
-        _compare(launch, ops.canary_verify_step, ref.canary_verify_step, backend, seed)
+        _compare(launch, verify.canary_verify_step, verify_ref.canary_verify_step, backend, seed)

@@ -1,6 +1,6 @@
 """Golden values computed by SGLang's own reference of the seed semantics
 (/work/shared/golden/canary_golden.json, copied into tests/data), checked against the CPU kernels
-(and CUDA when present) directly, independent of kvcanary.kernels.ref."""
+(and CUDA when present) directly, independent of the references (kvcanary.kernels.*_ref)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcanary.kernels import layout, ops
+from kvcanary.kernels import layout, verify, write
 from kvcanary.kernels.real_kv import RealKvSource
 
 GOLDEN = json.loads((Path(__file__).parent.parent / "data" / "canary_golden.json").read_text())
@@ -40,7 +40,7 @@ def write_chain5(device: str, mode: int) -> dict[str, torch.Tensor]:
         "slot_run_counter": torch.zeros(1, dtype=torch.int64, device=device),
         "kernel_run_counter": torch.zeros(1, dtype=torch.int64, device=device),
     }
-    ops.canary_write_step(
+    write.canary_write_step(
         write_offsets=torch.tensor([0, n], dtype=torch.int64, device=device),
         write_seed_slot_indices=torch.tensor([-1], dtype=torch.int64, device=device),
         write_num_valid_reqs=torch.tensor([1], dtype=torch.int32, device=device),
@@ -67,13 +67,13 @@ def test_splitmix64_and_mix3_golden() -> None:
     # The kernels' hashes surface through the chain: a head's prev_hash is splitmix64(anchor).
     records = GOLDEN["chain5_mode0"]["records_[token,position,prev_hash,real_kv_hash]"]
     assert GOLDEN["chain_head_prev_hash"] == records[0][2]
-    from kvcanary.kernels import ref  # the reference must agree with the golden file too
+    from kvcanary.kernels import hash_ref  # the reference must agree with the golden file too
 
     for case in GOLDEN["splitmix64_u64"]:
-        assert ref.splitmix64(case["in"]) == case["out"]
+        assert hash_ref.splitmix64(case["in"]) == case["out"]
     for case in GOLDEN["mix3_u64"]:
-        assert ref.mix3(*case["in"]) == case["out"]
-    assert ref.to_i64(ref.chain_head_hash()) == GOLDEN["chain_head_prev_hash"]
+        assert hash_ref.mix3(*case["in"]) == case["out"]
+    assert hash_ref.to_i64(hash_ref.chain_head_hash()) == GOLDEN["chain_head_prev_hash"]
 
 
 @pytest.mark.parametrize("device", devices())
@@ -103,7 +103,7 @@ def test_verify_after_corruption_matches_golden(device: str) -> None:
     n = len(slots)
     t["violation_write_index"].zero_()
     t["slot_run_counter"].zero_()
-    ops.canary_verify_step(
+    verify.canary_verify_step(
         canary_buf=canary,
         verify_slot_indices=torch.tensor(slots, dtype=torch.int64, device=device),
         verify_expected_tokens=torch.tensor(case["tokens"], dtype=torch.int64, device=device),
@@ -129,7 +129,7 @@ def test_verify_after_corruption_matches_golden(device: str) -> None:
 
 
 def test_real_kv_fold_of_fixed_bytes_hand_computed() -> None:
-    """A hand-rolled fold (not kvcanary.kernels.ref) over fixed bytes equals the kernel's fingerprint."""
+    """A hand-rolled fold (not kvcanary.kernels.hash_ref) over fixed bytes equals the kernel's fingerprint."""
 
     def sm(x: int) -> int:
         x ^= x >> 30
@@ -150,7 +150,7 @@ def test_real_kv_fold_of_fixed_bytes_hand_computed() -> None:
         total = sm(0 ^ acc)
         expected[slot] = total - (1 << 64) if total >> 63 else total
     canary = torch.zeros((2, 32), dtype=torch.uint8)
-    ops.canary_write_step(
+    write.canary_write_step(
         canary_buf=canary,
         write_offsets=torch.tensor([0, 2], dtype=torch.int64),
         write_seed_slot_indices=torch.tensor([-1], dtype=torch.int64),

@@ -8,7 +8,7 @@ import pytest
 import torch
 from canary_cases import int64, random_verify_launch, random_write_launch, scalar_i32, scalar_i64
 
-from kvcanary.kernels import layout, ops
+from kvcanary.kernels import layout, verify, write
 
 
 def devices() -> list[str]:
@@ -20,7 +20,7 @@ def test_verify_never_modifies_canary_buf(device: str) -> None:
     for seed in range(200):
         kwargs = random_verify_launch(random.Random(seed)).clone_to(device)
         before = kwargs["canary_buf"].clone()
-        ops.canary_verify_step(**kwargs)
+        verify.canary_verify_step(**kwargs)
         assert torch.equal(kwargs["canary_buf"], before), f"seed={seed}"
 
 
@@ -68,13 +68,13 @@ def _empty_verify(device: str, capacity: int, enable: int) -> dict:
 def test_kernel_run_counter_bumps_once_per_call_without_work(device: str, capacity: int) -> None:
     w = _empty_write(device, capacity)
     for i in range(1, 6):
-        ops.canary_write_step(**w)
+        write.canary_write_step(**w)
         assert int(w["kernel_run_counter"][0]) == i
     assert int(w["slot_run_counter"][0]) == 0
     for enable in (0, 1):
         v = _empty_verify(device, capacity, enable)
         for i in range(1, 4):
-            ops.canary_verify_step(**v)
+            verify.canary_verify_step(**v)
             assert int(v["kernel_run_counter"][0]) == i
         # slot-0 entries are skipped but still counted as visited when verify is enabled
         assert int(v["slot_run_counter"][0]) == (3 * capacity if enable else 0)
@@ -89,7 +89,7 @@ def test_ring_keeps_first_rows_and_index_counts_all(device: str, ring_capacity: 
     ring = torch.full((ring_capacity, 8), -7, dtype=torch.int64, device=device)
     index = torch.zeros(1, dtype=torch.int32, device=device)
     # Every entry expects position 5 on zeroed records: one violation per entry.
-    ops.canary_verify_step(
+    verify.canary_verify_step(
         canary_buf=canary,
         verify_slot_indices=torch.arange(1, n + 1, dtype=torch.int64, device=device),
         verify_expected_tokens=torch.full((n,), -1, dtype=torch.int64, device=device),
@@ -119,7 +119,7 @@ def test_write_stores_inputs_and_leaves_other_slots_untouched() -> None:
         kw["expected_input_tokens"] = kw["expected_input_positions"] = None
         kw["write_num_valid_reqs"] = scalar_i32(kw["write_seed_slot_indices"].numel())
         before = kw["canary_buf"].clone()
-        ops.canary_write_step(**kw)
+        write.canary_write_step(**kw)
         locs = kw["out_cache_loc"].tolist()
         written = {s for s in locs if s >= 0}
         for e, s in enumerate(locs):
@@ -146,7 +146,7 @@ def test_write_then_verify_is_clean_for_a_chunked_chain() -> None:
     slots = [5, 9, 2, 40, 41, 7, 8]
     tokens = [11, 12, 13, 14, 15, 16, 17]
     for begin, end in ((0, 3), (3, 7)):
-        ops.canary_write_step(
+        write.canary_write_step(
             canary_buf=canary,
             write_offsets=int64([0, end - begin]),
             write_seed_slot_indices=int64([slots[begin - 1] if begin else -1]),
@@ -161,7 +161,7 @@ def test_write_then_verify_is_clean_for_a_chunked_chain() -> None:
             enable_chain_position_assert=scalar_i32(1),
             **sink,
         )
-    ops.canary_verify_step(
+    verify.canary_verify_step(
         canary_buf=canary,
         verify_slot_indices=int64(slots),
         verify_expected_tokens=int64(tokens),

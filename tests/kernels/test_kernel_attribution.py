@@ -6,8 +6,9 @@ int32 expected-token table (csrc/canary_write.cuh, canary_verify.cuh, canary_pla
 * The attribution table after a write is what the launch implies (every stored record: forward counter and the
   serial of its request's row), and each metadata row describes its ring row (counter value, request row, the
   slot's attribution before the launch).
-* The plan writes each batch row's and each verify entry's req_to_token row (checked against kvcanary.kernels.ref by
-  tests/kernels/test_plan.py), counts a forward, and gives the same plan for an int32 and an int64 token table.
+* The plan writes each batch row's and each verify entry's req_to_token row (checked against
+  kvcanary.kernels.plan_step_ref by tests/kernels/test_plan.py), counts a forward, and gives the same plan for an int32
+  and an int64 token table.
 * The raw exports: the seed ABI keeps its argument count; the ``*_attributed`` exports take the new ones after it.
 """
 
@@ -21,9 +22,10 @@ import torch
 from canary_cases import Launch, random_verify_launch, random_write_launch
 from test_plan import random_plan_case, run_plan
 
-from kvcanary.kernels import layout, ops
+from kvcanary.kernels import layout, plan_step, verify
 from kvcanary.kernels.jit import load_module
 from kvcanary.kernels.plan import VerifyPlan, WritePlan
+from kvcanary.kernels.write import canary_write_step
 
 SCENARIOS = 300
 CHUNKS = 3  # ids like [0-cuda]: integration/gpu_check.sh runs chunks 0 and 1 under compute-sanitizer memcheck
@@ -136,8 +138,8 @@ def test_write_attribution_is_bit_exact_with_the_seed_and_fills_the_tables(backe
     for seed in range(chunk * SCENARIOS // CHUNKS, (chunk + 1) * SCENARIOS // CHUNKS):
         launch, kw, extra = _write_case(seed, backend)
         before = extra["slot_attribution"].cpu().clone()
-        seed_out = _run(ops.canary_write_step, launch.clone_to(backend))
-        out = _run(ops.canary_write_step, {**kw, **extra})
+        seed_out = _run(canary_write_step, launch.clone_to(backend))
+        out = _run(canary_write_step, {**kw, **extra})
         ctx = f"seed={seed} backend={backend}"
         _seed_results_equal(seed_out, out, backend, ctx)
         assert torch.equal(out["slot_attribution"], _expected_write_attribution(kw, extra)), ctx
@@ -171,7 +173,7 @@ def test_write_attribution_by_hand() -> None:
 
     def write(step: int, rows: list[int], offsets: list[int], tokens: list[int], locs: list[int], expected: list[int]):
         n = len(tokens)
-        ops.canary_write_step(
+        canary_write_step(
             canary_buf=canary, write_offsets=torch.tensor(offsets),
             write_seed_slot_indices=torch.full((len(rows),), -1),
             write_num_valid_reqs=torch.tensor([len(rows)], dtype=torch.int32), input_ids=torch.tensor(tokens),
@@ -210,8 +212,8 @@ def test_verify_metadata_is_bit_exact_with_the_seed_and_describes_each_row(backe
         extra = _attribution_args(rng, kw["canary_buf"].shape[0], kw["violation_ring"].shape[0], backend)
         extra["verify_request_rows"] = torch.arange(500, 500 + cap, dtype=torch.int64, device=backend)
         attribution = extra["slot_attribution"].cpu().clone()
-        seed_out = _run(ops.canary_verify_step, launch.clone_to(backend))
-        out = _run(ops.canary_verify_step, {**kw, **extra})
+        seed_out = _run(verify.canary_verify_step, launch.clone_to(backend))
+        out = _run(verify.canary_verify_step, {**kw, **extra})
         ctx = f"seed={seed} backend={backend}"
         _seed_results_equal(seed_out, out, backend, ctx)
         assert torch.equal(out["slot_attribution"], attribution), f"verify wrote the attribution table ({ctx})"
@@ -236,11 +238,11 @@ def test_metadata_arguments_are_optional_one_by_one() -> None:
     launch = random_verify_launch(random.Random(10**6 + 3))
     kw = launch.clone_to("cpu")
     meta = torch.full((kw["violation_ring"].shape[0], layout.VIOLATION_META_FIELDS), SENTINEL, dtype=torch.int64)
-    ops.canary_verify_step(**kw, violation_meta=meta)  # no step, no rows, no attribution
+    verify.canary_verify_step(**kw, violation_meta=meta)  # no step, no rows, no attribution
     kept = [m for m, r in zip(meta.tolist(), kw["violation_ring"].tolist(), strict=True)
             if r != [SENTINEL] * layout.VIOLATION_FIELDS]
     assert kept and all(m == [UNKNOWN] * layout.VIOLATION_META_FIELDS for m in kept)
-    ops.canary_verify_step(**launch.clone_to("cpu"), forward_step=torch.tensor([5]))  # nothing to record into
+    verify.canary_verify_step(**launch.clone_to("cpu"), forward_step=torch.tensor([5]))  # nothing to record into
 
 
 # ---------------------------------------------------------------------------------------------- plan
@@ -255,8 +257,8 @@ def test_int32_expected_tokens_plan_equals_int64(backend: str) -> None:
         if case["expected_tokens"] is None:
             continue
         narrow = {**case, "expected_tokens": case["expected_tokens"].to(torch.int32)}
-        wide_plans = run_plan(ops.canary_plan_step, case, backend)
-        narrow_plans = run_plan(ops.canary_plan_step, narrow, backend)
+        wide_plans = run_plan(plan_step.canary_plan_step, case, backend)
+        narrow_plans = run_plan(plan_step.canary_plan_step, narrow, backend)
         for a, b in zip(wide_plans, narrow_plans, strict=True):
             for name, t in a.__dict__.items():
                 if isinstance(t, torch.Tensor):
@@ -275,14 +277,14 @@ def test_plan_sets_the_forward_counter_and_fills_request_rows(backend: str) -> N
     counter = torch.tensor([41], dtype=torch.int64, device=backend)
     i64 = {"dtype": torch.int64, "device": backend}
     for _ in range(3):
-        ops.canary_plan_step(
+        plan_step.canary_plan_step(
             write_plan=wp, verify_plan=vp, req_pool_indices=torch.tensor([3, 0, 6], **i64),
             prefix_lens=torch.tensor([4, 0, 2], **i64), extend_lens=torch.tensor([1, 1, 1], **i64),
             req_to_token=table, forward_counter=counter,
         )
     _sync(backend)
     assert int(counter[0]) == 44  # forward_step_value -1 (a captured launch): +1 each
-    ops.canary_plan_step(
+    plan_step.canary_plan_step(
         write_plan=wp, verify_plan=vp, req_pool_indices=torch.tensor([3, 0, 6], **i64),
         prefix_lens=torch.tensor([4, 0, 2], **i64), extend_lens=torch.tensor([1, 1, 1], **i64),
         req_to_token=table, forward_counter=counter, forward_step_value=7,
@@ -302,7 +304,7 @@ def test_plan_without_request_rows_uses_the_seed_export() -> None:
     bare_v = VerifyPlan(vp.verify_slot_indices, vp.verify_expected_tokens, vp.verify_expected_positions,
                         vp.verify_prev_slot_indices, vp.verify_num_valid, vp.verify_enable)
     table = torch.tensor([[0, 0], [5, 6]], dtype=torch.int32)
-    ops.canary_plan_step(write_plan=bare_w, verify_plan=bare_v, req_pool_indices=torch.tensor([1]),
+    plan_step.canary_plan_step(write_plan=bare_w, verify_plan=bare_v, req_pool_indices=torch.tensor([1]),
                          prefix_lens=torch.tensor([2]), extend_lens=torch.tensor([0]), req_to_token=table)
     assert bare_v.verify_slot_indices[:2].tolist() == [5, 6] and bare_v.verify_num_valid.tolist() == [2]
 
@@ -312,7 +314,7 @@ def test_plan_refuses_other_expected_token_dtypes() -> None:
     case["expected_tokens"] = torch.zeros((2, 4), dtype=torch.int16)
     case["expected_tokens_valid_lens"] = torch.zeros(case["req_pool_indices"].shape[0], dtype=torch.int64)
     with pytest.raises(TypeError, match="^canary_plan_step: expected_tokens: expected dtype int32 or int64"):
-        run_plan(ops.canary_plan_step, case, "cpu")
+        run_plan(plan_step.canary_plan_step, case, "cpu")
 
 
 # ---------------------------------------------------------------------------------------------- raw exports

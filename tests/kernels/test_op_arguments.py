@@ -2,8 +2,8 @@
 a meta tensor, a non-integer flag. Each gives a ``TypeError`` / ``ValueError`` whose message starts with
 ``"<fn>: <argument>: "`` (like the C++ checks), not tvm-ffi's positional message or torch's C++ stack.
 
-The check runs only when a call fails (kvcanary.kernels.ops), so a valid call pays nothing; these tests also pin that an
-invalid argument the C++ layer names (a wrong dtype) still reaches the caller unchanged.
+The check runs only when a call fails (kvcanary.kernels.call), so a valid call pays nothing; these tests also pin that
+an invalid argument the C++ layer names (a wrong dtype) still reaches the caller unchanged.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvcanary.kernels import layout, ops
+from kvcanary.kernels import layout, plan_step, verify, write
 from kvcanary.kernels.plan import VerifyPlan, WritePlan
 from kvcanary.kernels.real_kv import RealKvSource
 
@@ -107,9 +107,9 @@ def plan_kwargs() -> dict[str, Any]:
 
 
 OPS: dict[str, tuple[Callable[..., None], Callable[[], dict[str, Any]]]] = {
-    "canary_write_step": (ops.canary_write_step, write_kwargs),
-    "canary_verify_step": (ops.canary_verify_step, verify_kwargs),
-    "canary_plan_step": (ops.canary_plan_step, plan_kwargs),
+    "canary_write_step": (write.canary_write_step, write_kwargs),
+    "canary_verify_step": (verify.canary_verify_step, verify_kwargs),
+    "canary_plan_step": (plan_step.canary_plan_step, plan_kwargs),
 }
 OPTIONAL = {"expected_input_tokens", "expected_input_positions", "full_to_swa_index_mapping", "expected_tokens",
             "expected_tokens_valid_lens", "forward_counter", "violation_meta", "forward_step", "slot_attribution",
@@ -184,19 +184,19 @@ def test_plan_fields_are_named(plan: str) -> None:
     meta = dataclasses.replace(kwargs[plan], **{field: torch.empty(3, dtype=torch.int64, device="meta")})
     _expect("canary_plan_step", {**kwargs, plan: meta}, ValueError, f"{plan}.{field}", "tensor on device meta")
     with pytest.raises(TypeError, match=f"^canary_plan_step: {plan}: expected "):
-        ops.canary_plan_step(**{**kwargs, plan: object()})
+        plan_step.canary_plan_step(**{**kwargs, plan: object()})
 
 
 def test_errors_the_kernels_name_pass_through_unchanged() -> None:
     with pytest.raises(TypeError, match=r"^canary_write_step: positions: expected dtype int64, got int32"):
-        ops.canary_write_step(**{**write_kwargs(), "positions": i32(0, 1, 0, 1)})
+        write.canary_write_step(**{**write_kwargs(), "positions": i32(0, 1, 0, 1)})
     with pytest.raises(ValueError, match=r"^canary_verify_step: violation_meta: expected shape \[ring_capacity=4, 4\]"):
-        ops.canary_verify_step(**{**verify_kwargs(), "violation_meta": torch.zeros((3, 4), dtype=torch.int64)})
+        verify.canary_verify_step(**{**verify_kwargs(), "violation_meta": torch.zeros((3, 4), dtype=torch.int64)})
     with pytest.raises(ValueError, match=r"^canary_write_step: row_serials: needs write_request_rows"):
-        ops.canary_write_step(**{**write_kwargs(), "write_request_rows": None})
+        write.canary_write_step(**{**write_kwargs(), "write_request_rows": None})
     with pytest.raises(ValueError, match=r"^canary_write_step: slot_attribution: expected shape \[num_slots=16, 2\]"):
-        ops.canary_write_step(**{**write_kwargs(), "slot_attribution": torch.zeros((15, 2), dtype=torch.int64)})
+        write.canary_write_step(**{**write_kwargs(), "slot_attribution": torch.zeros((15, 2), dtype=torch.int64)})
     kwargs = plan_kwargs()
     with pytest.raises(ValueError, match=r"^canary_plan_step: verify_request_rows: expected shape \[verify_capacity=8"):
         vp = dataclasses.replace(kwargs["verify_plan"], verify_request_rows=torch.zeros(7, dtype=torch.int64))
-        ops.canary_plan_step(**{**kwargs, "verify_plan": vp})
+        plan_step.canary_plan_step(**{**kwargs, "verify_plan": vp})

@@ -14,7 +14,7 @@ import pytest
 import torch
 from canary_cases import int64, random_verify_launch, random_write_launch, scalar_i32
 
-from kvcanary.kernels import layout, ops
+from kvcanary.kernels import layout, verify, write
 
 OOB = layout.REASON_SLOT_OUT_OF_RANGE
 GUARD = 4096  # bytes of sentinel on each side of a guarded buffer
@@ -62,7 +62,7 @@ def test_write_reports_out_of_range_slot_seed_and_offsets(device: str) -> None:
     arena, canary = guarded((8, 32), torch.uint8, device)
     sink = _sink(device)
     d = lambda v: int64(v).to(device)  # noqa: E731
-    ops.canary_write_step(
+    write.canary_write_step(
         canary_buf=canary,
         # request 0: [0,2) with slot 8 (== num_slots) and slot 3; request 1: bad seed 99 over [2,3);
         # request 2: offsets [3, 50) beyond num_tokens=4
@@ -98,7 +98,7 @@ def test_verify_reports_out_of_range_slot_and_prev(device: str) -> None:
     arena, canary = guarded((8, 32), torch.uint8, device)
     sink = _sink(device)
     d = lambda v: int64(v).to(device)  # noqa: E731
-    ops.canary_verify_step(
+    verify.canary_verify_step(
         canary_buf=canary,
         verify_slot_indices=d([8, -3, 2, 2, 1 << 40]),
         verify_expected_tokens=d([-1, -1, -1, -1, -1]),
@@ -123,7 +123,8 @@ def test_verify_reports_out_of_range_slot_and_prev(device: str) -> None:
 def test_random_out_of_range_scenarios_stay_inside_guards(device: str) -> None:
     """Random launches (with out-of-range indices) on guarded canary buffers never touch the guards."""
     for seed in range(150):
-        for make, fn in ((random_write_launch, ops.canary_write_step), (random_verify_launch, ops.canary_verify_step)):
+        for make, fn in ((random_write_launch, write.canary_write_step),
+                         (random_verify_launch, verify.canary_verify_step)):
             kwargs = make(random.Random(seed)).clone_to(device)
             arena, canary = guarded(tuple(kwargs["canary_buf"].shape), torch.uint8, device)
             canary.copy_(kwargs["canary_buf"])
@@ -139,10 +140,10 @@ ASAN_SCRIPT = r"""
 import random, sys
 sys.path.insert(0, sys.argv[1])
 from canary_cases import random_write_launch, random_verify_launch
-from kvcanary.kernels import ops
+from kvcanary.kernels import verify, write
 for seed in range(int(sys.argv[2])):
-    ops.canary_write_step(**random_write_launch(random.Random(seed)).clone_to("cpu"))
-    ops.canary_verify_step(**random_verify_launch(random.Random(seed)).clone_to("cpu"))
+    write.canary_write_step(**random_write_launch(random.Random(seed)).clone_to("cpu"))
+    verify.canary_verify_step(**random_verify_launch(random.Random(seed)).clone_to("cpu"))
 print("asan-ok")
 """
 

@@ -1,4 +1,4 @@
-"""Plan kernel: CPU (and CUDA when present) bit-exact with kvcanary.kernels.ref over random batches, plus
+"""Plan kernel: CPU (and CUDA when present) bit-exact with kvcanary.kernels.plan_step_ref over random batches, plus
 hand-checked cases."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import fields
 import pytest
 import torch
 
-from kvcanary.kernels import layout, ops, ref
+from kvcanary.kernels import layout, plan_step, plan_step_ref, verify
 from kvcanary.kernels.plan import VerifyPlan, WritePlan
 
 SCENARIOS = 1000
@@ -99,8 +99,8 @@ def test_plan_matches_reference(backend: str, chunk: int) -> None:
         pytest.skip("needs a CUDA device")
     for seed in range(chunk * SCENARIOS // CHUNKS, (chunk + 1) * SCENARIOS // CHUNKS):
         case = random_plan_case(random.Random(seed))
-        got = run_plan(ops.canary_plan_step, case, backend)
-        want = run_plan(ref.canary_plan_step, case, "cpu")
+        got = run_plan(plan_step.canary_plan_step, case, backend)
+        want = run_plan(plan_step_ref.canary_plan_step, case, "cpu")
         assert_plans_equal(got, want, f"seed={seed} backend={backend}")
 
 
@@ -108,7 +108,7 @@ def test_random_cases_cover_the_interesting_shapes() -> None:
     seen = {"overflow": 0, "padding": 0, "swa": 0, "tokens": 0, "index_error": 0, "extend0": 0, "prefix0": 0}
     for seed in range(SCENARIOS):
         case = random_plan_case(random.Random(seed))
-        wp, vp = run_plan(ref.canary_plan_step, case, "cpu")
+        wp, vp = run_plan(plan_step_ref.canary_plan_step, case, "cpu")
         seen["overflow"] += int(vp.verify_enable[0]) == 0
         seen["padding"] += int((case["req_pool_indices"] == 0).any())
         seen["swa"] += case["swa_window_size"] > 0
@@ -128,7 +128,7 @@ def _hand_case(device: str = "cpu") -> tuple[WritePlan, VerifyPlan]:
     table[1, :5] = torch.tensor([11, 12, 13, 14, 15])
     table[3, :3] = torch.tensor([31, 32, 33])
     wp, vp = WritePlan.allocate(4, device), VerifyPlan.allocate(16, device)
-    ops.canary_plan_step(
+    plan_step.canary_plan_step(
         write_plan=wp,
         verify_plan=vp,
         # row 0: rp 1, prefix 4, extend 1 (decode); row 1: padding; row 2: rp 3, prefix 0, extend 3 (prefill)
@@ -155,7 +155,7 @@ def test_hand_built_decode_and_prefill_plan() -> None:
 def test_overflow_disables_verify() -> None:
     table = torch.arange(1, 33, dtype=torch.int32).view(2, 16)
     wp, vp = WritePlan.allocate(2, "cpu"), VerifyPlan.allocate(5, "cpu")
-    ops.canary_plan_step(
+    plan_step.canary_plan_step(
         write_plan=wp,
         verify_plan=vp,
         req_pool_indices=torch.tensor([1], dtype=torch.int64),
@@ -168,7 +168,7 @@ def test_overflow_disables_verify() -> None:
 
 def test_batch_larger_than_write_capacity_is_refused() -> None:
     with pytest.raises(ValueError, match="canary_plan_step: req_pool_indices: batch has 3 rows"):
-        ops.canary_plan_step(
+        plan_step.canary_plan_step(
             write_plan=WritePlan.allocate(2, "cpu"),
             verify_plan=VerifyPlan.allocate(4, "cpu"),
             req_pool_indices=torch.ones(3, dtype=torch.int64),
@@ -182,7 +182,7 @@ def test_plan_index_errors_are_reported_by_verify() -> None:
     """A row whose req_pool_index lies outside req_to_token becomes an out-of-range verify row."""
     table = torch.zeros((2, 4), dtype=torch.int32)
     wp, vp = WritePlan.allocate(1, "cpu"), VerifyPlan.allocate(4, "cpu")
-    ops.canary_plan_step(
+    plan_step.canary_plan_step(
         write_plan=wp,
         verify_plan=vp,
         req_pool_indices=torch.tensor([9], dtype=torch.int64),
@@ -194,7 +194,7 @@ def test_plan_index_errors_are_reported_by_verify() -> None:
     assert layout.decode_plan_index_error(int(vp.verify_slot_indices[0])) == 9
     ring = torch.zeros((2, 8), dtype=torch.int64)
     index = torch.zeros(1, dtype=torch.int32)
-    ops.canary_verify_step(
+    verify.canary_verify_step(
         canary_buf=torch.zeros((4, 32), dtype=torch.uint8),
         **vp.kernel_args(),
         kernel_kind=0,
@@ -238,7 +238,7 @@ def _plan_call_kwargs() -> dict:
 ])
 def test_plan_argument_errors_keep_their_text(name: str, value: torch.Tensor | None, exc: type[Exception],
                                               message: str) -> None:
-    ops.canary_plan_step(**_plan_call_kwargs())
+    plan_step.canary_plan_step(**_plan_call_kwargs())
     with pytest.raises(exc) as info:
-        ops.canary_plan_step(**{**_plan_call_kwargs(), name: value})
+        plan_step.canary_plan_step(**{**_plan_call_kwargs(), name: value})
     assert type(info.value) is exc and str(info.value) == message

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from kvcanary.kernels import ops
+from kvcanary.kernels.row_serials import canary_row_serial_update
 
 ROWS = 40
 UNSET = -7
@@ -52,7 +52,7 @@ def test_random_batches_equal_the_reference(seed: int, repeats: bool) -> None:
     expected = row_serials.tolist()
     for _ in range(30):
         rows, serials = random_batch(rng, ROWS, repeats)
-        ops.canary_row_serial_update(row_serials=row_serials, staging=stage(rows, serials, extra=rng.randint(0, 3)),
+        canary_row_serial_update(row_serials=row_serials, staging=stage(rows, serials, extra=rng.randint(0, 3)),
                                      num_updates=len(rows))
         expected = reference(expected, rows, serials)
         assert row_serials.tolist() == expected
@@ -60,15 +60,15 @@ def test_random_batches_equal_the_reference(seed: int, repeats: bool) -> None:
 
 def test_a_repeated_row_gets_its_later_serial() -> None:
     row_serials = torch.full((4,), UNSET, dtype=torch.int64)
-    ops.canary_row_serial_update(row_serials=row_serials, staging=stage([1, 3, 1, 1], [10, 11, 12, 13]),
+    canary_row_serial_update(row_serials=row_serials, staging=stage([1, 3, 1, 1], [10, 11, 12, 13]),
                                  num_updates=4)
     assert row_serials.tolist() == [UNSET, 13, UNSET, 11]
 
 
 def test_no_updates_write_nothing() -> None:
     row_serials = torch.full((4,), UNSET, dtype=torch.int64)
-    ops.canary_row_serial_update(row_serials=row_serials, staging=torch.zeros(0, dtype=torch.int64), num_updates=0)
-    ops.canary_row_serial_update(row_serials=row_serials, staging=stage([1], [5]), num_updates=0)
+    canary_row_serial_update(row_serials=row_serials, staging=torch.zeros(0, dtype=torch.int64), num_updates=0)
+    canary_row_serial_update(row_serials=row_serials, staging=stage([1], [5]), num_updates=0)
     assert row_serials.tolist() == [UNSET] * 4
 
 
@@ -84,7 +84,7 @@ def arg_error(arg: str, text: str) -> str:
 def test_a_bad_row_names_the_update_and_writes_nothing(rows: list[int], text: str) -> None:
     row_serials = torch.full((4,), UNSET, dtype=torch.int64)
     with pytest.raises(ValueError, match=arg_error("staging", text)):
-        ops.canary_row_serial_update(row_serials=row_serials, staging=stage(rows, [9] * len(rows)),
+        canary_row_serial_update(row_serials=row_serials, staging=stage(rows, [9] * len(rows)),
                                      num_updates=len(rows))
     assert row_serials.tolist() == [UNSET] * 4  # the good updates before the bad one are not applied either
 
@@ -115,7 +115,7 @@ def test_argument_errors_name_the_argument(override: dict, kind: type, arg: str,
     args = op_args(**override)
     before = args["row_serials"].clone() if isinstance(args["row_serials"], torch.Tensor) else None
     with pytest.raises(kind, match=arg_error(arg, text)):
-        ops.canary_row_serial_update(**args)
+        canary_row_serial_update(**args)
     assert before is None or torch.equal(args["row_serials"], before)
 
 
@@ -129,12 +129,12 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_cuda_refuses_a_staging_that_is_not_pinned() -> None:
     args = op_args(row_serials=torch.full((4,), UNSET, dtype=torch.int64, device="cuda"))
     with pytest.raises(ValueError, match=arg_error("staging", "expected pinned host memory")):
-        ops.canary_row_serial_update(**args)
+        canary_row_serial_update(**args)
     with pytest.raises(ValueError, match=arg_error("staging", "expected host memory")):
-        ops.canary_row_serial_update(**{**args, "staging": args["staging"].cuda()})
+        canary_row_serial_update(**{**args, "staging": args["staging"].cuda()})
     assert args["row_serials"].tolist() == [UNSET] * 4
     pinned = args["staging"].pin_memory()  # kept until the launch has run (tolist synchronises)
-    ops.canary_row_serial_update(**{**args, "staging": pinned})
+    canary_row_serial_update(**{**args, "staging": pinned})
     assert args["row_serials"].tolist() == [UNSET, 5, 6, UNSET]
 
 
@@ -151,7 +151,7 @@ def test_cuda_batches_equal_the_reference(rows: int, m: int) -> None:
     row_serials = torch.full((rows,), UNSET, dtype=torch.int64, device="cuda")
     staging = stage(batch_rows, serials, pinned=True)
     for _ in range(3):  # deterministic: every launch leaves the same winner
-        ops.canary_row_serial_update(row_serials=row_serials, staging=staging, num_updates=m)
+        canary_row_serial_update(row_serials=row_serials, staging=staging, num_updates=m)
         assert row_serials.tolist() == reference([UNSET] * rows, batch_rows, serials)
 
 
@@ -163,5 +163,5 @@ def test_cuda_batch_past_the_block_cap_is_grid_strided() -> None:
     random.Random(5).shuffle(batch_rows)
     row_serials = torch.full((m,), UNSET, dtype=torch.int64, device="cuda")
     staging = stage(batch_rows, [r + 7 for r in batch_rows], pinned=True)  # kept until the launch has run
-    ops.canary_row_serial_update(row_serials=row_serials, staging=staging, num_updates=m)
+    canary_row_serial_update(row_serials=row_serials, staging=staging, num_updates=m)
     assert torch.equal(row_serials.cpu(), torch.arange(7, m + 7))

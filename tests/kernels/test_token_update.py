@@ -25,7 +25,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from kvcanary.kernels import layout, ops
+from kvcanary.kernels import layout
+from kvcanary.kernels.tokens import canary_token_append, canary_token_update
 from kvcanary.runtime.token_table import MIN_STAGING_VALUES, StagingRing, TokenTable
 
 CPU = torch.device("cpu")
@@ -214,7 +215,7 @@ def op_args(rows: int = 4, width: int = 8, **overrides):
 
 def test_op_applies_a_hand_built_staging() -> None:
     args = op_args()
-    ops.canary_token_update(**args)
+    canary_token_update(**args)
     assert args["expected_tokens"][1].tolist() == [-1, -1, 10, 11, 12, -1, -1, -1]
     assert args["expected_tokens"][3].tolist() == [9] + [-1] * 7  # the low 32 bits, like .to(torch.int32)
     assert args["valid_lens_by_row"].tolist() == [0, 5, 0, 6]
@@ -223,7 +224,7 @@ def test_op_applies_a_hand_built_staging() -> None:
 
 def test_op_with_no_updates_writes_nothing() -> None:
     args = op_args(num_updates=0, staged_len=0)
-    ops.canary_token_update(**args)
+    canary_token_update(**args)
     assert (args["expected_tokens"] == -1).all() and (args["valid_lens_by_row"] == 0).all()
 
 
@@ -257,7 +258,7 @@ ARGUMENT_ERRORS = [
 def test_op_argument_errors_name_the_argument(override: dict, kind: type, arg: str, text: str) -> None:
     args = op_args(**override)
     with pytest.raises(kind, match=arg_error(arg, text)):
-        ops.canary_token_update(**args)
+        canary_token_update(**args)
 
 
 HEADER_ERRORS = [
@@ -275,7 +276,7 @@ def test_op_bad_headers_name_the_update_and_write_nothing(headers: list, text: s
     staging, staged_len = stage(headers)
     args = op_args(staging=staging, num_updates=len(headers), staged_len=staged_len)
     with pytest.raises(ValueError, match=arg_error("staging", text)):
-        ops.canary_token_update(**args)
+        canary_token_update(**args)
     assert (args["expected_tokens"] == -1).all() and (args["valid_lens_by_row"] == 0).all()
 
 
@@ -284,10 +285,10 @@ def test_op_token_offsets_outside_the_staged_tokens() -> None:
     staging[layout.TOKEN_UPDATE_FIELD_OFFSET] = 1  # inside the header
     with pytest.raises(ValueError, match=arg_error("staging", "update 0 (row 1): tokens [1, 3) outside the staged "
                                                    "tokens [5, 7)")):
-        ops.canary_token_update(**op_args(staging=staging, num_updates=1, staged_len=staged_len))
+        canary_token_update(**op_args(staging=staging, num_updates=1, staged_len=staged_len))
     staging[layout.TOKEN_UPDATE_FIELD_OFFSET] = 6  # runs past staged_len
     with pytest.raises(ValueError, match=re.escape("tokens [6, 8) outside the staged tokens [5, 7)")):
-        ops.canary_token_update(**op_args(staging=staging, num_updates=1, staged_len=staged_len))
+        canary_token_update(**op_args(staging=staging, num_updates=1, staged_len=staged_len))
 
 
 # ---------------------------------------------------------------------------------------------- canary_token_append
@@ -314,10 +315,10 @@ def append_args(updates: Sequence[tuple[int, int, int]] = ((1, 2, 10), (3, 0, 1 
 def test_append_op_writes_one_token_per_row_like_the_general_op() -> None:
     updates = [(1, 2, 10), (3, 0, 1 << 33 | 9), (0, 7, -5)]
     args = append_args(updates)
-    ops.canary_token_append(**args)
+    canary_token_append(**args)
     general = op_args(staging=stage([(r, s, 1, s + 1, [t]) for r, s, t in updates])[0], num_updates=3,
                       staged_len=stage([(r, s, 1, s + 1, [t]) for r, s, t in updates])[1])
-    ops.canary_token_update(**general)
+    canary_token_update(**general)
     assert args["expected_tokens"][1].tolist() == [-1, -1, 10, -1, -1, -1, -1, -1]
     assert args["expected_tokens"][3].tolist() == [9] + [-1] * 7  # the low 32 bits, like .to(torch.int32)
     assert args["valid_lens_by_row"].tolist() == [8, 3, 0, 1]  # start + 1
@@ -327,14 +328,14 @@ def test_append_op_writes_one_token_per_row_like_the_general_op() -> None:
 
 def test_append_op_applies_a_repeated_row_in_batch_order() -> None:
     args = append_args([(2, 4, 40), (1, 0, 10), (2, 4, 41), (2, 1, 11)])
-    ops.canary_token_append(**args)
+    canary_token_append(**args)
     assert args["expected_tokens"][2].tolist() == [-1, 11, -1, -1, 41, -1, -1, -1]  # the later token at 4 wins
     assert args["valid_lens_by_row"].tolist() == [0, 1, 2, 0]  # the row's last update: start 1 + 1
 
 
 def test_append_op_with_no_updates_writes_nothing() -> None:
     args = append_args([], staging=torch.zeros(0, dtype=torch.int64))
-    ops.canary_token_append(**args)
+    canary_token_append(**args)
     assert (args["expected_tokens"] == -1).all() and (args["valid_lens_by_row"] == 0).all()
 
 
@@ -356,7 +357,7 @@ APPEND_ARGUMENT_ERRORS = [
                          ids=[f"{e[2]}-{i}" for i, e in enumerate(APPEND_ARGUMENT_ERRORS)])
 def test_append_op_argument_errors_name_the_argument(override: dict, kind: type, arg: str, text: str) -> None:
     with pytest.raises(kind, match=append_error(arg, text)):
-        ops.canary_token_append(**append_args(**override))
+        canary_token_append(**append_args(**override))
 
 
 APPEND_UPDATE_ERRORS = [
@@ -373,7 +374,7 @@ APPEND_UPDATE_ERRORS = [
 def test_append_op_bad_updates_name_the_update_and_write_nothing(updates: list, text: str) -> None:
     args = append_args(updates)
     with pytest.raises(ValueError, match=append_error("staging", text)):
-        ops.canary_token_append(**args)
+        canary_token_append(**args)
     assert (args["expected_tokens"] == -1).all() and (args["valid_lens_by_row"] == 0).all()
 
 
@@ -543,11 +544,11 @@ def test_cuda_refuses_a_staging_that_is_not_pinned() -> None:
     args["expected_tokens"] = args["expected_tokens"].cuda()
     args["valid_lens_by_row"] = args["valid_lens_by_row"].cuda()
     with pytest.raises(ValueError, match=arg_error("staging", "expected pinned host memory")):
-        ops.canary_token_update(**args)
+        canary_token_update(**args)
     with pytest.raises(ValueError, match=arg_error("staging", "expected host memory")):
-        ops.canary_token_update(**{**args, "staging": args["staging"].cuda()})
+        canary_token_update(**{**args, "staging": args["staging"].cuda()})
     pinned = args["staging"].pin_memory()  # kept until the launch has run (tolist synchronises)
-    ops.canary_token_update(**{**args, "staging": pinned})
+    canary_token_update(**{**args, "staging": pinned})
     assert args["valid_lens_by_row"].tolist() == [0, 5, 0, 6]
     assert args["expected_tokens"][1].tolist() == [-1, -1, 10, 11, 12, -1, -1, -1]
 
@@ -559,8 +560,8 @@ def test_cuda_append_refuses_a_staging_that_is_not_pinned() -> None:
     args["expected_tokens"] = args["expected_tokens"].cuda()
     args["valid_lens_by_row"] = args["valid_lens_by_row"].cuda()
     with pytest.raises(ValueError, match=append_error("staging", "expected pinned host memory")):
-        ops.canary_token_append(**args)
+        canary_token_append(**args)
     pinned = args["staging"].pin_memory()  # kept until the launch has run (tolist synchronises)
-    ops.canary_token_append(**{**args, "staging": pinned})
+    canary_token_append(**{**args, "staging": pinned})
     assert args["valid_lens_by_row"].tolist() == [0, 3, 0, 1]
     assert args["expected_tokens"][1].tolist() == [-1, -1, 10, -1, -1, -1, -1, -1]

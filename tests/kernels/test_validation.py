@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import kvcanary
-from kvcanary.kernels import layout, ops
+from kvcanary.kernels import call, layout, verify, write
 from kvcanary.kernels.jit import load_module
 from kvcanary.kernels.real_kv import RealKvSource
 
@@ -799,8 +799,8 @@ def wrapper_verify_kwargs() -> dict[str, Any]:
 
 
 WRAPPERS = [
-    pytest.param(ops.canary_write_step, wrapper_write_kwargs, WRITE, id=WRITE),
-    pytest.param(ops.canary_verify_step, wrapper_verify_kwargs, VERIFY, id=VERIFY),
+    pytest.param(write.canary_write_step, wrapper_write_kwargs, WRITE, id=WRITE),
+    pytest.param(verify.canary_verify_step, wrapper_verify_kwargs, VERIFY, id=VERIFY),
 ]
 
 
@@ -884,14 +884,14 @@ def test_wrapper_write_flag_without_expected_inputs() -> None:
     kwargs = wrapper_write_kwargs()
     kwargs["expected_input_positions"] = None
     with pytest.raises(ValueError, match=arg_error(WRITE, "expected_input_positions", "required")):
-        ops.canary_write_step(**kwargs)
+        write.canary_write_step(**kwargs)
 
 
 def test_wrapper_verify_check_tokens_out_of_range() -> None:
     kwargs = wrapper_verify_kwargs()
     kwargs["check_tokens"] = 2
     with pytest.raises(ValueError, match=arg_error(VERIFY, "check_tokens", "must be 0 or 1, got 2")):
-        ops.canary_verify_step(**kwargs)
+        verify.canary_verify_step(**kwargs)
 
 
 # ---------------------------------------------------------------------------------------------- RealKvSource
@@ -1017,7 +1017,7 @@ def test_real_kv_source_from_per_layer_view() -> None:
     assert src.kv_bytes.data_ptr() == layer.data_ptr()
     assert src.num_slots == 12
     # the view is what the raw kernel gets, and it is accepted there
-    bufs, params, n = ops.real_kv_launch_args([src], torch.device("cpu"))
+    bufs, params, n = call.real_kv_launch_args([src], torch.device("cpu"))
     assert bufs[0] is src.kv_bytes
     assert params[0].tolist() == [2, 32, 16] and n == 1
     args = valid_verify_args()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcanary.kernels import layout, ref
+from kvcanary.kernels import check_ref, layout
 from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.tags import NUM_LAUNCH_TAGS, LaunchTag
 from kvcanary.report import Reporter
@@ -104,7 +104,7 @@ class HandDrain:
         """What the next forward's check launch does after an acknowledgement (nothing appended since): index back
         to 0, one more epoch (the reference's drained-ring reuse, csrc/canary_check.cuh)."""
         epoch = int(self.state.state[STATE_RING_EPOCH])
-        ref.reuse_drained_ring(self.state.state, self.state.violation_meta)
+        check_ref.reuse_drained_ring(self.state.state, self.state.violation_meta)
         assert int(self.state.state[STATE_RING_EPOCH]) == epoch + 1, "no acknowledgement to reuse the ring with"
         self.index = 0
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from test_manager_attribution import KV_BYTES, Harness, t64
 
-from kvcanary.kernels import layout, ref
+from kvcanary.kernels import check_ref, layout
 from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.plan import WritePlan
 from kvcanary.kernels.real_kv import RealKvSource
@@ -67,7 +67,7 @@ def test_the_reference_plans_stale_padded_rows_as_padding() -> None:
     plan = WritePlan.allocate(4, "cpu")
     state = torch.zeros(layout.STATE_HEADER_FIELDS + 8 * layout.VIOLATION_FIELDS, dtype=torch.int64)
     n = batch.num_tokens
-    ref.canary_check_step(
+    check_ref.canary_check_step(
         state=state, canary_buf=h.mgr.canary_buf.clone(), write_plan=plan,
         req_pool_indices=batch.req_pool_indices, prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens,
         req_to_token=h.req_to_token, input_ids=batch.input_ids, positions=batch.positions,

@@ -1,5 +1,5 @@
 """EAGLE (topk 1) speculative decoding through two real CanaryManagers (CPU kernels), checked against
-kvcanary.kernels.ref.
+the references (kvcanary.kernels.*_ref).
 
 ``EagleRig`` models sglang 0.5.12's spec-v2 step exactly where the canary can see it (what each forward writes
 where, and what every later forward verifies), with a scripted accept length per row instead of a model:
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from kvcanary.kernels import layout, ref
+from kvcanary.kernels import hash_ref, layout
 from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.layout import RealKvHashMode
 from kvcanary.kernels.real_kv import RealKvSource
@@ -233,15 +233,15 @@ class EagleRig:
 
     def expected_records(self, pool: str, req: Req) -> list[tuple[int, int, int, int]]:
         """(token, position, prev_hash, real_kv_hash) a one-by-one decode would leave at each committed position
-        (kvcanary.kernels.ref): the target holds token p at p, the draft holds token p + 1 at p."""
+        (kvcanary.kernels.*_ref): the target holds token p at p, the draft holds token p + 1 at p."""
         shift = DRAFT_TOKEN_OFFSET if pool == "draft" else 0
         src = [RealKvSource(self.kv[pool], 1, KV_BYTES, KV_BYTES)]
-        out, h = [], ref.chain_head_hash()
+        out, h = [], hash_ref.chain_head_hash()
         for p in range(req.committed):
             tok = req.tokens[p + shift]
-            kv_hash = ref.real_kv_fingerprint(src, layout.REAL_KV_HASH_MODE_ALL, req.slots[p])
-            out.append((tok, p, ref.to_i64(h), ref.to_i64(kv_hash)))
-            h = ref.chain_step(h, tok, p)
+            kv_hash = hash_ref.real_kv_fingerprint(src, layout.REAL_KV_HASH_MODE_ALL, req.slots[p])
+            out.append((tok, p, hash_ref.to_i64(h), hash_ref.to_i64(kv_hash)))
+            h = hash_ref.chain_step(h, tok, p)
         return out
 
     def stored_records(self, pool: str, req: Req) -> list[tuple[int, int, int, int]]:

@@ -24,7 +24,10 @@ from pathlib import Path
 
 import torch
 
-from kvcanary.kernels import jit, layout, ref
+from kvcanary.kernels import jit, layout
+from kvcanary.kernels.hash_ref import mix3 as _mix3
+from kvcanary.kernels.hash_ref import splitmix64 as _splitmix64
+from kvcanary.kernels.hash_ref import to_i64 as _signed
 from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.settings import ConfigError
 
@@ -146,11 +149,7 @@ class DoctorReport:
 
 
 # --------------------------------------------------------------------------------------------------
-# hashes (SPEC §2): the plain-Python model in kvcanary.kernels.ref, independent of the compiled kernels
-
-_splitmix64 = ref.splitmix64
-_mix3 = ref.mix3
-_signed = ref.to_i64
+# hashes (SPEC §2): the plain-Python model in kvcanary.kernels.hash_ref, independent of the compiled kernels
 
 
 def _fold(data: bytes) -> int:
@@ -225,7 +224,7 @@ def _write(
     requests: list[tuple[int, list[tuple[int, int, int]]]],
 ) -> None:
     """One write launch. ``requests``: (seed slot, [(slot, token, position), ...]) per request."""
-    from kvcanary.kernels.ops import canary_write_step
+    from kvcanary.kernels.write import canary_write_step
 
     device = canary_buf.device
     offsets, seeds, slots, tokens, positions = [0], [], [], [], []
@@ -260,7 +259,7 @@ def _write(
 
 def _verify(canary_buf: torch.Tensor, sources: list[RealKvSource], sinks: _Sinks, chain: _Chain) -> None:
     """One verify launch over every position of every request, tokens checked."""
-    from kvcanary.kernels.ops import canary_verify_step
+    from kvcanary.kernels.verify import canary_verify_step
 
     device = canary_buf.device
     slots, tokens, positions, prevs = [], [], [], []

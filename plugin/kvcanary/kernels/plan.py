@@ -57,7 +57,7 @@ class WritePlan:
         return int(self.write_seed_slot_indices.shape[0])
 
     def kernel_args(self) -> dict[str, torch.Tensor]:
-        """The write-plan keyword arguments of ``ops.canary_write_step`` (built once: a forward calls this)."""
+        """The write-plan keyword arguments of ``write.canary_write_step`` (built once: a forward calls this)."""
         args = self.__dict__.get("_kernel_args")
         if args is None:
             args = {
@@ -113,7 +113,7 @@ class VerifyPlan:
         return int(self.verify_slot_indices.shape[0])
 
     def kernel_args(self) -> dict[str, torch.Tensor]:
-        """The verify-plan keyword arguments of ``ops.canary_verify_step`` (built once: a forward calls this)."""
+        """The verify-plan keyword arguments of ``verify.canary_verify_step`` (built once: a forward calls this)."""
         args = self.__dict__.get("_kernel_args")
         if args is None:
             args = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -4,8 +4,8 @@
 then the violation ring) right after the violation metadata in one allocation (so that the host drains the header,
 the next ring rows and their metadata with one copy), the per-slot writer attribution, the row serials, and the
 forward's snapshot of token ids, positions and slots. Every buffer keeps its address for the state's lifetime
-(CUDA-graph capture). Every kernel launch of the runtime (``kvcanary.kernels.ops``) happens here, and only here (host →
-device uploads live with their owners: the token table, the sweep plan):
+(CUDA-graph capture). Every kernel launch of the runtime (the per-kernel wrappers in ``kvcanary.kernels``) happens here,
+and only here (host → device uploads live with their owners: the token table, the sweep plan):
 
 * ``DeviceState.check_batch(batch, count_forward, forward_step_value)``: one ``canary_check_step`` launch (plan +
   verify of every batch row's prefix, the write plan, the snapshot of token ids, positions and slots, the forward
@@ -43,10 +43,14 @@ from typing import NamedTuple
 
 import torch
 
-from kvcanary.kernels import layout, ops
+from kvcanary.kernels import layout
+from kvcanary.kernels.call import prepare_real_kv
+from kvcanary.kernels.check import CheckLaunch
 from kvcanary.kernels.plan import VerifyPlan, WritePlan
 from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.kernels.tags import NUM_LAUNCH_TAGS, LaunchTag
+from kvcanary.kernels.verify import canary_verify_step
+from kvcanary.kernels.write import WriteLaunch
 from kvcanary.runtime.serial_upload import RowSerialUpload
 from kvcanary.runtime.token_table import TokenTable
 
@@ -140,7 +144,7 @@ class DeviceState:
         self.req_to_token = req_to_token
         self.real_kv_sources = tuple(real_kv_sources)
         self.real_kv_mode = real_kv_mode
-        self._real_kv_launch = ops.prepare_real_kv(self.real_kv_sources, dev)  # once, not per launch
+        self._real_kv_launch = prepare_real_kv(self.real_kv_sources, dev)  # once, not per launch
         self.swa_window_size = swa_window_size
         self.kv_token_id_vs_position_offset = kv_token_id_vs_position_offset
         self.full_to_swa_index_mapping = full_to_swa_index_mapping
@@ -190,7 +194,7 @@ class DeviceState:
         self._sweep_views = self._build_counter_views(LaunchTag.SWEEP)  # (verify-tag launches: the check's state)
         self._status_copies: dict[tuple[int, int], StatusCopy] = {}
         # The two per-forward launches, their fixed arguments bound once (a forward's host time is the product's cost)
-        self._check = ops.CheckLaunch(
+        self._check = CheckLaunch(
             state=self.state, canary_buf=self.canary_buf, write_plan=self.write_plan, req_to_token=req_to_token,
             input_ids_out=self.input_ids_snapshot, positions_out=self.positions_snapshot,
             out_cache_loc_out=self.out_cache_loc_snapshot, violation_meta=self.violation_meta,
@@ -200,7 +204,7 @@ class DeviceState:
             kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, real_kv_sources=self._real_kv_launch,
             real_kv_hash_mode=real_kv_mode, check_tokens=self._expected_tokens is not None,
         )
-        self._write = ops.WriteLaunch(
+        self._write = WriteLaunch(
             canary_buf=self.canary_buf, write_plan=self.write_plan, input_ids=self.input_ids_snapshot,
             positions=self.positions_snapshot, out_cache_loc=self.out_cache_loc_snapshot, kernel_kind=LaunchTag.WRITE,
             **self._build_counter_views(LaunchTag.WRITE),
@@ -210,7 +214,7 @@ class DeviceState:
         # The two per-forward launches, their fixed arguments bound once, called positionally (a frame and a keyword
         # call fewer than methods: a forward's host time is the product's cost):
         # ``check_batch(batch, count_forward, forward_step_value)``: everything that runs before the model writes KV,
-        # as ONE launch (``ops.canary_check_step``): plan and verify every batch row's prefix, store the write plan,
+        # as ONE launch (``canary_check_step``): plan and verify every batch row's prefix, store the write plan,
         # snapshot the batch's token ids, positions and slots, set the forward counter (``count_forward`` 1: to
         # ``forward_step_value``, or the counter + 1 when that is -1, i.e. captured) and empty a ring the host
         # acknowledged in full. The batch was validated and fits the capacities (the manager checks both); its
@@ -242,7 +246,7 @@ class DeviceState:
         plan entry, so they are taken off the SWEEP count right after the launch, in stream order (a status copy
         sees both or neither)."""
         views = self._sweep_views
-        ops.canary_verify_step(
+        canary_verify_step(
             canary_buf=self.canary_buf,
             **plan.kernel_args(),
             kernel_kind=LaunchTag.SWEEP,

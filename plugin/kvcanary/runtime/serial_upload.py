@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvcanary.kernels import ops
 from kvcanary.kernels.jit import load_module
+from kvcanary.kernels.row_serials import canary_row_serial_update
 from kvcanary.runtime.token_table import CudaStagingEvent, StagingEvent, StagingRing
 
 # Stagings in the ring on CUDA: a staging is rewritten RING_SIZE prefills later (see
@@ -49,7 +49,7 @@ class RowSerialUpload:
         self._row_serials = row_serials
         self.staging = StagingRing(RING_SIZE if event_factory is not None else 1, pinned=device.type == "cuda",
                                    event_factory=event_factory)
-        # the export, bound once: an upload is one call of it (ops.canary_row_serial_update only names a failure)
+        # the export, bound once: an upload is one call of it (canary_row_serial_update only names a failure)
         self._launch = load_module("cuda" if device.type == "cuda" else "cpu").canary_row_serial_update
 
     def __call__(self, rows: Sequence[int], serials: Sequence[int]) -> None:
@@ -66,6 +66,6 @@ class RowSerialUpload:
             self._launch(self._row_serials, staging.buffer, m)
         except Exception:
             # Validation fails before anything is launched: the keyword wrapper names the argument (or re-raises).
-            ops.canary_row_serial_update(row_serials=self._row_serials, staging=staging.buffer, num_updates=m)
+            canary_row_serial_update(row_serials=self._row_serials, staging=staging.buffer, num_updates=m)
             raise
         self.staging.launched(staging)  # after the launch that reads the staging

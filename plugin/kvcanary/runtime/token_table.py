@@ -32,8 +32,9 @@ from typing import Any, Protocol
 
 import torch
 
-from kvcanary.kernels import layout, ops
+from kvcanary.kernels import layout
 from kvcanary.kernels.jit import load_module
+from kvcanary.kernels.tokens import canary_token_update
 from kvcanary.runtime.streams import current_stream
 
 logger = logging.getLogger(__name__)
@@ -361,8 +362,8 @@ class TokenTable:
             self._launch(self.expected_tokens, self.valid_lens_by_row, staging.buffer, n, staged_len)
         except Exception:
             # Validation fails before anything is launched: the keyword wrapper names the argument (or re-raises).
-            ops.canary_token_update(expected_tokens=self.expected_tokens, valid_lens_by_row=self.valid_lens_by_row,
-                                    staging=staging.buffer, num_updates=n, staged_len=staged_len)
+            canary_token_update(expected_tokens=self.expected_tokens, valid_lens_by_row=self.valid_lens_by_row,
+                                staging=staging.buffer, num_updates=n, staged_len=staged_len)
             raise
         self.staging.launched(staging)
 
