@@ -16,7 +16,7 @@ and loads them back into new slots many times):
   fixed one must find nothing.
 
 Nothing here imports sglang or kvcanary at module level (the driver's rule); the fence is applied in sglang's
-processes by a test-only plugin (integration/test_plugin.py).
+processes by a test-only plugin (integration/driver_plugin.py).
 """
 
 from __future__ import annotations

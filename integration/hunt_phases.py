@@ -34,7 +34,7 @@ Verdicts (one per phase): ``CAUGHT`` (violations, with the trigger observed: the
 hunt-overlap-cached: any violation), ``FAIL`` (the phase did not run through).
 
 Nothing here imports sglang or kvcanary at module level (the driver's rule); the observers run in sglang's
-processes through the test-only plugin (integration/test_plugin.py) and change nothing sglang does.
+processes through the test-only plugin (integration/driver_plugin.py) and change nothing sglang does.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ import time
 from collections import deque
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_plugin import write_test_plugin  # noqa: E402
+from driver_plugin import write_test_plugin  # noqa: E402
 
 PROBE_ENV = "E2E_LOOP_PROBE"
 PROBE_FILE_ENV = "E2E_LOOP_PROBE_FILE"  # this file: the plugin loads it in the scheduler process

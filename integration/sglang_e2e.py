@@ -73,7 +73,7 @@ import hunt_phases  # noqa: E402  (integration/hunt_phases.py: the hunt phases 1
 import loop_probe  # noqa: E402  (integration/loop_probe.py: --loop-probe)
 import pool_phases  # noqa: E402  (integration/pool_phases.py: phases 24-28, issues 29/30)
 import protect_phases  # noqa: E402  (integration/protect_phases.py: the protect phases 21-23, issue 26)
-from test_plugin import plugin_env, with_test_plugin, write_test_plugin  # noqa: E402
+from driver_plugin import plugin_env, with_test_plugin, write_test_plugin  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------- facts
 # The fault classes a live engine can take through KVCANARY_FAULT, and the reason names kvcanary reports for
@@ -1107,7 +1107,7 @@ def eagle_engine_kwargs(kw: dict, phase: Phase, args) -> dict:
 
 def write_eagle_plugin(root: str) -> str:
     """The test-only sglang plugin that applies ``install_eagle_tail_patch`` of this file in every sglang process
-    where ``E2E_EAGLE_TAIL`` is set (integration/test_plugin.py). Returns ``root``."""
+    where ``E2E_EAGLE_TAIL`` is set (integration/driver_plugin.py). Returns ``root``."""
     return write_test_plugin(root, EAGLE_PLUGIN, about="integration/sglang_e2e.py, EAGLE phases",
                              gate_env=EAGLE_TAIL_ENV, file_env=EAGLE_DRIVER_ENV, module="_kvcanary_e2e_driver",
                              function="install_eagle_tail_patch")
