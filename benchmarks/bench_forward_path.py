@@ -6,8 +6,8 @@
 Runs, per forward, what sglang 0.5.12's scheduler and ModelRunner run around kvcanary, through the adapter's real
 code (``kvcanary.sglang.hooks.AdapterHooks`` of the 0.5.12 version module, its ``install`` building the real
 Installation, BatchConverter and managers): ``ForwardBatch.init_new`` -> the ``after_forward_batch_init`` hook
-(writer attribution, token-table uploads) -> ``ModelRunner.forward`` -> the ``around_forward`` hook (host_before;
-the ``model.forward`` wrapper: BatchConverter -> before_forward per group -> the model -> after_forward;
+(writer attribution, token-table uploads) -> ``ModelRunner.forward`` -> the ``around_forward`` hook (the
+``model.forward`` wrapper: BatchConverter -> before_forward per group -> the model -> after_forward;
 host_after: step, drain, sweep, metrics; account_forward). The engine objects are light stand-ins with
 0.5.12's field names and dtypes (a ForwardBatch with int64 input_ids / positions / out_cache_loc /
 req_pool_indices / seq_lens and int32 extend_prefix_lens / extend_seq_lens, a ``Req`` with ``origin_input_ids`` /
@@ -47,6 +47,7 @@ from kvcanary.runtime.installation import HostTime, Installation, WrapperCall
 from kvcanary.sglang import base, piecewise, pools, v0_5_12
 from kvcanary.sglang import hooks as hooks_module
 from kvcanary.sglang.hooks import AdapterHooks, installation_of
+from kvcanary.sglang.installed import runner_state_of
 from kvcanary.sglang.radix import radix_sweep_source
 from kvcanary.sglang.radix_index import RadixSweepIndex
 
@@ -541,7 +542,7 @@ def _run_case(case: Case, args, device: torch.device, pieces: Pieces) -> dict:
         tree = work.sweep_tree()
         inst.set_sweep_source(radix_sweep_source(tree) if case.walk
                               else RadixSweepIndex(tree, v0_5_12.RADIX_NODE_HOOKS))
-        inst.prefix_cache = tree
+        runner_state_of(runner).prefix_cache = tree
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def forward(wb: WorkerBatch, fb: ForwardBatch, timing: Timing | None) -> None:

@@ -64,7 +64,7 @@ KVCANARY_PIECES = (
     ("kvcanary.sglang.batches", "BatchConverter", "__call__", "kvc_views_ns"),
     ("kvcanary.runtime.manager", "CanaryManager", "before_forward", "kvc_launch_ns"),
     ("kvcanary.runtime.manager", "CanaryManager", "after_forward", "kvc_launch_ns"),
-    ("kvcanary.runtime.installation", "Installation", "host_before", "kvc_before_ns"),
+    ("kvcanary.runtime.faults", "FaultInjectionState", "before_forward", "kvc_before_ns"),  # KVCANARY_FAULT only
     ("kvcanary.runtime.installation", "Installation", "host_after", "kvc_after_ns"),
     ("kvcanary.runtime.manager", "CanaryManager", "step", "kvc_step_ns"),
     ("kvcanary.runtime.drain", "ViolationDrain", "drain", "kvc_drain_ns"),
@@ -399,7 +399,7 @@ COLUMNS = (("loop_us", "loop"), ("recv_us", "recv"), ("next_us", "next batch"), 
            ("gpu_extend_us", "of a prefill"), ("gap_us", "GPU idle gap"), ("unit_us", "one torch launch"))
 # kvcanary's pieces per iteration (log Engines; nested as KVCANARY_PIECES says)
 KVC_COLUMNS = (("kvc_batch_us", "batch hook"), ("kvc_assign_us", "of it assign_requests"), ("kvc_views_us", "views"),
-               ("kvc_launch_us", "launches"), ("kvc_before_us", "host_before"), ("kvc_after_us", "host_after"),
+               ("kvc_launch_us", "launches"), ("kvc_before_us", "fault injection"), ("kvc_after_us", "host_after"),
                ("kvc_step_us", "of it step"), ("kvc_drain_us", "of it drain"),
                ("kvc_status_start_us", "of that status copy start"), ("kvc_status_read_us", "status read"),
                ("kvc_health_us", "of that health"), ("kvc_stats_us", "of step stats"), ("kvc_metrics_us", "metrics"),

@@ -20,7 +20,7 @@ from test_sglang_faults import _run  # noqa: E402
 
 @pytest.mark.parametrize("fault", ["real_kv_flip", "req_to_token_redirect"])
 def test_violations_name_the_detecting_forward_the_row_and_the_writer(tmp_path, monkeypatch, fault: str) -> None:
-    inst, rows, _ = _run(tmp_path, monkeypatch, fault, sgl_engine.free_port())
+    runner, rows, _ = _run(tmp_path, monkeypatch, fault, sgl_engine.free_port())
     injected_before: dict[int, set[int]] = {}  # slot -> forwards (1-based) the injections preceded
     for r in rows:
         if r["schema"] == "kvcanary.injection/1":
@@ -28,7 +28,7 @@ def test_violations_name_the_detecting_forward_the_row_and_the_writer(tmp_path, 
                 injected_before.setdefault(slot, set()).add(r["step"] + 1)
     verify = [r for r in rows if r["schema"] == "kvcanary.violation/1" and r["tag"] == "verify"]
     assert len(verify) >= 8
-    assert inst.manager.config.drain_every == 8
+    assert runner.inst.manager.config.drain_every == 8
     for v in verify:
         assert v["step"] in injected_before[v["slot"]], v  # the forward that found it, not the drain step
         assert isinstance(v["request_row"], int) and v["request_row"] > 0, v

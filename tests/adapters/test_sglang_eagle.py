@@ -39,7 +39,7 @@ import sgl_engine  # noqa: E402
 import sglang  # noqa: E402,F401  (installed but broken must fail, not skip)
 
 from kvcanary.runtime.speculative import DRAFT_TOKEN_OFFSET, SpecCounters  # noqa: E402
-from kvcanary.sglang import hooks, speculative, v0_5_12  # noqa: E402
+from kvcanary.sglang import hooks, installed, speculative, v0_5_12  # noqa: E402
 from kvcanary.sglang.guards import UnsupportedSetupError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -374,7 +374,7 @@ def test_installs_one_manager_per_pool_and_draft_replays_step_it(eagle) -> None:
     assert d.manager.kv_token_id_vs_position_offset == DRAFT_TOKEN_OFFSET
     assert t.manager.kv_token_id_vs_position_offset == 0
     assert t.manager.canary_buf is not d.manager.canary_buf and t.manager.num_slots == d.manager.num_slots
-    assert d.fault_plan is None
+    assert installed.runner_state_of(eagle.draft).faults is None
     assert speculative.spec_of(eagle.target).role.pool == "target"
     assert speculative.spec_of(eagle.draft).role.pool == "draft"
     assert set(speculative.forward_modes(eagle.draft, v0_5_12.FORWARD_MODES)) == {

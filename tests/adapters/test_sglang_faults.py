@@ -26,7 +26,7 @@ import sgl_engine  # noqa: E402
 import sglang  # noqa: E402,F401
 
 from kvcanary.runtime import faults  # noqa: E402
-from kvcanary.sglang import hooks  # noqa: E402
+from kvcanary.sglang.installed import runner_state_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 FORWARDS = 220
@@ -61,8 +61,9 @@ def _run(tmp_path, monkeypatch, fault: str, port: int):
         sa = sgl_engine.server_args(sgl_engine.write_model_dir(tmp_path / "tiny-llama"), chunked_prefill_size=48)
         mr = sgl_engine.build_runner(sa, nccl_port=port)
         tree = sgl_engine.build_tree_cache(mr, sa)
-        inst = hooks.installation_of(mr)
-        assert inst is not None and inst.fault_plan is not None and inst.prefix_cache is tree
+        runner = runner_state_of(mr)
+        assert runner is not None and runner.faults is not None and runner.prefix_cache is tree
+        inst = runner.inst
         rng = random.Random(7)
         prefix = [rng.randrange(3, 2000) for _ in range(40)]
         sched = sgl_engine.MiniScheduler(mr, tree, chunk_size=48)
@@ -76,7 +77,7 @@ def _run(tmp_path, monkeypatch, fault: str, port: int):
         inst.close()
         path = Path(str(report).replace("{rank}", "0"))
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        return inst, rows, collections.Counter(sched.forwards)
+        return runner, rows, collections.Counter(sched.forwards)
     finally:
         hooks_state.restore(state)
         sgl_engine.destroy_distributed()
@@ -88,17 +89,18 @@ LIVE_FAULTS = ("req_to_token_redirect", "real_kv_flip", "cached_idle_corruption"
 @pytest.mark.parametrize("fault", LIVE_FAULTS)
 def test_each_fault_class_is_recorded_detected_and_contained(tmp_path, monkeypatch, capsys, fault) -> None:
     driver = _driver()
-    inst, rows, modes = _run(tmp_path, monkeypatch, fault, sgl_engine.free_port())
+    runner, rows, modes = _run(tmp_path, monkeypatch, fault, sgl_engine.free_port())
+    injected = runner.faults
     m = driver.match_injections(rows)
     injections = [r for r in rows if r["schema"] == "kvcanary.injection/1"]
     violations = [r for r in rows if r["schema"] == "kvcanary.violation/1"]
     with capsys.disabled():
         print(f"\n{fault}: forwards={dict(modes)} injections={len(injections)} detected={dict(m.detected)} "
               f"violations={len(violations)} reasons={ {k: dict(v) for k, v in m.reasons.items()} } "
-              f"tags={ {k: dict(v) for k, v in m.tags.items()} } late={m.late} skips={inst.fault_skips}")
-    assert len(injections) >= 8, (len(injections), inst.fault_skips)
+              f"tags={ {k: dict(v) for k, v in m.tags.items()} } late={m.late} skips={injected.skips}")
+    assert len(injections) >= 8, (len(injections), injected.skips)
     assert {r["fault"] for r in injections} == {fault}
-    assert len(inst.injections) == len(injections)
+    assert len(injected.injections) == len(injections)
     for r in injections:
         assert r["slots"] and all(isinstance(s, int) for s in r["slots"]) and r["rank"] == {"tp_rank": 0}
         assert isinstance(r["step"], int) and r["detail"]
@@ -110,7 +112,7 @@ def test_each_fault_class_is_recorded_detected_and_contained(tmp_path, monkeypat
         assert set(m.tags[fault]) == {"sweep"}
     if fault in ("req_to_token_redirect", "real_kv_flip", "cached_idle_corruption", "position_skew"):
         assert m.late == 0  # undone after the detecting forward: nothing lingers
-    assert inst.pending_fault is None or inst.pending_fault[1] >= FORWARDS - 5 * 4
+    assert injected.pending is None or injected.pending[1] >= FORWARDS - 5 * 4
 
 
 def _tree_paths(tree):
@@ -135,12 +137,12 @@ def test_token_swap_leaves_no_record_the_prefix_cache_disagrees_with(tmp_path, m
     every slot the RadixCache holds must carry the tree's token and the chain hash of the tree path before it."""
     from kvcanary.kernels import hash_ref, layout
 
-    inst, rows, _ = _run(tmp_path, monkeypatch, "token_swap", sgl_engine.free_port())
+    runner, rows, _ = _run(tmp_path, monkeypatch, "token_swap", sgl_engine.free_port())
     injections = [r for r in rows if r["schema"] == "kvcanary.injection/1"]
     assert len(injections) >= 8
-    records = inst.manager.canary_buf.view(torch.int64).tolist()
+    records = runner.inst.manager.canary_buf.view(torch.int64).tolist()
     checked, swapped = 0, {s for r in injections for s in r["slots"]}
-    for slots, tokens in _tree_paths(inst.prefix_cache):
+    for slots, tokens in _tree_paths(runner.prefix_cache):
         running = hash_ref.chain_head_hash()
         for pos, (slot, tok) in enumerate(zip(slots, tokens, strict=True)):
             rec = records[slot]
@@ -150,4 +152,4 @@ def test_token_swap_leaves_no_record_the_prefix_cache_disagrees_with(tmp_path, m
             checked += 1
     assert checked > 1000
     # the test is only meaningful if swapped rows reached the tree
-    assert swapped & {s for slots, _ in _tree_paths(inst.prefix_cache) for s in slots}
+    assert swapped & {s for slots, _ in _tree_paths(runner.prefix_cache) for s in slots}

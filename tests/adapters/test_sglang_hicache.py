@@ -28,7 +28,7 @@ import sgl_hicache  # noqa: E402
 from kvcanary.kernels.tags import LaunchTag  # noqa: E402
 from kvcanary.report import VIA_HOST_TIER, CanaryViolationError  # noqa: E402
 from kvcanary.runtime import faults  # noqa: E402
-from kvcanary.sglang import hicache, hooks, v0_5_12  # noqa: E402
+from kvcanary.sglang import hicache, hooks, installed, v0_5_12  # noqa: E402
 
 PREFIXES = 6  # distinct long prefixes, each reused many times: more than the device pool holds at once
 PREFIX_TOKENS = 150
@@ -54,7 +54,8 @@ def _engine(tmp_path, monkeypatch, *, mode: str = "raise", policy: str = "write_
     inst = hooks.installation_of(mr)
     assert type(tree).__name__ == "HiRadixCache" and inst is not None
     follower = hicache.follower_of(tree.cache_controller)
-    assert follower is not None and inst.host_tier is follower
+    runner = installed.runner_state_of(mr)
+    assert follower is not None and runner is not None and runner.host_tier is follower
     return mr, tree, inst, follower, state
 
 
@@ -121,8 +122,9 @@ def test_host_tier_faults_are_detected_on_the_loaded_slots_only(tmp_path, monkey
     _drive(sched, rng, prefixes, 200)
     manager = inst.manager
     manager.flush()
-    injected = [i for i in inst.injections if i.fault == fault]
-    assert len(injected) >= 2, (inst.injections, inst.fault_skips)
+    injector = installed.runner_state_of(mr).faults
+    injected = [i for i in injector.injections if i.fault == fault]
+    assert len(injected) >= 2, (injector.injections, injector.skips)
     touched = {s for i in injected for s in i.slots}
     found = manager.violations
     assert found, "no violation for an injected host-tier fault"

@@ -27,6 +27,7 @@ from kvcanary.sglang import (  # noqa: E402
     contract,
     fault_injection,
     guards,
+    installed,
     pools,
     register,
     targets,
@@ -243,7 +244,7 @@ def test_guard_refuses_at_install_naming_the_setting(server_args, monkeypatch, c
     runner = types.SimpleNamespace(server_args=sa, token_to_kv_pool=None)
     with pytest.raises(guards.UnsupportedSetupError, match=setting.replace("-", r"\-")):
         adapter_hooks.hooks_for(v0_5_12).install(runner)  # refused before anything is built
-    assert not hasattr(runner, adapter_hooks.INSTALL_ATTR)
+    assert not hasattr(runner, installed.INSTALL_ATTR) and not hasattr(runner, installed.RUNNER_STATE_ATTR)
 
 
 def test_piecewise_cuda_graph_is_not_refused(server_args) -> None:
@@ -420,13 +421,12 @@ def test_unsupported_forward_modes_are_refused(mode) -> None:
     raising = types.SimpleNamespace(req_to_token=torch.zeros(1, 1, dtype=torch.int32), stopped=None,
                                     keeps_serving=lambda exc, where: False)  # (raise mode's answer)
     with pytest.raises(NotImplementedError, match=mode):
-        adapter_hooks.hooks_for(v0_5_12).around_forward(lambda *a, **k: None, types.SimpleNamespace(_kvcanary=raising),
-                                                        fb)
+        adapter_hooks.hooks_for(v0_5_12).around_forward(lambda *a, **k: None, _runner(raising), fb)
     stopped: list[str] = []  # log mode: the canary stops on the runner, the forward is served
     logging_inst = types.SimpleNamespace(req_to_token=torch.zeros(1, 1, dtype=torch.int32), stopped=None,
                                          keeps_serving=lambda exc, where: stopped.append(str(exc)) or True)
     served = adapter_hooks.hooks_for(v0_5_12).around_forward(lambda *a, **k: "served",
-                                                             types.SimpleNamespace(_kvcanary=logging_inst), fb)
+                                                             _runner(logging_inst), fb)
     assert served == "served"
     assert len(stopped) == 1 and mode in stopped[0]
 
@@ -493,10 +493,9 @@ def test_graph_input_zeroing_counts_as_the_forwards_canary_time(monkeypatch) -> 
     ah.zero_graph_padding = True  # (what install sets for an EAGLE pool)
     recorded: dict[str, int] = {}
     inst = types.SimpleNamespace(
-        req_to_token=torch.zeros(1, 1, dtype=torch.int32), fault_plan=None, serving=0, pending_repairs=[], stopped=None,
-        host_tier=None, host_after=lambda: None,
+        req_to_token=torch.zeros(1, 1, dtype=torch.int32), serving=0, stopped=None, host_after=lambda: None,
         account_forward=lambda forward_ns, hook_ns: recorded.update(f=forward_ns, h=hook_ns))
-    runner = types.SimpleNamespace(_kvcanary=inst)
+    runner = _runner(inst)
     bufs = types.SimpleNamespace(req_pool_indices=torch.arange(1, 5), positions=torch.arange(1, 5))
     fb = types.SimpleNamespace(forward_mode=ForwardMode.DECODE)
 
@@ -627,6 +626,12 @@ def test_with_an_eagle_pool_every_replays_whole_padding_is_zeroed() -> None:
 
 
 
+def _runner(inst) -> types.SimpleNamespace:
+    """A stand-in ModelRunner with ``inst`` installed (and a RunnerState over it, as AdapterHooks.install keeps)."""
+    state = installed.RunnerState(inst)
+    return types.SimpleNamespace(**{installed.INSTALL_ATTR: inst, installed.RUNNER_STATE_ATTR: state})
+
+
 class _StandInInstallation:
     """What the hooks ask of an Installation when kvcanary's part fails: log mode keeps serving, raise mode not."""
 
@@ -709,7 +714,7 @@ def test_log_mode_an_error_in_the_forward_hook_or_batch_hook_stops_the_canary_no
 
     inst = installation(Mode.LOG)
     monkeypatch.setattr(inst, "host_after", broken)
-    runner = types.SimpleNamespace(_kvcanary=inst)
+    runner = _runner(inst)
     assert ah.around_forward(original, runner, fb) == "out"
     assert inst.stopped is not None and "drain failed" in inst.stopped
     monkeypatch.setattr(inst, "host_after", lambda: pytest.fail("kvcanary ran after it stopped"))
@@ -718,13 +723,13 @@ def test_log_mode_an_error_in_the_forward_hook_or_batch_hook_stops_the_canary_no
                                                                                                  rid="r")])
     assert ah.after_forward_batch_init("result", None, batch, runner) == "result"  # (row 99 would raise: skipped)
     fresh = installation(Mode.LOG)  # the batch hook's own error (row 99 is outside the table) stops it too
-    assert ah.after_forward_batch_init("result", None, batch, types.SimpleNamespace(_kvcanary=fresh)) == "result"
+    assert ah.after_forward_batch_init("result", None, batch, _runner(fresh)) == "result"
     assert fresh.stopped is not None and "batch hook" in fresh.stopped and "row 99" in fresh.stopped
 
     inst = installation(Mode.RAISE)
     monkeypatch.setattr(inst, "host_after", broken)
     with pytest.raises(RuntimeError, match="drain failed"):
-        ah.around_forward(original, types.SimpleNamespace(_kvcanary=inst), fb)
+        ah.around_forward(original, _runner(inst), fb)
     assert inst.stopped is None
 
 
@@ -748,11 +753,11 @@ def test_writer_attribution_runs_for_the_batches_that_bring_new_requests(mode: s
 
     calls = []
     manager = types.SimpleNamespace(assign_requests=lambda rows, rids: calls.append((rows, rids)))
-    inst = types.SimpleNamespace(stopped=None, groups=[types.SimpleNamespace(manager=manager)], fault_plan=None,
-                                 verify_tokens=False, account_batch_init=lambda ns: None)
+    inst = types.SimpleNamespace(stopped=None, groups=[types.SimpleNamespace(manager=manager)], verify_tokens=False,
+                                 account_batch_init=lambda ns: None)
     batch = types.SimpleNamespace(forward_mode=ForwardMode[mode], reqs=[types.SimpleNamespace(req_pool_idx=3, rid="a")])
     ah = adapter_hooks.AdapterHooks(v0_5_12)
-    assert ah.after_forward_batch_init("result", None, batch, types.SimpleNamespace(_kvcanary=inst)) == "result"
+    assert ah.after_forward_batch_init("result", None, batch, _runner(inst)) == "result"
     assert calls == ([([3], ["a"])] if attributed else [])
 
 
@@ -773,4 +778,4 @@ def test_the_fault_injection_layer_is_registered_only_with_kvcanary_fault(monkey
     assert owners == ({fault_hooks.FaultInjectingHooks} if fault else {adapter_hooks.AdapterHooks})
     assert [t for t, _ in registered] == list(v0_5_12.TARGETS)
     plain = adapter_hooks.AdapterHooks(v0_5_12)
-    assert plain.fault_plan(0, None) is None  # an installation of the plain hooks never injects
+    assert plain.fault_injection(None, 0, None) is None  # an installation of the plain hooks never injects

@@ -29,7 +29,7 @@ import sgl_protect  # noqa: E402
 import sglang  # noqa: E402,F401  (installed but broken must fail, not skip)
 
 from kvcanary.runtime import faults, protect  # noqa: E402
-from kvcanary.sglang import hooks, v0_5_12  # noqa: E402
+from kvcanary.sglang import hooks, installed, v0_5_12  # noqa: E402
 from kvcanary.sglang import protect as sgl_protect_mod  # noqa: E402
 from kvcanary.sglang.radix import cached_nodes  # noqa: E402
 
@@ -69,7 +69,8 @@ def make_engine(tmp_path, monkeypatch):
         sched = sgl_protect.build_scheduler(mr, sa)
         inst = hooks.installation_of(mr)
         state_p = sgl_protect_mod.state_of(sched)
-        assert inst is not None and inst.protect is not None and state_p is not None
+        runner = installed.runner_state_of(mr)
+        assert inst is not None and runner is not None and runner.protect is not None and state_p is not None
         return mr, sched, inst, state_p, report
 
     yield make

@@ -4,7 +4,8 @@ Each injector mutates the tensors it is handed (in place), logs one WARNING line
 changed, and returns an :class:`Injection` naming the KV slots it touched, so that a test (or an operator
 reading the log) can match the canary's detections to injections. The injectors know nothing about an
 engine: which row, slot or batch entry to corrupt is the caller's choice (``tests/sim`` drives them from a
-simulator; the SGLang adapter from :class:`FaultPlan`).
+simulator; the SGLang adapter from :class:`FaultPlan`, keeping one runner's injections, pending class and undo actions
+in a :class:`FaultInjectionState`).
 
 Classes (``FAULT_CLASSES``), injector, what the canary should report (``EXPECTED_REASONS``):
 
@@ -40,12 +41,16 @@ import logging
 import os
 import random
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.settings import parse_int_env
+
+if TYPE_CHECKING:
+    from kvcanary.report.reporter import Reporter
 
 logger = logging.getLogger(__name__)
 
@@ -407,3 +412,82 @@ class FaultPlan:
     def pick(self, step: int) -> str:
         """The class to inject at ``step`` (deterministic in (seed, step))."""
         return random.Random(self.seed * 1_000_003 + step).choice(self.classes)
+
+
+# ---------------------------------------------------------------------------------------------- one runner's state
+@dataclass(eq=False)
+class FaultInjectionState:
+    """Fault injection on one engine runner (``KVCANARY_FAULT``, tests only), engine-agnostic: the plan, the
+    injections done, the class due but not yet injected, and the undo actions of this forward's injection.
+
+    An engine adapter's fault layer owns it (e.g. :class:`kvcanary.sglang.fault_injection.SglangFaultInjection`, which
+    adds the engine facts its injector reads): it calls :meth:`before_forward` before each real forward, and gives it
+    to the runner's :class:`~kvcanary.runtime.installation.Installation` as ``step_hooks``, so the undo actions run
+    in ``host_after`` before (:meth:`before_step`) or after (:meth:`after_step`) the managers' step (drain + sweep).
+    """
+
+    plan: FaultPlan
+    reporter: Reporter  # where each injection is written (kvcanary.injection/1): the first group's
+    injections: list[Injection] = field(default_factory=list)
+    # The class due but not yet injected (no fitting batch yet) and the step it fell due; how many were skipped.
+    pending: tuple[str, int] | None = None
+    skips: int = 0
+    # (after_step, action): run before the managers' step (False) or after it (True, e.g. to keep a corruption in
+    # place for the sweep that step runs)
+    _undo: list[tuple[bool, Callable[[], None]]] = field(default_factory=list)
+
+    def before_forward(self, step: int, inject: Callable[[int, str], Injection | None]) -> None:
+        """Outside the graph, before a real forward (``step``: the forwards finished so far).
+
+        When the plan is due, its class becomes pending; ``inject(step, fault_class)`` is tried on this and the
+        following forwards until it returns an Injection (a class that needs a particular batch, e.g. a sweep step
+        or an extend, waits for one). A class still pending when the plan falls due again is counted in ``skips``
+        and replaced.
+        """
+        if self.plan.due(step):
+            if self.pending is not None:
+                self.skips += 1
+                logger.warning("kvcanary: fault %s (due at step %d) found no fitting batch before step %d; skipped",
+                               self.pending[0], self.pending[1], step)
+            self.pending = (self.plan.pick(step), step)
+        if self.pending is None:
+            return
+        injection = inject(step, self.pending[0])
+        if injection is not None:
+            self.pending = None
+            self.record(injection)
+
+    def record(self, injection: Injection) -> None:
+        """Keep an injection and write it to the report (``kvcanary.injection/1``)."""
+        self.injections.append(injection)
+        self.reporter.record_injection(injection)
+
+    def skip_pending(self) -> None:
+        """The pending class cannot be injected here (the engine or its setup lacks what it needs): drop it, counted
+        in ``skips``."""
+        self.pending = None
+        self.skips += 1
+
+    def undo_after_forward(self, action: Callable[[], None], *, after_step: bool = False) -> None:
+        """Run ``action`` in this forward's host_after: before the managers' step, or after it (``after_step``,
+        e.g. to keep a corruption in place for the sweep that step runs)."""
+        self._undo.append((after_step, action))
+
+    def before_step(self) -> None:
+        """Installation step hook: the undo actions due before the managers' step."""
+        if self._undo:
+            self._run_undo(False)
+
+    def after_step(self) -> None:
+        """Installation step hook: the undo actions due after the managers' step."""
+        if self._undo:
+            self._run_undo(True)
+
+    def _run_undo(self, after_step: bool) -> None:
+        keep = []
+        for when, action in self._undo:
+            if when == after_step:
+                action()
+            else:
+                keep.append((when, action))
+        self._undo = keep

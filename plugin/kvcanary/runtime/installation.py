@@ -1,11 +1,13 @@
 """One engine runner's canary installation, independent of any engine: the managers of its KV groups
 (:class:`Group`, one :class:`~kvcanary.runtime.manager.CanaryManager` per :class:`GroupSpec`), the ``model.forward``
 wrapper that puts plan/verify/write inside the model's forward (and so inside captured CUDA graphs), the host
-half run around each real forward (fault injection, drain, sweep) and its host-time accounting.
+half run after each real forward (drain, health, stats, sweep) and its host-time accounting.
 
 Nothing here names an engine attribute: an engine adapter (``kvcanary.sglang``) turns engine objects into
 :class:`GroupSpec`, :class:`~kvcanary.kernels.batch.BatchView` and plain callables, and calls these methods from its
-hooks.
+hooks. Whatever else an adapter concern keeps per runner (fault injection, the token check's mirror, a host KV tier's
+follower, protect mode) is that concern's own object, held by the adapter; the installation only offers the
+extension points those concerns run through (``wrapper_call``, ``step_hooks``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -42,6 +45,16 @@ class GroupSpec:
     loc: str = "full"
 
 
+class StepHooks(Protocol):
+    """What an adapter concern runs in :meth:`Installation.host_after` around the managers' step (drain, health,
+    stats, sweep) of a real forward: ``before_step`` right before it, ``after_step`` right after it (also when the
+    step raised)."""
+
+    def before_step(self) -> None: ...
+
+    def after_step(self) -> None: ...
+
+
 class WrapperCall(enum.Enum):
     """What one call of the ``model.forward`` wrapper is, as the engine adapter's gate sees it."""
 
@@ -64,8 +77,8 @@ class HostTime:
     forwards: int = 0
     eager_forwards: int = 0  # forwards whose wrapper launched eagerly, not served by a piecewise graph runner
     forward_ns: int = 0  # around ModelRunner.forward, canary included (launch time: nothing waits for the GPU)
-    # host_before + host_after (fault injection, drain, health, stats, sweep), and the adapter's hooks that run inside
-    # the forward (sglang 0.5.12: zeroing a decode graph's padded input rows before the replay)
+    # the adapter's host half around the model (fault injection; host_after: drain, health, stats, sweep), and its
+    # hooks that run inside the forward (sglang 0.5.12: zeroing a decode graph's padded input rows before the replay)
     hook_ns: int = 0
     in_forward_ns: int = 0  # the wrapper's plan/verify/write launches (eager and piecewise-served forwards)
     piecewise_forwards: int = 0  # real forwards a piecewise (prefill) graph runner served, the wrapper around it
@@ -111,24 +124,8 @@ class Installation:
     groups: list[Group]
     to_views: Callable[[object, torch.Tensor, torch.Tensor], list[BatchView]]  # forward_batch, ids, pos -> per group
     req_to_token: torch.Tensor
-    fault_plan: object | None = None
     runner_ref: Callable[[], object] | None = None
     steps: int = 0
-    injections: list = field(default_factory=list)
-    # Fault injection (KVCANARY_FAULT, tests only): the class due but not yet injected (no fitting batch yet)
-    # and the step it fell due; undo actions for this forward's injection, run in host_after before
-    # ("before_step") or after ("after_step") the managers' step (drain + sweep).
-    pending_fault: tuple[str, int] | None = None
-    fault_skips: int = 0
-    _undo: list = field(default_factory=list)
-    # Engine facts the adapter records for the fault injector (row -> tokens the request still decodes).
-    row_remaining: dict = field(default_factory=dict)
-    batch_reqs: list = field(default_factory=list)  # the engine's request objects of this forward's rows, in order
-    pending_repairs: list = field(default_factory=list)  # injections whose records are rewritten after detection
-    # Token check: per req_to_token row, (request object, tokens uploaded, last token uploaded), so a forward
-    # uploads only what each row appended since (the adapter keeps it).
-    token_mirror: dict = field(default_factory=dict)
-    prefix_cache: object | None = None
     host_time: HostTime = field(default_factory=HostTime)
     # The adapter's gate, asked on every call of the model.forward wrapper (None: always EAGER), and how many real
     # forwards are in progress (the adapter's forward hook counts them, so the gate can tell a replay of a real
@@ -136,6 +133,9 @@ class Installation:
     wrapper_call: Callable[[], WrapperCall] | None = None
     serving: int = 0
     _piecewise_now: bool = False  # this real forward was served by a piecewise graph runner (for account_forward)
+    # What runs in host_after right before and right after the managers' step (None: nothing), e.g. the undo actions
+    # of an injected fault (kvcanary.runtime.faults.FaultInjectionState).
+    step_hooks: StepHooks | None = None
     # Prometheus counters (kvcanary.report.metrics), built on the first host_after; model_name is their label when
     # known.
     metrics: CanaryMetrics | NoMetrics | None = None
@@ -144,13 +144,9 @@ class Installation:
     # metrics read move only when a drain reads; an unchanged sum means nothing to add).
     _metrics_fed: tuple[object, int] | None = None
     _sweep_ns_at_init: int = 0  # the sweepers' host time before serving (HostTime restarts then)
-    # The adapter's follower of a host KV tier this runner's pool has (None: no host tier; kvcanary.sglang.hicache).
-    host_tier: object | None = None
     # Log mode: why kvcanary stopped on this runner after an error in its part of a forward (None: running). Every
     # per-forward entry point (the model.forward wrapper, the adapter's hooks) then calls straight through.
     stopped: str | None = None
-    # Protect mode (KVCANARY_MODE=protect): the adapter's protector of this runner (kvcanary.sglang.protect), or None.
-    protect: object | None = None
 
     @property
     def manager(self) -> CanaryManager:
@@ -240,60 +236,18 @@ class Installation:
         model.forward = forward
 
     # ------------------------------------------------------------------------------------------- host half
-    def host_before(self, inject: Callable[[Installation, int, str], object | None] | None = None) -> None:
-        """Outside the graph, before a real forward: fault injection (when KVCANARY_FAULT asks for it).
-
-        When the plan is due, its class becomes pending; ``inject(self, step, fault_class)`` is tried on this and
-        the following forwards until it returns an Injection (a class that needs a particular batch, e.g. a
-        sweep step or an extend, waits for one). A class still pending when the plan falls due again is
-        counted in ``fault_skips`` and replaced.
-        """
-        plan = self.fault_plan
-        if plan is None or inject is None:
-            return
-        if plan.due(self.steps):
-            if self.pending_fault is not None:
-                self.fault_skips += 1
-                logger.warning("kvcanary: fault %s (due at step %d) found no fitting batch before step %d; skipped",
-                               self.pending_fault[0], self.pending_fault[1], self.steps)
-            self.pending_fault = (plan.pick(self.steps), self.steps)
-        if self.pending_fault is None:
-            return
-        injection = inject(self, self.steps, self.pending_fault[0])
-        if injection is not None:
-            self.pending_fault = None
-            self.record_injection(injection)
-
-    def record_injection(self, injection) -> None:
-        """Keep an injection and write it to the report (``kvcanary.injection/1``) of the first group's manager."""
-        self.injections.append(injection)
-        self.manager.reporter.record_injection(injection)
-
-    def undo_after_forward(self, action: Callable[[], None], *, after_step: bool = False) -> None:
-        """Run ``action`` in this forward's host_after: before the managers' step, or after it (``after_step``,
-        e.g. to keep a corruption in place for the sweep that step runs)."""
-        self._undo.append((after_step, action))
-
-    def _run_undo(self, after_step: bool) -> None:
-        keep = []
-        for when, action in self._undo:
-            if when == after_step:
-                action()
-            else:
-                keep.append((when, action))
-        self._undo = keep
-
     def host_after(self) -> None:
         """Outside the graph, after a real forward: drain violations, health, stats, sweep (per group)."""
         self.steps += 1
+        hooks = self.step_hooks
         try:
-            if self._undo:
-                self._run_undo(False)
+            if hooks is not None:
+                hooks.before_step()
             for group in self.groups:
                 group.manager.step(capturing=False)  # host_after runs for real forwards only, never in capture
         finally:
-            if self._undo:
-                self._run_undo(True)
+            if hooks is not None:
+                hooks.after_step()
             metrics = self.metrics
             if metrics is None:
                 metrics = self.metrics = metrics_for(self.manager.rank, self.model_name)

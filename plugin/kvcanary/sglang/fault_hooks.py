@@ -3,10 +3,10 @@
 
 Registration (:mod:`kvcanary.sglang`) takes this layer instead of the plain hooks only when ``KVCANARY_FAULT`` is set,
 so the serving path of a normal deployment runs no fault-injection code and checks no fault plan. The layer adds:
-the rank's fault plan to each new installation (none for a rank ``KVCANARY_FAULT_RANK`` leaves out, nor for an
-EAGLE pool that does not inject), an injection before the model on the forwards the plan picks, the repair of a
-swapped token's records after the model, the batch's requests for the injector, and the host-tier classes'
-corruption of a HiCache load's copies before they are enqueued.
+the rank's fault injection to each new runner (its ``RunnerState.faults``: none for a rank ``KVCANARY_FAULT_RANK``
+leaves out, nor for an EAGLE pool that does not inject), an injection before the model on the forwards the plan
+picks, the repair of a swapped token's records after the model, the batch's requests for the injector, and the
+host-tier classes' corruption of a HiCache load's copies before they are enqueued.
 """
 
 from __future__ import annotations
@@ -15,31 +15,33 @@ from types import ModuleType
 
 from kvcanary.runtime.installation import Installation
 from kvcanary.sglang import hicache
-from kvcanary.sglang.fault_injection import fault_plan_for_rank, inject_fault, repair_token_swaps, rows_remaining
+from kvcanary.sglang.fault_injection import SglangFaultInjection, fault_plan_for_rank, inject_fault, repair_token_swaps
 from kvcanary.sglang.hooks import AdapterHooks
 from kvcanary.sglang.hooks import hooks_for as adapter_hooks_for
+from kvcanary.sglang.installed import RunnerState
 
 
 class FaultInjectingHooks(AdapterHooks):
     """The adapter's hooks with ``KVCANARY_FAULT``'s injector (see the module docstring)."""
 
-    def fault_plan(self, report_rank: int, role) -> object | None:
-        return fault_plan_for_rank(report_rank) if role is None or role.inject_faults else None
+    def fault_injection(self, inst: Installation, report_rank: int, role) -> SglangFaultInjection | None:
+        plan = fault_plan_for_rank(report_rank) if role is None or role.inject_faults else None
+        return None if plan is None else SglangFaultInjection(plan, inst.manager.reporter)
 
-    def before_model(self, inst: Installation, forward_batch) -> None:
-        super().before_model(inst, forward_batch)
-        if inst.fault_plan is not None:
-            inst.host_before(lambda i, step, cls: inject_fault(i, step, forward_batch, cls, self.version))
+    def before_model(self, state: RunnerState, forward_batch) -> None:
+        super().before_model(state, forward_batch)
+        if state.faults is not None:
+            state.faults.before_forward(
+                state.inst.steps, lambda step, cls: inject_fault(state, step, forward_batch, cls, self.version))
 
-    def after_model(self, inst: Installation, forward_batch) -> None:
-        if inst.pending_repairs:
-            repair_token_swaps(inst, forward_batch)
-        super().after_model(inst, forward_batch)
+    def after_model(self, state: RunnerState, forward_batch) -> None:
+        if state.faults is not None and state.faults.pending_repairs:
+            repair_token_swaps(state.inst, state.faults, forward_batch)
+        super().after_model(state, forward_batch)
 
-    def batch_facts(self, inst: Installation, reqs) -> None:
-        if inst.fault_plan is not None:
-            inst.batch_reqs = list(reqs)
-            inst.row_remaining = rows_remaining(reqs)
+    def batch_facts(self, state: RunnerState, reqs) -> None:
+        if state.faults is not None:
+            state.faults.note_batch(reqs)
 
     def around_hicache_start_loading(self, original, controller, *args, **kwargs):
         """The host-tier classes corrupt a load's copies before they are enqueued."""

@@ -1,4 +1,5 @@
 """KVCANARY_FAULT in a real sglang engine (tests only): the :class:`~kvcanary.runtime.faults.FaultPlan` of this rank,
+:class:`SglangFaultInjection` (a runner's injection state and the engine facts its injector reads),
 :func:`inject_fault` (one fault class into live engine state before a forward, undone after it) and
 :func:`repair_token_swaps` (rewrite a token swap's records once a later forward has verified them).
 
@@ -11,11 +12,12 @@ from __future__ import annotations
 import logging
 import random
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from kvcanary.runtime.faults import FaultInjectionState
 from kvcanary.runtime.installation import Installation
 from kvcanary.sglang.batches import i64, mode_name
 from kvcanary.sglang.radix import idle_cached_slots
@@ -23,6 +25,7 @@ from kvcanary.sglang.radix import idle_cached_slots
 if TYPE_CHECKING:
     from kvcanary.runtime.faults import FaultPlan, Injection
     from kvcanary.sglang.contract import VersionModule
+    from kvcanary.sglang.installed import RunnerState
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +77,24 @@ class SwapRepair:
     step: int  # the injection's forward
 
 
-def repair_token_swaps(inst: Installation, fb) -> None:
+@dataclass(eq=False)
+class SglangFaultInjection(FaultInjectionState):
+    """Fault injection on one sglang ModelRunner: the engine-agnostic state (plan, injections, pending class, undo
+    actions) and the engine facts the injector reads, which the batch hook records (:meth:`note_batch`)."""
+
+    # req_to_token row -> tokens its request still decodes, and the engine's request objects of this forward's rows,
+    # in order
+    row_remaining: dict[int, int] = field(default_factory=dict)
+    batch_reqs: list = field(default_factory=list)
+    pending_repairs: list[SwapRepair] = field(default_factory=list)  # swaps whose records are rewritten later
+
+    def note_batch(self, reqs) -> None:
+        """The requests of the batch the next forward runs (sglang ``Req``s, in row order)."""
+        self.batch_reqs = list(reqs)
+        self.row_remaining = rows_remaining(reqs)
+
+
+def repair_token_swaps(inst: Installation, faults: SglangFaultInjection, fb) -> None:
     """After a forward: rewrite the records of each swapped row that this forward verified.
 
     A token swap leaves the canary records of its rows (the swapped token, and every later record, whose chain
@@ -89,7 +109,7 @@ def repair_token_swaps(inst: Installation, fb) -> None:
     if getattr(fb.forward_mode, "name", "") != "DECODE" or fb.seq_lens_cpu is None:
         return
     keep = []
-    for rep in inst.pending_repairs:
+    for rep in faults.pending_repairs:
         if rep.step >= inst.steps:  # the injecting forward itself (steps counts finished forwards)
             keep.append(rep)
             continue
@@ -97,7 +117,7 @@ def repair_token_swaps(inst: Installation, fb) -> None:
             logger.warning("kvcanary: token swap of step %d: row %d left before its repair; its records stay swapped",
                            rep.step, rep.row)
             continue
-        k = next((i for i, r in enumerate(inst.batch_reqs) if r is rep.req), None)
+        k = next((i for i, r in enumerate(faults.batch_reqs) if r is rep.req), None)
         if k is None:
             keep.append(rep)
             continue
@@ -120,7 +140,7 @@ def repair_token_swaps(inst: Installation, fb) -> None:
         for group, view in zip(inst.groups, inst.to_views(one_row, ids, positions), strict=False):
             group.manager.before_forward(view)
             group.manager.after_forward(view)
-    inst.pending_repairs = keep
+    faults.pending_repairs = keep
 
 
 def verified_slots(inst: Installation, fb) -> set[int]:
@@ -147,10 +167,11 @@ def batch_rows(fb) -> tuple[str, list[int], list[int], list[int]]:
     return mode, rows, fb.extend_prefix_lens.tolist(), fb.extend_seq_lens.tolist()
 
 
-def inject_fault(inst: Installation, step: int, fb, cls: str | None, version: VersionModule) -> Injection | None:
-    """KVCANARY_FAULT in a real engine: inject ``cls`` (default: the plan's pick) into live state before this
-    forward; returns the Injection, or None when this batch cannot take it (the class then stays pending).
-    ``version`` is the sglang version module (its ``radix_cache`` finds the RadixCache behind the prefix cache).
+def inject_fault(state: RunnerState, step: int, fb, cls: str | None, version: VersionModule) -> Injection | None:
+    """KVCANARY_FAULT in a real engine: inject ``cls`` (default: the plan's pick) into live state of ``state``'s
+    runner (its ``faults`` set) before this forward; returns the Injection, or None when this batch cannot take it
+    (the class then stays pending). ``version`` is the sglang version module (its ``radix_cache`` finds the
+    RadixCache behind the prefix cache).
 
     Every class is chosen so the canary must see it, and undone so it corrupts nothing beyond the slots it
     names (a later violation on any other slot is a false positive):
@@ -176,15 +197,16 @@ def inject_fault(inst: Installation, step: int, fb, cls: str | None, version: Ve
     """
     from kvcanary.runtime import faults
 
+    inst, injector = state.inst, state.faults
+    assert injector is not None, "inject_fault: the runner injects no faults"
     if cls is None:
-        cls = inst.fault_plan.pick(step)
+        cls = injector.plan.pick(step)
     if cls in faults.HOST_TIER_CLASSES:  # (HiCache: done inside the next load-back, kvcanary.sglang.hicache)
-        follower = inst.host_tier
+        follower = state.host_tier
         if follower is not None and follower.faults is not None:
-            return follower.faults.injection_for(inst, cls, step, verified_slots(inst, fb))
+            return follower.faults.injection_for(injector, cls, step, verified_slots(inst, fb))
         logger.warning("kvcanary: fault %s needs HiCache (--enable-hierarchical-cache); skipped", cls)
-        inst.pending_fault = None
-        inst.fault_skips += 1
+        injector.skip_pending()
         return None
     mode = mode_name(fb)
     if mode not in INJECTABLE_MODES or fb.req_pool_indices is None or fb.input_ids is None:
@@ -206,7 +228,7 @@ def inject_fault(inst: Installation, step: int, fb, cls: str | None, version: Ve
         def undo_redirect(row=row, pos=pos, old=old):
             r2t[row, pos] = old
 
-        inst.undo_after_forward(undo_redirect)
+        injector.undo_after_forward(undo_redirect)
         return inj
 
     if cls == faults.REAL_KV_FLIP:
@@ -216,11 +238,11 @@ def inject_fault(inst: Installation, step: int, fb, cls: str | None, version: Ve
         row, prefix = rng.choice(live)
         slot = int(r2t[row, prefix - 1])
         inj = faults.flip_real_kv(sources[0], slot, byte=0, step=step)
-        inst.undo_after_forward(lambda slot=slot: _flip_back(sources[0], slot))
+        injector.undo_after_forward(lambda slot=slot: _flip_back(sources[0], slot))
         return inj
 
     if cls == faults.CACHED_IDLE_CORRUPTION:
-        tree = version.radix_cache(inst.prefix_cache) if inst.prefix_cache is not None else None
+        tree = version.radix_cache(state.prefix_cache) if state.prefix_cache is not None else None
         if not sources or tree is None or not inst.manager.sweeps_on_next_step():
             return None  # (or wait for the forward whose step sweeps)
         verified = set()
@@ -232,14 +254,14 @@ def inject_fault(inst: Installation, step: int, fb, cls: str | None, version: Ve
             return None
         slot = rng.choice(idle)
         inj = faults.flip_cached_idle(sources[0], slot, byte=0, step=step)
-        inst.undo_after_forward(lambda slot=slot: _flip_back(sources[0], slot), after_step=True)
+        injector.undo_after_forward(lambda slot=slot: _flip_back(sources[0], slot), after_step=True)
         return inj
 
     if cls == faults.TOKEN_SWAP:
         if mode != "DECODE" or not inst.verify_tokens:
             return None
         ids = fb.input_ids.tolist()
-        ok = [i for i, r in enumerate(rows) if r > 0 and inst.row_remaining.get(r, 0) >= SWAP_MIN_REMAINING]
+        ok = [i for i, r in enumerate(rows) if r > 0 and injector.row_remaining.get(r, 0) >= SWAP_MIN_REMAINING]
         rng.shuffle(ok)
         pair = next(((i, j) for i in ok for j in ok if i < j and ids[i] != ids[j]), None)
         if pair is None:
@@ -247,14 +269,14 @@ def inject_fault(inst: Installation, step: int, fb, cls: str | None, version: Ve
         i, j = pair
         inj = faults.swap_tokens(fb.input_ids, i, j, out_cache_loc=fb.out_cache_loc, step=step)
         for b in (i, j):
-            req = inst.batch_reqs[b] if b < len(inst.batch_reqs) else None
+            req = injector.batch_reqs[b] if b < len(injector.batch_reqs) else None
             if req is not None and getattr(req, "req_pool_idx", None) == rows[b]:
-                inst.pending_repairs.append(SwapRepair(rows[b], prefixes[b], req, step))
+                injector.pending_repairs.append(SwapRepair(rows[b], prefixes[b], req, step))
 
         def undo_swap(i=i, j=j, a=ids[i], b=ids[j]):
             fb.input_ids[i], fb.input_ids[j] = a, b  # the canary records keep the swapped tokens
 
-        inst.undo_after_forward(undo_swap)
+        injector.undo_after_forward(undo_swap)
         return inj
 
     if cls == faults.POSITION_SKEW:
@@ -278,13 +300,12 @@ def inject_fault(inst: Installation, step: int, fb, cls: str | None, version: Ve
             for group, view in zip(inst.groups, views, strict=False):
                 group.manager.rewrite_last_forward(view, {i: old})  # this forward's records, true position
 
-        inst.undo_after_forward(undo_skew)
+        injector.undo_after_forward(undo_skew)
         return inj
 
     logger.warning("kvcanary: fault %s cannot be injected by the sglang %s adapter; skipped", cls,
                    version.SGLANG_VERSION)
-    inst.pending_fault = None
-    inst.fault_skips += 1
+    injector.skip_pending()
     return None
 
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -53,6 +54,9 @@ from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.runtime.installation import Installation
 from kvcanary.sglang.pools import parse_real_kv_layers, resolve_layers, token_major_source
 from kvcanary.sglang.refusal import UnsupportedSetupError
+
+if TYPE_CHECKING:
+    from kvcanary.runtime.faults import FaultInjectionState
 
 logger = logging.getLogger(__name__)
 
@@ -147,10 +151,11 @@ def follower_of(controller) -> HostTierFollower | None:
     return getattr(controller, FOLLOWER_ATTR, None)
 
 
-def follow(tree, installations: Sequence[Installation]) -> HostTierFollower | None:
+def follow(tree, installations: Sequence[Installation], *, inject_faults: bool = False) -> HostTierFollower | None:
     """Follow the HiCache controller of ``tree`` (the scheduler's prefix cache) for ``installations`` (those over
-    its request pool); None when ``tree`` has no HiCache. Raises UnsupportedSetupError naming the flag for a
-    HiCache setup kvcanary does not follow."""
+    its request pool; ``inject_faults``: one of them injects faults, so the follower takes the host-tier classes);
+    None when ``tree`` has no HiCache. Raises UnsupportedSetupError naming the flag for a HiCache setup kvcanary does
+    not follow. The caller keeps the follower for each runner it follows (``RunnerState.host_tier``)."""
     controller = getattr(tree, "cache_controller", None)
     if controller is None:
         return None
@@ -182,11 +187,9 @@ def follow(tree, installations: Sequence[Installation]) -> HostTierFollower | No
             )
         inst.manager.attach_host_tier(int(host_pool.size))
     follower = HostTierFollower(controller, mine)
-    if any(inst.fault_plan is not None for inst in mine):
+    if inject_faults:
         follower.faults = LoadFaults(controller)
     setattr(controller, FOLLOWER_ATTR, follower)
-    for inst in mine:
-        inst.host_tier = follower
     logger.info("kvcanary: HiCache followed: %s, %d host slots (write policy %s, io backend %s, layout %s)",
                 name, host_pool.size, getattr(controller, "write_policy", "?"), getattr(controller, "io_backend", "?"),
                 getattr(host_pool, "layout", "?"))
@@ -253,16 +256,16 @@ class LoadFaults:
         self.injected: list = []  # Injections done inside start_loading, not yet handed to the injector
         self.repairs: list[LoadRepair] = []
 
-    def injection_for(self, inst: Installation, fault: str, step: int, verified: set[int]):
+    def injection_for(self, injector: FaultInjectionState, fault: str, step: int, verified: set[int]):
         """The injector's call for a host-tier class before a forward whose verify reads ``verified`` slots: the
         Injection a load-back took since, when this forward verifies one of its slots (its repair is queued after
-        the forward); else the class is armed for the next load-back and None returned (it stays pending). A
-        load-back this forward does not read (its request was not scheduled after all) is repaired at once and
-        forgotten: nothing would ever report it."""
+        the forward on ``injector``); else the class is armed for the next load-back and None returned (it stays
+        pending). A load-back this forward does not read (its request was not scheduled after all) is repaired at once
+        and forgotten: nothing would ever report it."""
         if self.injected:
             inj = self.injected.pop(0)
             if set(inj.slots) & verified:
-                inst.undo_after_forward(self.repair)
+                injector.undo_after_forward(self.repair)
                 return inj
             logger.warning("kvcanary: fault %s injected into a load-back this forward does not read; repaired, "
                            "armed again", inj.fault)

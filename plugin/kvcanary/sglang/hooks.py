@@ -23,6 +23,7 @@ import operator
 import time
 from collections.abc import Callable
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,9 +35,12 @@ from kvcanary.runtime.manager import CanaryManager
 from kvcanary.sglang import hicache, speculative
 from kvcanary.sglang.batches import BatchConverter, mode_name, unsupported_mode
 from kvcanary.sglang.contract import VersionModule
-from kvcanary.sglang.installed import INSTALL_ATTR, installation_of
+from kvcanary.sglang.installed import RunnerState, installation_of, keep, runner_state_of, runner_states
 from kvcanary.sglang.targets import Target
 from kvcanary.sglang.tokens import expected_token_updates
+
+if TYPE_CHECKING:  # (the fault-injection layer's: the serving path imports none of it)
+    from kvcanary.sglang.fault_injection import SglangFaultInjection
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +70,8 @@ class AdapterHooks:
 
     # ------------------------------------------------------------------------------------------- install
     def install(self, runner) -> Installation:
-        """Build the managers for the runner's pools and wrap its ``model.forward`` (after init_memory_pool)."""
+        """Build the managers for the runner's pools and wrap its ``model.forward`` (after init_memory_pool); the
+        runner's :class:`~kvcanary.sglang.installed.RunnerState` holds the Installation and the concerns' state."""
         existing = installation_of(runner)
         if existing is not None:
             return existing
@@ -110,13 +115,14 @@ class AdapterHooks:
             to_views=BatchConverter(specs, max_bs, device,
                                     speculative.batch_view_for(role, v.batch_view, max_bs, device)),
             req_to_token=r2t,
-            fault_plan=self.fault_plan(report_rank, role),
             model_name=getattr(v.server_args_of(runner), "served_model_name", None),  # the metrics' model_name label
         )
+        state = RunnerState(inst, faults=self.fault_injection(inst, report_rank, role))
+        inst.step_hooks = state.faults  # an injection's undo actions run around the managers' step
         # set before piecewise graphs capture (they call the wrapper); each version classifies calls its own way
         inst.wrapper_call = v.wrapper_gate(inst)
         inst.wrap_model_forward(parts.model)
-        setattr(runner, INSTALL_ATTR, inst)
+        keep(runner, state)
         speculative.attach(runner, inst, role, v.server_args_of(runner))
         remember(inst)
         logger.info(
@@ -130,24 +136,24 @@ class AdapterHooks:
     # ------------------------------------------------------------------------------------------- around the model
     # What a real forward does on the host around the model; the fault-injection layer extends each
     # (kvcanary.sglang.fault_hooks), so the serving path carries no test machinery.
-    def fault_plan(self, report_rank: int, role) -> object | None:
-        """The fault plan of a new installation: none (the fault-injection layer gives one)."""
-        del report_rank, role
+    def fault_injection(self, inst: Installation, report_rank: int, role) -> SglangFaultInjection | None:
+        """The fault injection of a new installation: none (the fault-injection layer gives one)."""
+        del inst, report_rank, role
         return None
 
-    def before_model(self, inst: Installation, forward_batch) -> None:
+    def before_model(self, state: RunnerState, forward_batch) -> None:
         """Before the model runs: HiCache's records of the copies since the last forward, and its load fence."""
-        if inst.host_tier is not None:
-            inst.host_tier.before_forward()
+        if state.host_tier is not None:
+            state.host_tier.before_forward()
 
-    def after_model(self, inst: Installation, forward_batch) -> None:
+    def after_model(self, state: RunnerState, forward_batch) -> None:
         """After the model ran: drain, health, stats, sweep (``Installation.host_after``)."""
         del forward_batch
-        inst.host_after()
+        state.inst.host_after()
 
-    def batch_facts(self, inst: Installation, reqs) -> None:
+    def batch_facts(self, state: RunnerState, reqs) -> None:
         """Per batch, what else needs the batch's requests: nothing (the fault injector's request facts)."""
-        del inst, reqs
+        del state, reqs
 
     # ------------------------------------------------------------------------------------------- hooks
     def after_init_memory_pool(self, result, runner, *args, **kwargs):
@@ -163,10 +169,12 @@ class AdapterHooks:
 
     def around_forward(self, original, runner, forward_batch, *args, **kwargs):
         t0 = time.perf_counter_ns()  # first: everything up to the model is the canary's host time
-        inst = installation_of(runner)
+        state = runner_state_of(runner)
+        if state is None:
+            return original(runner, forward_batch, *args, **kwargs)
+        inst = state.inst
         # (is_cuda, not a torch.device built from the tensor: that costs ~1 µs per forward)
-        if inst is None or inst.stopped is not None or (inst.req_to_token.is_cuda
-                                                       and torch.cuda.is_current_stream_capturing()):
+        if inst.stopped is not None or (inst.req_to_token.is_cuda and torch.cuda.is_current_stream_capturing()):
             return original(runner, forward_batch, *args, **kwargs)
         spec = speculative.spec_of(runner)  # (once: None on every runner but an EAGLE pool's)
         try:
@@ -175,7 +183,7 @@ class AdapterHooks:
             mode = mode_name(forward_batch)
             if mode not in modes:
                 raise unsupported_mode(mode, modes, self.version.SGLANG_VERSION)
-            self.before_model(inst, forward_batch)
+            self.before_model(state, forward_batch)
         except Exception as exc:  # (log mode: kvcanary stops on this runner, the forward runs: Installation)
             if not inst.keeps_serving(exc, "before a forward (host half)"):
                 raise
@@ -189,7 +197,7 @@ class AdapterHooks:
             inst.serving -= 1
         t2 = time.perf_counter_ns()
         try:
-            self.after_model(inst, forward_batch)
+            self.after_model(state, forward_batch)
             if spec is not None:
                 speculative.after_forward(runner, forward_batch)  # EAGLE: spec counters and their stats line
         except Exception as exc:  # (raise mode's violations and health errors raise from here: they stand)
@@ -249,10 +257,16 @@ class AdapterHooks:
     def after_init_cache(self, result, scheduler, *args, **kwargs):
         v = self.version
         tree, r2t = v.scheduler_cache(scheduler)
-        mine = [inst for inst in installations() if r2t is None or inst.req_to_token is r2t]
+        mine = [s for s in runner_states() if r2t is None or s.inst.req_to_token is r2t]
         # HiCache: records follow backups and load-backs, or the setup is refused here, at start-up
-        follower = hicache.follow(tree, mine) if tree is not None else None
-        for inst in mine:
+        follower = None
+        if tree is not None:
+            inject = any(s.faults is not None and s.inst.stopped is None for s in mine)
+            follower = hicache.follow(tree, [s.inst for s in mine], inject_faults=inject)
+        for state in mine:
+            inst = state.inst
+            if follower is not None and any(i is inst for i in follower.installations):
+                state.host_tier = follower
             source = v.sweep_source(tree, v.scheduler_stream_of(scheduler)) if tree is not None else None
             if source is not None and follower is not None:
                 source = follower.fenced_sweep_source(source)  # (a node's load may still be in flight)
@@ -262,7 +276,7 @@ class AdapterHooks:
                                    type(tree).__name__)
             else:
                 inst.set_sweep_source(source)
-                inst.prefix_cache = tree
+                state.prefix_cache = tree
                 logger.info("kvcanary: sweep source: %s", type(tree).__name__)
         return result
 
@@ -305,11 +319,14 @@ class AdapterHooks:
 
     def after_forward_batch_init(self, result, cls, batch, model_runner, *args, **kwargs):
         t0 = time.perf_counter_ns()
-        inst = installation_of(model_runner)
-        if inst is None or inst.stopped is not None:
+        state = runner_state_of(model_runner)
+        if state is None:
+            return result
+        inst = state.inst
+        if inst.stopped is not None:
             return result
         try:
-            self._batch_init(inst, batch)
+            self._batch_init(state, batch)
         except Exception as exc:
             if not inst.keeps_serving(exc, "in the batch hook (writer attribution, token uploads)"):
                 raise
@@ -317,16 +334,17 @@ class AdapterHooks:
             inst.account_batch_init(time.perf_counter_ns() - t0)  # per batch, in the scheduler: HostTime
         return result
 
-    def _batch_init(self, inst: Installation, batch) -> None:
+    def _batch_init(self, state: RunnerState, batch) -> None:
         """The per-batch host work: writer attribution for new requests, :meth:`batch_facts`, token-table uploads."""
+        inst = state.inst
         reqs = self.version.batch_requests(batch)
         if mode_name(batch) not in _NO_NEW_REQUESTS:  # writer attribution: a row gets a new request in a prefill
             rows, rids = request_rows(reqs)
             for group in inst.groups:
                 group.manager.assign_requests(rows, rids)
-        self.batch_facts(inst, reqs)
+        self.batch_facts(state, reqs)
         if inst.verify_tokens:
-            inst.update_expected_tokens(expected_token_updates(inst.token_mirror, reqs))
+            inst.update_expected_tokens(expected_token_updates(state.token_mirror, reqs))
 
 
 _ROW_OF = operator.attrgetter("req_pool_idx")

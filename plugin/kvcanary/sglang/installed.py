@@ -1,12 +1,58 @@
-"""Where the adapter keeps a ModelRunner's :class:`~kvcanary.runtime.installation.Installation` (a leaf module: the
-hooks, protect mode and a version module's own checks all read it, and none of them needs to import another for it)."""
+"""Where the adapter keeps a ModelRunner's :class:`~kvcanary.runtime.installation.Installation` and its
+:class:`RunnerState` (a leaf module: the hooks, protect mode and a version module's own checks all read them, and none
+of them needs to import another for it).
+
+The Installation is the engine-agnostic core; what each adapter concern keeps per runner is that concern's own object,
+grouped in the runner's :class:`RunnerState`, never a field written into the Installation from outside.
+"""
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
 from kvcanary.runtime.installation import Installation
+
+if TYPE_CHECKING:
+    from kvcanary.sglang.fault_injection import SglangFaultInjection
+    from kvcanary.sglang.hicache import HostTierFollower
+    from kvcanary.sglang.protect import Protector
+    from kvcanary.sglang.tokens import TokenMirror
 
 # The attribute of a ModelRunner that holds its Installation.
 INSTALL_ATTR = "_kvcanary"
+# The attribute of a ModelRunner that holds its RunnerState.
+RUNNER_STATE_ATTR = "_kvcanary_adapter"
+
+
+@dataclass(eq=False)
+class RunnerState:
+    """The adapter's state of one ModelRunner: its Installation and, per adapter concern, the object that concern owns
+    (None: the concern is off on this runner)."""
+
+    inst: Installation
+    # KVCANARY_FAULT (tests only): the injector's state and the engine facts it reads (kvcanary.sglang.fault_injection)
+    faults: SglangFaultInjection | None = None
+    # The token check (KVCANARY_VERIFY_TOKENS): what each req_to_token row was sent (kvcanary.sglang.tokens)
+    token_mirror: TokenMirror = field(default_factory=dict)
+    # The prefix cache the sweep reads (set with the sweep source in after_init_cache; the fault injector's
+    # cached_idle_corruption picks its idle slots there)
+    prefix_cache: object | None = None
+    # The follower of the host KV tier this runner's pool has (kvcanary.sglang.hicache; None: no host tier)
+    host_tier: HostTierFollower | None = None
+    # Protect mode (KVCANARY_MODE=protect): this runner's protector (kvcanary.sglang.protect)
+    protect: Protector | None = None
+
+
+_STATES: list[weakref.ReferenceType[RunnerState]] = []
+
+
+def keep(runner, state: RunnerState) -> None:
+    """Put ``state`` (and its Installation) on ``runner``; :func:`runner_states` lists it while the runner lives."""
+    setattr(runner, INSTALL_ATTR, state.inst)
+    setattr(runner, RUNNER_STATE_ATTR, state)
+    _STATES.append(weakref.ref(state))
 
 
 def installation_of(runner) -> Installation | None:
@@ -14,4 +60,17 @@ def installation_of(runner) -> Installation | None:
     return getattr(runner, INSTALL_ATTR, None)
 
 
-__all__ = ["INSTALL_ATTR", "installation_of"]
+def runner_state_of(runner) -> RunnerState | None:
+    """The RunnerState on ``runner`` (None when kvcanary is not installed there)."""
+    return getattr(runner, RUNNER_STATE_ATTR, None)
+
+
+def runner_states() -> list[RunnerState]:
+    """Live runner states in this process (one per hooked ModelRunner)."""
+    alive = [r() for r in _STATES]
+    _STATES[:] = [r for r, s in zip(_STATES, alive, strict=False) if s is not None]
+    return [s for s in alive if s is not None]
+
+
+__all__ = ["INSTALL_ATTR", "RUNNER_STATE_ATTR", "RunnerState", "installation_of", "keep", "runner_state_of",
+           "runner_states"]

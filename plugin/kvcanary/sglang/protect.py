@@ -54,9 +54,9 @@ import torch
 from kvcanary.report.metrics import metrics_for
 from kvcanary.runtime import protect
 from kvcanary.runtime.config import Config
-from kvcanary.runtime.installation import Installation, installations
+from kvcanary.runtime.installation import Installation
 from kvcanary.settings import Mode
-from kvcanary.sglang.installed import installation_of
+from kvcanary.sglang.installed import runner_state_of, runner_states
 from kvcanary.sglang.radix import cached_nodes
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,8 @@ class ProtectRefused(RuntimeError):
 
 
 class Protector:
-    """One installation's part: its forwards' rows (history) and the violations of its managers not yet acted on."""
+    """One installation's part: its forwards' rows (history) and the violations of its managers not yet acted on.
+    The runner's ``RunnerState.protect`` (:mod:`kvcanary.sglang.installed`)."""
 
     def __init__(self, inst: Installation) -> None:
         self.inst = inst
@@ -105,9 +106,10 @@ class Protector:
 class SchedulerProtect:
     """Protect mode on one Scheduler: judges what its installations drained and acts (module docstring)."""
 
-    def __init__(self, scheduler, insts: list[Installation], tree, radix_cls: type | None) -> None:
+    def __init__(self, scheduler, protectors: list[Protector], tree, radix_cls: type | None) -> None:
         self.scheduler_ref = weakref.ref(scheduler)
-        self.protectors = [inst.protect for inst in insts]
+        self.protectors = protectors
+        insts = [p.inst for p in protectors]
         self.config: Config = insts[0].config
         self.tree = tree if radix_cls is not None and type(tree) is radix_cls else None
         self.pending_bad: set[int] = set()  # slots whose cached copies must go (still held by a running request)
@@ -475,27 +477,30 @@ def attach(scheduler, version: ModuleType) -> SchedulerProtect | None:
     """After ``Scheduler.init_cache_with_memory_pool``: protect the scheduler's installations (refusing setups it
     cannot act in, by name)."""
     tree, r2t = version.scheduler_cache(scheduler)
-    insts = [i for i in installations() if (r2t is None or i.req_to_token is r2t) and i.config.mode is Mode.PROTECT]
-    if not insts:
+    mine = [s for s in runner_states()
+            if (r2t is None or s.inst.req_to_token is r2t) and s.inst.config.mode is Mode.PROTECT]
+    if not mine:
         return None
     server_args = getattr(scheduler, "server_args", None)
     if getattr(server_args, "enable_hierarchical_cache", False):
         raise ProtectRefused("KVCANARY_MODE=protect with --enable-hierarchical-cache: evicting HiCache's host copies "
                              "of bad nodes is not taught yet; use KVCANARY_MODE=log or drop the flag")
-    if insts[0].config.protect_hold and getattr(server_args, "disable_overlap_schedule", False):
+    if mine[0].inst.config.protect_hold and getattr(server_args, "disable_overlap_schedule", False):
         raise ProtectRefused("KVCANARY_PROTECT_HOLD=1 with --disable-overlap-schedule: without the overlap scheduler "
                              "sglang processes a batch's results in the batch being processed, where a request "
                              "cannot be retracted; drop the flag or KVCANARY_PROTECT_HOLD")
     radix_cls = pkgutil.resolve_name(version.RADIX_CACHE_CLASS)
     radix = version.radix_cache(tree) if tree is not None else None
-    for inst in insts:
-        if inst.protect is None:
-            inst.protect = Protector(inst)
-    state = SchedulerProtect(scheduler, insts, radix, radix_cls)
+    protectors = []
+    for runner_state in mine:
+        if runner_state.protect is None:
+            runner_state.protect = Protector(runner_state.inst)
+        protectors.append(runner_state.protect)
+    state = SchedulerProtect(scheduler, protectors, radix, radix_cls)
     setattr(scheduler, STATE_ATTR, state)
     logger.info("kvcanary: protect mode on (%d pool(s), prefix cache %s, hold=%s): a violation's request is "
-                "recomputed or aborted, the radix nodes holding bad slots evicted", len(insts),
-                type(tree).__name__ if tree is not None else "-", str(insts[0].config.protect_hold).lower())
+                "recomputed or aborted, the radix nodes holding bad slots evicted", len(mine),
+                type(tree).__name__ if tree is not None else "-", str(mine[0].inst.config.protect_hold).lower())
     return state
 
 
@@ -511,11 +516,13 @@ class ProtectHooks:
         return result
 
     def protect_after_forward_batch_init(self, result, cls, batch, model_runner, *args, **kwargs):
-        inst = installation_of(model_runner)
-        if inst is not None and inst.protect is not None and inst.stopped is None:
+        runner_state = runner_state_of(model_runner)
+        protector = runner_state.protect if runner_state is not None else None
+        if protector is not None and protector.inst.stopped is None:
+            inst = protector.inst
             t0 = time.perf_counter_ns()
             try:
-                inst.protect.note_batch(batch, self.version.batch_requests(batch))
+                protector.note_batch(batch, self.version.batch_requests(batch))
             except Exception as exc:
                 if not inst.keeps_serving(exc, "in protect mode's batch hook"):
                     raise

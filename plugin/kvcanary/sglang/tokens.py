@@ -1,5 +1,6 @@
 """The token check's uploads (``KVCANARY_VERIFY_TOKENS``): what each request's req_to_token row gained since its
-last upload, from sglang's ``Req`` (``req_pool_idx``, ``origin_input_ids``, ``output_ids``)."""
+last upload, from sglang's ``Req`` (``req_pool_idx``, ``origin_input_ids``, ``output_ids``), kept per runner in a
+:data:`TokenMirror` (the runner's ``RunnerState.token_mirror``, :mod:`kvcanary.sglang.installed`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ import weakref
 from collections.abc import Callable
 
 from kvcanary.runtime.token_table import TokenColumns, TokenRuns
+
+# The token check's state of one runner: per req_to_token row, [a weak reference to the request, tokens uploaded, the
+# last token uploaded], so a forward uploads only what each row appended since. A plain dict (and a list per row,
+# updated in place): the batch hook reads it once per request of every batch.
+TokenMirror = dict[int, list]
 
 
 def _ref_of(req: object) -> Callable[[], object]:
@@ -21,7 +27,7 @@ def _ref_of(req: object) -> Callable[[], object]:
         return lambda: req
 
 
-def expected_token_updates(mirror: dict, reqs) -> TokenColumns:
+def expected_token_updates(mirror: TokenMirror, reqs) -> TokenColumns:
     """What each request's row gained since its last upload, as :class:`~kvcanary.runtime.token_table.TokenColumns` (its
     updates are ``(row, start, tokens)``; ``mirror`` is updated: row -> [a weak reference to the request, tokens sent,
     the last token sent]).
@@ -76,7 +82,7 @@ def expected_token_updates(mirror: dict, reqs) -> TokenColumns:
     return TokenColumns(rows, starts, counts, runs.done())
 
 
-def _row_update(mirror: dict, req) -> tuple[int, int, list[int]] | None:
+def _row_update(mirror: TokenMirror, req) -> tuple[int, int, list[int]] | None:
     """``(row, start, tokens)`` of what ``req``'s row gained since its last upload, None for nothing (the rule of
     :func:`expected_token_updates` for any request; ``mirror`` is updated). Slices at most once; a new prompt (a
     row sent whole from a request without output) is the request's own ``origin_input_ids`` list, not a copy: the
