@@ -307,6 +307,13 @@ def run(source_name: str, interval: int, args, count_ops: bool) -> dict:
             entries += len(found[0])
         else:
             entries += int(found.plan.verify_num_valid.item()) - found.skipped
+    if not isinstance(found, tuple):  # the plan the last sweep verified holds exactly what a walk of the tree finds
+        plan, n = found.plan, int(found.plan.verify_num_valid.item())
+        rows = zip(plan.verify_slot_indices[:n].tolist(), plan.verify_prev_slot_indices[:n].tolist(),
+                   plan.verify_expected_positions[:n].tolist(), strict=True)
+        walked = zip(*(t.tolist() for t in radix.gather_entries(engine.tree)), strict=True)
+        if sorted(r for r in rows if r[0]) != sorted(walked):
+            raise SystemExit(f"bench_sweep_churn: {source_name}: the plan differs from a walk of the tree")
     sweeps = forwards // interval
     out = {"source": source_name, "interval": interval, "forwards": forwards, "sweeps": sweeps,
            "entries_per_sweep": entries / max(sweeps, 1), "tree_ms": engine.tree_ns / 1e6}

@@ -18,10 +18,13 @@ what changed (instance attributes of the one tree, wrapped once; nothing else is
 * **a reset**: the next sweep rebuilds from a walk of the new tree.
 
 A change the index cannot place (a node deleted or split that it never saw stored) marks it *stale*: the next sweep
-walks the whole tree and rebuilds the plan, as does a plan whose tombstones reach half its entries (compaction).
-The first sweep walks too (the tree may hold nodes from before the source existed). So every sweep verifies
-exactly the entries the tree holds at that moment; a sweep of an unchanged tree launches verify on the plan as it
-is (no device work before it), a sweep after changes costs a few device operations for what changed.
+walks the whole tree and rebuilds the plan. The first sweep walks too (the tree may hold nodes from before the
+source existed). A plan whose tombstones reach half its entries is compacted on the device, without a walk
+(:meth:`kvcanary.runtime.sweep_index.SweepIndex.compact`): the engine's pool turns over every few sweeps, and a
+walk per compaction was ~1 sweep in 4 (issue 25). So every sweep verifies exactly the entries the tree holds at that
+moment; a sweep of an unchanged tree launches verify on the plan as it is (no device work before it), a sweep after
+changes costs one batch of ~10 device operations for what changed. ``walks`` counts the walks, ``walk_reasons``
+says why (:data:`WALK_REASONS`), ``compactions`` counts the gathers, ``events`` the tree events followed.
 
 Streams: the appends read node values, which sglang's scheduler stream produces and frees, so they run on that
 stream (:func:`kvcanary.runtime.streams.update_on_producer_stream`) after the sweeps already queued on the forward
