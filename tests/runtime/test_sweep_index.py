@@ -244,12 +244,12 @@ def test_the_sweeper_counts_its_host_time_and_the_host_line_reports_it() -> None
     sweeper.source = index.commit
     sweeper.run_source()
     assert sweeper.host_ns > 0 and launched[0][1] == 2  # the tombstones go to the launch, to be taken off its count
-    assert sweeper.sweeps == 1 and sweeper.walks == 0  # (a source that counts no walks)
+    assert sweeper.sweeps == 1 and sweeper.walks == sweeper.compactions == 0  # (a source that counts neither)
     walking = lambda: index.commit()  # noqa: E731
-    walking.walks = 3
+    walking.walks, walking.compactions = 3, 2
     sweeper.source = walking
     sweeper.run_source()
-    assert sweeper.sweeps == 2 and sweeper.walks == 3  # the source's own count
+    assert sweeper.sweeps == 2 and sweeper.walks == 3 and sweeper.compactions == 2  # the source's own counts
     host = HostTime(forwards=4, hook_ns=400_000)
     assert host.line(step=4, sweep_ns=100_000).endswith(" batch_init_us=0.0 sweep_us=25.0")
     assert "sweep_us" not in HostTime(forwards=4).line(step=4)

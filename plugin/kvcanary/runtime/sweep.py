@@ -76,6 +76,11 @@ class Sweeper:
         that does not count them."""
         return getattr(self.source, "walks", 0)
 
+    @property
+    def compactions(self) -> int:
+        """Compactions of an incremental source's plan so far (its ``compactions``; 0 for a source without)."""
+        return getattr(self.source, "compactions", 0)
+
     def due(self, steps: int) -> bool:
         """Whether the step that makes the step count ``steps`` runs the sweep: a source is set, the interval is
         positive and ``steps`` is a multiple of it."""
