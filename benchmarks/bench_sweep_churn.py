@@ -281,10 +281,45 @@ _NO_WORK = {"detach", "alias", "lift_fresh", "sym_size", "sym_numel", "sym_strid
             "is_same_size", "resolve_conj", "resolve_neg", "_local_scalar_dense", "empty", "empty_strided"}
 
 
-def run(source_name: str, interval: int, args, count_ops: bool) -> dict:
+PIECES = {"index": ("append", "commit", "compact", "reserve", "clear"), "source": ("_pending_spans", "_update"),
+          "module": ("walk_spans",), "watch": ("emit",)}
+
+
+def time_pieces(source) -> tuple[dict[str, list[int]], list]:
+    """Wrap the pieces of an incremental source (its index's methods, its own, its module's walk and the tree
+    watch's ``emit``: the per-event cost inside sglang's tree operations) with timers: ``{piece: [ns, calls]}``,
+    and the undo."""
+    pieces: dict[str, list[int]] = {}
+    module = sys.modules[type(source).__module__]
+    owners = {"index": source._index, "source": source, "module": module, "watch": module._TreeWatch}
+    undo = []
+
+    def timed(fn, name):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                entry = pieces.setdefault(name, [0, 0])
+                entry[0] += time.perf_counter_ns() - t0
+                entry[1] += 1
+        return wrapper
+
+    for owner_name, names in PIECES.items():
+        owner = owners[owner_name]
+        for name in names:
+            if hasattr(owner, name):
+                had = vars(owner).get(name)
+                setattr(owner, name, timed(getattr(owner, name), name))
+                undo.append((owner, name, had))
+    return pieces, undo
+
+
+def run(source_name: str, interval: int, args, count_ops: bool, pieces: bool = False) -> dict:
     device = torch.device(args.device)
     engine = Engine(args.seed, device)
     source = make_source(source_name, engine.tree)
+    timers, undo = time_pieces(source) if pieces and hasattr(source, "_index") else (None, [])
     sweep_ns: list[int] = []
     entries = forwards = 0
     counter = OpCounter() if count_ops else None
@@ -322,6 +357,14 @@ def run(source_name: str, interval: int, args, count_ops: bool) -> dict:
     else:
         out["sweep_us"] = sum(sweep_ns) / max(sweeps, 1) / 1e3
         out["sweep_us_per_forward"] = sum(sweep_ns) / max(forwards, 1) / 1e3
+    for owner, name, had in reversed(undo):
+        if had is None:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, had)
+    if timers is not None:
+        out["pieces"] = {k: {"us_per_call": ns / calls / 1e3, "calls": calls, "us_per_forward": ns / forwards / 1e3}
+                         for k, (ns, calls) in timers.items()}
     if hasattr(source, "walks"):
         out["walks"] = source.walks
         out["walk_reasons"] = dict(getattr(source, "walk_reasons", {}))
@@ -340,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--before", default="96fc4c0", help="the revision of follow@{before} (default: before the fix)")
     ap.add_argument("--rounds", type=int, default=3, help="timed runs per source and interval (min is reported)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pieces", action="store_true",
+                    help="one more, instrumented run per incremental source: host µs per piece (index methods, the "
+                         "pending spans, the walk, the tree watch's emit per event)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.device == "cpu":
@@ -351,8 +397,13 @@ def main(argv: list[str] | None = None) -> int:
             best = min(rounds, key=lambda r: r["sweep_us"])
             best["ops_per_sweep"] = run(name, interval, args, count_ops=True)["ops_per_sweep"]
             best["tree_ms"] = min(r["tree_ms"] for r in rounds)
+            if args.pieces:
+                best["pieces"] = run(name, interval, args, count_ops=False, pieces=True).get("pieces")
             results.append(best)
             print(line(best), flush=True)
+            for piece, p in (best.get("pieces") or {}).items():
+                print(f"    {piece:<15} {p['calls']:>5} calls {p['us_per_call']:8.1f} µs/call "
+                      f"{p['us_per_forward']:6.2f} µs/forward", flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1)
