@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvcanary.kernels import layout
+from kvcanary.runtime import sweep_index
 from kvcanary.runtime.sweep import SweepPlan
 from kvcanary.runtime.sweep_index import MIN_COMPACTION_ENTRIES, Span, SweepIndex, UnplacedSpan
 
@@ -91,10 +92,13 @@ def test_a_span_that_continues_an_unknown_span_changes_nothing() -> None:
         index.append([Span("e", torch.zeros(0, dtype=torch.int64))])
 
 
+@pytest.mark.parametrize("scan", [True, False], ids=["scan", "repeat-interleave"])
 @pytest.mark.parametrize("seed", range(12))
-def test_random_changes_match_the_model(seed: int) -> None:
+def test_random_changes_match_the_model(seed: int, scan: bool, monkeypatch) -> None:
     """Appends (batches with in-batch and held parents), splits, removals of leaves, growth past the plan's
-    capacity, many tombstone ranges at once, compactions and rebuilds."""
+    capacity, many tombstone ranges at once, compactions and rebuilds; every expansion by a scan of uploaded
+    differences, or every one by repeat_interleave."""
+    monkeypatch.setattr(sweep_index, "SCAN_ENTRIES", 1 << 20 if scan else -1)
     rng = random.Random(seed)
     index, model = SweepIndex("cpu"), Model()
     next_slot, names = 1, 0

@@ -4,7 +4,7 @@ Why. A sweep verifies every (slot, predecessor, position) the prefix cache holds
 cache costs host time in proportion to its nodes (~1-2 ms per sweep of a few hundred nodes on the H200 host), and a
 serving engine's cache changes between nearly every two sweeps (requests finish and are inserted, the pool
 evicts), so a walk-per-sweep source pays that walk almost every time. :class:`SweepIndex` instead follows the
-cache's changes as they happen and turns them into one batch of ~10 device operations at the next sweep, whatever
+cache's changes as they happen and turns them into one batch of ~7 device operations at the next sweep, whatever
 the size of the cache and of the change:
 
 * **Spans.** The cache tells the index about *spans*: a run of slots at consecutive positions, owned by a key (a
@@ -20,18 +20,19 @@ the size of the cache and of the change:
   ``skipped``): "entries swept" stays the number of cached entries checked.
 * **Splits** (:meth:`SweepIndex.split`): a span cut in two keeps its entries where they are; only the host ranges
   change (a split keeps every slot, predecessor and position).
-* **Commit** (:meth:`SweepIndex.commit`): one upload of the pending segments, expanded on the device into every new
-  entry's position, every new entry's predecessor's plan index and every tombstoned entry's plan index (one
-  ``arange`` + one ``repeat_interleave``); the new slots land in the plan by one ``cat``, the predecessors are read
-  from the plan by one ``index_select`` (a held span's last slot, a new span's previous entry, or the -1 every plan
-  buffer keeps in its last entry, outside the verified range, for a chain head), the tombstones by one
-  ``index_fill_``. ~10 device operations (1-5 for a few tombstones alone).
+* **Commit** (:meth:`SweepIndex.commit`): the pending changes as segments of consecutive plan indices, expanded on
+  the device from one upload into every new entry's position, every new entry's predecessor's plan index and every
+  tombstoned entry's plan index (a ``cumsum`` of uploaded differences; ``repeat_interleave`` beyond
+  :data:`SCAN_ENTRIES`); the new slots land in the plan by one ``cat``, the predecessors are read from the plan by
+  one ``index_select`` (a held span's last slot, a new span's previous entry, or the -1 every plan buffer keeps in
+  its last entry, outside the verified range, for a chain head), the tombstones by one ``index_fill_``: ~7 device
+  operations (1-5 for a few tombstones alone), where appends and commits used to take ~20.
 * **Compaction** (:meth:`SweepIndex.compact`): tombstones are dropped by gathering the live ranges, which the index
-  knows, into a second plan buffer (one upload, ``arange`` + ``repeat_interleave``, three ``index_select``): no walk
-  of the cache. Wanted when tombstones are at least half the plan (:meth:`SweepIndex.wants_compaction`). A serving
-  engine's pool turns its whole size over every few sweeps (the H200 driver: every ~4 sweeps at a sweep every 10
-  forwards), so compaction is frequent; it used to be a walk of the cache and a rebuild (~2x an update's cost on the
-  CPU box, more with hundreds of nodes).
+  knows, into a second plan buffer (one expansion, three ``index_select``): no walk of the cache. Wanted when
+  tombstones are at least half the plan (:meth:`SweepIndex.wants_compaction`). A serving engine's pool turns its
+  whole size over every few sweeps (``benchmarks/bench_sweep_churn.py``, a 12288-slot pool: a compaction every 4-9
+  sweeps at a sweep every 10 forwards), so compaction is frequent; it used to be a walk of the cache and a rebuild
+  of the plan from every node.
 
 The index never reads a slot on the host (no device sync). It does not know streams: its caller runs the device
 operations (:meth:`SweepIndex.commit`, :meth:`SweepIndex.compact`) where the slot tensors it hands over are produced
@@ -41,6 +42,7 @@ which also allocates the compaction's buffer when one is wanted), outside that s
 
 from __future__ import annotations
 
+import array
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
@@ -75,8 +77,18 @@ class UnplacedSpan(KeyError):
     """A span's ``after`` is neither held by the index nor earlier in the same append (the caller rebuilds)."""
 
 
-# Tombstone ranges a commit without appends sets one fill each (below: one batch of 5-6 operations).
+# Tombstone ranges a commit without appends sets one fill each (below: one batch of 3-4 operations).
 FILL_TOMBSTONES = 4
+# Expansions of at most this many entries (an update's new entries twice and its tombstones, or a compaction's live
+# entries) upload their differences and scan them on the device (2 operations, a 64 KiB host buffer at most);
+# larger ones upload their segments and expand them with repeat_interleave (~5 operations).
+SCAN_ENTRIES = 8192
+_ONES = array.array("q", [1]) * SCAN_ENTRIES
+
+
+def _ones(n: int) -> array.array:
+    """A fresh int64 host array of ``n`` ones (one memory copy)."""
+    return _ONES[:n]
 
 
 class SweepIndex:
@@ -231,7 +243,24 @@ class SweepIndex:
         self.compactions += 1
 
     def _expand(self, offsets: list[int], lengths: list[int], total: int) -> torch.Tensor:
-        """``[offsets[s] + i for each segment s, i in range(total)]`` on the device (one upload, 4 operations)."""
+        """``[offsets[s] + i for each segment s, i in range(total)]`` on the device, from one upload.
+
+        Up to :data:`SCAN_ENTRIES` entries the upload is the entries' differences (1 inside a segment, the jump at a
+        segment's first entry; built on the host by memory copies) and one ``cumsum`` on the device expands them: 2
+        device operations. Beyond, the upload is the segments (2 ints each) and ``repeat_interleave`` + ``arange``
+        + ``add_`` expand them (~5 operations on a GPU, but no host buffer of the expansion's size)."""
+        if total <= SCAN_ENTRIES:
+            deltas = _ones(total) if total <= len(_ONES) else array.array("q", [1]) * total
+            at, last = 0, 0  # (the value before the first entry: 0, so its delta is its value)
+            for offset, length in zip(offsets, lengths, strict=True):
+                if length:
+                    deltas[at] = offset + at - last
+                    at += length
+                    last = offset + at - 1
+            host = torch.frombuffer(deltas, dtype=torch.int64) if total else torch.zeros(0, dtype=torch.int64)
+            if self.device.type != "cpu":  # (pageable: staged before the call returns, as torch.tensor's below)
+                host = host.to(self.device, non_blocking=True)
+            return torch.cumsum(host, 0)
         meta = torch.tensor(offsets + lengths, dtype=torch.int64)
         if self.device.type != "cpu":
             meta = meta.to(self.device, non_blocking=True)
@@ -294,4 +323,4 @@ class SweepIndex:
             plan.verify_slot_indices.index_fill_(0, index[2 * total:], layout.PADDING_SLOT)
 
 
-__all__ = ["FILL_TOMBSTONES", "MIN_COMPACTION_ENTRIES", "Span", "SweepIndex", "UnplacedSpan"]
+__all__ = ["FILL_TOMBSTONES", "MIN_COMPACTION_ENTRIES", "SCAN_ENTRIES", "Span", "SweepIndex", "UnplacedSpan"]
