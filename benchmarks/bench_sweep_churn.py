@@ -3,13 +3,15 @@
 
     PYTHONPATH=plugin python3 benchmarks/bench_sweep_churn.py [--forwards 2160] [--intervals 10,3] [--json OUT]
 
-A scheduler loop in miniature drives the tree the way the H200 driver's multi-turn workload does: a KV pool of
-12288 slots; a few hundred conversations (a shared system prompt each), whose turns re-send the conversation so
-far plus a new message (prompts 8-1500 tokens, outputs tens of tokens); per forward a chunked prefill of at most
-512 tokens (sglang's ``cache_unfinished_req``: the chunk inserted, the prefix matched again and locked) and one
-decode token per running request; a finished request inserted (``cache_finished_req``); ``evict()`` whenever the
-pool runs short. The tree is sglang's own: its inserts split nodes, its evictions delete leaves, and
-``kvcanary.sglang.radix_index`` follows them as in the engine.
+A scheduler loop in miniature drives the tree like the H200 driver's workload: a KV pool of 12288 slots; 300
+conversations, each on a system prompt of its own (8-300 tokens), whose requests re-send the conversation so far
+(30 %) or branch from the system prompt (70 %: siblings under a shared prefix, so inserts split nodes) plus a new
+message (8-64 tokens), prompts at most 1500 tokens, outputs 10-60 tokens, at most 16 running; per forward a chunked
+prefill of at most 512 tokens (sglang's ``cache_unfinished_req``: the chunk inserted, the prefix matched again and
+locked) and one decode token per running request; a finished request inserted (``cache_finished_req``);
+``evict()`` whenever the pool runs short, requests admitted only when their prompt and every running output fit in
+the free and evictable slots. The tree is sglang's own (~40 nodes and ~8.7k entries at a sweep; the pool turns over
+every ~40 forwards), and ``kvcanary.sglang.radix_index`` follows it as in the engine.
 
 Every ``interval`` forwards the sweep source is called, as ``Sweeper.run_source`` calls it (no kernels: the host
 work alone, which is what ``sweep_us`` of the ``kvcanary host time`` line counts apart from the verify launch).
@@ -20,9 +22,11 @@ Sources, side by side on the same seeded workload:
   the tree, ~20 device operations per update), its two modules loaded from ``git show``;
 * ``walk``: a walk of the tree on every sweep (the source before issue 25, and a HiRadixCache's today).
 
-Per source and interval: host µs per sweep and per forward (min over rounds), the walks and why, the plan's
-entries, the tree events per forward and what following them costs in sglang's own tree operations (``_TreeWatch``;
-outside ``sweep_us``), and the torch operations per sweep (what a GPU pays ~6-10 µs of host time for each).
+Per source and interval: host µs per sweep and per forward (the round with the least), the aten operations per
+sweep that do device work (what a GPU pays ~6-10 µs of host time for each; counted in one more run), the walks and
+why, the compactions, the plan's entries; with ``--pieces``, host µs per piece of an incremental source (its index's
+methods, the pending spans, the walk, and ``_TreeWatch.emit`` per tree event: sglang's own tree operations pay that,
+outside ``sweep_us``). The last plan of each incremental source is checked against a walk of the tree.
 """
 
 from __future__ import annotations
