@@ -337,10 +337,10 @@ def run(source_name: str, interval: int, args, count_ops: bool, pieces: bool = F
             with counter:
                 found = source()
         else:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # (the engine's work drained first: the sweep's host time alone)
             t0 = time.perf_counter_ns()
             found = source()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)  # (not in the engine: here the host time alone is asked)
             sweep_ns.append(time.perf_counter_ns() - t0)
         if isinstance(found, tuple):
             entries += len(found[0])
