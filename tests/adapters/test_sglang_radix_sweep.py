@@ -91,7 +91,10 @@ def test_the_version_follows_exactly_its_class(tree: RadixCache) -> None:
 
     sub = Sub.create_simulated(mock_allocator=Allocator())
     sub.__class__ = Sub
-    assert not isinstance(v0_5_12.sweep_source(sub), radix_index.RadixSweepIndex)  # walked every sweep
+    walker = v0_5_12.sweep_source(sub)
+    assert not isinstance(walker, radix_index.RadixSweepIndex)  # walked every sweep
+    walker(), walker()
+    assert walker.walks == 2  # (counted like the incremental source's walks: the sweeper reports them)
 
 
 def test_a_split_keeps_the_plan(tree: RadixCache) -> None:
@@ -163,7 +166,27 @@ def test_random_serving_matches_a_walk_after_every_sweep(seed: int, page_size: i
                 assert planned(source) == expected
     for source in sources:
         assert planned(source) == sorted(walked(tree))
-        assert source.walks <= 1 + resets + next_slot // MIN_COMPACTION_ENTRIES  # first, resets, compactions
+        assert source.walks <= 1 + resets  # first, resets: never a compaction, never an event it could not place
+        assert source.walk_reasons["unplaced"] == source.walk_reasons["failed"] == 0
+
+
+def test_a_pool_turning_over_is_compacted_without_a_walk() -> None:
+    """A serving engine's pool turns over its whole size every few sweeps (the H200 driver: tombstones reach half the
+    plan every ~4 sweeps at a sweep every 10 forwards): the plan is compacted by a gather of its live ranges on the
+    device, never by a walk of the tree (before: a walk and a rebuild, ~1 in 4 sweeps)."""
+    tree = RadixCache.create_simulated(mock_allocator=Allocator())
+    source = v0_5_12.sweep_source(tree)
+    next_slot = 1
+    for round_ in range(6):
+        for group in range(40):  # (requests over a few shared prefixes, then the pool evicts most of them)
+            tokens = [group, *range(1000 * round_ + 100 * group, 1000 * round_ + 100 * group + 80)]
+            insert(tree, tokens, list(range(next_slot, next_slot + len(tokens))))
+            next_slot += len(tokens)
+        assert planned(source) == sorted(walked(tree))
+        tree.evict(EvictParams(num_tokens=3000))
+        assert planned(source) == sorted(walked(tree))
+    assert source.walks == 1  # the first sweep only
+    assert next_slot > 4 * MIN_COMPACTION_ENTRIES and source.compactions >= 2 and source.walk_reasons["first"] == 1
 
 
 def test_a_failure_to_follow_falls_back_to_a_walk(tree: RadixCache, monkeypatch) -> None:
@@ -176,4 +199,4 @@ def test_a_failure_to_follow_falls_back_to_a_walk(tree: RadixCache, monkeypatch)
 
     monkeypatch.setattr(source, "node_stored", broken)
     insert(tree, [1, 2, 3, 4, 5, 6, 99], [11, 12, 13, 14, 15, 16, 99])  # sglang's insert still succeeds
-    assert planned(source) == sorted(walked(tree)) and source.walks == 2
+    assert planned(source) == sorted(walked(tree)) and source.walks == 2 and source.walk_reasons["failed"] == 1

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvcanary.kernels import layout
+from kvcanary.runtime import sweep_index
 from kvcanary.runtime.sweep import SweepPlan
 from kvcanary.runtime.sweep_index import MIN_COMPACTION_ENTRIES, Span, SweepIndex, UnplacedSpan
 
@@ -91,10 +92,13 @@ def test_a_span_that_continues_an_unknown_span_changes_nothing() -> None:
         index.append([Span("e", torch.zeros(0, dtype=torch.int64))])
 
 
+@pytest.mark.parametrize("scan", [True, False], ids=["scan", "repeat-interleave"])
 @pytest.mark.parametrize("seed", range(12))
-def test_random_changes_match_the_model(seed: int) -> None:
+def test_random_changes_match_the_model(seed: int, scan: bool, monkeypatch) -> None:
     """Appends (batches with in-batch and held parents), splits, removals of leaves, growth past the plan's
-    capacity, many tombstone ranges at once, and rebuilds."""
+    capacity, many tombstone ranges at once, compactions and rebuilds; every expansion by a scan of uploaded
+    differences, or every one by repeat_interleave."""
+    monkeypatch.setattr(sweep_index, "SCAN_ENTRIES", 1 << 20 if scan else -1)
     rng = random.Random(seed)
     index, model = SweepIndex("cpu"), Model()
     next_slot, names = 1, 0
@@ -123,11 +127,14 @@ def test_random_changes_match_the_model(seed: int) -> None:
                 index.split(key, head, cut)
                 model.slots[head], model.after[head] = slots[:cut], model.after[key]
                 model.slots[key], model.after[key] = slots[cut:], head  # (its children still continue it)
-        elif op < 0.95:
+        elif op < 0.9:
             leaves = [k for k in model.slots if k not in model.after.values()]
             for key in rng.sample(leaves, min(len(leaves), rng.randrange(1, 5))):
                 index.remove(key)
                 del model.slots[key], model.after[key]
+        elif op < 0.95:
+            index.compact()  # (tombstones dropped by a gather of the live ranges: no rebuild)
+            assert index.tombstones == 0
         else:
             order = []  # parents before children
             placed: set[str] = set()
@@ -157,6 +164,63 @@ def test_compaction_is_wanted_once_tombstones_are_half_the_plan() -> None:
     assert not index.wants_compaction() and planned.skipped == 0 and int(planned.plan.verify_num_valid) == len(index)
 
 
+def test_appends_splits_and_removals_before_one_commit() -> None:
+    """Appends are written at the commit: spans appended by several calls, one continuing another of an earlier
+    call, one split and one removed before the commit, land as the model says (the removed one's entries never
+    count), and a compaction in between commits the appends first."""
+    index, model = SweepIndex("cpu"), Model()
+    index.append([Span("a", torch.tensor([1, 2, 3]))])
+    index.append([Span("b", torch.tensor([4, 5]), "a"), Span("c", torch.tensor([6]))])
+    index.split("a", "a0", 1)
+    index.append([Span("d", torch.tensor([7, 8]), "a0")])
+    index.remove("c")
+    model.slots.update(a0=[1], a=[2, 3], b=[4, 5], d=[7, 8])
+    model.after.update(a0=None, a="a0", b="a", d="a0")
+    planned = index.commit()
+    assert live(planned) == model.entries() and planned.skipped == 1
+    index.append([Span("e", torch.tensor([9]), "d")])
+    index.remove("b")
+    index.compact()
+    model.slots["e"], model.after["e"] = [9], "d"
+    del model.slots["b"], model.after["b"]
+    planned = index.commit()
+    assert live(planned) == model.entries() and planned.skipped == 0
+    assert int(planned.plan.verify_num_valid) == len(index) == 6
+
+
+def test_compaction_gathers_the_live_ranges_without_a_rebuild() -> None:
+    """A compaction keeps every live entry (slot, predecessor, position), drops the tombstones, and the spans it
+    moved are still continued, split and removed correctly; the plan's last entry keeps the -1 a chain head reads
+    (never inside the verified range), also after growth."""
+    index, model = SweepIndex("cpu"), Model()
+    index.append([Span("a", torch.arange(1, 3001)), Span("dead", torch.arange(5000, 10000), "a"),
+                  Span("b", torch.arange(20000, 20100), "a")])
+    model.slots.update(a=list(range(1, 3001)), b=list(range(20000, 20100)))
+    model.after.update(a=None, b="a")
+    index.remove("dead")
+    assert index.wants_compaction()
+    before = index.commit().plan
+    index.reserve(0)  # (the caller's reserve, outside the producer stream, allocates the compaction's buffer)
+    index.compact()
+    planned = index.commit()
+    assert planned.plan is not before and planned.skipped == 0 and int(planned.plan.verify_num_valid) == 3100
+    assert live(planned) == model.entries() and not index.wants_compaction()
+    index.split("b", "b0", 40)
+    index.append([Span("c", torch.tensor([30000, 30001]), "b0"), Span("h", torch.tensor([40000]))])
+    index.remove("b")
+    model.slots.update(b0=list(range(20000, 20040)), c=[30000, 30001], h=[40000])
+    model.after.update(b0="a", c="b0", h=None)
+    del model.slots["b"], model.after["b"]
+    planned = index.commit()
+    assert live(planned) == model.entries()
+    index.append([Span(f"g{i}", torch.arange(50000 + 100 * i, 50000 + 100 * i + 100)) for i in range(60)])  # grows
+    planned = index.commit()
+    for plan in (planned.plan, index._spare):
+        if plan is not None:
+            assert int(plan.verify_slot_indices[plan.capacity - 1]) == -1
+    assert planned.plan.capacity > int(planned.plan.verify_num_valid)
+
+
 def test_a_plan_is_a_sweep_plan() -> None:
     """No expected tokens (verify compares none) and enabled."""
     index = SweepIndex("cpu")
@@ -184,6 +248,12 @@ def test_the_sweeper_counts_its_host_time_and_the_host_line_reports_it() -> None
     sweeper.source = index.commit
     sweeper.run_source()
     assert sweeper.host_ns > 0 and launched[0][1] == 2  # the tombstones go to the launch, to be taken off its count
+    assert sweeper.sweeps == 1 and sweeper.walks == sweeper.compactions == 0  # (a source that counts neither)
+    walking = lambda: index.commit()  # noqa: E731
+    walking.walks, walking.compactions = 3, 2
+    sweeper.source = walking
+    sweeper.run_source()
+    assert sweeper.sweeps == 2 and sweeper.walks == 3 and sweeper.compactions == 2  # the source's own counts
     host = HostTime(forwards=4, hook_ns=400_000)
     assert host.line(step=4, sweep_ns=100_000).endswith(" batch_init_us=0.0 sweep_us=25.0")
     assert "sweep_us" not in HostTime(forwards=4).line(step=4)

@@ -67,6 +67,19 @@ class Sweeper:
         self._plan: VerifyPlan | None = None
         self._planned: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # what the plan was copied from
         self.host_ns = 0  # host time of every sweep so far (source + launch)
+        self.sweeps = 0  # sweeps run from the source so far
+
+    @property
+    def walks(self) -> int:
+        """Sweeps so far whose source walked its whole cache (a source that counts them: its ``walks``; an
+        incremental source walks on its first sweep and after a reset, a walking one on every sweep); 0 for a source
+        that does not count them."""
+        return getattr(self.source, "walks", 0)
+
+    @property
+    def compactions(self) -> int:
+        """Compactions of an incremental source's plan so far (its ``compactions``; 0 for a source without)."""
+        return getattr(self.source, "compactions", 0)
 
     def due(self, steps: int) -> bool:
         """Whether the step that makes the step count ``steps`` runs the sweep: a source is set, the interval is
@@ -84,6 +97,7 @@ class Sweeper:
         else:
             self.run(*found)
         self.host_ns += time.perf_counter_ns() - start
+        self.sweeps += 1
 
     def run(self, slots: _Ints, prevs: _Ints, positions: _Ints) -> None:
         """Verify the given entries (slot, predecessor slot or -1, position) with real-KV, tag SWEEP.

@@ -4,36 +4,47 @@ Why. A sweep verifies every (slot, predecessor, position) the prefix cache holds
 cache costs host time in proportion to its nodes (~1-2 ms per sweep of a few hundred nodes on the H200 host), and a
 serving engine's cache changes between nearly every two sweeps (requests finish and are inserted, the pool
 evicts), so a walk-per-sweep source pays that walk almost every time. :class:`SweepIndex` instead follows the
-cache's changes as they happen and turns them into a few device operations at the next sweep, whatever the size of
-the cache:
+cache's changes as they happen and turns them into one batch of ~7 device operations at the next sweep, whatever
+the size of the cache and of the change:
 
 * **Spans.** The cache tells the index about *spans*: a run of slots at consecutive positions, owned by a key (a
   cache node), continuing the chain of another span (``after``: the span whose last slot precedes its first) or
   starting one (``after`` None: the first slot's predecessor is -1 and its position 0). A span's first position is
   its ``after`` span's end position. Each span held by the index occupies a contiguous range of the plan.
-* **Appends** (:meth:`SweepIndex.append`): new spans are gathered into the plan's tail by one batch of ~10 device
-  operations (one cat of their slot tensors; the positions and the predecessor of each span's first slot come from
-  host facts uploaded at once), whatever their number.
+* **Appends** (:meth:`SweepIndex.append`): new spans get the plan's tail at once (host only: their ranges, and
+  their entries' positions and predecessors as per-span segments); their entries are written at the next
+  :meth:`SweepIndex.commit`.
 * **Removals** (:meth:`SweepIndex.remove`) become *tombstones*: the span's range is set to the padding slot (0), which
   the verify kernel skips, at the next :meth:`SweepIndex.commit`. The verify kernel's entry counter counts the plan's
   entries, tombstones included, so the sweep subtracts them again (:class:`kvcanary.runtime.sweep.SweepPlan`'s
   ``skipped``): "entries swept" stays the number of cached entries checked.
 * **Splits** (:meth:`SweepIndex.split`): a span cut in two keeps its entries where they are; only the host ranges
   change (a split keeps every slot, predecessor and position).
-* **Compaction.** Tombstones are dropped by rebuilding the plan from scratch (the caller walks its cache once,
-  calls :meth:`SweepIndex.clear` and appends every span again) when they are at least half the plan
-  (:meth:`SweepIndex.wants_compaction`).
+* **Commit** (:meth:`SweepIndex.commit`): the pending changes as segments of consecutive plan indices, expanded on
+  the device from one upload into every new entry's position, every new entry's predecessor's plan index and every
+  tombstoned entry's plan index (a ``cumsum`` of uploaded differences; ``repeat_interleave`` beyond
+  :data:`SCAN_ENTRIES`); the new slots land in the plan by one ``cat``, the predecessors are read from the plan by
+  one ``index_select`` (a held span's last slot, a new span's previous entry, or the -1 every plan buffer keeps in
+  its last entry, outside the verified range, for a chain head), the tombstones by one ``index_fill_``: ~7 device
+  operations (1-5 for a few tombstones alone), where appends and commits used to take ~20.
+* **Compaction** (:meth:`SweepIndex.compact`): tombstones are dropped by gathering the live ranges, which the index
+  knows, into a second plan buffer (one expansion, three ``index_select``): no walk of the cache. Wanted when
+  tombstones are at least half the plan (:meth:`SweepIndex.wants_compaction`). A serving engine's pool turns its
+  whole size over every few sweeps (``benchmarks/bench_sweep_churn.py``, a 12288-slot pool: a compaction every 4-9
+  sweeps at a sweep every 10 forwards), so compaction is frequent; it used to be a walk of the cache and a rebuild
+  of the plan from every node.
 
 The index never reads a slot on the host (no device sync). It does not know streams: its caller runs the device
-operations where the slot tensors it hands over are produced
-(:func:`kvcanary.runtime.streams.update_on_producer_stream`) and reserves capacity first (:meth:`SweepIndex.reserve`),
-outside that stream.
+operations (:meth:`SweepIndex.commit`, :meth:`SweepIndex.compact`) where the slot tensors it hands over are produced
+(:func:`kvcanary.runtime.streams.update_on_producer_stream`) and reserves capacity first (:meth:`SweepIndex.reserve`,
+which also allocates the compaction's buffer when one is wanted), outside that stream.
 """
 
 from __future__ import annotations
 
+import array
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -46,9 +57,9 @@ from kvcanary.runtime.sweep import MIN_SWEEP_PLAN, SweepPlan, allocate_sweep_pla
 MIN_COMPACTION_ENTRIES = 4096
 
 
-@dataclass(frozen=True)
-class Span:
-    """A run of slots at consecutive positions that a cache node owns.
+class Span(NamedTuple):
+    """A run of slots at consecutive positions that a cache node owns (a tuple: the incremental sweep builds a few
+    per sweep, a rebuild one per cache node).
 
     Attributes:
         key: the owner (hashable; one span per key).
@@ -66,18 +77,38 @@ class UnplacedSpan(KeyError):
     """A span's ``after`` is neither held by the index nor earlier in the same append (the caller rebuilds)."""
 
 
+# Tombstone ranges a commit without appends sets one fill each (below: one batch of 3-4 operations).
+FILL_TOMBSTONES = 4
+# Expansions of at most this many entries (an update's new entries twice and its tombstones, or a compaction's live
+# entries) upload their differences and scan them on the device (2 operations, a 64 KiB host buffer at most);
+# larger ones upload their segments and expand them with repeat_interleave (~5 operations).
+SCAN_ENTRIES = 8192
+_ONES = array.array("q", [1]) * SCAN_ENTRIES
+
+
+def _ones(n: int) -> array.array:
+    """A fresh int64 host array of ``n`` ones (one memory copy)."""
+    return _ONES[:n]
+
+
 class SweepIndex:
     """The sweep plan of a prefix cache, kept up to date span by span (see the module docstring)."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self._plan: VerifyPlan | None = None
+        self._spare: VerifyPlan | None = None  # the compaction's target (same capacity), swapped with the plan
         self._ranges: dict[Hashable, tuple[int, int, int]] = {}  # key -> (plan start, length, first position)
-        self._used = 0  # plan entries in use, tombstones included
+        self._used = 0  # plan entries in use, tombstones included (and appended ones not written yet)
         self._dead = 0  # tombstoned entries among them
         self._tombstones: list[tuple[int, int]] = []  # (start, length) not yet set to the padding slot
+        # appended, not written yet: their slot tensors, and per span (plan start, length, first position, plan
+        # index of its first slot's predecessor, -1: a chain head) from _written on
+        self._parts: list[torch.Tensor] = []
+        self._appended: list[tuple[int, int, int, int]] = []
+        self._written = 0  # plan entries written (the appended ones start here)
         self._planned: SweepPlan | None = None  # what the last commit handed out (None: changed since)
-        self._head: torch.Tensor | None = None  # [-1] on the device: the predecessor of a chain head
+        self.compactions = 0
 
     # ------------------------------------------------------------------------------------------ host facts
     def __len__(self) -> int:
@@ -96,8 +127,9 @@ class SweepIndex:
         return self._dead >= MIN_COMPACTION_ENTRIES and 2 * self._dead >= self._used
 
     def dirty(self) -> bool:
-        """Whether there is device work for :meth:`commit` (tombstones to set, or a plan not handed out yet)."""
-        return self._planned is None or bool(self._tombstones)
+        """Whether there is device work for :meth:`commit` (entries to write, tombstones to set, or a plan not
+        handed out yet)."""
+        return self._planned is None or bool(self._tombstones) or bool(self._appended)
 
     # ------------------------------------------------------------------------------------------ host-only changes
     def split(self, key: Hashable, head: Hashable, head_length: int) -> None:
@@ -122,133 +154,173 @@ class SweepIndex:
         """Forget every span (the cache was emptied); the plan is empty after the next :meth:`commit`."""
         self._ranges.clear()
         self._tombstones.clear()
-        self._used = self._dead = 0
+        self._parts.clear()
+        self._appended.clear()
+        self._used = self._dead = self._written = 0
         self._planned = None
 
     def reserve(self, extra: int) -> None:
-        """Make room for ``extra`` more entries now (call outside the producer stream: see the module docstring)."""
-        needed = self._used + extra
+        """Make room for ``extra`` more entries now, and for the compaction's buffer when one is wanted (call outside
+        the producer stream: see the module docstring)."""
+        needed = self._used + extra + 1  # (+1: the -1 in the buffer's last entry, a chain head's predecessor)
         plan = self._plan
-        if plan is not None and plan.capacity >= needed:
-            return
-        capacity = max(needed, 2 * (plan.capacity if plan is not None else 0), MIN_SWEEP_PLAN)
-        grown = allocate_sweep_plan(capacity, self.device)
-        if plan is not None and self._used:
-            n = self._used
-            grown.verify_slot_indices[:n].copy_(plan.verify_slot_indices[:n])
-            grown.verify_prev_slot_indices[:n].copy_(plan.verify_prev_slot_indices[:n])
-            grown.verify_expected_positions[:n].copy_(plan.verify_expected_positions[:n])
-        self._plan = grown
-        self._planned = None
+        if plan is None or plan.capacity < needed:
+            capacity = max(needed, 2 * (plan.capacity if plan is not None else 0), MIN_SWEEP_PLAN)
+            grown = self._allocate(capacity)
+            n = self._written
+            if plan is not None and n:
+                grown.verify_slot_indices[:n].copy_(plan.verify_slot_indices[:n])
+                grown.verify_prev_slot_indices[:n].copy_(plan.verify_prev_slot_indices[:n])
+                grown.verify_expected_positions[:n].copy_(plan.verify_expected_positions[:n])
+            self._plan, self._spare = grown, None
+            self._planned = None
+        if self._spare is None and self.wants_compaction():
+            self._spare = self._allocate(self._plan.capacity)
 
-    # ------------------------------------------------------------------------------------------ device changes
+    def _allocate(self, capacity: int) -> VerifyPlan:
+        plan = allocate_sweep_plan(capacity, self.device)
+        plan.verify_slot_indices[capacity - 1:].fill_(-1)  # (never verified: a plan holds fewer entries)
+        return plan
+
+    # ------------------------------------------------------------------------------------------ changes
     def append(self, spans: Sequence[Span]) -> None:
-        """Add ``spans`` at the plan's tail (~10 device operations, whatever their number); each ``after`` is held
+        """Add ``spans`` at the plan's tail (host only: written by the next :meth:`commit`); each ``after`` is held
         already or earlier in ``spans``. Raises :class:`UnplacedSpan` (nothing changed) when one is neither, and
         ``ValueError`` for a key held already or an empty span."""
-        if not spans:
-            return
         ranges = self._ranges
-        batch: dict[Hashable, tuple[int, int, int]] = {}  # key -> (first entry in this batch, length, first position)
-        externals: list[torch.Tensor] = []  # last slots of held spans that batch spans continue
-        external_index: dict[Hashable, int] = {}
-        firsts: list[int] = []
-        befores: list[int] = []  # per span: index in [-1, *externals, *batch slots] of its first slot's predecessor
-        offsets: list[int] = []  # per span: first position - first entry
-        lengths: list[int] = []
-        parts: list[torch.Tensor] = []
-        total = 0
-        for span in spans:
-            key, slots, after = span.key, span.slots, span.after
+        batch: dict[Hashable, tuple[int, int, int]] = {}
+        appended: list[tuple[int, int, int, int]] = []
+        start = self._used
+        for key, slots, after in spans:
             if key in ranges or key in batch:
                 raise ValueError("SweepIndex.append: a key already owns a span")
             n = slots.numel()
             if n == 0:
                 raise ValueError("SweepIndex.append: an empty span")
             if after is None:
-                before, first_position = 0, 0
-            elif after in batch:
-                a_first, a_length, a_position = batch[after]
-                before, first_position = -(a_first + a_length), a_position + a_length  # (resolved below)
-            elif after in ranges:
-                a_start, a_length, a_position = ranges[after]
-                j = external_index.get(after)
-                if j is None:
-                    j = external_index[after] = len(externals)
-                    externals.append(a_start + a_length - 1)  # (a plan index; its slot is read on the device)
-                before, first_position = 1 + j, a_position + a_length
+                before, first_position = -1, 0
             else:
-                raise UnplacedSpan(after)
-            batch[key] = (total, n, first_position)
-            firsts.append(total)
-            befores.append(before)
-            offsets.append(first_position - total)
-            lengths.append(n)
-            parts.append(slots if slots.dtype is torch.int64 else slots.to(torch.int64))
-            total += n
-        head = 1 + len(externals)  # [-1, *externals, *batch slots]: batch entry i is at head + i
-        befores = [b if b >= 0 else head - b - 1 for b in befores]  # in-batch: the after span's last entry
-
-        self.reserve(total)  # (normally done by the caller, outside the producer stream)
-        plan = self._plan
-        start = self._used
-        device = self.device
-        if self._head is None:
-            self._head = torch.full((1,), -1, dtype=torch.int64, device=device)
-        # one upload of the host facts (and of the plan indices of the held spans' last slots, read on the device)
-        meta = torch.tensor(firsts + befores + offsets + lengths + externals, dtype=torch.int64)
-        if device.type != "cpu":
-            meta = meta.to(device, non_blocking=True)
-        sources = [self._head]
-        if externals:
-            sources.append(plan.verify_slot_indices.index_select(0, meta[4 * len(firsts):]))
-        headed = torch.cat(sources + parts)
-        span_firsts, span_befores, span_offsets, span_lengths = meta[:4 * len(firsts)].split(len(firsts))
-        index = torch.arange(total, dtype=torch.int64, device=device)
-        end = start + total
-        torch.add(torch.repeat_interleave(span_offsets, span_lengths, output_size=total), index,
-                  out=plan.verify_expected_positions[start:end])
-        index += head - 1  # [-1, *externals, *batch slots][index[i]]: the slot before entry i, but at a span's first
-        index[span_firsts] = span_befores
-        torch.index_select(headed, 0, index, out=plan.verify_prev_slot_indices[start:end])
-        plan.verify_slot_indices[start:end].copy_(headed[head:])
-        for key, (first, n, position) in batch.items():
-            ranges[key] = (start + first, n, position)
-        self._used = end
+                found = batch.get(after) or ranges.get(after)
+                if found is None:
+                    raise UnplacedSpan(after)
+                a_start, a_length, a_position = found
+                before, first_position = a_start + a_length - 1, a_position + a_length
+            batch[key] = (start, n, first_position)
+            appended.append((start, n, first_position, before))
+            start += n
+        ranges.update(batch)
+        self._appended += appended
+        self._parts += [span.slots if span.slots.dtype is torch.int64 else span.slots.to(torch.int64)
+                        for span in spans]
+        self._used = start
         self._planned = None
 
+    def compact(self) -> None:
+        """Drop the tombstones now: the live ranges gathered into the compaction's buffer (device operations: call
+        where :meth:`commit` is called; appends not committed yet are committed first)."""
+        if self._appended:
+            self.commit()
+        ranges, live = self._ranges, self._used - self._dead
+        self.reserve(0)
+        if self._spare is None or self._spare.capacity != self._plan.capacity:
+            self._spare = self._allocate(self._plan.capacity)
+        plan, target = self._plan, self._spare
+        offsets, lengths, at = [], [], 0
+        for key, (start, length, first) in ranges.items():
+            ranges[key] = (at, length, first)
+            offsets.append(start - at)
+            lengths.append(length)
+            at += length
+        if live:
+            index = self._expand(offsets, lengths, live)
+            for name in ("verify_slot_indices", "verify_prev_slot_indices", "verify_expected_positions"):
+                torch.index_select(getattr(plan, name), 0, index, out=getattr(target, name)[:live])
+        self._plan, self._spare = target, plan
+        self._used = self._written = live
+        self._dead = 0
+        self._tombstones.clear()
+        self._planned = None
+        self.compactions += 1
+
+    def _expand(self, offsets: list[int], lengths: list[int], total: int) -> torch.Tensor:
+        """``[offsets[s] + i for each segment s, i in range(total)]`` on the device, from one upload.
+
+        Up to :data:`SCAN_ENTRIES` entries the upload is the entries' differences (1 inside a segment, the jump at a
+        segment's first entry; built on the host by memory copies) and one ``cumsum`` on the device expands them: 2
+        device operations. Beyond, the upload is the segments (2 ints each) and ``repeat_interleave`` + ``arange``
+        + ``add_`` expand them (~5 operations on a GPU, but no host buffer of the expansion's size)."""
+        if total <= SCAN_ENTRIES:
+            deltas = _ones(total) if total <= len(_ONES) else array.array("q", [1]) * total
+            at, last = 0, 0  # (the value before the first entry: 0, so its delta is its value)
+            for offset, length in zip(offsets, lengths, strict=True):
+                if length:
+                    deltas[at] = offset + at - last
+                    at += length
+                    last = offset + at - 1
+            host = torch.frombuffer(deltas, dtype=torch.int64) if total else torch.zeros(0, dtype=torch.int64)
+            if self.device.type != "cpu":  # (pageable: staged before the call returns, as torch.tensor's below)
+                host = host.to(self.device, non_blocking=True)
+            return torch.cumsum(host, 0)
+        meta = torch.tensor(offsets + lengths, dtype=torch.int64)
+        if self.device.type != "cpu":
+            meta = meta.to(self.device, non_blocking=True)
+        seg_offsets, seg_lengths = meta[:len(offsets)], meta[len(offsets):]
+        index = torch.repeat_interleave(seg_offsets, seg_lengths, output_size=total)
+        return index.add_(torch.arange(total, dtype=torch.int64, device=self.device))
+
     def commit(self) -> SweepPlan:
-        """Set the pending tombstones and the entry count on the device; the plan to sweep (the same object while
-        nothing changed: no device work then)."""
+        """Write the appended entries, set the pending tombstones and the entry count on the device; the plan to
+        sweep (the same object while nothing changed: no device work then)."""
         planned = self._planned
-        if planned is not None and not self._tombstones:
+        if planned is not None and not self._tombstones and not self._appended:
             return planned
-        if self._plan is None:
-            self.reserve(0)
+        self.reserve(0)
         plan = self._plan
-        tombstones = self._tombstones
-        if tombstones:
-            if len(tombstones) <= 2:
-                for start, length in tombstones:
-                    plan.verify_slot_indices[start:start + length].fill_(layout.PADDING_SLOT)
-            else:
-                total = sum(length for _, length in tombstones)
-                offsets, lengths, first = [], [], 0
-                for start, length in tombstones:
-                    offsets.append(start - first)
-                    lengths.append(length)
-                    first += length
-                meta = torch.tensor(offsets + lengths, dtype=torch.int64)
-                if self.device.type != "cpu":
-                    meta = meta.to(self.device, non_blocking=True)
-                range_offsets, range_lengths = meta.split(len(offsets))
-                index = torch.arange(total, dtype=torch.int64, device=self.device)
-                index += torch.repeat_interleave(range_offsets, range_lengths, output_size=total)
-                plan.verify_slot_indices.index_fill_(0, index, layout.PADDING_SLOT)
-            tombstones.clear()
+        tombstones, appended = self._tombstones, self._appended
+        if appended or len(tombstones) > FILL_TOMBSTONES:
+            self._write(plan, appended, tombstones)
+        else:
+            for start, length in tombstones:
+                plan.verify_slot_indices[start:start + length].fill_(layout.PADDING_SLOT)
+        tombstones.clear()
+        appended.clear()
+        self._parts.clear()
+        self._written = self._used
         plan.verify_num_valid.fill_(self._used)
         planned = self._planned = SweepPlan(plan, self._dead)
         return planned
 
+    def _write(self, plan: VerifyPlan, appended: list[tuple[int, int, int, int]],
+               tombstones: list[tuple[int, int]]) -> None:
+        """One expansion of the pending segments (see the module docstring): the appended entries' positions, their
+        predecessors' plan indices, then the tombstoned entries' plan indices."""
+        written, end = self._written, self._used
+        total = end - written
+        head = plan.capacity - 1  # (its -1: a chain head's predecessor)
+        offsets: list[int] = []
+        lengths: list[int] = []
+        for start, n, first_position, _ in appended:  # positions: first position + i
+            offsets.append(first_position - (start - written))
+            lengths.append(n)
+        for start, n, _, before in appended:  # predecessors: the plan index before, but at a span's first
+            at = total + start - written
+            offsets += (head if before < 0 else before) - at, written - total - 1
+            lengths += 1, n - 1
+        at = 2 * total
+        dead = 0
+        for start, length in tombstones:
+            offsets.append(start - at)
+            lengths.append(length)
+            at += length
+            dead += length
+        index = self._expand(offsets, lengths, 2 * total + dead)
+        if total:
+            slots = plan.verify_slot_indices
+            torch.cat(self._parts, out=slots[written:end])
+            plan.verify_expected_positions[written:end].copy_(index[:total])
+            torch.index_select(slots, 0, index[total:2 * total], out=plan.verify_prev_slot_indices[written:end])
+        if dead:
+            plan.verify_slot_indices.index_fill_(0, index[2 * total:], layout.PADDING_SLOT)
 
-__all__ = ["MIN_COMPACTION_ENTRIES", "Span", "SweepIndex", "UnplacedSpan"]
+
+__all__ = ["FILL_TOMBSTONES", "MIN_COMPACTION_ENTRIES", "SCAN_ENTRIES", "Span", "SweepIndex", "UnplacedSpan"]

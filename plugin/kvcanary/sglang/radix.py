@@ -106,8 +106,7 @@ def radix_sweep_source(tree, producer_stream: Callable[[], torch.cuda.Stream | N
     ``producer_stream()`` returns the stream the tree's node values live on (sglang's scheduler stream), or None
     (CPU, or the event loop has not started): the gather runs there, because the scheduler frees and reuses node
     value blocks on that stream while the sweep's caller (the forward stream) may still lag behind
-    (:mod:`kvcanary.runtime.streams`).
-
+    (:mod:`kvcanary.runtime.streams`). The source's ``walks`` counts its calls (each one walks the tree).
     """
 
     def gather() -> _Entries:
@@ -115,8 +114,10 @@ def radix_sweep_source(tree, producer_stream: Callable[[], torch.cuda.Stream | N
 
     def source() -> _Entries:
         producer = producer_stream() if producer_stream is not None else None
+        source.walks += 1
         return run_on_producer_stream(producer, gather)
 
+    source.walks = 0  # (every call walks: counted as an incremental source counts its walks, for the sweeper)
     return source
 
 

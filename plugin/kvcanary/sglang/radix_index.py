@@ -18,10 +18,13 @@ what changed (instance attributes of the one tree, wrapped once; nothing else is
 * **a reset**: the next sweep rebuilds from a walk of the new tree.
 
 A change the index cannot place (a node deleted or split that it never saw stored) marks it *stale*: the next sweep
-walks the whole tree and rebuilds the plan, as does a plan whose tombstones reach half its entries (compaction).
-The first sweep walks too (the tree may hold nodes from before the source existed). So every sweep verifies
-exactly the entries the tree holds at that moment; a sweep of an unchanged tree launches verify on the plan as it
-is (no device work before it), a sweep after changes costs a few device operations for what changed.
+walks the whole tree and rebuilds the plan. The first sweep walks too (the tree may hold nodes from before the
+source existed). A plan whose tombstones reach half its entries is compacted on the device, without a walk
+(:meth:`kvcanary.runtime.sweep_index.SweepIndex.compact`): the engine's pool turns over every few sweeps, and a
+walk per compaction was ~1 sweep in 4 (issue 25). So every sweep verifies exactly the entries the tree holds at that
+moment; a sweep of an unchanged tree launches verify on the plan as it is (no device work before it), a sweep after
+changes costs one batch of ~7 device operations for what changed. ``walks`` counts the walks, ``walk_reasons``
+says why (:data:`WALK_REASONS`), ``compactions`` counts the gathers, ``events`` the tree events followed.
 
 Streams: the appends read node values, which sglang's scheduler stream produces and frees, so they run on that
 stream (:func:`kvcanary.runtime.streams.update_on_producer_stream`) after the sweeps already queued on the forward
@@ -46,6 +49,12 @@ from kvcanary.runtime.sweep import SweepPlan
 from kvcanary.runtime.sweep_index import Span, SweepIndex, UnplacedSpan
 
 logger = logging.getLogger(__name__)
+
+
+# Why a sweep walked the tree (RadixSweepIndex.walk_reasons): its first sweep; the tree was reset; a split or deletion
+# of a node the index never saw stored, or a stored node under one; a listener that failed. (A compaction walks no
+# more: the index gathers its live ranges on the device.)
+WALK_REASONS = ("first", "reset", "unplaced", "failed")
 
 
 @dataclass(frozen=True)
@@ -73,17 +82,21 @@ class RadixSweepIndex:
         self._tree = tree
         self._index = SweepIndex(getattr(tree, "device", None) or "cpu")
         self._pending: dict[object, None] = {}  # nodes stored since the last sweep (an ordered set)
-        self._stale = True  # the next sweep walks the tree (first sweep, reset, a change not placed, compaction)
+        self._stale = "first"  # why the next sweep walks the tree (None: it does not): see WALK_REASONS
         self._producer_stream = producer_stream
         self.walks = 0  # sweeps that walked the whole tree
+        self.walk_reasons: dict[str, int] = dict.fromkeys(WALK_REASONS, 0)  # those walks, by reason
+        self.events = 0  # tree events followed (inserted nodes, splits, deletions, resets)
         _watch(tree, hooks).add(self)
 
     # ------------------------------------------------------------------------------------------ tree events
     def node_stored(self, node) -> None:
+        self.events += 1
         if not self._stale:
             self._pending[node] = None
 
     def node_split(self, head, child, head_length: int) -> None:
+        self.events += 1
         if self._stale:
             return
         if child in self._index:
@@ -91,9 +104,10 @@ class RadixSweepIndex:
         elif child in self._pending:
             self._pending[head] = None
         else:
-            self._stale = True
+            self._stale = "unplaced"
 
     def node_deleted(self, node) -> None:
+        self.events += 1
         if self._stale:
             return
         if node in self._pending:
@@ -101,25 +115,31 @@ class RadixSweepIndex:
         elif node in self._index:
             self._index.remove(node)
         else:
-            self._stale = True
+            self._stale = "unplaced"
 
-    def invalidate(self) -> None:
+    def invalidate(self, reason: str = "reset") -> None:
         """Walk the whole tree at the next sweep (the tree was reset, or a tree event could not be followed)."""
-        self._stale = True
+        self.events += 1
+        if not self._stale:
+            self._stale = reason
         self._pending.clear()
 
     # ------------------------------------------------------------------------------------------ the source
+    @property
+    def compactions(self) -> int:
+        """Compactions of the plan (tombstones dropped by a gather on the device, no walk)."""
+        return self._index.compactions
+
     def __call__(self) -> SweepPlan:
         index = self._index
         if not self._stale and not self._pending and not index.dirty():
             return index.commit()  # the tree holds what the plan holds: verify it again as it is
-        if not self._stale and index.wants_compaction():
-            self._stale = True
         if not self._stale:
             try:
                 return self._update(self._pending_spans(), rebuild=False)
             except UnplacedSpan:  # (a node whose parent the index never saw: placed by a walk instead)
-                self._stale = True
+                self._stale = "unplaced"
+        self.walk_reasons[self._stale] += 1
         plan = self._update(walk_spans(self._tree), rebuild=True)
         self.walks += 1
         return plan
@@ -128,17 +148,20 @@ class RadixSweepIndex:
         index = self._index
         if rebuild:
             index.clear()
+        compact = index.wants_compaction()
         index.reserve(sum(span.slots.numel() for span in spans))  # (outside the producer stream: see streams)
         planned: list[SweepPlan] = []
 
         def update() -> None:
-            index.append(spans)  # (checks every span's place before its first device operation)
+            if compact:
+                index.compact()  # (tombstones dropped on the device: no walk)
+            index.append(spans)  # (host only; an unplaced span raises before the commit)
             planned.append(index.commit())
 
         producer = self._producer_stream() if self._producer_stream is not None else None
         update_on_producer_stream(producer, update)
         self._pending.clear()
-        self._stale = False
+        self._stale = None
         return planned[0]
 
     def _pending_spans(self) -> list[Span]:
@@ -195,7 +218,7 @@ class _TreeWatch:
             try:
                 getattr(listener, event)(*args)
             except Exception:  # never fail sglang's own tree operation: fall back to a walk
-                listener.invalidate()
+                listener.invalidate("failed")
                 if not self.failed:
                     self.failed = True
                     logger.exception("kvcanary: following the RadixCache's %s failed; the next sweep walks the tree",
