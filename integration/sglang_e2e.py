@@ -114,6 +114,7 @@ HOST_RE = re.compile(
     # the batch hook's share (ForwardBatch.init_new), last on the line; older lines lack it (no key then)
     r"(?:[^\n]*? batch_init_us=(?P<batch_init_us>[\d.]+))?"
     r"(?:[^\n]*? sweep_us=(?P<sweep_us>[\d.]+))?"  # the sweeps' part of hooks_us (since issue 25's sweep index)
+    r"(?: sweeps=(?P<sweeps>\d+) sweep_walks=(?P<sweep_walks>\d+) sweep_compactions=(?P<sweep_compactions>\d+))?"
 )
 MEASURED_MARKER = "[e2e-worker] measured workload starts"
 ENGINE_MARKER = "[e2e-worker] overhead engine: KVCANARY_MODE="
@@ -450,6 +451,8 @@ def _host_cell(host: dict | None) -> str:
     cell = _fmt(host.get("canary_us"))
     parts = [f"{name} {_fmt(host[key])}" for key, name in (("batch_init_us", "batch-init"), ("sweep_us", "sweep"))
              if key in host]
+    if "sweep_walks" in host:  # of how many sweeps, how many walked the cache and how many compacted the plan
+        parts.append(f"{host['sweeps']} sweeps: {host['sweep_walks']} walked, {host['sweep_compactions']} compacted")
     return f"{cell} ({', '.join(parts)})" if parts else cell
 
 

@@ -215,6 +215,19 @@ def test_host_time_lines_without_batch_init_still_parse(e2e) -> None:
     assert e2e._host_cell(e2e.parse_host_time(old)) == "70.0" and e2e._host_cell(None) == "-"
 
 
+def test_host_time_line_with_sweep_counts_parses(e2e) -> None:
+    """Since the sweep counts its walks and compactions, the line ends with them after ``sweep_us``; a line with
+    ``sweep_us`` alone (the wheels between) still gives the sweep's share."""
+    base = ("kvcanary host time: step=2160 forwards=2160 eager=425 canary_us_per_forward=257.2 hooks_us=140.1 "
+            "launch_us_per_eager_forward=91.3 forward_us=1086.1 piecewise=0 launch_us_per_piecewise_forward=0.0 "
+            "canary_us_per_piecewise_forward=0.0 batch_init_us=99.2 sweep_us=98.0")
+    counted = e2e.parse_host_time(base + " sweeps=216 sweep_walks=1 sweep_compactions=24\n")
+    assert (counted["sweep_us"], counted["sweeps"], counted["sweep_walks"], counted["sweep_compactions"]) == \
+        (98.0, 216, 1, 24)
+    assert e2e._host_cell(counted) == "257.2 (batch-init 99.2, sweep 98.0, 216 sweeps: 1 walked, 24 compacted)"
+    assert e2e._host_cell(e2e.parse_host_time(base + "\n")) == "257.2 (batch-init 99.2, sweep 98.0)"
+
+
 def test_overhead_ratio_comes_from_the_last_pair(e2e, tmp_path) -> None:
     """Phase 4 starts off, log, off, log: the first pair pays a fresh machine's compile-on-first-use (the H200 run
     measured off 4406 vs log 7060 tok/s in it), so the ratio is the last pair's; the first is shown beside it."""

@@ -12,7 +12,7 @@ import torch
 
 from kvcanary.kernels import layout
 from kvcanary.runtime import sweep_index
-from kvcanary.runtime.sweep import SweepPlan
+from kvcanary.runtime.sweep import SweepPlan, SweepTally
 from kvcanary.runtime.sweep_index import MIN_COMPACTION_ENTRIES, Span, SweepIndex, UnplacedSpan
 
 
@@ -255,5 +255,9 @@ def test_the_sweeper_counts_its_host_time_and_the_host_line_reports_it() -> None
     sweeper.run_source()
     assert sweeper.sweeps == 2 and sweeper.walks == 3 and sweeper.compactions == 2  # the source's own counts
     host = HostTime(forwards=4, hook_ns=400_000)
-    assert host.line(step=4, sweep_ns=100_000).endswith(" batch_init_us=0.0 sweep_us=25.0")
+    period = sweeper.tally() - SweepTally(host_ns=sweeper.host_ns - 100_000, sweeps=1)
+    assert period == SweepTally(host_ns=100_000, sweeps=1, walks=3, compactions=2)
+    assert host.line(step=4, sweep=period).endswith(
+        " batch_init_us=0.0 sweep_us=25.0 sweeps=1 sweep_walks=3 sweep_compactions=2")
     assert "sweep_us" not in HostTime(forwards=4).line(step=4)
+    assert "sweep_us" not in HostTime(forwards=4).line(step=4, sweep=SweepTally())  # a period without a sweep

@@ -28,6 +28,7 @@ from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.report.metrics import CanaryMetrics, NoMetrics, metrics_for
 from kvcanary.runtime.config import Config
 from kvcanary.runtime.manager import CanaryManager, SweepSource
+from kvcanary.runtime.sweep import SweepTally
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +89,9 @@ class HostTime:
     batch_init_ns: int = 0  # their host time (outside ModelRunner.forward: not in forward_ns)
     host_tier_ns: int = 0  # the host KV tier's hooks (record copies of backups and load-backs; outside forwards)
 
-    def line(self, step: int, sweep_ns: int = 0) -> str:
-        """The ``kvcanary host time:`` line; ``sweep_ns``: the prefix-cache sweeps' share of ``hook_ns`` (the
-        sweepers count it)."""
+    def line(self, step: int, sweep: SweepTally | None = None) -> str:
+        """The ``kvcanary host time:`` line; ``sweep``: the prefix-cache sweeps of the same period (the sweepers
+        count them): their host time is part of ``hook_ns``."""
         n = max(self.forwards, 1)
         canary = (self.hook_ns + self.in_forward_ns + self.batch_init_ns + self.host_tier_ns) / n / 1e3
         eager_launch = self.in_forward_ns - self.piecewise_launch_ns
@@ -106,7 +107,8 @@ class HostTime:
             f"canary_us_per_piecewise_forward={(self.piecewise_launch_ns + self.piecewise_hook_ns) / pw / 1e3:.1f} "
             f"batch_init_us={self.batch_init_ns / n / 1e3:.1f}"
             + (f" host_tier_us={self.host_tier_ns / n / 1e3:.1f}" if self.host_tier_ns else "")
-            + (f" sweep_us={sweep_ns / n / 1e3:.1f}" if sweep_ns else "")
+            + (f" sweep_us={sweep.host_ns / n / 1e3:.1f} sweeps={sweep.sweeps} sweep_walks={sweep.walks} "
+               f"sweep_compactions={sweep.compactions}" if sweep is not None and sweep.sweeps else "")
         )
 
 
@@ -143,7 +145,7 @@ class Installation:
     # What the metrics were last fed from: that object and the sum of the managers' drain reads then (the counts
     # metrics read move only when a drain reads; an unchanged sum means nothing to add).
     _metrics_fed: tuple[object, int] | None = None
-    _sweep_ns_at_init: int = 0  # the sweepers' host time before serving (HostTime restarts then)
+    _sweep_at_init: SweepTally = field(default_factory=SweepTally)  # the sweeps before serving (HostTime restarts)
     # Log mode: why kvcanary stopped on this runner after an error in its part of a forward (None: running). Every
     # per-forward entry point (the model.forward wrapper, the adapter's hooks) then calls straight through.
     stopped: str | None = None
@@ -267,10 +269,13 @@ class Installation:
         for group in self.groups:
             group.manager.mark_init_finished()
         self.host_time = HostTime()  # warmup and graph capture are not serving
-        self._sweep_ns_at_init = self._sweep_ns()
+        self._sweep_at_init = self._sweep_tally()
 
-    def _sweep_ns(self) -> int:
-        return sum(group.manager.sweeper.host_ns for group in self.groups)
+    def _sweep_tally(self) -> SweepTally:
+        total = SweepTally()
+        for group in self.groups:
+            total = total + group.manager.sweeper.tally()
+        return total
 
     def account_forward(self, forward_ns: int, hook_ns: int) -> None:
         """One real forward's host times (called by the adapter's forward hook); logs a
@@ -285,7 +290,7 @@ class Installation:
             self._piecewise_now = False
         every = self.config.stats_every
         if every and host.forwards % every == 0:
-            logger.info("%s", host.line(self.steps, self._sweep_ns() - self._sweep_ns_at_init))
+            logger.info("%s", host.line(self.steps, self._sweep_tally() - self._sweep_at_init))
 
     def account_host_tier(self, ns: int) -> None:
         """Host time of a host KV tier's hook (a backup's or load-back's record copies), outside any forward."""

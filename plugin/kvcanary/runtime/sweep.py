@@ -57,6 +57,25 @@ def allocate_sweep_plan(capacity: int, device: torch.device | str) -> VerifyPlan
     return plan
 
 
+@dataclass(frozen=True)
+class SweepTally:
+    """What the sweeps cost so far: host time (ns), sweeps, and of them the ones whose source walked its whole cache
+    and the compactions of an incremental source's plan. Differences of two tallies give a period's."""
+
+    host_ns: int = 0
+    sweeps: int = 0
+    walks: int = 0
+    compactions: int = 0
+
+    def __add__(self, other: SweepTally) -> SweepTally:
+        return SweepTally(self.host_ns + other.host_ns, self.sweeps + other.sweeps, self.walks + other.walks,
+                          self.compactions + other.compactions)
+
+    def __sub__(self, other: SweepTally) -> SweepTally:
+        return SweepTally(self.host_ns - other.host_ns, self.sweeps - other.sweeps, self.walks - other.walks,
+                          self.compactions - other.compactions)
+
+
 class Sweeper:
     """Sweep source, cadence (every ``interval`` steps; 0: never on its own) and plan, launching on ``state``."""
 
@@ -80,6 +99,10 @@ class Sweeper:
     def compactions(self) -> int:
         """Compactions of an incremental source's plan so far (its ``compactions``; 0 for a source without)."""
         return getattr(self.source, "compactions", 0)
+
+    def tally(self) -> SweepTally:
+        """The sweeps' cost so far (the ``kvcanary host time`` line reports a period's)."""
+        return SweepTally(self.host_ns, self.sweeps, self.walks, self.compactions)
 
     def due(self, steps: int) -> bool:
         """Whether the step that makes the step count ``steps`` runs the sweep: a source is set, the interval is
