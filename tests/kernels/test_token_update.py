@@ -524,6 +524,12 @@ def test_cuda_uploads_from_pinned_memory_while_the_device_is_busy() -> None:
     for batch in batches:
         for update in batch:  # in order, like the kernel (the same as the whole batch for distinct rows)
             reference_update(*ref, [update])
+    # Every staging of the ring grown to the largest batch first: a pinned allocation is one of CUDA's implicit
+    # synchronisations, so a staging grown inside the loop below would wait for the queued sleep and the ring would
+    # never find a launch pending (the H200 gpu_check of 2026-12-02 saw no wait: its growth happened in the loop).
+    largest = max(layout.TOKEN_UPDATE_FIELDS * len(batch) + sum(len(t) for _, _, t in batch) for batch in batches)
+    for _ in range(table.staging.size):
+        table.staging.acquire(largest)
     torch.cuda.synchronize()
     # ~0.5 s of device time queued first: the host issues every batch long before the device reads the first
     # staging, so the ring must come round while its launches are pending (a per-batch sleep raced the host's own
@@ -532,6 +538,7 @@ def test_cuda_uploads_from_pinned_memory_while_the_device_is_busy() -> None:
     for batch in batches:
         table.update(batch)
     torch.cuda.synchronize()
+    assert table.staging.grows == 0  # (nothing allocated while the sleep was queued)
     assert table.staging.waits > 0  # the ring came round while its launches were pending
     assert torch.equal(table.expected_tokens.cpu(), ref[0])
     assert torch.equal(table.valid_lens_by_row.cpu(), ref[1])
