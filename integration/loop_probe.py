@@ -50,7 +50,8 @@ FIELDS = ("iters", "decode_n", "extend_n", "loop_ns", "recv_ns", "next_ns", "run
           "replay_ns", "kvc_views_ns", "kvc_launch_ns", "kvc_before_ns", "kvc_after_ns", "kvc_step_ns",
           "kvc_drain_ns", "kvc_drain_n", "kvc_stats_ns", "kvc_metrics_ns", "kvc_account_ns", "kvc_batch_ns",
           "kvc_populate_ns", "gpu_decode_ns", "gpu_decode_n", "kvc_gpu_ns", "kvc_gpu_n",
-          "unit_ns", "unit_n", "kvc_status_start_ns", "kvc_status_read_ns", "kvc_health_ns", "kvc_assign_ns")
+          "unit_ns", "unit_n", "kvc_status_start_ns", "kvc_status_read_ns", "kvc_health_ns", "kvc_assign_ns",
+          "kvc_sweep_ns", "kvc_sweep_source_ns", "kvc_sweep_commit_ns", "kvc_sweep_launch_ns")
 UNIT_LAUNCHES = 5  # `x.add_(1)` launches timed every EVERY iterations: this process's cost of one torch launch
 # "1": also time the device work of kvcanary's eager launches (the check before a forward, the write after it) with
 # a CUDA event pair each. Off by default: the two event records per launch are host time a log Engine would not pay.
@@ -73,6 +74,13 @@ KVCANARY_PIECES = (
     ("kvcanary.runtime.drain", "ViolationDrain", "_start_status", "kvc_status_start_ns"),
     ("kvcanary.runtime.drain", "ViolationDrain", "_read_status", "kvc_status_read_ns"),
     ("kvcanary.runtime.manager", "CanaryManager", "_observe_health", "kvc_health_ns"),
+    # inside step: a prefix-cache sweep (issue 25: ~1 ms each in the engine, ~0.16 ms on the CPU bench: where?) =
+    # its source (the RadixCache index: pending nodes, compaction, the device update on sglang's stream) + the
+    # verify launch; the index's device update is its commit
+    ("kvcanary.runtime.sweep", "Sweeper", "run_source", "kvc_sweep_ns"),
+    ("kvcanary.sglang.radix_index", "RadixSweepIndex", "__call__", "kvc_sweep_source_ns"),
+    ("kvcanary.runtime.sweep_index", "SweepIndex", "commit", "kvc_sweep_commit_ns"),
+    ("kvcanary.runtime.device_state", "DeviceState", "sweep", "kvc_sweep_launch_ns"),
     ("kvcanary.runtime.manager", "CanaryManager", "_log_stats", "kvc_stats_ns"),
     ("kvcanary.report.metrics", "CanaryMetrics", "observe", "kvc_metrics_ns"),
     ("kvcanary.runtime.installation", "Installation", "account_forward", "kvc_account_ns"),
@@ -402,7 +410,10 @@ KVC_COLUMNS = (("kvc_batch_us", "batch hook"), ("kvc_assign_us", "of it assign_r
                ("kvc_launch_us", "launches"), ("kvc_before_us", "fault injection"), ("kvc_after_us", "host_after"),
                ("kvc_step_us", "of it step"), ("kvc_drain_us", "of it drain"),
                ("kvc_status_start_us", "of that status copy start"), ("kvc_status_read_us", "status read"),
-               ("kvc_health_us", "of that health"), ("kvc_stats_us", "of step stats"), ("kvc_metrics_us", "metrics"),
+               ("kvc_health_us", "of that health"), ("kvc_stats_us", "of step stats"),
+               ("kvc_sweep_us", "of step sweep"), ("kvc_sweep_source_us", "of that source"),
+               ("kvc_sweep_commit_us", "of that commit"), ("kvc_sweep_launch_us", "of the sweep launch"),
+               ("kvc_metrics_us", "metrics"),
                ("kvc_account_us", "account_forward"), ("kvc_populate_us", "graph padding"),
                ("kvc_gpu_us", f"device µs per eager launch ({DEVICE_ENV}=1)"))
 

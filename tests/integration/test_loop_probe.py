@@ -174,3 +174,14 @@ def test_patch_wraps_a_method_once_and_skips_what_is_missing(probe, monkeypatch)
     assert not probe._patch("_probe_patch_target", "Target", "absent", wrap, "marked")
     assert not probe._patch("_probe_patch_target", "Missing", "work", wrap, "marked")
     assert not probe._patch("_no_such_module_here", "Target", "work", wrap, "marked")
+
+
+def test_every_kvcanary_piece_names_a_method_of_this_kvcanary(probe) -> None:
+    """The probe skips a piece a kvcanary version lacks (older wheels), so a name it misspells or a method a refactor
+    moved would time nothing without a word: every piece must resolve in the kvcanary of this checkout."""
+    import importlib
+
+    for module, cls, method, counter in probe.KVCANARY_PIECES:
+        owner = getattr(importlib.import_module(module), cls)
+        assert callable(getattr(owner, method, None)), f"{module}.{cls}.{method}"
+        assert counter in probe.FIELDS, counter
