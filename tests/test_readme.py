@@ -1,5 +1,5 @@
 """README.md and docs/ against the code, so they cannot drift apart: the manager snippet (docs/manager.md) runs as
-written in a fresh environment (on CPU), the README's Repository layout table names every module of the package and
+written in a fresh environment (on CPU), the Repository layout table (docs/layout.md) names every module of the package and
 every entry of integration/ (and nothing that is gone), and every relative link of every page resolves, anchors
 included."""
 
@@ -15,6 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
+LAYOUT_DOC = REPO / "docs" / "layout.md"
 MANAGER_DOC = REPO / "docs" / "manager.md"
 PACKAGE = REPO / "plugin" / "kvcanary"
 INTEGRATION = REPO / "integration"
@@ -40,7 +41,7 @@ def manager_snippet() -> str:
 def layout_rows() -> dict[str, set[str]]:
     """The layout table's rows whose first column is one folder: folder -> the backticked names of the row."""
     rows: dict[str, set[str]] = {}
-    for line in section("Repository layout").splitlines():
+    for line in LAYOUT_DOC.read_text(encoding="utf-8").splitlines():
         match = re.fullmatch(r"\| `([^`]+/)` \| (.*) \|", line)
         if match:
             rows[match.group(1)] = set(re.findall(r"`([^`]+)`", match.group(2)))
@@ -77,7 +78,7 @@ def test_layout_table_names_every_module_and_integration_entry() -> None:
         name = entry.name + ("/" if entry.is_dir() else "")
         if name not in rows["integration/"]:
             missing.append(f"integration/{name}")
-    assert not missing, f"README.md's Repository layout table does not name {missing} (add each to its folder's row)"
+    assert not missing, f"docs/layout.md's table does not name {missing} (add each to its folder's row)"
 
 
 def test_layout_table_names_no_file_that_is_gone() -> None:
@@ -87,7 +88,7 @@ def test_layout_table_names_no_file_that_is_gone() -> None:
         for name in names
         if re.fullmatch(r"[\w.-]+\.(py|sh|cuh|cc|h)", name) and not (REPO / folder / name).is_file()
     ]
-    assert not gone, f"README.md's Repository layout table names files that do not exist there: {gone}"
+    assert not gone, f"docs/layout.md's table names files that do not exist there: {gone}"
 
 
 def _slug(heading: str) -> str:
