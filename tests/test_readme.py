@@ -1,7 +1,7 @@
 """README.md and docs/ against the code, so they cannot drift apart: the manager snippet (docs/manager.md) runs as
-written in a fresh environment (on CPU), the Repository layout table (docs/layout.md) names every module of the package and
-every entry of integration/ (and nothing that is gone), and every relative link of every page resolves, anchors
-included."""
+written in a fresh environment (on CPU), the Repository layout table (docs/layout.md) names every module of the
+package and every entry of integration/ (and nothing that is gone), and every relative link of every page resolves,
+anchors included."""
 
 from __future__ import annotations
 

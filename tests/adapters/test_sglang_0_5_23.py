@@ -112,17 +112,17 @@ def test_register_is_cheap_idempotent_and_needs_no_model_runner(hooks, monkeypat
     installation, no device memory) and a second call registers nothing twice."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from kvcanary.runtime.installation import installations
+    from kvcanary.sglang.installed import runner_states
 
     monkeypatch.setenv("KVCANARY_MODE", "log")
-    before = len(installations())
+    before = len(runner_states())
     t0 = time.perf_counter()
     kvcanary_sglang.register()
     first = time.perf_counter() - t0
     t0 = time.perf_counter()
     kvcanary_sglang.register()
     second = time.perf_counter() - t0
-    assert len(installations()) == before
+    assert len(runner_states()) == before
     assert all(len(HookRegistry._hooks[t.dotted]) == 1 for t in v0_5_23.TARGETS)
     assert v0_5_23.STARTUP_FAILURE_TARGET not in HookRegistry._hooks
     assert first < 5.0 and second < 5.0, (first, second)  # sglang's modules are imported by now: no build, no I/O

@@ -652,11 +652,12 @@ def test_a_failing_graph_input_zeroing_stops_the_canary_not_serving_in_log_mode(
     ah.zero_graph_padding = True
     broken = types.SimpleNamespace(req_pool_indices=None)  # slicing it raises TypeError
     insts = [_StandInInstallation(True), _StandInInstallation(True)]
-    monkeypatch.setattr(adapter_hooks, "installations", lambda: insts)
+    monkeypatch.setattr(adapter_hooks, "runner_states", lambda: [types.SimpleNamespace(inst=i) for i in insts])
     assert ah.after_populate("result", broken, raw_bs=2, raw_num_token=2, bs=4) == "result"
     assert all(i.stopped and i.calls == [("TypeError", "filling a graph's input buffers (padded rows)")]
                for i in insts)
-    monkeypatch.setattr(adapter_hooks, "installations", lambda: [_StandInInstallation(False)])
+    raising = types.SimpleNamespace(inst=_StandInInstallation(False))
+    monkeypatch.setattr(adapter_hooks, "runner_states", lambda: [raising])
     with pytest.raises(TypeError):
         ah.after_populate("result", broken, raw_bs=2, raw_num_token=2, bs=4)
 

@@ -16,7 +16,6 @@ import enum
 import functools
 import logging
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -126,7 +125,6 @@ class Installation:
     groups: list[Group]
     to_views: Callable[[object, torch.Tensor, torch.Tensor], list[BatchView]]  # forward_batch, ids, pos -> per group
     req_to_token: torch.Tensor
-    runner_ref: Callable[[], object] | None = None
     steps: int = 0
     host_time: HostTime = field(default_factory=HostTime)
     # The adapter's gate, asked on every call of the model.forward wrapper (None: always EAGER), and how many real
@@ -327,17 +325,3 @@ class Installation:
                 group.manager.close()
         finally:  # after the managers' final drains (raise mode: what they counted before raising)
             self.flush_metrics()
-
-
-_INSTALLATIONS: list[weakref.ReferenceType] = []
-
-
-def remember(inst: Installation) -> None:
-    _INSTALLATIONS.append(weakref.ref(inst))
-
-
-def installations() -> list[Installation]:
-    """Live installations in this process (one per hooked ModelRunner)."""
-    alive = [r() for r in _INSTALLATIONS]
-    _INSTALLATIONS[:] = [r for r, i in zip(_INSTALLATIONS, alive, strict=False) if i is not None]
-    return [i for i in alive if i is not None]

@@ -30,7 +30,7 @@ import torch
 from kvcanary.report.reporter import Reporter
 from kvcanary.runtime.config import Config
 from kvcanary.runtime.identity_cache import IdentityCache
-from kvcanary.runtime.installation import Group, Installation, installations, remember
+from kvcanary.runtime.installation import Group, Installation
 from kvcanary.runtime.manager import CanaryManager
 from kvcanary.sglang import hicache, speculative
 from kvcanary.sglang.batches import BatchConverter, mode_name, unsupported_mode
@@ -124,7 +124,6 @@ class AdapterHooks:
         inst.wrap_model_forward(parts.model)
         keep(runner, state)
         speculative.attach(runner, inst, role, v.server_args_of(runner))
-        remember(inst)
         logger.info(
             "kvcanary: installed on %s (%s, %s, report %s) with %d group(s): %s", type(pool).__name__, device,
             " ".join(f"{k}={v}" for k, v in rank.items()), groups[0].manager.reporter.report_path or "-", len(groups),
@@ -223,7 +222,7 @@ class AdapterHooks:
         except Exception as exc:
             # The buffers are a graph runner's, not one runner's: every installation in the process stops (log mode;
             # stale padded rows would reach the plan), or the error stands (raise mode: the first one says so).
-            insts = installations()
+            insts = [state.inst for state in runner_states()]
             if not insts or not all(inst.keeps_serving(exc, "filling a graph's input buffers (padded rows)")
                                     for inst in insts):
                 raise
