@@ -12,12 +12,11 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvcanary.runtime.faults import FaultInjectionState
 from kvcanary.runtime.installation import Installation
 
-if TYPE_CHECKING:
-    from kvcanary.sglang.fault_injection import SglangFaultInjection
+if TYPE_CHECKING:  # (leaf modules: neither imports this one)
     from kvcanary.sglang.hicache import HostTierFollower
-    from kvcanary.sglang.protect import Protector
     from kvcanary.sglang.tokens import TokenMirror
 
 # The attribute of a ModelRunner that holds its Installation.
@@ -32,8 +31,10 @@ class RunnerState:
     (None: the concern is off on this runner)."""
 
     inst: Installation
-    # KVCANARY_FAULT (tests only): the injector's state and the engine facts it reads (kvcanary.sglang.fault_injection)
-    faults: SglangFaultInjection | None = None
+    # KVCANARY_FAULT (tests only): the injector's state and the engine facts it reads (a
+    # kvcanary.sglang.fault_injection.SglangFaultInjection; typed by its engine-agnostic base, since that module and
+    # protect's read this one: a leaf imports neither)
+    faults: FaultInjectionState | None = None
     # The token check (KVCANARY_VERIFY_TOKENS): what each req_to_token row was sent (kvcanary.sglang.tokens)
     token_mirror: TokenMirror = field(default_factory=dict)
     # The prefix cache the sweep reads (set with the sweep source in after_init_cache; the fault injector's
@@ -41,8 +42,8 @@ class RunnerState:
     prefix_cache: object | None = None
     # The follower of the host KV tier this runner's pool has (kvcanary.sglang.hicache; None: no host tier)
     host_tier: HostTierFollower | None = None
-    # Protect mode (KVCANARY_MODE=protect): this runner's protector (kvcanary.sglang.protect)
-    protect: Protector | None = None
+    # Protect mode (KVCANARY_MODE=protect): this runner's kvcanary.sglang.protect.Protector
+    protect: object | None = None
 
 
 _STATES: list[weakref.ReferenceType[RunnerState]] = []
