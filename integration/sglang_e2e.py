@@ -114,7 +114,8 @@ HOST_RE = re.compile(
     # the batch hook's share (ForwardBatch.init_new), last on the line; older lines lack it (no key then)
     r"(?:[^\n]*? batch_init_us=(?P<batch_init_us>[\d.]+))?"
     r"(?:[^\n]*? sweep_us=(?P<sweep_us>[\d.]+))?"  # the sweeps' part of hooks_us (since issue 25's sweep index)
-    r"(?: sweeps=(?P<sweeps>\d+) sweep_walks=(?P<sweep_walks>\d+) sweep_compactions=(?P<sweep_compactions>\d+))?"
+    r"(?: sweeps=(?P<sweeps>\d+) sweep_walks=(?P<sweep_walks>\d+) sweep_compactions=(?P<sweep_compactions>\d+)"
+    r"(?: sweep_event_us=(?P<sweep_event_us>[\d.]+))?)?"
 )
 MEASURED_MARKER = "[e2e-worker] measured workload starts"
 ENGINE_MARKER = "[e2e-worker] overhead engine: KVCANARY_MODE="
@@ -453,6 +454,8 @@ def _host_cell(host: dict | None) -> str:
              if key in host]
     if "sweep_walks" in host:  # of how many sweeps, how many walked the cache and how many compacted the plan
         parts.append(f"{host['sweeps']} sweeps: {host['sweep_walks']} walked, {host['sweep_compactions']} compacted")
+    if "sweep_event_us" in host:  # the sweep source following the cache's changes, inside sglang's tree operations
+        parts.append(f"tree events {_fmt(host['sweep_event_us'])}")
     return f"{cell} ({', '.join(parts)})" if parts else cell
 
 

@@ -110,6 +110,7 @@ def test_a_split_keeps_the_plan(tree: RadixCache) -> None:
 def test_every_change_of_the_entries_is_followed(tree: RadixCache, mutation: str) -> None:
     source = v0_5_12.sweep_source(tree)
     before = planned(source)
+    events, event_ns = source.events, source.event_ns
     if mutation == "insert":
         insert(tree, [1, 2, 3, 4, 5, 6, 7], [11, 12, 13, 14, 15, 16, 37])
     elif mutation == "insert into a split":
@@ -121,6 +122,7 @@ def test_every_change_of_the_entries_is_followed(tree: RadixCache, mutation: str
         protect_evict(tree, leaf, 1)
     else:
         tree.reset()
+    assert source.events > events and source.event_ns > event_ns  # (its host time, for the host-time line)
     after = planned(source)
     assert after == sorted(walked(tree)) != before
     assert source.walks == (2 if mutation == "reset" else 1)  # followed, not walked

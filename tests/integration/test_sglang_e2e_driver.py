@@ -221,10 +221,12 @@ def test_host_time_line_with_sweep_counts_parses(e2e) -> None:
     base = ("kvcanary host time: step=2160 forwards=2160 eager=425 canary_us_per_forward=257.2 hooks_us=140.1 "
             "launch_us_per_eager_forward=91.3 forward_us=1086.1 piecewise=0 launch_us_per_piecewise_forward=0.0 "
             "canary_us_per_piecewise_forward=0.0 batch_init_us=99.2 sweep_us=98.0")
-    counted = e2e.parse_host_time(base + " sweeps=216 sweep_walks=1 sweep_compactions=24\n")
-    assert (counted["sweep_us"], counted["sweeps"], counted["sweep_walks"], counted["sweep_compactions"]) == \
-        (98.0, 216, 1, 24)
-    assert e2e._host_cell(counted) == "257.2 (batch-init 99.2, sweep 98.0, 216 sweeps: 1 walked, 24 compacted)"
+    counted = e2e.parse_host_time(base + " sweeps=216 sweep_walks=1 sweep_compactions=24 sweep_event_us=1.4\n")
+    assert (counted["sweep_us"], counted["sweeps"], counted["sweep_walks"], counted["sweep_compactions"],
+            counted["sweep_event_us"]) == (98.0, 216, 1, 24, 1.4)
+    assert e2e._host_cell(counted) == ("257.2 (batch-init 99.2, sweep 98.0, 216 sweeps: 1 walked, 24 compacted, "
+                                       "tree events 1.4)")
+    assert "sweep_event_us" not in e2e.parse_host_time(base + " sweeps=216 sweep_walks=1 sweep_compactions=24\n")
     assert e2e._host_cell(e2e.parse_host_time(base + "\n")) == "257.2 (batch-init 99.2, sweep 98.0)"
 
 

@@ -71,7 +71,9 @@ class HostTime:
     microsecond of the canary per forward; this is what ``kvcanary host time:`` lines report. Three places add
     it: the forward hook around each real forward (``hook_ns``), the ``model.forward`` wrapper's launches
     (``in_forward_ns``) and the engine's per-batch hook where the batch is built (``batch_init_ns``: writer
-    attribution, token-table uploads, the fault injector's request facts; sglang's ``ForwardBatch.init_new``).
+    attribution, token-table uploads, the fault injector's request facts; sglang's ``ForwardBatch.init_new``); and
+    outside forwards, the host KV tier's hooks (``host_tier_ns``) and an incremental sweep source following the
+    prefix cache's changes (the sweep tally's ``event_ns``, passed to :meth:`line`).
     """
 
     forwards: int = 0
@@ -90,9 +92,11 @@ class HostTime:
 
     def line(self, step: int, sweep: SweepTally | None = None) -> str:
         """The ``kvcanary host time:`` line; ``sweep``: the prefix-cache sweeps of the same period (the sweepers
-        count them): their host time is part of ``hook_ns``."""
+        count them): their host time is part of ``hook_ns``; their source's time following the cache's changes is
+        not (it runs in the engine's cache operations) and is added to the canary's total."""
         n = max(self.forwards, 1)
-        canary = (self.hook_ns + self.in_forward_ns + self.batch_init_ns + self.host_tier_ns) / n / 1e3
+        events = sweep.event_ns if sweep is not None else 0  # (spent in the engine's cache operations: added here)
+        canary = (self.hook_ns + self.in_forward_ns + self.batch_init_ns + self.host_tier_ns + events) / n / 1e3
         eager_launch = self.in_forward_ns - self.piecewise_launch_ns
         pw = max(self.piecewise_forwards, 1)
         # batch_init_us, then host_tier_us (only with a host tier) and sweep_us (the sweeps' part of hooks_us, only
@@ -107,7 +111,8 @@ class HostTime:
             f"batch_init_us={self.batch_init_ns / n / 1e3:.1f}"
             + (f" host_tier_us={self.host_tier_ns / n / 1e3:.1f}" if self.host_tier_ns else "")
             + (f" sweep_us={sweep.host_ns / n / 1e3:.1f} sweeps={sweep.sweeps} sweep_walks={sweep.walks} "
-               f"sweep_compactions={sweep.compactions}" if sweep is not None and sweep.sweeps else "")
+               f"sweep_compactions={sweep.compactions} sweep_event_us={events / n / 1e3:.1f}"
+               if sweep is not None and (sweep.sweeps or events) else "")
         )
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 
@@ -66,14 +66,15 @@ class SweepTally:
     sweeps: int = 0
     walks: int = 0
     compactions: int = 0
+    # an incremental source's host time following its cache's changes (inside the engine's own cache operations,
+    # outside the sweeps and any forward hook)
+    event_ns: int = 0
 
     def __add__(self, other: SweepTally) -> SweepTally:
-        return SweepTally(self.host_ns + other.host_ns, self.sweeps + other.sweeps, self.walks + other.walks,
-                          self.compactions + other.compactions)
+        return SweepTally(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
     def __sub__(self, other: SweepTally) -> SweepTally:
-        return SweepTally(self.host_ns - other.host_ns, self.sweeps - other.sweeps, self.walks - other.walks,
-                          self.compactions - other.compactions)
+        return SweepTally(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
 
 class Sweeper:
@@ -102,7 +103,8 @@ class Sweeper:
 
     def tally(self) -> SweepTally:
         """The sweeps' cost so far (the ``kvcanary host time`` line reports a period's)."""
-        return SweepTally(self.host_ns, self.sweeps, self.walks, self.compactions)
+        return SweepTally(self.host_ns, self.sweeps, self.walks, self.compactions,
+                          getattr(self.source, "event_ns", 0))
 
     def due(self, steps: int) -> bool:
         """Whether the step that makes the step count ``steps`` runs the sweep: a source is set, the interval is

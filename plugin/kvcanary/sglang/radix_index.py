@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,6 +88,9 @@ class RadixSweepIndex:
         self.walks = 0  # sweeps that walked the whole tree
         self.walk_reasons: dict[str, int] = dict.fromkeys(WALK_REASONS, 0)  # those walks, by reason
         self.events = 0  # tree events followed (inserted nodes, splits, deletions, resets)
+        # their host time (ns): spent inside sglang's own tree operations in the scheduler, outside any forward hook,
+        # so the ``kvcanary host time`` line adds it (``sweep_event_us``)
+        self.event_ns = 0
         _watch(tree, hooks).add(self)
 
     # ------------------------------------------------------------------------------------------ tree events
@@ -215,6 +219,7 @@ class _TreeWatch:
             listener = ref()
             if listener is None:
                 continue
+            start = time.perf_counter_ns()
             try:
                 getattr(listener, event)(*args)
             except Exception:  # never fail sglang's own tree operation: fall back to a walk
@@ -223,6 +228,7 @@ class _TreeWatch:
                     self.failed = True
                     logger.exception("kvcanary: following the RadixCache's %s failed; the next sweep walks the tree",
                                      event)
+            listener.event_ns += time.perf_counter_ns() - start
 
 
 _watches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tree -> its _TreeWatch (wrapped once)
