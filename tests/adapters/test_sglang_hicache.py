@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+import types
 
 import pytest
 
@@ -180,3 +181,28 @@ def test_a_stopped_canary_keeps_no_hand_offs(tmp_path, monkeypatch, teardown) ->
     sched = sgl_hicache.HiMiniScheduler(mr, tree, chunk_size=64)
     _drive(sched, rng, prefixes, 80)
     assert sched.load_backs > 0 and follower.backups > 0 and follower.pending == []
+
+
+def test_the_fenced_sweep_source_reports_the_wrapped_source_s_counts() -> None:
+    """Under HiCache the sweep source is wrapped to wait for unacknowledged loads first; the host-time line's
+    ``sweep_walks`` once read 0 through the wrapper while every sweep walked the tree (a HiRadixCache is walked)."""
+    from kvcanary.runtime.sweep import Sweeper
+    from kvcanary.sglang.hicache import FencedSweepSource
+
+    order = []
+
+    def walking():
+        order.append("source")
+        walking.walks += 1
+        return [], [], []
+
+    walking.walks = 0
+    fenced = FencedSweepSource(lambda: order.append("fence"), walking)
+    sweeper = Sweeper(types.SimpleNamespace(sweep=lambda *a, **k: None), interval=1)
+    sweeper.source = fenced
+    sweeper.run = lambda *entries: None  # (no device state: the entries are not launched here)
+    sweeper.run_source()
+    sweeper.run_source()
+    assert order == ["fence", "source"] * 2
+    assert sweeper.tally().walks == 2 and sweeper.tally().sweeps == 2
+    assert sweeper.tally().compactions == 0  # (the wrapped source has none: the getattr default)

@@ -46,7 +46,14 @@ def test_one_job_compiles_one_file_including_every_unit(tmp_path: Path, monkeypa
     units = jit.export_units(ROOT)
     files = jit.compile_units(units, tmp_path, suffix)
     assert files == [str(tmp_path / f"export_all{suffix}")]
-    assert Path(files[0]).read_text() == "".join(f'#include "{u.name}"\n' for u in units)
+    text = Path(files[0]).read_text()
+    assert [line for line in text.splitlines() if line.startswith("#include")] == [f'#include "{u.name}"'
+                                                                                   for u in units]
+    # Each unit between a push and a pop of g++'s options, its shims header's guard dropped first: the -O1 the shims
+    # header sets ends with the unit (it once held for every later unit's kernels: the first unit, check, set it).
+    assert text.count("#pragma GCC push_options") == text.count("#pragma GCC pop_options") == len(units)
+    assert text.count("#undef KVCANARY_EXPORT_SHIMS_H_") == len(units)
+    assert "#define KVCANARY_EXPORT_SHIMS_H_" in (jit.source_root() / "csrc" / "export_shims.h").read_text()
 
 
 def test_parallel_jobs_compile_the_units_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

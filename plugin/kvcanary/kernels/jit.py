@@ -190,6 +190,21 @@ def build_jobs() -> int:
     return os.cpu_count() or 1
 
 
+# One export unit inside the single file of a one-job build, as it would be compiled apart: csrc/export_shims.h
+# builds what follows it at -O1 for g++ (the shims) and a GCC optimize pragma holds to the end of the file, so each
+# unit runs between a push and a pop of the options (the next unit's kernel header is built at -O3 again), and the
+# shims header's include guard is dropped before each unit so that it sets -O1 for every unit's shims.
+_UNIT_IN_ONE_FILE = """#if defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
+#pragma GCC push_options
+#endif
+#undef KVCANARY_EXPORT_SHIMS_H_
+#include "{unit}"
+#if defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
+#pragma GCC pop_options
+#endif
+"""
+
+
 def compile_units(units: list[Path], directory: Path, suffix: str) -> list[str]:
     """The files the build compiles: one per export unit, or with a single job one file including them all (the
     units share their headers, so compiling them apart costs ~1.4x the CPU time: worth it only in parallel).
@@ -205,7 +220,8 @@ def compile_units(units: list[Path], directory: Path, suffix: str) -> list[str]:
             continue
         stem = group[0].stem if len(group) == 1 else "export_all"
         wrapper = directory / f"{stem}{suffix}"
-        text = "".join(f'#include "{unit.name}"\n' for unit in group)
+        text = (f'#include "{group[0].name}"\n' if len(group) == 1
+                else "".join(_UNIT_IN_ONE_FILE.format(unit=unit.name) for unit in group))
         if not wrapper.is_file() or wrapper.read_text() != text:
             wrapper.write_text(text)
         files.append(str(wrapper))

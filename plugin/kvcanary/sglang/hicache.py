@@ -133,12 +133,25 @@ class HostTierFollower:
         for ack in list(getattr(self.controller, "ack_load_queue", ())):
             stream.wait_event(ack.finish_event)
 
-    def fenced_sweep_source(self, source: Callable[[], tuple]) -> Callable[[], tuple]:
-        def fenced() -> tuple:
-            self.wait_for_pending_loads()
-            return source()
+    def fenced_sweep_source(self, source: Callable[[], tuple]) -> FencedSweepSource:
+        return FencedSweepSource(self.wait_for_pending_loads, source)
 
-        return fenced
+
+class FencedSweepSource:
+    """A sweep source that first waits for every load sglang has not acknowledged (a node's K/V may still be in
+    flight). Whatever else is asked of it (the ``walks``, ``compactions`` and ``event_ns`` the sweeper reports on
+    the ``kvcanary host time`` line) is the wrapped source's."""
+
+    def __init__(self, fence: Callable[[], None], source: Callable[[], tuple]) -> None:
+        self._fence = fence
+        self._source = source
+
+    def __call__(self) -> tuple:
+        self._fence()
+        return self._source()
+
+    def __getattr__(self, name: str):  # (only for names this object lacks)
+        return getattr(self._source, name)
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -157,9 +157,9 @@ class RadixSweepIndex:
         planned: list[SweepPlan] = []
 
         def update() -> None:
+            index.append(spans)  # (host only: an unplaced span raises before any device work)
             if compact:
-                index.compact()  # (tombstones dropped on the device: no walk)
-            index.append(spans)  # (host only; an unplaced span raises before the commit)
+                index.compact()  # (writes the appends, then drops the tombstones by a gather on the device: no walk)
             planned.append(index.commit())
 
         producer = self._producer_stream() if self._producer_stream is not None else None
