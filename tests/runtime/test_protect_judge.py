@@ -57,3 +57,15 @@ def test_a_slot_rewritten_during_the_previous_forward_drops_that_forwards_output
     old = Violation(int(LaunchTag.VERIFY), 555, 20, 0, 0, 0, 0, bits, 4, request_row=3, written_step=2)
     (verdict,) = protect.judge([old], [_history(req)]).verdicts
     assert (verdict.keep_len, verdict.taint_from) == (45, 44)
+
+
+def test_a_decode_record_works_the_prefix_out_from_the_sequence_length() -> None:
+    """A decode forward (one token fed per row) is recorded without a prefix list: its rows' prefix is seq_len - 1,
+    worked out when a violation looks the row up; an extend forward keeps its own prefix lengths."""
+    h = protect.BatchHistory(8)
+    decode, extend = object(), object()
+    h.note(5, [3, 4], [41, 17], None, [decode, extend])
+    h.note(6, [4], [30], [12], [extend])
+    assert h.owner(5, 3) == (decode, 41, 40)
+    assert h.owner(6, 4) == (extend, 30, 12)
+    assert h.previous(6, extend) == (5, 17, 16)

@@ -82,13 +82,21 @@ def slot_scoped(violation: Violation) -> bool:
 
 @dataclass
 class BatchRecord:
-    """One forward's rows: request object, ``seq_len`` (prefix + tokens fed in) and prefix length per row."""
+    """One forward's rows: request object, ``seq_len`` (prefix + tokens fed in) and prefix length per row.
+
+    ``prefix_lens`` None: one token fed per row (a decode forward), so a row's prefix is its ``seq_len`` - 1, worked
+    out only when a violation asks (every forward records its batch; a decode batch builds no list for it)."""
 
     step: int
     rows: list[int]
     seq_lens: list[int]
-    prefix_lens: list[int]
+    prefix_lens: list[int] | None
     requests: list[Any]
+
+    def row(self, i: int) -> tuple[int, int]:
+        """(seq_len, prefix_len) of the batch's row ``i``."""
+        seq = self.seq_lens[i]
+        return seq, (seq - 1 if self.prefix_lens is None else self.prefix_lens[i])
 
 
 class BatchHistory:
@@ -99,8 +107,9 @@ class BatchHistory:
         self.keep = max(int(keep), 4)
         self._records: deque[BatchRecord] = deque(maxlen=self.keep)
 
-    def note(self, step: int, rows: list[int], seq_lens: list[int], prefix_lens: list[int],
+    def note(self, step: int, rows: list[int], seq_lens: list[int], prefix_lens: list[int] | None,
              requests: list[Any]) -> None:
+        """Record forward ``step``'s rows (``prefix_lens`` None: one token fed per row, see :class:`BatchRecord`)."""
         self._records.append(BatchRecord(int(step), rows, seq_lens, prefix_lens, requests))
 
     def owner(self, step: int, row: int) -> tuple[Any, int, int] | None:
@@ -113,7 +122,7 @@ class BatchHistory:
                 continue
             for i, r in enumerate(record.rows):
                 if r == row:
-                    return record.requests[i], record.seq_lens[i], record.prefix_lens[i]
+                    return (record.requests[i], *record.row(i))
         return None
 
     def previous(self, step: int, request: Any) -> tuple[int, int, int] | None:
@@ -123,7 +132,7 @@ class BatchHistory:
                 continue
             for i, r in enumerate(record.requests):
                 if r is request:
-                    return record.step, record.seq_lens[i], record.prefix_lens[i]
+                    return (record.step, *record.row(i))
         return None
 
     def __len__(self) -> int:

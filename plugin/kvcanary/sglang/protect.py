@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import operator
 import pkgutil
 import time
 import weakref
@@ -61,6 +62,7 @@ from kvcanary.sglang.radix import cached_nodes
 
 logger = logging.getLogger(__name__)
 
+_ROW_OF = operator.attrgetter("req_pool_idx")
 STATE_ATTR = "_kvcanary_protect"  # on the Scheduler: its SchedulerProtect
 REQ_ATTR = "_kvcanary_protect"  # on a Req: [step protect last acted on it, recomputes so far, aborted]
 
@@ -85,10 +87,15 @@ class Protector:
             return
         seq_lens = seq.tolist()
         prefix = getattr(batch, "extend_prefix_lens", None)
-        if prefix is None or len(prefix) != len(seq_lens):  # decode (and verify): one token fed per row
-            prefix = [s - 1 for s in seq_lens]
-        rows = [getattr(r, "req_pool_idx", None) for r in reqs]
-        self.history.note(self.inst.steps + 1, rows, seq_lens, list(prefix), list(reqs))
+        if prefix is not None and len(prefix) == len(seq_lens):
+            prefix = list(prefix)
+        else:  # decode (and verify): one token fed per row, the prefix is seq_len - 1 (BatchRecord works it out)
+            prefix = None
+        try:  # (the rows read in C: every request of a built batch has its row)
+            rows = list(map(_ROW_OF, reqs))
+        except AttributeError:
+            rows = [getattr(r, "req_pool_idx", None) for r in reqs]
+        self.history.note(self.inst.steps + 1, rows, seq_lens, prefix, list(reqs))
 
     def take_new(self) -> list:
         """The violations the managers reported since the last call."""
