@@ -178,9 +178,9 @@ def test_a_batch_larger_than_the_staging_grows_it() -> None:
     table.update(batch)
     reference_update(*ref, batch)
     assert_same(table, ref)
-    assert table.staging.grows == 0  # the first staging is sized for its batch
+    assert table.staging.grows == 1  # the staging allocated with the ring (MIN_STAGING_VALUES) replaced
     table.update(batch * 2)
-    assert table.staging.grows == 1
+    assert table.staging.grows == 2
     reference_update(*ref, batch)
     assert_same(table, ref)
 
@@ -530,6 +530,7 @@ def test_cuda_uploads_from_pinned_memory_while_the_device_is_busy() -> None:
     largest = max(layout.TOKEN_UPDATE_FIELDS * len(batch) + sum(len(t) for _, _, t in batch) for batch in batches)
     for _ in range(table.staging.size):
         table.staging.acquire(largest)
+    grown = table.staging.grows
     torch.cuda.synchronize()
     # ~0.5 s of device time queued first: the host issues every batch long before the device reads the first
     # staging, so the ring must come round while its launches are pending (a per-batch sleep raced the host's own
@@ -538,7 +539,7 @@ def test_cuda_uploads_from_pinned_memory_while_the_device_is_busy() -> None:
     for batch in batches:
         table.update(batch)
     torch.cuda.synchronize()
-    assert table.staging.grows == 0  # (nothing allocated while the sleep was queued)
+    assert table.staging.grows == grown  # (nothing allocated while the sleep was queued)
     assert table.staging.waits > 0  # the ring came round while its launches were pending
     assert torch.equal(table.expected_tokens.cpu(), ref[0])
     assert torch.equal(table.valid_lens_by_row.cpu(), ref[1])
@@ -572,3 +573,15 @@ def test_cuda_append_refuses_a_staging_that_is_not_pinned() -> None:
     canary_token_append(**{**args, "staging": pinned})
     assert args["valid_lens_by_row"].tolist() == [0, 3, 0, 1]
     assert args["expected_tokens"][1].tolist() == [-1, -1, 10, -1, -1, -1, -1, -1]
+
+
+def test_the_ring_allocates_its_stagings_before_serving(monkeypatch) -> None:
+    """Every staging is allocated when the ring is built: on CUDA a page-locked allocation synchronises with the
+    device, so one made on a staging's first use would stall the serving loop (only a larger batch allocates)."""
+    ring = StagingRing(3, pinned=False, event_factory=None)
+    monkeypatch.setattr(ring, "_new", lambda *a: pytest.fail("a staging allocated after the ring was built"))
+    for _ in range(2 * ring.size):
+        staging = ring.acquire(MIN_STAGING_VALUES)
+        assert staging.capacity == MIN_STAGING_VALUES
+        ring.launched(staging)
+    assert ring.grows == 0

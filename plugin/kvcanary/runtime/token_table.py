@@ -190,15 +190,19 @@ class StagingRing:
 
     ``pinned``: allocate pinned host memory (CUDA). ``event_factory``: None means no events (the launches read the
     staging before they return, as the CPU build's do).
+
+    Every staging is allocated here, at :data:`MIN_STAGING_VALUES`, before serving: a page-locked allocation is one
+    of CUDA's implicit synchronisations, so one made on a staging's first use would wait for the device mid-serving.
+    Only a batch larger than a staging still allocates then (once per size, capacities doubling).
     """
 
     def __init__(self, size: int, *, pinned: bool, event_factory: Callable[[], StagingEvent] | None) -> None:
         if size < 1:
             raise ValueError(f"StagingRing: size must be >= 1, got {size}")
-        self._slots: list[Staging | None] = [None] * size
         self._next = 0
         self._pinned = pinned
         self._event_factory = event_factory
+        self._slots: list[Staging] = [self._new(MIN_STAGING_VALUES, None) for _ in range(size)]
         self.waits = 0  # stagings still read by the device when their turn came (the host waited)
         self.grows = 0  # stagings replaced by a larger one
 
@@ -211,18 +215,17 @@ class StagingRing:
         index = self._next
         self._next = index + 1 if index + 1 < len(self._slots) else 0
         staging = self._slots[index]
-        if staging is not None and staging.in_flight:
+        if staging.in_flight:
             event = staging.event
             assert event is not None  # in_flight is only set after recording it
             if not event.query():  # the device is a whole ring of batches behind: wait, never overwrite its input
                 self.waits += 1
                 event.synchronize()
             staging.in_flight = False
-        if staging is None or staging.capacity < values:
-            # the old buffer (if any) is dropped only now: its last launch completed above, or it never had one
-            if staging is not None:
-                self.grows += 1
-            staging = self._slots[index] = self._new(values, staging.event if staging is not None else None)
+        if staging.capacity < values:
+            # the old buffer is dropped only now: its last launch completed above, or it never had one
+            self.grows += 1
+            staging = self._slots[index] = self._new(values, staging.event)
         return staging
 
     def launched(self, staging: Staging) -> None:
