@@ -544,6 +544,8 @@ def _run_case(case: Case, args, device: torch.device, pieces: Pieces) -> dict:
                               else RadixSweepIndex(tree, v0_5_12.RADIX_NODE_HOOKS))
         runner_state_of(runner).prefix_cache = tree
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    # the engine's own host work between two batches, evicting kvcanary's code and data from the caches (--cold)
+    thrash = torch.zeros(args.cold << 20, dtype=torch.uint8) if args.cold else None
 
     def forward(wb: WorkerBatch, fb: ForwardBatch, timing: Timing | None) -> None:
         t0 = time.perf_counter_ns()
@@ -579,6 +581,8 @@ def _run_case(case: Case, args, device: torch.device, pieces: Pieces) -> dict:
                 wb, fb = work.next_batch()
                 forward(wb, fb, timing)
                 work.after_forward()
+                if thrash is not None:
+                    thrash.add_(1)
                 if case.tree_changes:
                     tree.churn()  # (outside the timed hooks: the engine's own insert and eviction; the wrapped
                     # methods' bookkeeping is kvcanary's, a few µs per change, not counted here)
@@ -687,6 +691,9 @@ def main(argv: list[str] | None = None) -> int:
                          "on CUDA (launches are asynchronous), null on the CPU (kernels run inline, 2-60 ms here)")
     ap.add_argument("--cases", default="",
                     help="comma-separated case names (or parts of names: every case containing it)")
+    ap.add_argument("--cold", type=int, default=0, metavar="MB",
+                    help="between two forwards (untimed) write a host buffer of MB MiB, as the engine's own work "
+                         "between two batches does: kvcanary's code and data then run from cold caches (0: warm)")
     ap.add_argument("--json", default=None, help="write the results (and the markdown) here")
     args = ap.parse_args(argv)
     args.forwards = args.forwards or (10 if args.quick else 100)
@@ -711,7 +718,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     title = (f"kvcanary host µs per eager forward, sglang 0.5.12 call sequence ({dev_name}, torch {torch.__version__}, "
-             f"kernels {args.kernels}, {args.stat} of {args.rounds} rounds x {args.forwards} forwards per case)")
+             f"kernels {args.kernels}, {args.stat} of {args.rounds} rounds x {args.forwards} forwards per case"
+             f"{f', caches cold: {args.cold} MiB written between forwards' if args.cold else ''})")
     unit = launch_unit_us(device)
     md = markdown(results, title, unit)
     print(md)

@@ -2,7 +2,8 @@
 
 Runs the same decode-heavy MiniScheduler workload (tests/adapters/sgl_engine.py: a real ModelRunner, RadixCache,
 ScheduleBatch -> ForwardBatch -> ModelRunner.forward -> sample) in fresh processes, kvcanary off (no hooks) and
-log (``KVCANARY_MODE=log``, ``KVCANARY_REAL_KV=partial``, no token check, no sweep), and reports per forward:
+log (``KVCANARY_MODE=log``, ``KVCANARY_REAL_KV=partial``; ``--tokens`` adds the token check, ``--sweep N`` the sweep),
+and reports per forward:
 
 * ``loop_us``: wall time of one scheduler step (batch prep, ForwardBatch, forward, sample, bookkeeping);
 * ``model_us``: time inside the model's own layers (LlamaModel.forward + logits processor), the part the CPU
@@ -79,6 +80,7 @@ class Result:
     hooks_us: float = 0.0
     launch_us: float = 0.0
     batch_init_us: float = 0.0
+    sweep_us: float = 0.0  # the sweeps' part of hooks_us
     kvcanary_forwards: int = 0
     tracked_objects: int = 0  # GC-tracked objects after set-up (what a full collection walks)
     full_collect_ms: float = 0.0  # fastest of 3 gc.collect() after set-up: what a gen2 collection costs this heap
@@ -94,6 +96,29 @@ def _setup_sglang() -> None:
     _sglang_cpu_shims.apply()
 
 
+def _stub_kernels(sweep: bool) -> None:
+    """kvcanary's launches do nothing (the CPU kernels compute inline; a GPU launch does not): only the host Python
+    stays. Before the runner is built: the device state binds ``CheckLaunch.of_batch`` when it is made."""
+    from kvcanary.kernels import call, check, write
+
+    check.CheckLaunch.__call__ = lambda self, *a, **k: None
+    check.CheckLaunch.of_batch = lambda self, *a: None  # (the per-forward path's call)
+    write.WriteLaunch.__call__ = lambda self, n: None
+    if sweep:  # the sweep's verify export (reached through KernelSpec.run): its Python path stays timed
+        real_module_for = call.module_for
+
+        class _NoVerify:
+            def __init__(self, module):
+                self._module = module
+
+            def __getattr__(self, name):
+                if name.startswith("canary_verify_step"):
+                    return lambda *a: None
+                return getattr(self._module, name)
+
+        call.module_for = lambda device: _NoVerify(real_module_for(device))
+
+
 def worker(args) -> Result:
     """One mode in this (fresh) process."""
     import logging
@@ -104,6 +129,10 @@ def worker(args) -> Result:
     os.environ["KVCANARY_STATS_EVERY"] = str(args.stats_every)
     for k in ("KVCANARY_VERIFY_TOKENS", "KVCANARY_SWEEP_INTERVAL", "KVCANARY_REPORT"):
         os.environ.pop(k, None)
+    if args.tokens:
+        os.environ["KVCANARY_VERIFY_TOKENS"] = "1"
+    if args.sweep:
+        os.environ["KVCANARY_SWEEP_INTERVAL"] = str(args.sweep)
     if args.report:
         os.environ["KVCANARY_REPORT"] = os.path.join(tempfile.mkdtemp(), "kvc-{rank}.jsonl")
     _setup_sglang()
@@ -120,6 +149,8 @@ def worker(args) -> Result:
 
         register()
         HookRegistry.apply_hooks()
+    if args.stub_kernels and args.mode != "off":
+        _stub_kernels(bool(args.sweep))
     tmp = Path(tempfile.mkdtemp())
     sa = sgl_engine.server_args(sgl_engine.write_model_dir(tmp / "tiny-llama"), page_size=args.page_size,
                                 chunked_prefill_size=4096, max_total_tokens=args.batch * (args.prompt + args.forwards
@@ -131,12 +162,6 @@ def worker(args) -> Result:
 
     inst = hooks.installation_of(mr)
     assert (inst is not None) == (args.mode != "off")
-    if args.stub_kernels:  # the CPU kernels compute inline (a GPU launch does not): keep only the host Python
-        from kvcanary.kernels import check, write
-
-        check.CheckLaunch.__call__ = lambda self, *a, **k: None
-        write.WriteLaunch.__call__ = lambda self, n: None
-
     # model time: the layers and the logits processor, below kvcanary's model.forward wrapper
     model_ns = [0]
 
@@ -186,6 +211,7 @@ def worker(args) -> Result:
         profiler = cProfile.Profile()
     if inst is not None:
         inst.host_time = type(inst.host_time)()
+        sweep0 = inst.sweep_tally()
     steps: list[int] = []
     steps_model: list[int] = []
     model_ns[0] = mr_ns[0] = 0
@@ -227,6 +253,7 @@ def worker(args) -> Result:
         res.hooks_us = h.hook_ns / f / 1e3
         res.launch_us = h.in_forward_ns / f / 1e3
         res.batch_init_us = h.batch_init_ns / f / 1e3
+        res.sweep_us = (inst.sweep_tally() - sweep0).host_ns / f / 1e3
         res.canary_us = res.hooks_us + res.launch_us + res.batch_init_us
     return res
 
@@ -234,7 +261,9 @@ def worker(args) -> Result:
 def _run_worker(mode: str, args, profile_out: str | None) -> Result:
     cmd = [sys.executable, __file__, "--worker", mode, "--batch", str(args.batch), "--forwards", str(args.forwards),
            "--warmup", str(args.warmup), "--prompt", str(args.prompt), "--page-size", str(args.page_size),
-           "--stats-every", str(args.stats_every)]
+           "--stats-every", str(args.stats_every), "--sweep", str(args.sweep)]
+    if args.tokens:
+        cmd.append("--tokens")
     if args.report:
         cmd.append("--report")
     if args.stub_kernels:
@@ -263,6 +292,7 @@ def _fmt_table(results: dict[str, list[Result]]) -> str:
         ("GC-tracked objects (heap)", "tracked_objects", None), ("full gc.collect() ms", "full_collect_ms", None),
         ("kvcanary canary_us", "canary_us", None), ("  hooks_us", "hooks_us", None),
         ("  launch_us (wrapper)", "launch_us", None), ("  batch_init_us", "batch_init_us", None),
+        ("  sweep_us (in hooks_us)", "sweep_us", None),
     ]
     lines = [f"{'per forward (median of rounds)':32s} {'off':>10s} {'log':>10s} {'log-off':>10s}"]
     for label, key, idx in rows:
@@ -327,6 +357,8 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=1)
     ap.add_argument("--stats-every", type=int, default=20, help="KVCANARY_STATS_EVERY (phase 4 uses 20)")
     ap.add_argument("--report", action="store_true", help="set KVCANARY_REPORT (phase 4 does)")
+    ap.add_argument("--tokens", action="store_true", help="log mode with the token check (KVCANARY_VERIFY_TOKENS=1)")
+    ap.add_argument("--sweep", type=int, default=0, help="log mode with KVCANARY_SWEEP_INTERVAL=N (0: no sweep)")
     ap.add_argument("--stub-kernels", action="store_true",
                     help="log mode: kvcanary's check/write launches do nothing (on the CPU they compute inline, "
                          "~1-3 ms per forward, which buries the host Python this looks for)")

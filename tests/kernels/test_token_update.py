@@ -526,11 +526,18 @@ def test_cuda_uploads_from_pinned_memory_while_the_device_is_busy() -> None:
             reference_update(*ref, [update])
     # Every staging of the ring grown to the largest batch first: a pinned allocation is one of CUDA's implicit
     # synchronisations, so a staging grown inside the loop below would wait for the queued sleep and the ring would
-    # never find a launch pending (the H200 gpu_check of 2026-12-02 saw no wait: its growth happened in the loop).
+    # never find a launch pending.
     largest = max(layout.TOKEN_UPDATE_FIELDS * len(batch) + sum(len(t) for _, _, t in batch) for batch in batches)
     for _ in range(table.staging.size):
         table.staging.acquire(largest)
     grown = table.staging.grows
+    # Every kernel the loop launches launched once first: under CUDA's lazy module loading (the default) the first
+    # launch of a kernel loads it, which synchronises with the device; the H200 run of 2026-12-02 (third session)
+    # timed it: the loop's first update waited 1.01 s for the queued sleep, a raw launch of a loaded kernel 19 µs.
+    scratch = TokenTable(rows, width, dev)
+    scratch.update([(0, 0, [1, 2, 3])])  # canary_token_update_kernel (also the one a repeated row launches)
+    scratch.update([(0, 3, [4]), (1, 0, [5])])  # canary_token_append_kernel
+    scratch.update([(2, 0, [4]), (2, 1, [5])])  # canary_token_append_ordered_kernel (a row repeated)
     torch.cuda.synchronize()
     # ~0.5 s of device time queued first: the host issues every batch long before the device reads the first
     # staging, so the ring must come round while its launches are pending (a per-batch sleep raced the host's own

@@ -272,9 +272,10 @@ class Installation:
         for group in self.groups:
             group.manager.mark_init_finished()
         self.host_time = HostTime()  # warmup and graph capture are not serving
-        self._sweep_at_init = self._sweep_tally()
+        self._sweep_at_init = self.sweep_tally()
 
-    def _sweep_tally(self) -> SweepTally:
+    def sweep_tally(self) -> SweepTally:
+        """Every group's sweeps so far (differences of two give a period's)."""
         total = SweepTally()
         for group in self.groups:
             total = total + group.manager.sweeper.tally()
@@ -293,7 +294,7 @@ class Installation:
             self._piecewise_now = False
         every = self.config.stats_every
         if every and host.forwards % every == 0:
-            logger.info("%s", host.line(self.steps, self._sweep_tally() - self._sweep_at_init))
+            logger.info("%s", host.line(self.steps, self.sweep_tally() - self._sweep_at_init))
 
     def account_host_tier(self, ns: int) -> None:
         """Host time of a host KV tier's hook (a backup's or load-back's record copies), outside any forward."""
