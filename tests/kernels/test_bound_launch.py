@@ -1,5 +1,5 @@
-"""The bound launches (``canary_check_bind`` / ``canary_write_bind`` behind ops.CheckLaunch / ops.WriteLaunch) equal
-the keyword exports they stand for.
+"""The bound launches (``canary_check_bind`` / ``canary_write_bind`` behind ops.CheckLaunch / ops.WriteLaunch, and the
+sweep's SweepLaunch over ``canary_verify_step``'s laid-out arguments) equal the keyword exports they stand for.
 
 * Bit-identical results: on random cases (extend, decode, padding rows, corrupted records: violations), a few
   forwards in a row through the bound function leave exactly what the same forwards through
@@ -20,14 +20,15 @@ from typing import Any
 
 import pytest
 import torch
-from canary_cases import capture_after_warmup, random_sources, random_write_launch
+from canary_cases import RESULT_KEYS, capture_after_warmup, random_sources, random_verify_launch, random_write_launch
 from test_check import assert_same, random_check_case, run_fused
 
 from kvcanary.kernels import layout
 from kvcanary.kernels.call import load_module, real_kv_launch_args
 from kvcanary.kernels.check import CheckLaunch, canary_check_step
-from kvcanary.kernels.plan import WritePlan
+from kvcanary.kernels.plan import VerifyPlan, WritePlan
 from kvcanary.kernels.real_kv import RealKvSource
+from kvcanary.kernels.verify import SweepLaunch, canary_verify_step
 from kvcanary.kernels.write import WriteLaunch, canary_write_step
 
 SCENARIOS = 60
@@ -370,3 +371,42 @@ def test_bound_launches_capture_on_the_current_stream() -> None:
         header = state[:H].cpu().tolist()
         assert header[layout.STATE_FORWARD] == before[layout.STATE_FORWARD] + replay
         assert header[layout.STATE_KERNEL_RUNS + write_tag] == before[layout.STATE_KERNEL_RUNS + write_tag] + replay
+
+
+# ---------------------------------------------------------------------------------------------- sweep (verify)
+
+PLAN_FIELDS = ("verify_slot_indices", "verify_expected_tokens", "verify_expected_positions",
+               "verify_prev_slot_indices", "verify_num_valid", "verify_enable")
+
+
+def _sweep_launch(kw: dict[str, Any]) -> tuple[SweepLaunch, VerifyPlan]:
+    fixed = {k: v for k, v in kw.items() if k not in PLAN_FIELDS}
+    return SweepLaunch(**fixed), VerifyPlan(**{k: kw[k] for k in PLAN_FIELDS})
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_sweep_launch_equals_the_export(seed: int) -> None:
+    """The laid-out launch over a plan leaves exactly what ``canary_verify_step`` leaves with the same arguments,
+    called twice (the second call reuses the laid-out arguments), on the same plan as on another."""
+    launch = random_verify_launch(random.Random(seed))
+    direct, bound = launch.clone_to("cpu"), launch.clone_to("cpu")
+    canary_verify_step(**direct)
+    canary_verify_step(**direct)
+    sweep, plan = _sweep_launch(bound)
+    sweep(plan)
+    sweep(VerifyPlan(**{k: bound[k] for k in PLAN_FIELDS}))  # another plan object over the same tensors
+    for key in RESULT_KEYS:
+        assert torch.equal(direct[key], bound[key]), key
+
+
+def test_sweep_launch_names_a_bad_plan_like_the_export() -> None:
+    launch = random_verify_launch(random.Random(7))
+    kw = launch.clone_to("cpu")
+    kw["verify_prev_slot_indices"] = kw["verify_prev_slot_indices"].to(torch.int32)
+    with pytest.raises(TypeError) as exported:
+        canary_verify_step(**kw)
+    sweep, plan = _sweep_launch(kw)
+    with pytest.raises(TypeError) as laid_out:
+        sweep(plan)
+    assert "verify_prev_slot_indices" in str(exported.value)
+    assert str(laid_out.value) == str(exported.value)

@@ -247,10 +247,15 @@ class KernelSpec:
 
     def call(self, module: Any, args: Mapping[str, Any], device: torch.device) -> None:
         """One call of the export: the seed one, or the attributed one when any attributed tensor is given."""
+        export, positional = self.laid_out(module, args, device)
+        export(*positional)
+
+    def laid_out(self, module: Any, args: Mapping[str, Any], device: torch.device) -> tuple[Any, tuple]:
+        """The export :meth:`call` calls for the keyword ``args`` (the attributed one when any attributed tensor is
+        given) and its positional arguments: a caller that repeats one call keeps them."""
         if any(a.value(args) is not None for a in self._attributed_args if a.kind == OPTIONAL):
-            getattr(module, self.attributed_export)(*self.positional(args, device))
-        else:
-            getattr(module, self.fn)(*self.positional(args, device, attributed=False))
+            return getattr(module, self.attributed_export), self.positional(args, device)
+        return getattr(module, self.fn), self.positional(args, device, attributed=False)
 
     def bind(self, fixed: Mapping[str, Any]) -> Any:
         """``bind_export`` with every argument but the ``per_forward`` ones (``fixed``); a failure is named as a call

@@ -49,7 +49,7 @@ from kvcanary.kernels.check import CheckLaunch
 from kvcanary.kernels.plan import VerifyPlan, WritePlan
 from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.kernels.tags import NUM_LAUNCH_TAGS, LaunchTag
-from kvcanary.kernels.verify import canary_verify_step
+from kvcanary.kernels.verify import SweepLaunch
 from kvcanary.kernels.write import WriteLaunch
 from kvcanary.runtime.serial_upload import RowSerialUpload
 from kvcanary.runtime.token_table import TokenTable
@@ -192,6 +192,9 @@ class DeviceState:
             self._expected_tokens = token_table.expected_tokens
             self._expected_valid_lens_by_row = token_table.valid_lens_by_row
         self._sweep_views = self._build_counter_views(LaunchTag.SWEEP)  # (verify-tag launches: the check's state)
+        self._sweep = SweepLaunch(canary_buf=self.canary_buf, kernel_kind=LaunchTag.SWEEP, **self._sweep_views,
+                                  real_kv_sources=self._real_kv_launch, real_kv_hash_mode=self.real_kv_mode,
+                                  check_tokens=False)
         self._status_copies: dict[tuple[int, int], StatusCopy] = {}
         # The two per-forward launches, their fixed arguments bound once (a forward's host time is the product's cost)
         self._check = CheckLaunch(
@@ -245,18 +248,9 @@ class DeviceState:
         ``skipped``: how many of the entries are tombstones (the padding slot): verify's entry counter counts every
         plan entry, so they are taken off the SWEEP count right after the launch, in stream order (a status copy
         sees both or neither)."""
-        views = self._sweep_views
-        canary_verify_step(
-            canary_buf=self.canary_buf,
-            **plan.kernel_args(),
-            kernel_kind=LaunchTag.SWEEP,
-            **views,
-            real_kv_sources=self._real_kv_launch,
-            real_kv_hash_mode=self.real_kv_mode,
-            check_tokens=False,
-        )
+        self._sweep(plan)
         if skipped:
-            views["slot_run_counter"].sub_(skipped)
+            self._sweep_views["slot_run_counter"].sub_(skipped)
 
     # ------------------------------------------------------------------------------------------ host-called updates
     def mark_init_finished(self, steps: int) -> None:

@@ -93,14 +93,45 @@ def update_on_producer_stream(producer: torch.cuda.Stream | None, update: Callab
     free a tensor the consumer may still read (grow buffers before, outside ``producer``). With ``producer`` None or
     current, ``update()`` runs as is. Never synchronises the host.
     """
-    consumer = _other_consumer(producer)
-    if consumer is None:
+    if producer is None:
         update()
         return
-    producer.wait_stream(consumer)
-    with torch.cuda.stream(producer):
+    consumer = current_stream(producer.device_index)
+    if consumer.cuda_stream == producer.cuda_stream:
         update()
-    consumer.wait_stream(producer)
+        return
+    # (a sweep's host cost: two events made once per producer and re-recorded, where wait_stream makes one per call,
+    # and a plain set_stream pair, where the stream context also builds a Stream object: each torch call here is
+    # ~16 µs in the H200 engine's scheduler)
+    consumer_done, producer_done = _order_events(producer)
+    consumer_done.record(consumer)
+    producer.wait_event(consumer_done)
+    if producer.device_index == torch.cuda.current_device():
+        torch.cuda.set_stream(producer)  # (set_stream also makes the stream's device current: it is already)
+        try:
+            update()
+        finally:
+            torch.cuda.set_stream(consumer)
+    else:
+        with torch.cuda.stream(producer):  # (switches the device too, and back)
+            update()
+    producer_done.record(producer)
+    consumer.wait_event(producer_done)
+
+
+# producer stream handle -> (event after the consumer's work, event after the update), for update_on_producer_stream.
+# Re-recording an event is safe while a wait on its previous record is still queued (a wait takes the record it
+# sees when it is enqueued). Few producers exist (a scheduler stream per engine), so the cache stays small.
+_ORDER_EVENTS: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
+
+
+def _order_events(producer: torch.cuda.Stream) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    events = _ORDER_EVENTS.get(producer.cuda_stream)
+    if events is None:
+        if len(_ORDER_EVENTS) >= _MAX_CACHED_STREAMS:
+            _ORDER_EVENTS.clear()
+        events = _ORDER_EVENTS[producer.cuda_stream] = (torch.cuda.Event(), torch.cuda.Event())
+    return events
 
 
 def _other_consumer(producer: torch.cuda.Stream | None) -> torch.cuda.Stream | None:
