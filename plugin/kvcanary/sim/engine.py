@@ -661,6 +661,10 @@ class Simulator:
         self.free_page(slot)
         return slot
 
+    def can_extend(self, req: Request, extra: int) -> bool:
+        """Whether :meth:`extend_life` can keep ``req`` decoding for ``extra`` more tokens (its context has room)."""
+        return req.generated + extra <= self.cfg.max_ctx - len(req.prompt) - 1
+
     def extend_life(self, req: Request, extra: int) -> None:
         """Keep ``req`` decoding for at least ``extra`` more tokens from now (bounded by max_ctx), e.g. until a fault
         is detected. A request extended again does not grow past that (admission reserved only so much)."""

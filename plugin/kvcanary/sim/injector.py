@@ -245,14 +245,24 @@ class FaultDriver:
             self.next_ok = sim.step_no + self.gap
 
     # ------------------------------------------------------------------ helpers
+    def outlives(self, sim: Simulator, req: Request) -> bool:
+        """Whether ``req`` can be kept running until its injection is repaired (``deadline`` forwards and a margin).
+
+        A victim whose repair retires it or restores its mapping must still be running then: one that finished first
+        was cached with the fault in it (its stale or redirected slot, its bad K/V), where no repair reaches, and every
+        later sweep of the prefix cache reported it again, past the injection's window (the demo once counted 330
+        false positives so: a stale_slot_reuse victim 6 tokens short of its context limit)."""
+        return sim.can_extend(req, self.deadline + 5)
+
     def batch_rows(self, sim: Simulator, *, decode_only: bool = False,
                    min_prefix: int = 0) -> list[tuple[int, Request]]:
-        """(batch row index, request) of live rows in the current batch."""
+        """(batch row index, request) of live rows in the current batch that can outlive an injection
+        (:meth:`outlives`)."""
         b = sim.batch
         out = []
         prefix_lens, extend_lens = b.prefix_lens.tolist(), b.extend_lens.tolist()
         for i, req in enumerate(sim.batch_reqs):
-            if prefix_lens[i] < min_prefix or req.recomputes:
+            if prefix_lens[i] < min_prefix or req.recomputes or not self.outlives(sim, req):
                 continue
             if decode_only and (extend_lens[i] != 1 or req.kv_len < len(req.prompt)):
                 continue
@@ -320,7 +330,7 @@ class FaultDriver:
 
     def stale_reuse(self, sim: Simulator) -> None:
         cands = [(a, p) for a in sim.running if a.kv_len >= len(a.prompt) and a.kv_len >= 3 and not a.recomputes
-                 for p in range(a.kv_len - 1) if a.slots[p] in a.owned]
+                 and self.outlives(sim, a) for p in range(a.kv_len - 1) if a.slots[p] in a.owned]
         if not cands:
             return
         a, pos = self.rng.choice(cands)
