@@ -19,6 +19,7 @@
 #   bench-host  benchmarks/bench_host.py (host time of the manager's per-forward calls and of each export alone)
 #   bench-attribution  benchmarks/bench_attribution.py (write / verify with and without writer attribution)
 #   bench-forward-path  benchmarks/bench_forward_path.py (kvcanary host us per eager forward, sglang's call sequence)
+#   bench-forward-path-cold  the same for two cases with the caches cold between forwards (--cold 64), as in the engine
 # Output: $OUT/gpu_check.md (summary table, also printed last), $OUT/<step>.log, $OUT/bench.json;
 # $OUT defaults to ./gpu_check_out. Exit status: 0 only if no step failed.
 # Total wall time is capped by GPU_CHECK_BUDGET_S (default 480 s): each step's timeout is cut to what is left.
@@ -272,6 +273,13 @@ record bench-attribution "$(status_of $STEP_RC)" "$STEP_S" "seed vs attributed w
 run_step bench-forward-path 120 "$PY" benchmarks/bench_forward_path.py --device cuda --forwards 30 --rounds 5 --stat min
 record bench-forward-path "$(status_of $STEP_RC)" "$STEP_S" "host us per eager forward, engine call sequence; see below"
 
+# ------------------------------------------------------------------------------------------------ bench-forward-path-cold
+# The same call sequence with 64 MiB written between forwards: kvcanary's code and data run from cold caches, as in
+# the engine, where sglang's own work between two batches evicts them (benchmarks/README.md, --cold).
+run_step bench-forward-path-cold 90 "$PY" benchmarks/bench_forward_path.py --device cuda --forwards 30 --rounds 5 \
+  --stat min --cold 64 --cases "decode bs64 PARTIAL + tokens,decode bs64 PARTIAL + tokens + sweep 10 (tree changing)"
+record bench-forward-path-cold "$(status_of $STEP_RC)" "$STEP_S" "the same, caches cold between forwards; see below"
+
 # ------------------------------------------------------------------------------------------------ summary
 {
   echo "## kvcanary GPU check"
@@ -293,6 +301,7 @@ record bench-forward-path "$(status_of $STEP_RC)" "$STEP_S" "host us per eager f
   sed -n '/^### kvcanary host time per call/,$p' "$OUT_DIR/bench-host.log" 2>/dev/null
   sed -n '/^kvcanary attribution cost/,$p' "$OUT_DIR/bench-attribution.log" 2>/dev/null
   sed -n '/^### kvcanary host µs per eager forward/,$p' "$OUT_DIR/bench-forward-path.log" 2>/dev/null
+  sed -n '/^### kvcanary host µs per eager forward/,$p' "$OUT_DIR/bench-forward-path-cold.log" 2>/dev/null
 } > "$SUMMARY"
 
 # Show the end of each failing step's log, then the table (last, so it survives output truncation).
