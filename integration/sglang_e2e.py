@@ -1813,7 +1813,7 @@ PHASE_NAMES.update({p.name: k for k, p in POOL_PHASES.items()})
 
 def fault_classes(kvcanary_env: str) -> tuple[str, ...] | None:
     """The fault classes a ``--kvcanary-env KVCANARY_FAULT=...`` override chose (phase 3 then judges those), e.g.
-    without cached_idle_corruption under an SWARadixCache, which kvcanary cannot sweep."""
+    without cached_idle_corruption under a prefix cache kvcanary cannot sweep."""
     for item in kvcanary_env.split():
         key, _, value = item.partition("=")
         if key == "KVCANARY_FAULT":

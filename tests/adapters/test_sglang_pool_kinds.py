@@ -116,7 +116,7 @@ def _check_groups(engine) -> None:
 
 def test_pool_kind_clean_run_then_real_kv_flip(engine, capsys) -> None:
     _check_groups(engine)
-    assert engine.inst.manager.has_sweep_source() == (engine.kind != "swa")
+    assert engine.inst.manager.has_sweep_source()  # (under an SWARadixCache too: its full slots are walked)
     mr, inst = engine.mr, engine.inst
     rng = random.Random(7)
     # page 64: the radix cache matches whole pages only, so the shared prefix spans two of them
@@ -151,8 +151,8 @@ def test_pool_kind_clean_run_then_real_kv_flip(engine, capsys) -> None:
         assert st.violations_seen == 0, name
         assert st.kernel_runs[LaunchTag.VERIFY] == n and st.kernel_runs[LaunchTag.WRITE] == n, name
         assert st.slot_runs[LaunchTag.VERIFY] > 0, name
-        # kvcanary sweeps RadixCache only: under an SWARadixCache it logs "cannot be swept ... sweep off"
-        assert (st.slot_runs[LaunchTag.SWEEP] > 0) == (engine.kind != "swa"), name
+        # the full group is swept (an SWARadixCache's full slots too); the swa group is not
+        assert (st.slot_runs[LaunchTag.SWEEP] > 0) == (name == "full"), name
     if engine.kind == "swa":
         assert freed > 0, "no slot left the window (maybe_evict_swa freed nothing)"
         assert swa_free0 is not None
@@ -177,3 +177,40 @@ def test_pool_kind_clean_run_then_real_kv_flip(engine, capsys) -> None:
         print(f"{engine.kind} flip: {inj.detail} -> {exc.value.violations[0].log_line()}")
     assert {v.slot for v in exc.value.violations} == {slot}
     assert all(v.reasons == ("verify_real_kv_hash",) for v in exc.value.violations)
+
+
+@pytest.mark.parametrize("engine", ["swa"], indirect=True)
+def test_swa_cached_idle_corruption_is_swept(engine, capsys) -> None:
+    """Under an SWARadixCache a full-pool K/V byte of a slot only the prefix cache holds (no running request maps
+    it) changes: the sweep of the full group, walking the tree's full slots, reports it (before, the sweep was off
+    under an SWARadixCache and this class went unseen)."""
+    from kvcanary.sglang import radix
+
+    rng = random.Random(11)
+    sched = sgl_engine.MiniScheduler(engine.mr, engine.tree, chunk_size=48)
+    _drive(sched, rng, [rng.randrange(3, 2000) for _ in range(40)], 60, 100)  # past the window: tombstones
+    mr, inst = engine.mr, engine.inst
+    r2t = mr.req_to_token_pool.req_to_token
+    mapped = set()
+    if sched.running is not None:
+        for r in sched.running.reqs:
+            mapped.update(r2t[r.req_pool_idx, : len(r.origin_input_ids) + len(r.output_ids)].tolist())
+    idle = [s for s in radix.idle_cached_slots(engine.tree) if s > 0 and s not in mapped]
+    assert idle, "the SWARadixCache holds no idle cached slot"
+    slot = rng.choice(idle)
+    source = inst.groups[0].spec.sources[0]  # the full group's (the sweep's) K/V
+    inj = faults.flip_cached_idle(source, slot, byte=3)
+    try:
+        with pytest.raises(CanaryViolationError) as exc:
+            for _ in range(3 * (SWEEP_INTERVAL + inst.manager.config.drain_every)):
+                if sched.idle:  # forwards that share no prefix with the cache: only the sweep reads the slot
+                    sched.add([rng.randrange(3, 2000) for _ in range(20)], 30)
+                sched.step()
+    finally:
+        faults.flip_cached_idle(source, slot, byte=3, undo=True)
+    with capsys.disabled():
+        print(f"swa cached idle: {inj.detail} -> {exc.value.violations[0].log_line()}")
+    assert {v.slot for v in exc.value.violations} == {slot}
+    assert all(v.reasons == ("verify_real_kv_hash",) for v in exc.value.violations)
+    assert any(v.tag_name == "sweep" for v in exc.value.violations)
+

@@ -277,3 +277,20 @@ def test_protect_counters_and_log_lines(make_engine, caplog) -> None:
     lines = [r.getMessage() for r in caplog.records]
     assert any(m.startswith(protect.ACTION_LOG_PREFIX) and "action=recompute" in m for m in lines)
     assert any(m.startswith(protect.SUMMARY_LOG_PREFIX) and "recomputed=1" in m for m in lines)
+
+
+def test_protect_refuses_a_prefix_cache_it_cannot_evict_from() -> None:
+    """Protect evicts bad nodes from sglang's exact RadixCache only. Under an SWARadixCache (swept since the full
+    group walks its full slots) a bad cached slot would go to the next request that matches it: refused at start-up,
+    by name. A RadixCache is protected; no prefix cache needs no eviction."""
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
+
+    swa, radix = object.__new__(SWARadixCache), object.__new__(RadixCache)
+    with pytest.raises(sgl_protect_mod.ProtectRefused,
+                       match="KVCANARY_MODE=protect with the prefix cache SWARadixCache: evicting its nodes is not "
+                             "taught yet"):
+        sgl_protect_mod.check_evictable(v0_5_12, swa, v0_5_12.radix_cache(swa), RadixCache)
+    sgl_protect_mod.check_evictable(v0_5_12, radix, v0_5_12.radix_cache(radix), RadixCache)
+    sgl_protect_mod.check_evictable(v0_5_12, None, None, RadixCache)
+

@@ -63,11 +63,12 @@ def test_fault_classes_follow_the_kvcanary_env_override_and_sweep_off_is_allowed
     d = e2e
     assert d.fault_classes("KVCANARY_FAULT=real_kv_flip,token_swap KVCANARY_X=1") == ("real_kv_flip", "token_swap")
     assert d.fault_classes("") is None
-    log = "WARNING kvcanary: prefix cache SWARadixCache cannot be swept (supported: RadixCache); sweep off\n"
+    log = ("WARNING kvcanary: prefix cache ChunkCache cannot be swept (supported: RadixCache, SWARadixCache); "
+           "sweep off\n")
     s = d.summarize_phase(d.PHASES["2"], {"status": "OK", "requests_sent": 1, "requests_ok": 1}, log +
                           "kvcanary stats: step=9 forwards=9 tokens_written=9 entries_verified=2000000 "
                           "entries_swept=0 violations=0 lost=0\n", [])
-    assert s["sweep_off"] == "SWARadixCache" and d.verdict_clean(s) == (True, [])
+    assert s["sweep_off"] == "ChunkCache" and d.verdict_clean(s) == (True, [])
 
 
 def test_lift_switch_drops_only_the_kv_dtype_refusal() -> None:

@@ -68,12 +68,16 @@ RADIX_CACHE_CLASS = "sglang.srt.mem_cache.radix_cache.RadixCache"
 RADIX_NODE_HOOKS: radix_index.RadixNodeHooks | None = radix_index.RadixNodeHooks(
     stored="_record_store_event", split="_split_node", deleted="_delete_leaf", reset="reset")
 SCHEDULE_STREAM_ATTR = "schedule_stream"  # Scheduler attribute (0.5.12: set when its event loop starts)
+# The sliding-window models' prefix cache. Its nodes keep their full-attention slots while cached (a tombstone frees
+# only the window's slots; a node leaves the tree with its full slots), so it is swept as a RadixCache is walked: the
+# full group's records (the first group, the installation's manager) every sweep; the swa group is not swept.
+SWA_RADIX_CACHE_CLASS = "sglang.srt.mem_cache.swa_radix_cache.SWARadixCache"
 
 __all__ = [
     "MODEL_RUNNER", "SCHEDULER", "T_FORWARD", "T_FB_INIT_NEW", "STARTUP_FAILURE_TARGET", "PROTECT_HOOK_TARGETS",
     "FORWARD_MODES", "POOL_CLASSES", "RADIX_CACHE_CLASS", "RADIX_NODE_HOOKS", "SCHEDULE_STREAM_ATTR",
     "check_after_initialize", "server_args_of", "runner_parts", "runner_ranks", "batch_requests", "scheduler_cache",
-    "radix_cache", "scheduler_stream_of", "sweep_source", "wrapper_gate", "max_static_tokens",
+    "radix_cache", "swept_tree", "scheduler_stream_of", "sweep_source", "wrapper_gate", "max_static_tokens",
 ]
 
 
@@ -159,15 +163,34 @@ def scheduler_stream_of(scheduler) -> Callable[[], torch.cuda.Stream | None]:
     return radix.scheduler_stream_of(scheduler, SCHEDULE_STREAM_ATTR)
 
 
+def swa_radix_cache(tree_cache):
+    """The ``SWA_RADIX_CACHE_CLASS`` tree behind sglang's prefix cache, or None (also when this sglang has no such
+    class)."""
+    try:
+        cls = pkgutil.resolve_name(SWA_RADIX_CACHE_CLASS)
+    except (ImportError, AttributeError):
+        return None
+    return radix.unwrap_radix_cache(tree_cache, cls)
+
+
+def swept_tree(tree_cache):
+    """The tree whose cached slots the sweep walks and the fault injector reads idle slots from: the RadixCache
+    behind ``tree_cache`` (:func:`radix_cache`), else its SWARadixCache (:func:`swa_radix_cache`); None for any
+    other prefix cache."""
+    tree = radix_cache(tree_cache)
+    return tree if tree is not None else swa_radix_cache(tree_cache)
+
+
 def sweep_source(tree_cache, producer_stream: Callable[[], torch.cuda.Stream | None] | None = None
                  ) -> Callable[[], object] | None:
     """The sweep source over the RadixCache behind ``tree_cache`` (:func:`radix_cache`), or None when there is none:
     for exactly ``RADIX_CACHE_CLASS`` with ``RADIX_NODE_HOOKS``, the incremental plan that follows the tree's changes
     (:class:`kvcanary.sglang.radix_index.RadixSweepIndex`); otherwise (a subclass: HiRadixCache moves node values in
-    methods of its own) the walker, every sweep."""
+    methods of its own) the walker, every sweep; an ``SWA_RADIX_CACHE_CLASS`` tree's full slots: the walker too."""
     tree = radix_cache(tree_cache)
     if tree is None:
-        return None
+        swa_tree = swa_radix_cache(tree_cache)
+        return radix.radix_sweep_source(swa_tree, producer_stream) if swa_tree is not None else None
     if RADIX_NODE_HOOKS is not None and type(tree) is pkgutil.resolve_name(RADIX_CACHE_CLASS):
         return radix_index.RadixSweepIndex(tree, RADIX_NODE_HOOKS, producer_stream)
     return radix.radix_sweep_source(tree, producer_stream)

@@ -114,6 +114,9 @@ class VersionModule(Protocol):
 
     def radix_cache(self, tree_cache) -> object | None: ...
 
+    def swept_tree(self, tree_cache) -> object | None:
+        """The tree whose cached slots the sweep walks (a RadixCache, or an SWARadixCache's full slots), or None."""
+
     def scheduler_stream_of(self, scheduler) -> Callable[[], torch.cuda.Stream | None]: ...
 
     def sweep_source(self, tree_cache, producer_stream: Callable[[], torch.cuda.Stream | None] | None = None

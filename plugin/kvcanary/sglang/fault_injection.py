@@ -242,7 +242,7 @@ def inject_fault(state: RunnerState, step: int, fb, cls: str | None, version: Ve
         return inj
 
     if cls == faults.CACHED_IDLE_CORRUPTION:
-        tree = version.radix_cache(state.prefix_cache) if state.prefix_cache is not None else None
+        tree = version.swept_tree(state.prefix_cache) if state.prefix_cache is not None else None
         if not sources or tree is None or not inst.manager.sweeps_on_next_step():
             return None  # (or wait for the forward whose step sweeps)
         verified = set()

@@ -480,6 +480,18 @@ def state_of(scheduler) -> SchedulerProtect | None:
     return getattr(scheduler, STATE_ATTR, None)
 
 
+def check_evictable(version: ModuleType, tree, radix, radix_cls: type) -> None:
+    """Refuse (:class:`ProtectRefused`) a prefix cache whose cached slots kvcanary checks but protect cannot evict
+    from: protect evicts bad nodes from sglang's exact RadixCache only, and a cache it could not evict from would
+    hand the bad slots to the next request that matches them (an SWARadixCache: its full slots are swept since
+    2026-12-02). No prefix cache (``--disable-radix-cache``) needs no eviction."""
+    cached = version.swept_tree(tree) if tree is not None else None
+    if cached is not None and type(radix) is not radix_cls:
+        raise ProtectRefused(f"KVCANARY_MODE=protect with the prefix cache {type(cached).__name__}: evicting its nodes "
+                             f"is not taught yet (protect evicts from sglang's {radix_cls.__name__} only); use "
+                             "KVCANARY_MODE=log, or --disable-radix-cache")
+
+
 def attach(scheduler, version: ModuleType) -> SchedulerProtect | None:
     """After ``Scheduler.init_cache_with_memory_pool``: protect the scheduler's installations (refusing setups it
     cannot act in, by name)."""
@@ -498,6 +510,7 @@ def attach(scheduler, version: ModuleType) -> SchedulerProtect | None:
                              "cannot be retracted; drop the flag or KVCANARY_PROTECT_HOLD")
     radix_cls = pkgutil.resolve_name(version.RADIX_CACHE_CLASS)
     radix = version.radix_cache(tree) if tree is not None else None
+    check_evictable(version, tree, radix, radix_cls)
     protectors = []
     for runner_state in mine:
         if runner_state.protect is None:

@@ -122,10 +122,14 @@ def radix_sweep_source(tree, producer_stream: Callable[[], torch.cuda.Stream | N
 
 
 def idle_cached_slots(tree) -> list[int]:
-    """Slots the RadixCache ``tree`` holds in nodes no running request locks (``TreeNode.lock_ref == 0``), in walk
-    order. Reads slots on the host: fault injection only."""
-    return [int(x) for node, _, _ in cached_nodes(tree) if getattr(node, "lock_ref", 0) == 0
-            for x in node.value.tolist()]
+    """Slots the RadixCache ``tree`` holds in nodes no running request locks (``TreeNode.lock_ref == 0``; an
+    SWARadixCache node's ``full_lock_ref``), in walk order. Reads slots on the host: fault injection only."""
+    return [int(x) for node, _, _ in cached_nodes(tree) if _lock_ref(node) == 0 for x in node.value.tolist()]
+
+
+def _lock_ref(node) -> int:
+    lock = getattr(node, "lock_ref", None)
+    return lock if lock is not None else getattr(node, "full_lock_ref", 0)
 
 
 def scheduler_stream_of(scheduler, attr: str) -> Callable[[], torch.cuda.Stream | None]:
