@@ -188,8 +188,11 @@ def test_swa_cached_idle_corruption_is_swept(engine, capsys) -> None:
 
     rng = random.Random(11)
     sched = sgl_engine.MiniScheduler(engine.mr, engine.tree, chunk_size=48)
-    _drive(sched, rng, [rng.randrange(3, 2000) for _ in range(40)], 60, 100)  # past the window: tombstones
+    _drive(sched, rng, [rng.randrange(3, 2000) for _ in range(40)], 80, 100)  # past the window: tombstones
     mr, inst = engine.mr, engine.inst
+    full = inst.groups[0].manager
+    full.flush()
+    assert full.stats.violations_seen == 0 and full.stats.slot_runs[LaunchTag.SWEEP] > 0  # swept clean first
     r2t = mr.req_to_token_pool.req_to_token
     mapped = set()
     if sched.running is not None:

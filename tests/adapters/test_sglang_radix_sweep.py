@@ -202,3 +202,18 @@ def test_a_failure_to_follow_falls_back_to_a_walk(tree: RadixCache, monkeypatch)
     monkeypatch.setattr(source, "node_stored", broken)
     insert(tree, [1, 2, 3, 4, 5, 6, 99], [11, 12, 13, 14, 15, 16, 99])  # sglang's insert still succeeds
     assert planned(source) == sorted(walked(tree)) and source.walks == 2 and source.walk_reasons["failed"] == 1
+
+
+def test_an_swa_radix_cache_is_walked_on_pages_of_one_slot_only() -> None:
+    """An SWARadixCache's full slots are swept (walked each sweep) with --page-size 1, what has run under the sweep;
+    on larger pages the sweep stays off (the adapter warns), until a run covers them."""
+    from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
+
+    from kvcanary.sglang import v0_5_12
+
+    tree = object.__new__(SWARadixCache)
+    tree.page_size = 1
+    assert v0_5_12.swept_tree(tree) is tree
+    assert callable(v0_5_12.sweep_source(tree))
+    tree.page_size = 16
+    assert v0_5_12.sweep_source(tree) is None

@@ -63,7 +63,8 @@ def test_fault_classes_follow_the_kvcanary_env_override_and_sweep_off_is_allowed
     d = e2e
     assert d.fault_classes("KVCANARY_FAULT=real_kv_flip,token_swap KVCANARY_X=1") == ("real_kv_flip", "token_swap")
     assert d.fault_classes("") is None
-    log = ("WARNING kvcanary: prefix cache ChunkCache cannot be swept (supported: RadixCache, SWARadixCache); "
+    log = ("WARNING kvcanary: prefix cache ChunkCache cannot be swept (supported: RadixCache, SWARadixCache with "
+           "--page-size 1); "
            "sweep off\n")
     s = d.summarize_phase(d.PHASES["2"], {"status": "OK", "requests_sent": 1, "requests_ok": 1}, log +
                           "kvcanary stats: step=9 forwards=9 tokens_written=9 entries_verified=2000000 "

@@ -70,7 +70,8 @@ RADIX_NODE_HOOKS: radix_index.RadixNodeHooks | None = radix_index.RadixNodeHooks
 SCHEDULE_STREAM_ATTR = "schedule_stream"  # Scheduler attribute (0.5.12: set when its event loop starts)
 # The sliding-window models' prefix cache. Its nodes keep their full-attention slots while cached (a tombstone frees
 # only the window's slots; a node leaves the tree with its full slots), so it is swept as a RadixCache is walked: the
-# full group's records (the first group, the installation's manager) every sweep; the swa group is not swept.
+# full group's records (the first group, the installation's manager) every sweep; the swa group is not swept. Pages
+# of one slot only: SWA with --page-size > 1 has not run under the sweep yet (it stays off there, with the warning).
 SWA_RADIX_CACHE_CLASS = "sglang.srt.mem_cache.swa_radix_cache.SWARadixCache"
 
 __all__ = [
@@ -186,11 +187,14 @@ def sweep_source(tree_cache, producer_stream: Callable[[], torch.cuda.Stream | N
     """The sweep source over the RadixCache behind ``tree_cache`` (:func:`radix_cache`), or None when there is none:
     for exactly ``RADIX_CACHE_CLASS`` with ``RADIX_NODE_HOOKS``, the incremental plan that follows the tree's changes
     (:class:`kvcanary.sglang.radix_index.RadixSweepIndex`); otherwise (a subclass: HiRadixCache moves node values in
-    methods of its own) the walker, every sweep; an ``SWA_RADIX_CACHE_CLASS`` tree's full slots: the walker too."""
+    methods of its own) the walker, every sweep; an ``SWA_RADIX_CACHE_CLASS`` tree's full slots (pages of one slot):
+    the walker too."""
     tree = radix_cache(tree_cache)
     if tree is None:
         swa_tree = swa_radix_cache(tree_cache)
-        return radix.radix_sweep_source(swa_tree, producer_stream) if swa_tree is not None else None
+        if swa_tree is None or getattr(swa_tree, "page_size", 1) != 1:
+            return None
+        return radix.radix_sweep_source(swa_tree, producer_stream)
     if RADIX_NODE_HOOKS is not None and type(tree) is pkgutil.resolve_name(RADIX_CACHE_CLASS):
         return radix_index.RadixSweepIndex(tree, RADIX_NODE_HOOKS, producer_stream)
     return radix.radix_sweep_source(tree, producer_stream)

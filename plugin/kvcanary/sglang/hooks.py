@@ -271,8 +271,8 @@ class AdapterHooks:
                 source = follower.fenced_sweep_source(source)  # (a node's load may still be in flight)
             if source is None:
                 if inst.config.sweep_interval > 0:
-                    logger.warning("kvcanary: prefix cache %s cannot be swept (supported: RadixCache, SWARadixCache); "
-                                   "sweep off",
+                    logger.warning("kvcanary: prefix cache %s cannot be swept (supported: RadixCache, SWARadixCache "
+                                   "with --page-size 1); sweep off",
                                    type(tree).__name__)
             else:
                 inst.set_sweep_source(source)
