@@ -74,9 +74,10 @@ def run_on_producer_stream(producer: torch.cuda.Stream | None, read: Callable[[]
     consumer = _other_consumer(producer)
     if consumer is None:
         return read()
-    with torch.cuda.stream(producer):
-        results = read()
-    consumer.wait_stream(producer)
+    results = _on_stream(producer, consumer, read)
+    _, producer_done = _order_events(producer)
+    producer_done.record(producer)
+    consumer.wait_event(producer_done)
     for tensor in results:
         if tensor.is_cuda:
             tensor.record_stream(consumer)
@@ -93,33 +94,22 @@ def update_on_producer_stream(producer: torch.cuda.Stream | None, update: Callab
     free a tensor the consumer may still read (grow buffers before, outside ``producer``). With ``producer`` None or
     current, ``update()`` runs as is. Never synchronises the host.
     """
-    if producer is None:
+    consumer = _other_consumer(producer)
+    if consumer is None:
         update()
         return
-    consumer = current_stream(producer.device_index)
-    if consumer.cuda_stream == producer.cuda_stream:
-        update()
-        return
-    # (a sweep's host cost: two events made once per producer and re-recorded, where wait_stream makes one per call,
-    # and a plain set_stream pair, where the stream context also builds a Stream object: each torch call here is
-    # ~16 µs in the H200 engine's scheduler)
     consumer_done, producer_done = _order_events(producer)
     consumer_done.record(consumer)
     producer.wait_event(consumer_done)
-    if producer.device_index == torch.cuda.current_device():
-        torch.cuda.set_stream(producer)  # (set_stream also makes the stream's device current: it is already)
-        try:
-            update()
-        finally:
-            torch.cuda.set_stream(consumer)
-    else:
-        with torch.cuda.stream(producer):  # (switches the device too, and back)
-            update()
+    _on_stream(producer, consumer, update)
     producer_done.record(producer)
     consumer.wait_event(producer_done)
 
 
-# producer stream handle -> (event after the consumer's work, event after the update), for update_on_producer_stream.
+# (A sweep's host cost, the reason for the two helpers below: the order between the streams uses two events made once
+# per producer and re-recorded, where wait_stream makes one per call, and the switch a plain set_stream pair, where
+# the stream context also builds Stream objects: each torch call here is ~12-16 µs in the H200 engine's scheduler.)
+# producer stream handle -> (event after the consumer's work, event after the producer's), for both functions above.
 # Re-recording an event is safe while a wait on its previous record is still queued (a wait takes the record it
 # sees when it is enqueued). Few producers exist (a scheduler stream per engine), so the cache stays small.
 _ORDER_EVENTS: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
@@ -134,10 +124,22 @@ def _order_events(producer: torch.cuda.Stream) -> tuple[torch.cuda.Event, torch.
     return events
 
 
+def _on_stream(stream: torch.cuda.Stream, current: torch.cuda.Stream, fn: Callable[[], T]) -> T:
+    """``fn()`` with ``stream`` current, then ``current`` (the caller's current stream on that device) again."""
+    if stream.device_index != torch.cuda.current_device():
+        with torch.cuda.stream(stream):  # (switches the device too, and back)
+            return fn()
+    torch.cuda.set_stream(stream)  # (set_stream also makes the stream's device current: it is already)
+    try:
+        return fn()
+    finally:
+        torch.cuda.set_stream(current)
+
+
 def _other_consumer(producer: torch.cuda.Stream | None) -> torch.cuda.Stream | None:
     """The caller's current stream on ``producer``'s device when it is another stream than ``producer``; None when
     there is nothing to order (no producer: CPU or no engine stream yet; or the producer is current)."""
     if producer is None:
         return None
-    consumer = torch.cuda.current_stream(producer.device)
-    return None if consumer == producer else consumer
+    consumer = current_stream(producer.device_index)
+    return None if consumer.cuda_stream == producer.cuda_stream else consumer
