@@ -275,8 +275,11 @@ MODES = {  # the e2e driver's Phase carries what phase_env needs: the mode and t
 
 
 def engine_kwargs(model: str, extra: dict) -> dict:
-    """sglang's defaults but for what a dummy-weight, token-id benchmark needs (``--engine-arg`` adds more)."""
-    kw = dict(model_path=model, load_format="dummy", skip_tokenizer_init=True, random_seed=0)
+    """sglang's defaults but for what a dummy-weight, token-id benchmark needs (``--engine-arg`` adds more).
+    ``log_level="info"`` is the server's default; the offline Engine's own ("error") would hide sglang's start-up
+    figures and kvcanary's stats and host-time lines, which the tables read (2026-12-02: the first H200 run's
+    tables had no host column and an on Engine that "verified nothing")."""
+    kw = dict(model_path=model, load_format="dummy", skip_tokenizer_init=True, random_seed=0, log_level="info")
     kw.update(extra)
     return kw
 

@@ -145,3 +145,10 @@ def test_workload_shapes(bench) -> None:
     heads = {tuple(p[: pre.prefix_len]) for r in bench.make_rounds(pre, 0) for p in r}
     assert len(heads) <= pre.prefixes  # the prompts share prefixes (radix cache hits)
     assert [bench.TRAFFIC[n].concurrency for n in ("decode-1", "decode-64", "decode-256")] == [1, 64, 256]
+
+
+def test_engines_log_at_info_so_the_tables_have_their_lines(bench) -> None:
+    # The offline Engine defaults to log_level "error", which hides sglang's start-up lines and kvcanary's stats and
+    # host-time lines; the first H200 run's tables came back without them.
+    assert bench.engine_kwargs("m", {})["log_level"] == "info"
+    assert bench.engine_kwargs("m", {"log_level": "warning"})["log_level"] == "warning"  # --engine-arg still wins
