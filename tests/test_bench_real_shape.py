@@ -84,6 +84,7 @@ def test_stream_timing_ttft_and_itl(bench) -> None:
     s = bench.shape_result(t, [r])
     assert s["requests_ok"] == 1 and s["output_tokens"] == 5 and s["tokens_per_s"] == pytest.approx(5 / 1.5, abs=0.1)
     assert s["ttft_p50_ms"] == pytest.approx(750.0) and s["itl_p99_ms"] == pytest.approx(300.0)
+    assert s["ttft_ms"] == [500.0, 1000.0]  # every request's, for request-by-request comparisons
 
 
 def test_host_window_reads_kvcanarys_own_lines(bench) -> None:
