@@ -51,7 +51,7 @@ from kvcanary.sglang.installed import runner_state_of
 from kvcanary.sglang.radix import radix_sweep_source
 from kvcanary.sglang.radix_index import RadixSweepIndex
 
-BS = 64
+BS = 64  # rows per forward (--batch-size)
 CONTEXT = 1000  # decode rows' context when a round starts
 SHARED_PREFIX = 992  # the cached prefix every extend row starts from
 EXTEND = 32  # new tokens per extend row
@@ -679,6 +679,7 @@ def markdown(results: list[dict], title: str, unit_us: float | None = None) -> s
 
 
 def main(argv: list[str] | None = None) -> int:
+    global BS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="few forwards per case (CI smoke)")
@@ -694,8 +695,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cold", type=int, default=0, metavar="MB",
                     help="between two forwards (untimed) write a host buffer of MB MiB, as the engine's own work "
                          "between two batches does: kvcanary's code and data then run from cold caches (0: warm)")
+    ap.add_argument("--batch-size", type=int, default=64,
+                    help="rows per forward (default 64; the 8B engine of issue 28 decoded 256 at once)")
     ap.add_argument("--json", default=None, help="write the results (and the markdown) here")
     args = ap.parse_args(argv)
+    BS = args.batch_size  # (module-wide: the cases' names and the workload read it)
     args.forwards = args.forwards or (10 if args.quick else 100)
     args.rounds = args.rounds or (3 if args.quick else 7)
     if args.kernels == "auto":
