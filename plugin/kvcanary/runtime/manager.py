@@ -41,7 +41,7 @@ from kvcanary.runtime.drain import CanaryStats, ViolationDrain
 from kvcanary.runtime.health import HealthMonitor, StatsLogger, expected_launch_tags
 from kvcanary.runtime.host_tier import HostTierRecords
 from kvcanary.runtime.sweep import Sweeper, SweepSource
-from kvcanary.runtime.token_table import TokenTable
+from kvcanary.runtime.token_table import TokenColumns, TokenTable
 from kvcanary.runtime.writers import WriterTable
 from kvcanary.settings import Mode
 
@@ -318,9 +318,13 @@ class CanaryManager:
         with no per-update Python; any other sequence of tuples is turned into columns first. Non-blocking; call outside
         graph capture.
         """
-        if self.token_table is None:
+        table = self.token_table
+        if table is None:
             raise RuntimeError("CanaryManager: update_expected_tokens needs config.verify_tokens")
-        self.token_table.update(updates)
+        if updates.__class__ is TokenColumns:  # (the serving loop's form: staged as it is, one call fewer)
+            table.update_columns(updates.rows, updates.starts, updates.counts, updates.token_runs)
+        else:
+            table.update(updates)
 
     # ------------------------------------------------------------------------------------------ sweep
     def set_sweep_source(self, source: SweepSource | None) -> None:
@@ -359,7 +363,8 @@ class CanaryManager:
         self._steps = steps = self._steps + 1
         # Most steps have nothing due: each part is one integer compare (or attribute read) here, no call.
         sweeper = self.sweeper
-        if sweeper.source is not None and sweeper.due(steps):  # (no call at all while the sweep is off)
+        interval = sweeper.interval  # (Sweeper.due written out: no call on the steps between two sweeps)
+        if sweeper.source is not None and interval > 0 and steps % interval == 0:
             sweeper.run_source()
             self.stats.sweeps += 1
         drain = self.violation_drain

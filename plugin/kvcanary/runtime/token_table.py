@@ -117,13 +117,14 @@ class TokenRuns:
     """The updates' tokens of :class:`TokenColumns`, back to back, as they are added: a short update's tokens join
     the current run (``run``: a caller may append a one-token update to it directly), a long one
     (:data:`LONG_UPDATE_TOKENS` or more: a prompt) is a run of its own, the caller's list (packed as it is, not
-    copied). ``run`` is a new list after a long update."""
+    copied). ``run`` is a new list after a long update; ``run`` given: the current run so far (a caller that
+    gathered one-token updates before it needed a TokenRuns)."""
 
     __slots__ = ("runs", "run")
 
-    def __init__(self) -> None:
+    def __init__(self, run: list[int] | None = None) -> None:
         self.runs: list[Sequence[int]] = []
-        self.run: list[int] = []
+        self.run: list[int] = [] if run is None else run
 
     def add(self, tokens: Sequence[int]) -> None:
         if len(tokens) < LONG_UPDATE_TOKENS:
@@ -244,13 +245,7 @@ class StagingRing:
         return Staging(buffer, view, event, capacity)
 
 
-def _one_token_each(counts: Sequence[int], n: int) -> bool:
-    """Whether all ``n`` counts are 1 (a decode forward's batch), for the lists and tuples a serving loop builds
-    (``list.count``: no Python loop); False for any other sequence (it takes the general path)."""
-    return counts.__class__ in _COUNTED and counts.count(1) == n
-
-
-_COUNTED = (list, tuple)
+_COUNTED = (list, tuple)  # the count columns whose one-token-each test is list.count (any other: the general path)
 
 
 class TokenTable:
@@ -305,7 +300,8 @@ class TokenTable:
                              "values (one per update each)")
         if not n and not any(token_runs):
             return
-        if len(token_runs) == 1 and _one_token_each(counts, n) and len(token_runs[0]) == n:
+        # one token per update (a decode forward): list.count over the counts, no Python loop
+        if len(token_runs) == 1 and counts.__class__ in _COUNTED and counts.count(1) == n and len(token_runs[0]) == n:
             try:
                 self._append(rows, starts, token_runs[0])
                 return

@@ -63,6 +63,9 @@ class AdapterHooks:
         # after_populate does not see (a replay with skip_attn_backend_init), whose out_cache_loc this adapter does not
         # know to be the padding slot in every padded row, so the padded rows' req_pool_indices are zeroed there
         self.zero_graph_padding = False
+        # Whether this kind of hooks has per-batch request facts to gather (a layer overriding batch_facts): the plain
+        # hooks then skip the call on every batch
+        self._has_batch_facts = type(self).batch_facts is not AdapterHooks.batch_facts
         # Bound once: HookRegistry's duplicate check (targets.register_hooks) compares hooks by identity.
         self.table: tuple[tuple[Target, Callable], ...] = tuple(
             (target, getattr(self, name)) for name, target in version.HOOK_TARGETS.items()
@@ -342,7 +345,8 @@ class AdapterHooks:
             rows, rids = request_rows(reqs)
             for group in inst.groups:
                 group.manager.assign_requests(rows, rids)
-        self.batch_facts(state, reqs)
+        if self._has_batch_facts:  # (the fault layer's; the plain hooks make no call for it)
+            self.batch_facts(state, reqs)
         if inst.verify_tokens:
             inst.update_expected_tokens(expected_token_updates(state.token_mirror, reqs))
 
