@@ -780,3 +780,13 @@ def test_the_fault_injection_layer_is_registered_only_with_kvcanary_fault(monkey
     assert [t for t, _ in registered] == list(v0_5_12.TARGETS)
     plain = adapter_hooks.AdapterHooks(v0_5_12)
     assert plain.fault_injection(None, 0, None) is None  # an installation of the plain hooks never injects
+
+
+def test_batch_facts_is_called_only_where_a_layer_gathers_them() -> None:
+    """The plain hooks make no batch_facts call per batch (a call from cold caches is ~5 µs of the engine's host
+    time); the fault layer, which overrides it, still makes it (its injection tests read the facts it gathers)."""
+    from kvcanary.sglang import v0_5_12
+    from kvcanary.sglang.fault_hooks import FaultInjectingHooks
+
+    assert adapter_hooks.AdapterHooks(v0_5_12)._has_batch_facts is False
+    assert FaultInjectingHooks(v0_5_12)._has_batch_facts is True
