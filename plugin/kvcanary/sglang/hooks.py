@@ -35,7 +35,7 @@ from kvcanary.runtime.manager import CanaryManager
 from kvcanary.sglang import hicache, speculative
 from kvcanary.sglang.batches import BatchConverter, mode_name, unsupported_mode
 from kvcanary.sglang.contract import VersionModule
-from kvcanary.sglang.installed import RunnerState, installation_of, keep, runner_state_of, runner_states
+from kvcanary.sglang.installed import RUNNER_STATE_ATTR, RunnerState, installation_of, keep, runner_states
 from kvcanary.sglang.targets import Target
 from kvcanary.sglang.tokens import expected_token_updates
 
@@ -66,6 +66,9 @@ class AdapterHooks:
         # Whether this kind of hooks has per-batch request facts to gather (a layer overriding batch_facts): the plain
         # hooks then skip the call on every batch
         self._has_batch_facts = type(self).batch_facts is not AdapterHooks.batch_facts
+        # Whether before_model / after_model are these hooks' own: around_forward then runs their bodies in place
+        self._plain_model_hooks = (type(self).before_model is AdapterHooks.before_model
+                                   and type(self).after_model is AdapterHooks.after_model)
         # Bound once: HookRegistry's duplicate check (targets.register_hooks) compares hooks by identity.
         self.table: tuple[tuple[Target, Callable], ...] = tuple(
             (target, getattr(self, name)) for name, target in version.HOOK_TARGETS.items()
@@ -171,21 +174,26 @@ class AdapterHooks:
 
     def around_forward(self, original, runner, forward_batch, *args, **kwargs):
         t0 = time.perf_counter_ns()  # first: everything up to the model is the canary's host time
-        state = runner_state_of(runner)
+        # (runner_state_of and speculative.spec_of written out here and in the batch hook: each call costs ~5 µs of
+        # the engine's host time from cold caches)
+        state = getattr(runner, RUNNER_STATE_ATTR, None)
         if state is None:
             return original(runner, forward_batch, *args, **kwargs)
         inst = state.inst
         # (is_cuda, not a torch.device built from the tensor: that costs ~1 µs per forward)
         if inst.stopped is not None or (inst.req_to_token.is_cuda and torch.cuda.is_current_stream_capturing()):
             return original(runner, forward_batch, *args, **kwargs)
-        spec = speculative.spec_of(runner)  # (once: None on every runner but an EAGLE pool's)
+        spec = getattr(runner, speculative.SPEC_ATTR, None)  # (None on every runner but an EAGLE pool's)
         try:
             modes = self.version.FORWARD_MODES if spec is None else speculative.forward_modes(
                 runner, self.version.FORWARD_MODES)
             mode = mode_name(forward_batch)
             if mode not in modes:
                 raise unsupported_mode(mode, modes, self.version.SGLANG_VERSION)
-            self.before_model(state, forward_batch)
+            if not self._plain_model_hooks:
+                self.before_model(state, forward_batch)
+            elif state.host_tier is not None:  # (before_model of these hooks, written out)
+                state.host_tier.before_forward()
         except Exception as exc:  # (log mode: kvcanary stops on this runner, the forward runs: Installation)
             if not inst.keeps_serving(exc, "before a forward (host half)"):
                 raise
@@ -199,7 +207,10 @@ class AdapterHooks:
             inst.serving -= 1
         t2 = time.perf_counter_ns()
         try:
-            self.after_model(state, forward_batch)
+            if self._plain_model_hooks:
+                inst.host_after()  # (after_model of these hooks, written out)
+            else:
+                self.after_model(state, forward_batch)
             if spec is not None:
                 speculative.after_forward(runner, forward_batch)  # EAGLE: spec counters and their stats line
         except Exception as exc:  # (raise mode's violations and health errors raise from here: they stand)
@@ -322,7 +333,7 @@ class AdapterHooks:
 
     def after_forward_batch_init(self, result, cls, batch, model_runner, *args, **kwargs):
         t0 = time.perf_counter_ns()
-        state = runner_state_of(model_runner)
+        state = getattr(model_runner, RUNNER_STATE_ATTR, None)  # (runner_state_of written out: see around_forward)
         if state is None:
             return result
         inst = state.inst
