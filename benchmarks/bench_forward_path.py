@@ -52,6 +52,8 @@ from kvcanary.sglang.radix import radix_sweep_source
 from kvcanary.sglang.radix_index import RadixSweepIndex
 
 BS = 64  # rows per forward (--batch-size)
+# plugin/kvcanary/: the frames counted as kvcanary's Python calls
+_KVCANARY_DIR = os.path.dirname(os.path.abspath(hooks_module.__file__)).rsplit(os.sep, 1)[0] + os.sep
 CONTEXT = 1000  # decode rows' context when a round starts
 SHARED_PREFIX = 992  # the cached prefix every extend row starts from
 EXTEND = 32  # new tokens per extend row
@@ -592,6 +594,31 @@ def _run_case(case: Case, args, device: torch.device, pieces: Pieces) -> dict:
             out.append(round_split(timing, host_diff(inst.host_time, before)))
         return out
 
+    def python_calls_per_forward() -> float:
+        """kvcanary's Python function calls per forward over one round (a pass of its own: the profile hook slows
+        every call). From the engine's cold caches each distinct call costs several µs (see ``--cold``), so this
+        count drives the per-forward cost there more than any warm timing does."""
+        calls = 0
+
+        def count(frame, event, arg) -> None:
+            nonlocal calls
+            if event == "call" and frame.f_code.co_filename.startswith(_KVCANARY_DIR):
+                calls += 1
+
+        work.reset_round()
+        forward(*work.next_batch(), None)  # (the round's first forward re-sends the decode rows, as measure's)
+        work.after_forward()
+        sys.setprofile(count)
+        try:
+            for _ in range(forwards):
+                forward(*work.next_batch(), None)
+                work.after_forward()
+                if case.tree_changes:
+                    tree.churn()
+        finally:
+            sys.setprofile(None)
+        return calls / forwards
+
     measure(False)  # warm: allocator, channels, the first sweep
     per_round = measure(False)
     undo = instrument(inst, pieces)
@@ -599,6 +626,7 @@ def _run_case(case: Case, args, device: torch.device, pieces: Pieces) -> dict:
         measure(True)
     finally:
         undo()
+    calls_per_forward = python_calls_per_forward()
     for g in inst.groups:
         g.manager.flush()
         reporter = g.manager.reporter
@@ -613,7 +641,8 @@ def _run_case(case: Case, args, device: torch.device, pieces: Pieces) -> dict:
     return {"case": case.name, "kind": case.kind, "real_kv": case.real_kv, "tokens": case.tokens,
             "sweep": case.sweep, "forwards": n, "bench_us": bench, "host_time_us": own,
             "agreement": own["total"] / bench["total"] if bench["total"] else None,
-            "rounds": per_round, "pieces_us": {k: v / n / 1e3 for k, v in sorted(pieces.ns.items())}}
+            "rounds": per_round, "pieces_us": {k: v / n / 1e3 for k, v in sorted(pieces.ns.items())},
+            "python_calls_per_forward": calls_per_forward}
 
 
 SPLIT = ("hooks", "launches", "batch_init", "total")
@@ -657,13 +686,15 @@ def markdown(results: list[dict], title: str, unit_us: float | None = None) -> s
     f = lambda x: f"{x:.1f}"  # noqa: E731
     lines = [f"### {title}", "",
              "| case | bench hooks | bench launches | bench batch-init | **bench total** | HostTime hooks | "
-             "HostTime launches | HostTime batch-init | **HostTime total** | HostTime / bench |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "HostTime launches | HostTime batch-init | **HostTime total** | HostTime / bench | kvcanary Python calls "
+             "per forward |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         b, h = r["bench_us"], r["host_time_us"]
+        calls = r.get("python_calls_per_forward")
         lines.append(f"| {r['case']} | {f(b['hooks'])} | {f(b['launches'])} | {f(b['batch_init'])} | "
                      f"**{f(b['total'])}** | {f(h['hooks'])} | {f(h['launches'])} | {f(h['batch_init'])} | "
-                     f"**{f(h['total'])}** | {r['agreement']:.2f} |")
+                     f"**{f(h['total'])}** | {r['agreement']:.2f} | {'-' if calls is None else f(calls)} |")
     lines += ["", "Per piece, host µs per forward (instrumented pass; pieces nest: `sweep` is inside `step`, "
               "`kernels` inside before/after_forward and sweep, `token table upload` and `assign_requests` inside "
               "batch-init):", "",
