@@ -41,7 +41,7 @@ from kvcanary.runtime.drain import CanaryStats, ViolationDrain
 from kvcanary.runtime.health import HealthMonitor, StatsLogger, expected_launch_tags
 from kvcanary.runtime.host_tier import HostTierRecords
 from kvcanary.runtime.sweep import Sweeper, SweepSource
-from kvcanary.runtime.token_table import TokenColumns, TokenTable
+from kvcanary.runtime.token_table import TokenTable
 from kvcanary.runtime.writers import WriterTable
 from kvcanary.settings import Mode
 
@@ -321,10 +321,7 @@ class CanaryManager:
         table = self.token_table
         if table is None:
             raise RuntimeError("CanaryManager: update_expected_tokens needs config.verify_tokens")
-        if updates.__class__ is TokenColumns:  # (the serving loop's form: staged as it is, one call fewer)
-            table.update_columns(updates.rows, updates.starts, updates.counts, updates.token_runs)
-        else:
-            table.update(updates)
+        table.update(updates)
 
     # ------------------------------------------------------------------------------------------ sweep
     def set_sweep_source(self, source: SweepSource | None) -> None:

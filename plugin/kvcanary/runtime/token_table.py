@@ -279,21 +279,11 @@ class TokenTable:
         update leaves it. Non-blocking; call outside graph capture. Raises ``ValueError`` for a row outside the
         table or a negative start (nothing is written to the table).
 
-        ``updates`` may be :class:`TokenColumns` (staged as they are: the serving loop's form) or any sequence of
-        tuples (turned into columns first)."""
+        ``updates`` may be :class:`TokenColumns` (staged as they are: the serving loop's form, and the call that
+        stages them: no further Python call before the pack) or any sequence of tuples (turned into columns first).
+        The columns' rules and errors are :meth:`update_columns`'."""
         columns = updates if updates.__class__ is TokenColumns else TokenColumns.of(updates)
-        self.update_columns(columns.rows, columns.starts, columns.counts, columns.token_runs)
-
-    def update_columns(self, rows: Sequence[int], starts: Sequence[int], counts: Sequence[int],
-                       token_runs: Sequence[Sequence[int]]) -> None:
-        """:meth:`update` of the updates in columns (see :class:`TokenColumns`): update ``i`` writes its ``counts[i]``
-        tokens (the next ones of ``token_runs``, joined) into row ``rows[i]`` from position ``starts[i]``. One
-        launch; the staging is written by one pack of all the columns, plus one per further run (one token per
-        update in list or tuple columns, every start inside the width: the rows, starts and tokens alone, for
-        ``canary_token_append``). Raises
-        ``ValueError`` naming the column (and the update) for a row outside the table, a negative start or count,
-        columns of different lengths, or runs of another length than ``counts`` add up to (nothing is written to
-        the table)."""
+        rows, starts, counts, token_runs = columns.rows, columns.starts, columns.counts, columns.token_runs
         n = len(rows)
         if len(starts) != n or len(counts) != n:
             raise ValueError(f"{_ERROR_PREFIX}: rows, starts and counts have {n}, {len(starts)} and {len(counts)} "
@@ -321,6 +311,18 @@ class TokenTable:
             if clipped is None:  # the columns are fine: the launch refused something else, its error stands
                 raise
             self._stage_and_launch(*clipped)
+
+    def update_columns(self, rows: Sequence[int], starts: Sequence[int], counts: Sequence[int],
+                       token_runs: Sequence[Sequence[int]]) -> None:
+        """:meth:`update` of the updates in columns (see :class:`TokenColumns`): update ``i`` writes its ``counts[i]``
+        tokens (the next ones of ``token_runs``, joined) into row ``rows[i]`` from position ``starts[i]``. One
+        launch; the staging is written by one pack of all the columns, plus one per further run (one token per
+        update in list or tuple columns, every start inside the width: the rows, starts and tokens alone, for
+        ``canary_token_append``). Raises
+        ``ValueError`` naming the column (and the update) for a row outside the table, a negative start or count,
+        columns of different lengths, or runs of another length than ``counts`` add up to (nothing is written to
+        the table)."""
+        self.update(TokenColumns(rows, starts, counts, token_runs))
 
     def _append(self, rows: Sequence[int], starts: Sequence[int], tokens: Sequence[int]) -> None:
         """Stage one token per update (a decode forward's batch) as the runs of layout.TOKEN_APPEND_FIELD_*: rows,
