@@ -100,7 +100,7 @@ def test_bench_and_host_time_measure_the_same_forwards(bench, tmp_path, case) ->
     assert ("sweep (in step)" in pieces) == ("sweep" in case)
     assert "| " + case + " |" in data["markdown"]
     # kvcanary's Python calls per forward (the cold-cache cost's driver): the batch hook, the forward hook, the
-    # wrapper and the managers' calls at least; a decode forward with the token check made 29 on 2026-12-02 (41 before
+    # wrapper and the managers' calls at least; a decode forward with the token check made 31 on 2026-12-02 (41 before
     # that session's cuts), a mixed one with the sweep 62 (72; its extend rows take the token check's full path)
     calls = result["python_calls_per_forward"]
     assert (15 < calls <= 32) if case.startswith("decode") else (30 < calls <= 70), calls

@@ -66,9 +66,6 @@ class AdapterHooks:
         # Whether this kind of hooks has per-batch request facts to gather (a layer overriding batch_facts): the plain
         # hooks then skip the call on every batch
         self._has_batch_facts = type(self).batch_facts is not AdapterHooks.batch_facts
-        # Whether before_model / after_model are these hooks' own: around_forward then runs their bodies in place
-        self._plain_model_hooks = (type(self).before_model is AdapterHooks.before_model
-                                   and type(self).after_model is AdapterHooks.after_model)
         # Bound once: HookRegistry's duplicate check (targets.register_hooks) compares hooks by identity.
         self.table: tuple[tuple[Target, Callable], ...] = tuple(
             (target, getattr(self, name)) for name, target in version.HOOK_TARGETS.items()
@@ -190,10 +187,7 @@ class AdapterHooks:
             mode = mode_name(forward_batch)
             if mode not in modes:
                 raise unsupported_mode(mode, modes, self.version.SGLANG_VERSION)
-            if not self._plain_model_hooks:
-                self.before_model(state, forward_batch)
-            elif state.host_tier is not None:  # (before_model of these hooks, written out)
-                state.host_tier.before_forward()
+            self.before_model(state, forward_batch)
         except Exception as exc:  # (log mode: kvcanary stops on this runner, the forward runs: Installation)
             if not inst.keeps_serving(exc, "before a forward (host half)"):
                 raise
@@ -207,10 +201,7 @@ class AdapterHooks:
             inst.serving -= 1
         t2 = time.perf_counter_ns()
         try:
-            if self._plain_model_hooks:
-                inst.host_after()  # (after_model of these hooks, written out)
-            else:
-                self.after_model(state, forward_batch)
+            self.after_model(state, forward_batch)
             if spec is not None:
                 speculative.after_forward(runner, forward_batch)  # EAGLE: spec counters and their stats line
         except Exception as exc:  # (raise mode's violations and health errors raise from here: they stand)
