@@ -430,12 +430,12 @@ def host_window(log_text: str, name: str) -> dict | None:
             return None
         return (z["forwards"] * z[key] - a["forwards"] * a.get(key, 0.0)) / n
 
-    inside = [f for p, f in lines if b < p < e and "max_call_us" in f]
+    inside = [f for p, f in lines if b < p < e and "max_forward_us" in f]
     return {"forwards": n, "canary_us": per_forward("canary_us"), "forward_us": per_forward("forward_us"),
             "batch_init_us": per_forward("batch_init_us"),
-            # the tails (lines since issue 28): calls of >= 1 ms in the window, the longest call of its lines
-            "slow_calls": z["slow_calls"] - a.get("slow_calls", 0) if "slow_calls" in z else None,
-            "max_call_ms": max(f["max_call_us"] for f in inside) / 1e3 if inside else None}
+            # the tails (lines since issue 28): forwards of >= 1 ms in the window, the longest forward of its lines
+            "slow_forwards": z["slow_forwards"] - a.get("slow_forwards", 0) if "slow_forwards" in z else None,
+            "max_forward_ms": max(f["max_forward_us"] for f in inside) / 1e3 if inside else None}
 
 
 def load_engines(dirs: list[str]) -> list[dict]:
@@ -521,10 +521,10 @@ def shape_table(name: str, engines: list[dict]) -> tuple[list[str], dict]:
     lines.append(f"| of it, the batch hook (token check, writer attribution) | - | {_cell(batch)} | | | |")
     shares = [h["share_pct"] for h in hosts if "share_pct" in h]
     lines.append(f"| kvcanary host share of wall (%) | - | {_cell(shares, 2)} | | | |")
-    slow = [h["slow_calls"] for h in hosts if h.get("slow_calls") is not None]
-    lines.append(f"| kvcanary calls of ≥ 1 ms in the window | - | {_cell(slow, 0)} | | | |")
-    longest = [h["max_call_ms"] for h in hosts if h.get("max_call_ms") is not None]
-    lines.append(f"| longest kvcanary call (ms) | - | {_cell(longest, 2)} | | | |")
+    slow = [h["slow_forwards"] for h in hosts if h.get("slow_forwards") is not None]
+    lines.append(f"| forwards with ≥ 1 ms of kvcanary host time | - | {_cell(slow, 0)} | | | |")
+    longest = [h["max_forward_ms"] for h in hosts if h.get("max_forward_ms") is not None]
+    lines.append(f"| a forward's most kvcanary host time (ms) | - | {_cell(longest, 2)} | | | |")
     pairs = pair_ratios(name, engines)
     lines += ["", f"Host window: {min(fwds) if fwds else 0}–{max(fwds) if fwds else 0} forwards per Engine. "
               f"Tokens/s on/off per pair: {', '.join(_f(x, 3) for x in pairs) or '-'}."]
@@ -649,7 +649,7 @@ def dry_runner(cmd: list[str], env: dict, log_path: str, result_path: str, start
                            f"canary_us_per_forward={host['canary'] / f:.1f} hooks_us=20.0 "
                            f"launch_us_per_eager_forward=30.0 forward_us={host['forward'] / f:.1f} piecewise=0 "
                            f"launch_us_per_piecewise_forward=0.0 canary_us_per_piecewise_forward=0.0 "
-                           f"batch_init_us=6.0 max_call_us={rng.uniform(150, 1400):.1f} slow_calls={f // 700}")
+                           f"batch_init_us=6.0 max_forward_us={rng.uniform(150, 1400):.1f} slow_forwards={f // 700}")
                 log.append(f"kvcanary stats: step={f} forwards={f} tokens_written={f * 40} entries_verified={f * 9000} "
                            f"entries_swept={f * 300} violations=0 lost=0")
 

@@ -116,8 +116,8 @@ HOST_RE = re.compile(
     r"(?:[^\n]*? sweep_us=(?P<sweep_us>[\d.]+))?"  # the sweeps' part of hooks_us (since issue 25's sweep index)
     r"(?: sweeps=(?P<sweeps>\d+) sweep_walks=(?P<sweep_walks>\d+) sweep_compactions=(?P<sweep_compactions>\d+)"
     r"(?: sweep_event_us=(?P<sweep_event_us>[\d.]+))?)?"
-    # the tails (since issue 28): the longest call since the previous line, calls of >= 1 ms since the start
-    r"(?:[^\n]*? max_call_us=(?P<max_call_us>[\d.]+) slow_calls=(?P<slow_calls>\d+))?"
+    # the tails (since issue 28): the longest forward's kvcanary host time since the previous line, forwards of >= 1 ms
+    r"(?:[^\n]*? max_forward_us=(?P<max_forward_us>[\d.]+) slow_forwards=(?P<slow_forwards>\d+))?"
 )
 MEASURED_MARKER = "[e2e-worker] measured workload starts"
 ENGINE_MARKER = "[e2e-worker] overhead engine: KVCANARY_MODE="

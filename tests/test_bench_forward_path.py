@@ -33,7 +33,7 @@ def test_host_time_line_counts_the_batch_hook() -> None:
     line = host.line(step=4)
     assert "canary_us_per_forward=175.0 hooks_us=50.0 launch_us_per_eager_forward=100.0" in line
     # after the older fields (older parsers match the line's prefix), only the tails
-    assert line.endswith(" batch_init_us=25.0 max_call_us=0.0 slow_calls=0")
+    assert line.endswith(" batch_init_us=25.0 max_forward_us=0.0 slow_forwards=0")
 
 
 def test_the_batch_hook_is_accounted_even_when_it_raises(bench, monkeypatch) -> None:

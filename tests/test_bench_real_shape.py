@@ -107,22 +107,23 @@ def test_host_window_reads_kvcanarys_own_lines(bench) -> None:
 
 
 def test_host_window_reads_the_tails(bench) -> None:
-    """Slow calls are differenced over the window (cumulative); the longest call is the largest of the window's own
-    lines (each covers the forwards since the previous one), so a slow call after the end marker is not counted."""
+    """Slow forwards are differenced over the window (cumulative); the longest forward is the largest of the window's
+    own lines (each covers the forwards since the previous one), so a slow forward after the end marker is not
+    counted."""
     from kvcanary.runtime.installation import HostTime
 
     def line(forwards: int, slow: int, max_ns: int) -> str:
-        return HostTime(forwards=forwards, hook_ns=forwards * 40_000, slow_calls=slow,
-                        max_call_ns=max_ns).line(step=forwards)
+        return HostTime(forwards=forwards, hook_ns=forwards * 40_000, slow_forwards=slow,
+                        max_forward_ns=max_ns).line(step=forwards)
 
     log = "\n".join([line(100, 3, 9_000_000), bench.BEGIN + "decode-1", line(200, 4, 1_500_000),
                      line(300, 6, 700_000), bench.END + "decode-1", line(400, 9, 20_000_000)])
     w = bench.host_window(log, "decode-1")
-    assert (w["slow_calls"], w["max_call_ms"]) == (3, 1.5)
+    assert (w["slow_forwards"], w["max_forward_ms"]) == (3, 1.5)
     assert w["batch_init_us"] == pytest.approx(0.0)
-    old = log.replace(" max_call_us=", " x=")  # lines from before issue 28: no tails
-    assert bench.host_window(old, "decode-1")["slow_calls"] is None
-    assert bench.host_window(old, "decode-1")["max_call_ms"] is None
+    old = log.replace(" max_forward_us=", " x=")  # lines from before issue 28: no tails
+    assert bench.host_window(old, "decode-1")["slow_forwards"] is None
+    assert bench.host_window(old, "decode-1")["max_forward_ms"] is None
 
 
 def test_engine_that_does_not_start_is_ended_and_reported(bench, tmp_path: Path) -> None:

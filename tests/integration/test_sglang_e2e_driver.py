@@ -196,33 +196,34 @@ def test_host_time_line_of_the_adapter_parses(e2e, caplog) -> None:
         inst.account_forward(forward_ns=3_000_000, hook_ns=60_000)
     host = e2e.parse_host_time("\n".join(r.getMessage() for r in caplog.records))
     # canary = (hooks 100 + launches 90 + batch-init 12) µs over 2 forwards
-    # the longest call: the first forward's hook half (40) with its launches (90)
+    # the longest forward: the first, its hook half (40), launches (90) and both batch hooks before it (12)
     assert host == {"forwards": 2, "eager": 1, "canary_us": 101.0, "hooks_us": 50.0, "launch_us": 90.0,
-                    "forward_us": 2500.0, "batch_init_us": 6.0, "max_call_us": 130.0, "slow_calls": 0}
+                    "forward_us": 2500.0, "batch_init_us": 6.0, "max_forward_us": 142.0, "slow_forwards": 0}
 
 
-def test_host_time_line_counts_slow_calls_and_the_longest_since_the_last_line(e2e, caplog) -> None:
+def test_host_time_line_counts_slow_forwards_and_the_longest_since_the_last_line(e2e, caplog) -> None:
     """The tails (issue 28: an 8B engine's inter-token p99 rose while kvcanary's mean host time was 2-3 % of the
-    wall): calls of >= 1 ms are counted since the start, the longest call since the previous line; a forward's call
-    is its hook half plus the launches made since the previous forward was accounted."""
+    wall): a forward's kvcanary host time is its hook half, the launches made since the previous forward was accounted
+    and the batch-hook and host-tier time since then; forwards of >= 1 ms are counted since the start, the longest
+    since the previous line."""
     from kvcanary.runtime.config import Config
-    from kvcanary.runtime.installation import SLOW_CALL_NS, HostTime, Installation
+    from kvcanary.runtime.installation import SLOW_FORWARD_NS, HostTime, Installation
 
-    assert SLOW_CALL_NS == 1_000_000
+    assert SLOW_FORWARD_NS == 1_000_000
     inst = Installation(config=Config(stats_every=2), groups=[], to_views=lambda *a: [], req_to_token=None)
     inst.host_time = HostTime()
     with caplog.at_level("INFO", logger="kvcanary.runtime.installation"):
-        inst.account_batch_init(2_500_000)  # a slow batch hook
-        inst.host_time.in_forward_ns += 700_000  # this forward's launches: 0.3 + 0.7 ms, a slow forward
-        inst.account_forward(forward_ns=4_000_000, hook_ns=300_000)
+        inst.account_batch_init(2_500_000)  # a slow batch hook: its forward's
+        inst.host_time.in_forward_ns += 700_000  # that forward's launches
+        inst.account_forward(forward_ns=4_000_000, hook_ns=300_000)  # 2.5 + 0.7 + 0.3 ms
         inst.account_forward(forward_ns=4_000_000, hook_ns=100_000)  # -> line 1
-        inst.account_host_tier(999_999)  # just under
+        inst.account_host_tier(800_000)  # outside forwards: counted with the next one, which reaches 1 ms exactly
         inst.account_forward(forward_ns=4_000_000, hook_ns=200_000)
-        inst.account_forward(forward_ns=4_000_000, hook_ns=50_000)  # -> line 2
+        inst.account_forward(forward_ns=4_000_000, hook_ns=999_999)  # -> line 2; just under
     lines = [r.getMessage() for r in caplog.records if "host time" in r.getMessage()]
     first, second = (e2e.parse_host_time(x) for x in lines)
-    assert (first["max_call_us"], first["slow_calls"]) == (2500.0, 2)
-    assert (second["max_call_us"], second["slow_calls"]) == (1000.0, 2)  # the max restarted; the count did not
+    assert (first["max_forward_us"], first["slow_forwards"]) == (3500.0, 1)
+    assert (second["max_forward_us"], second["slow_forwards"]) == (1000.0, 2)  # the max restarted; the count did not
 
 
 def test_host_time_lines_without_batch_init_still_parse(e2e) -> None:

@@ -185,7 +185,7 @@ def test_the_adapters_host_time_line_parses_with_its_piecewise_count(e2e, caplog
     assert e2e.parse_piecewise(text) == {"forwards": 2, "piecewise": 1, "launch_us": 160.0, "canary_us": 200.0}
     assert e2e.parse_host_time(text) == {"forwards": 2, "eager": 1, "canary_us": 175.0, "hooks_us": 50.0,
                                          "launch_us": 90.0, "forward_us": 2500.0, "batch_init_us": 0.0,
-                                             "max_call_us": 290.0, "slow_calls": 0}
+                                             "max_forward_us": 290.0, "slow_forwards": 0}
 
 
 def test_no_piecewise_table_for_phases_that_ran_without_piecewise_graphs(e2e) -> None:

@@ -259,9 +259,9 @@ def test_the_sweeper_counts_its_host_time_and_the_host_line_reports_it() -> None
     assert period == SweepTally(host_ns=100_000, sweeps=1, walks=3, compactions=2)
     assert host.line(step=4, sweep=period).endswith(
         " batch_init_us=0.0 sweep_us=25.0 sweeps=1 sweep_walks=3 sweep_compactions=2 sweep_event_us=0.0 "
-        "max_call_us=0.0 slow_calls=0")
+        "max_forward_us=0.0 slow_forwards=0")
     # a source's time following its cache's changes is outside every hook: the line adds it to the canary's total
     followed = HostTime(forwards=4, hook_ns=400_000).line(step=4, sweep=SweepTally(sweeps=1, event_ns=40_000))
-    assert "canary_us_per_forward=110.0 " in followed and " sweep_event_us=10.0 max_call_us=" in followed
+    assert "canary_us_per_forward=110.0 " in followed and " sweep_event_us=10.0 max_forward_us=" in followed
     assert "sweep_us" not in HostTime(forwards=4).line(step=4)
     assert "sweep_us" not in HostTime(forwards=4).line(step=4, sweep=SweepTally())  # a period without a sweep

@@ -31,9 +31,10 @@ from kvcanary.runtime.sweep import SweepTally
 
 logger = logging.getLogger(__name__)
 
-# A kvcanary call this long or longer is counted in the host-time line's slow_calls: at 1 ms it is a sixth of an 8B
-# model's decode step on an H200 (issue 28), enough to show in the inter-token latency's p99 if it stalls the loop.
-SLOW_CALL_NS = 1_000_000
+# A forward with this much kvcanary host time or more is counted in the host-time line's slow_forwards: 1 ms is a
+# sixth of an 8B model's decode step on an H200 (issue 28), enough to show in the inter-token latency's p99 if it
+# stalls the loop.
+SLOW_FORWARD_NS = 1_000_000
 
 
 @dataclass(repr=False)
@@ -94,17 +95,12 @@ class HostTime:
     batch_init_ns: int = 0  # their host time (outside ModelRunner.forward: not in forward_ns)
     host_tier_ns: int = 0  # the host KV tier's hooks (record copies of backups and load-backs; outside forwards)
     # Tails, not means: a stall of the scheduler shows in an engine's inter-token latency p99 but hardly in a mean.
-    # A call is one forward's host half and launches, one batch-hook call or one host-tier hook call.
-    slow_calls: int = 0  # calls of at least SLOW_CALL_NS, since the start (cumulative, like the sums)
-    max_call_ns: int = 0  # the longest call since the last host-time line (reset after each line)
+    # A forward's kvcanary host time: its hook half and launches, plus the batch hooks and host-tier hooks since the
+    # previous forward (its batch's), accounted once, by account_forward.
+    slow_forwards: int = 0  # forwards of at least SLOW_FORWARD_NS, since the start (cumulative, like the sums)
+    max_forward_ns: int = 0  # the longest forward since the last host-time line (reset after each line)
     in_forward_seen_ns: int = 0  # in_forward_ns at the last forward's accounting (its launches = the difference)
-
-    def note_call(self, ns: int) -> None:
-        """One kvcanary call's host time, for the tail figures (its sum is accounted by the caller)."""
-        if ns >= SLOW_CALL_NS:
-            self.slow_calls += 1
-        if ns > self.max_call_ns:
-            self.max_call_ns = ns
+    since_forward_ns: int = 0  # batch-hook and host-tier time since the last forward's accounting
 
     def line(self, step: int, sweep: SweepTally | None = None) -> str:
         """The ``kvcanary host time:`` line; ``sweep``: the prefix-cache sweeps of the same period (the sweepers
@@ -129,7 +125,7 @@ class HostTime:
             + (f" sweep_us={sweep.host_ns / n / 1e3:.1f} sweeps={sweep.sweeps} sweep_walks={sweep.walks} "
                f"sweep_compactions={sweep.compactions} sweep_event_us={events / n / 1e3:.1f}"
                if sweep is not None and (sweep.sweeps or events) else "")
-            + f" max_call_us={self.max_call_ns / 1e3:.1f} slow_calls={self.slow_calls}"
+            + f" max_forward_us={self.max_forward_ns / 1e3:.1f} slow_forwards={self.slow_forwards}"
         )
 
 
@@ -305,13 +301,13 @@ class Installation:
         host.forwards += 1
         host.forward_ns += forward_ns
         host.hook_ns += hook_ns
-        # (HostTime.note_call written out: a call per forward costs more than these lines, from cold caches)
-        call_ns = hook_ns + host.in_forward_ns - host.in_forward_seen_ns
+        canary_ns = hook_ns + host.in_forward_ns - host.in_forward_seen_ns + host.since_forward_ns
         host.in_forward_seen_ns = host.in_forward_ns
-        if call_ns >= SLOW_CALL_NS:
-            host.slow_calls += 1
-        if call_ns > host.max_call_ns:
-            host.max_call_ns = call_ns
+        host.since_forward_ns = 0
+        if canary_ns >= SLOW_FORWARD_NS:
+            host.slow_forwards += 1
+        if canary_ns > host.max_forward_ns:
+            host.max_forward_ns = canary_ns
         if self._piecewise_now:
             host.piecewise_forwards += 1
             host.piecewise_hook_ns += hook_ns
@@ -319,22 +315,19 @@ class Installation:
         every = self.config.stats_every
         if every and host.forwards % every == 0:
             logger.info("%s", host.line(self.steps, self.sweep_tally() - self._sweep_at_init))
-            host.max_call_ns = 0  # (the line's max_call_us covers the forwards since the previous line)
+            host.max_forward_ns = 0  # (the line's max_forward_us covers the forwards since the previous line)
 
     def account_host_tier(self, ns: int) -> None:
         """Host time of a host KV tier's hook (a backup's or load-back's record copies), outside any forward."""
         self.host_time.host_tier_ns += ns
-        self.host_time.note_call(ns)
+        self.host_time.since_forward_ns += ns
 
     def account_batch_init(self, ns: int) -> None:
         """Host time of one call of the adapter's per-batch hook (where the engine builds a forward's batch)."""
         host = self.host_time
         host.batch_inits += 1
         host.batch_init_ns += ns
-        if ns >= SLOW_CALL_NS:  # (HostTime.note_call written out, as in account_forward)
-            host.slow_calls += 1
-        if ns > host.max_call_ns:
-            host.max_call_ns = ns
+        host.since_forward_ns += ns
 
     def set_sweep_source(self, source: SweepSource | None) -> None:
         self.manager.set_sweep_source(source)
