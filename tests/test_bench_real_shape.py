@@ -173,3 +173,152 @@ def test_engines_log_at_info_so_the_tables_have_their_lines(bench) -> None:
     # host-time lines; the first H200 run's tables came back without them.
     assert bench.engine_kwargs("m", {})["log_level"] == "info"
     assert bench.engine_kwargs("m", {"log_level": "warning"})["log_level"] == "warning"  # --engine-arg still wins
+
+
+# -------------------------------------------------------------------------------------------- arms, tails, probe
+def test_arm_parsing(bench) -> None:
+    arms = bench.parse_arms(["nosweep:KVCANARY_SWEEP_INTERVAL=0", "lean:KVCANARY_VERIFY_TOKENS=0, KVCANARY_X=a=b"])
+    assert arms == [bench.Arm("nosweep", {"KVCANARY_SWEEP_INTERVAL": "0"}),
+                    bench.Arm("lean", {"KVCANARY_VERIFY_TOKENS": "0", "KVCANARY_X": "a=b"})]
+    assert bench.parse_args([]).arms == []
+    assert bench.parse_args(["--arm", "a:KVCANARY_Y=1"]).arms == [bench.Arm("a", {"KVCANARY_Y": "1"})]
+
+
+@pytest.mark.parametrize(("items", "said"), [
+    (["on:KVCANARY_SWEEP_INTERVAL=0"], "--arm: 'on' is a built-in Engine kind"),
+    (["off:KVCANARY_SWEEP_INTERVAL=0"], "--arm: 'off' is a built-in Engine kind"),
+    (["a:KVCANARY_X=1", "a:KVCANARY_Y=2"], "--arm: 'a' given twice"),
+    (["a:SWEEP_INTERVAL=0"], "--arm a: expected KVCANARY_KEY=VALUE, got 'SWEEP_INTERVAL=0'"),
+    (["a:KVCANARY_X"], "--arm a: expected KVCANARY_KEY=VALUE, got 'KVCANARY_X'"),
+    (["a:KVCANARY_MODE=log"], "--arm a: KVCANARY_MODE is set per Engine by the bench"),
+    (["nosweep"], "--arm: expected NAME:KVCANARY_KEY=VALUE"),
+    (["a:"], "--arm: expected NAME:KVCANARY_KEY=VALUE"),
+    ([":KVCANARY_X=1"], "--arm: name '' must be"),
+    (["a/b:KVCANARY_X=1"], "--arm: name 'a/b' must be"),
+])
+def test_arm_errors_name_the_option(bench, items: list[str], said: str) -> None:
+    with pytest.raises(SystemExit) as err:
+        bench.parse_arms(items)
+    assert str(err.value).startswith(said)
+
+
+def test_engine_order_with_arms(bench) -> None:
+    assert bench.engine_order("off", [], 2) == ["off", "on", "off", "on"]
+    assert bench.engine_order("off", ["a", "b"], 2) == ["off", "on", "a", "b", "off", "on", "a", "b"]
+    assert bench.engine_order("on", ["a"], 1) == ["on", "off", "a"]
+
+
+def test_arms_get_their_settings_folders_and_the_probe(bench, tmp_path: Path) -> None:
+    """Every Engine runs with its arm's settings over the on mode's, in its own engine-NN-ARM folder, with the loop
+    probe plugin when asked; results record arm and settings; a skipped arm Engine too."""
+    seen = []
+
+    def runner(cmd, env, log_path, result_path, start_timeout, timeout):
+        seen.append(env)
+        return bench.dry_runner(cmd, env, log_path, result_path, start_timeout, timeout)
+
+    args = bench.parse_args(["--pairs", "1", "--traffic", "ttft-1", "--arm", "nosweep:KVCANARY_SWEEP_INTERVAL=0",
+                             "--loop-probe", "--out", str(tmp_path)])
+    assert bench.run_parent(args, runner) == 0
+    assert sorted(p.name for p in tmp_path.glob("engine-*")) == ["engine-00-off", "engine-01-on",
+                                                                 "engine-02-nosweep"]
+    assert [(e["KVCANARY_MODE"], e.get("KVCANARY_SWEEP_INTERVAL")) for e in seen] == [
+        ("off", None), ("raise", "10"), ("raise", "0")]
+    assert all(e["E2E_LOOP_PROBE"] == "1" and str(tmp_path) in e["PYTHONPATH"] for e in seen)
+    assert (tmp_path / "engine-02-nosweep" / "loop-probe-plugin").is_dir()
+    res = json.loads((tmp_path / "engine-02-nosweep" / "result.json").read_text())
+    assert (res["arm"], res["env"], res["mode"]) == ("nosweep", {"KVCANARY_SWEEP_INTERVAL": "0"}, "on")
+    assert set(res["shapes"]) == {"ttft-1"} and res["shapes"]["ttft-1"]["requests"] == 32
+    md = (tmp_path / "summary.md").read_text()
+    assert "### ttft-1 (nosweep): 1 concurrent, 32 round(s), prompts 96-160 tokens, 8 out" in md
+    for arm in ("off", "on", "nosweep"):
+        assert f"| ttft-1 ({arm}) | 1 | " in md  # the loop probe's row
+    # no budget left for another round: the arm Engine is skipped like the others, with its arm recorded
+    args = bench.parse_args(["--pairs", "1", "--arm", "b:KVCANARY_Z=1", "--engine-min-s", "1e9", "--out",
+                             str(tmp_path / "skip")])
+    bench.run_parent(args, runner)
+    skipped = json.loads((tmp_path / "skip" / "engine-02-b" / "result.json").read_text())
+    assert (skipped["status"], skipped["arm"], skipped["env"]) == ("SKIPPED", "b", {"KVCANARY_Z": "1"})
+
+
+def _engine_dir(root: Path, name: str, result: dict) -> None:
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "result.json").write_text(json.dumps(result))
+    (d / "worker.log").write_text("")
+
+
+def test_summary_rows_per_arm_on_synthetic_folders(bench, tmp_path: Path) -> None:
+    """One table per shape per arm against off; pairs are the k-th off with the k-th Engine of that arm; a folder
+    from before --arm (no arm field) is its mode."""
+    def shape(tps: float, ttft: float, itl_max: float, stalls: int) -> dict:
+        return {"tokens_per_s": tps, "ttft_p50_ms": ttft, "itl_max_ms": itl_max, "itl_stalls": stalls}
+
+    def result(arm: str | None, *shapes: dict) -> dict:
+        r = {"status": "OK", "mode": "off" if arm == "off" else "on", "shapes": {"decode-1": shapes[0]}}
+        return r | ({"arm": arm, "env": {"KVCANARY_SWEEP_INTERVAL": "0"} if arm == "nosweep" else {}} if arm else {})
+
+    _engine_dir(tmp_path, "engine-00-off", result(None, shape(200.0, 20.0, 10.0, 2)))
+    _engine_dir(tmp_path, "engine-01-on", result(None, shape(190.0, 30.0, 12.0, 6)))
+    _engine_dir(tmp_path, "engine-02-nosweep", result("nosweep", shape(198.0, 21.0, 11.0, 3)))
+    _engine_dir(tmp_path, "engine-03-off", result("off", shape(210.0, 22.0, 14.0, 4)))
+    _engine_dir(tmp_path, "engine-04-on", result("on", shape(199.5, 34.0, 16.0, 10)))
+    _engine_dir(tmp_path, "engine-05-nosweep", result("nosweep", shape(196.0, 23.0, 13.0, 5)))
+    engines = bench.load_engines([str(tmp_path)])
+    assert [(e["arm"], e["mode"]) for e in engines] == [("off", "off"), ("on", "on"), ("nosweep", "on")] * 2
+    md, facts = bench.render(engines, [str(tmp_path)])
+    assert "Arms (on with these settings on top): nosweep: KVCANARY_SWEEP_INTERVAL=0." in md
+    assert set(facts["verdicts"]) == {"decode-1", "decode-1 (nosweep)"}
+    on = md[md.index("### decode-1: "):md.index("### decode-1 (nosweep): ")]
+    nosweep = md[md.index("### decode-1 (nosweep): "):md.index("### Engines")]
+    assert "2 off / 2 on Engines" in on and "| metric | off | on | on/off | target | met |" in on
+    assert "| output tokens/s | 205 (200–210) | 195 (190–200) | 0.950 | ≥ 0.99 | NOT met |" in on
+    assert "| TTFT p50 (ms) | 21.00 (20.00–22.00) | 32.00 (30.00–34.00) | 1.524 | ≤ 1.02 | NOT met |" in on
+    assert "| ITL max (ms) | 12.00 (10.00–14.00) | 14.00 (12.00–16.00) | 1.167 | | |" in on
+    assert "| ITL stalls (> 2× the Engine's ITL p50) | 3 (2–4) | 8 (6–10) | 2.667 | | |" in on
+    assert "Tokens/s on/off per pair: 0.950, 0.950." in on
+    assert "| metric | off | nosweep | nosweep/off | target | met |" in nosweep
+    assert "| output tokens/s | 205 (200–210) | 197 (196–198) | 0.961 | ≥ 0.99 | NOT met |" in nosweep
+    assert "| ITL stalls (> 2× the Engine's ITL p50) | 3 (2–4) | 4 (3–5) | 1.333 | | |" in nosweep
+    assert "Tokens/s nosweep/off per pair: 0.990, 0.933." in nosweep
+    assert "| 2 | nosweep | OK |" in md and "Loop probe" not in md  # start-up rows by arm; no probe, no table
+
+
+def test_ttft_1_only_when_asked(bench) -> None:
+    assert bench.TRAFFIC["ttft-1"] == bench.Traffic("ttft-1", 1, 32, (96, 160), 8)
+    assert bench.parse_args([]).traffic == ["decode-1", "decode-64", "decode-256", "prefill"]
+    assert bench.parse_args(["--traffic", "ttft-1,decode-1"]).traffic == ["ttft-1", "decode-1"]
+
+
+def test_itl_tails_from_known_samples(bench) -> None:
+    itl = [0.010] * 9 + [0.025, 0.019, 0.030]  # p50 10 ms: 25 and 30 ms are stalls (> 20 ms), 19 ms is not
+    assert bench.itl_tails(itl) == {"itl_max_ms": 30.0, "itl_stalls": 2}
+    assert bench.itl_tails([]) == {"itl_max_ms": None, "itl_stalls": 0}
+    t = bench.Traffic("t", 1, 1, (4, 4), 13)
+    s = bench.shape_result(t, [{"ttft": [0.02], "itl": itl, "tokens": [13], "cached": 0, "wall": 0.2}])
+    assert (s["itl_max_ms"], s["itl_stalls"], s["ttft_ms"]) == (30.0, 2, [20.0])
+
+
+def test_probe_windows_per_shape(bench) -> None:
+    """Each shape's window: from the last probe line before its WINDOW_START to the last by its WINDOW_END, in the
+    log up to the next shape's begin marker; a shape without a window of its own is left out."""
+    import loop_probe
+
+    def line(t: float, iters: int, loop_ns: int, decode_ns: int = 0, decode_n: int = 0) -> str:
+        c = dict.fromkeys(loop_probe.FIELDS, 0) | {"iters": iters, "loop_ns": loop_ns, "gpu_decode_ns": decode_ns,
+                                                    "gpu_decode_n": decode_n}
+        return f"[e2e-probe] t={t:.3f} pid=7 " + " ".join(f"{k}={v}" for k, v in c.items())
+
+    log = "\n".join([
+        line(100.0, 25, 25_000_000, 1_000_000, 10),  # warm-up
+        bench.BEGIN + "a", loop_probe.WINDOW_START + "101.000", line(102.0, 75, 75_000_000, 6_000_000, 60),
+        loop_probe.WINDOW_END + "103.000", bench.END + "a",
+        bench.BEGIN + "b", loop_probe.WINDOW_START + "104.000", line(105.0, 175, 375_000_000, 16_000_000, 80),
+        loop_probe.WINDOW_END + "106.000", bench.END + "b",
+        bench.BEGIN + "c", bench.END + "c",  # no window: not a's or b's again
+        line(200.0, 1000, 10**12)]) + "\n"
+    w = bench.probe_windows(log)
+    assert set(w) == {"a", "b"}
+    assert (w["a"]["iters"], w["a"]["loop_us"], w["a"]["gpu_decode_us"]) == (50, 1000.0, 100.0)
+    assert (w["b"]["iters"], w["b"]["loop_us"], w["b"]["gpu_decode_us"]) == (100, 3000.0, 500.0)
+    assert bench.probe_windows(log.replace(loop_probe.WINDOW_START, "x")) == {}
