@@ -17,6 +17,17 @@ Everything here that runs inside sglang is test-only and reaches it through a pl
   barrier, ``schedule_stream.wait_stream(forward_stream)`` at the top of every overlap loop iteration (before
   ``recv_requests``). kvcanary reads the mapping inside the forward, on the forward stream, so its reads race
   exactly like the attention kernels': a violation in the observed phase and none with the fix is the race.
+* ``swa-lock`` / ``swa-lock-fix`` (found by kvcanary on the H200, 2026-12-02; the legacy ``SWARadixCache`` of
+  0.5.12): when an insert overlaps an SWA tombstone whose full KV a running request still holds
+  (``full_lock_ref`` > 0: a request past its window releases its swa lock, so the node can be tombstoned while
+  the full lock stays), ``_insert_helper``'s recovery branches free ``node.value`` (the full slots) and put the
+  inserting request's slots in the node. The running request's req_to_token row still holds the freed slots; the
+  next allocation hands them to another request, whose prefill overwrites its full-attention KV. Upstream fixed
+  the same pattern in the unified radix cache (PR 29352, "skip swa recovery on locked full kv"). The observer
+  counts, during every insert, frees of slots held by a full-locked tombstone and writes them to
+  ``swa-lock-<pid>.jsonl`` in the phase folder (``E2E_POOL_DIR``), so the driver can match kvcanary's violations
+  against them; ``swa-lock-fix`` also leaves those slots allocated (the lock holder's own insert at its finish
+  frees them as duplicates), a test-only stand-in for the upstream fix.
 * ``lift-kv-dtype``: kvcanary's start-up guard refuses ``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2`` until a GPU run
   has proven the real-KV fingerprint on a quantised store (plugin/kvcanary/sglang/audit.py). This drops that one
   audit row in the scheduler process for the fp8 proof run only, and prints that it did; nothing else changes.
@@ -29,10 +40,12 @@ import re
 
 POOL_ENV = "E2E_POOL"
 POOL_DRIVER_ENV = "E2E_POOL_PHASES_FILE"
+POOL_DIR_ENV = "E2E_POOL_DIR"  # the phase folder: observers that record slots write there
+SWA_LOCK_FILE = "swa-lock-{pid}.jsonl"
 POOL_PLUGIN = "kvcanary_e2e_pool"
 LINE_RE = re.compile(r"\[e2e-pool\] (?P<kind>[\w-]+): (?P<fields>[^\n]*)")
 SWEEP_OFF_RE = re.compile(r"kvcanary: prefix cache (?P<cls>\w+) cannot be swept")
-SWITCHES = ("page-tail", "swa-race", "swa-race-fix", "lift-kv-dtype")
+SWITCHES = ("page-tail", "swa-race", "swa-race-fix", "swa-lock", "swa-lock-fix", "lift-kv-dtype")
 PRINT_FIRST, PRINT_EVERY = 10, 200  # observer lines: the first events, then a running total every N forwards
 
 # phase key -> (kind, upstream, what is counted)
@@ -40,6 +53,9 @@ HUNTS = {
     "26": ("page-tail", "sglang PR 35401", "rows whose last page keeps a previous occupant's req_to_token tail"),
     "27": ("swa-race", "sglang PR 26380", "free_swa calls while the previous forward still runs (overlap)"),
     "28": ("swa-race-fix", "sglang PR 26380 (fix patched in)", "the same, with the PR's WAR barrier"),
+    "29": ("swa-lock", "SWARadixCache frees a locked tombstone's full KV",
+           "inserts that freed full slots a running request still holds (full-locked SWA tombstone)"),
+    "30": ("swa-lock-fix", "the same (test-only fix patched in)", "the same frees, left allocated"),
 }
 IDENT_OFF, IDENT_ON = "24", "25"
 
@@ -52,6 +68,8 @@ def install(value: str) -> None:
             _observe_page_tail()
         elif item in ("swa-race", "swa-race-fix"):
             _observe_swa_race(fix=item == "swa-race-fix")
+        elif item in ("swa-lock", "swa-lock-fix"):
+            _observe_swa_lock(fix=item == "swa-lock-fix")
         elif item == "lift-kv-dtype":
             _lift_kv_dtype_refusal()
         else:
@@ -153,6 +171,74 @@ def _observe_swa_race(fix: bool) -> None:
     SWATokenToKVPoolAllocator.free_swa = free_swa
 
 
+def _locked_tombstone_slots(tree):
+    """The full slots of every SWA tombstone some request still holds a full lock on (a tensor), or None."""
+    import torch
+
+    held, stack = [], list(tree.root_node.children.values())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        if node.swa_tombstone and node.full_lock_ref > 0 and node.value is not None and node.value.numel():
+            held.append(node.value)
+    return torch.cat(held).to(torch.int64) if held else None
+
+
+def _observe_swa_lock(fix: bool) -> None:
+    import json
+    import os
+
+    import torch
+    from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
+
+    if getattr(SWARadixCache._insert_helper, "_e2e_pool", False):
+        return
+    kind = "swa-lock-fix" if fix else "swa-lock"
+    tally = collections.Counter()
+    folder = os.environ.get(POOL_DIR_ENV)
+    path = os.path.join(folder, SWA_LOCK_FILE.format(pid=os.getpid())) if folder else None
+    orig_insert = SWARadixCache._insert_helper
+
+    def _insert_helper(self, *args, **kwargs):
+        tally["inserts"] += 1
+        held = _locked_tombstone_slots(self)
+        if held is None:
+            return orig_insert(self, *args, **kwargs)
+        alloc = self.token_to_kv_pool_allocator
+        own = vars(alloc).get("free")  # an instance-level wrapper someone else installed, kept underneath ours
+        inner = alloc.free
+
+        def free(free_index):
+            hit = torch.isin(free_index.to(torch.int64), held.to(free_index.device))
+            n = int(hit.sum())  # (host sync: hunt phases only)
+            if not n:
+                return inner(free_index)
+            tally["events"] += 1
+            tally["slots"] += n
+            if path:
+                with open(path, "a") as f:
+                    f.write(json.dumps({"event": tally["events"], "slots": free_index[hit].tolist(),
+                                        "deferred": fix}) + "\n")
+            if tally["events"] <= PRINT_FIRST or tally["events"] % PRINT_EVERY == 0:
+                print(f"[e2e-pool] {kind}: " + " ".join(f"{k}={v}" for k, v in sorted(tally.items())), flush=True)
+            if not fix:
+                return inner(free_index)
+            rest = free_index[~hit]  # the lock holder's own insert frees the held slots at its finish
+            return inner(rest) if rest.numel() else None
+
+        alloc.free = free
+        try:
+            return orig_insert(self, *args, **kwargs)
+        finally:
+            if own is None:
+                del alloc.free
+            else:
+                alloc.free = own
+
+    _insert_helper._e2e_pool = True  # type: ignore[attr-defined]
+    SWARadixCache._insert_helper = _insert_helper
+
+
 # ------------------------------------------------------------------------------------------ driver side
 def parse_lines(log_text: str) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = collections.defaultdict(list)
@@ -180,6 +266,35 @@ def trigger_count(kind: str, log_text: str, retractions: int = 0) -> tuple[int, 
     return n, (f"{last.get('free_swa', 0)} free_swa calls ({last.get('slots', 0)} slots), {n} while the previous "
                f"forward was still running ({last.get('slots_in_flight', 0)} slots); {retractions} retractions"
                + (f"; {last.get('barriers', 0)} barriers" if kind == "swa-race-fix" else ""))
+
+
+def read_swa_lock(pdir: str) -> list[dict]:
+    """The swa-lock observer's events of one phase (every scheduler process's file)."""
+    import glob
+    import json
+    import os
+
+    events = []
+    for path in sorted(glob.glob(os.path.join(pdir, SWA_LOCK_FILE.format(pid="*")))):
+        with open(path) as f:
+            events += [json.loads(line) for line in f if line.strip()]
+    return events
+
+
+def swa_lock_evidence(kind: str, events: list[dict], violated_slots: set[int]) -> tuple[int, str]:
+    """(trigger count, evidence) of phase 29/30: the frees of full slots a running request still held, and how many
+    of kvcanary's violated slots are among them (the match that makes the violations this bug, not noise)."""
+    freed: set[int] = set()
+    total = 0
+    for e in events:
+        freed.update(e["slots"])
+        total += len(e["slots"])
+    text = (f"{len(events)} inserts freed {total} full slots ({len(freed)} distinct) of a full-locked SWA "
+            f"tombstone")
+    if kind == "swa-lock-fix":
+        return len(events), text + ", left allocated by the test-only fix"
+    return len(events), text + (f"; {len(violated_slots & freed)} of the {len(violated_slots)} distinct violated "
+                                f"slots are among them")
 
 
 def sweep_off(log_text: str) -> str | None:

@@ -1807,6 +1807,12 @@ POOL_PHASES: dict[str, Phase] = {
                 _RETRACT, max_new=(16, 192)),
     "28": Phase("28", "hunt-swa-race-fixed", "log", True, 4096, 180, 80,
                 COMMON_ENV + ((_PP.POOL_ENV, "swa-race-fix"),), _RETRACT, max_new=(16, 192)),
+    # phase 2's workload on the SWA config (no retraction: a retracted lock holder frees only past its protected
+    # prefix, so the fix's left-allocated slots would then leak); 29 may be a machine's first gpt-oss Engine, whose
+    # MoE kernels compile cold (phase 2 on a fresh machine, 2026-12-02: not serving within 150 s)
+    "29": Phase("29", "hunt-swa-lock", "log", True, 12288, 290, 70, COMMON_ENV + ((_PP.POOL_ENV, "swa-lock"),)),
+    "30": Phase("30", "hunt-swa-lock-fixed", "log", True, 12288, 150, 70,
+                COMMON_ENV + ((_PP.POOL_ENV, "swa-lock-fix"),)),
 }
 IDENT_PHASES = (_PP.IDENT_OFF, _PP.IDENT_ON)
 PHASES.update(POOL_PHASES)
@@ -1833,6 +1839,7 @@ def pool_env(env: dict, phase: Phase, pdir: str, lift_kv_dtype: bool = False) ->
         env.pop(_PP.POOL_ENV, None)
         return env
     env[_PP.POOL_ENV] = ",".join(switches)
+    env[_PP.POOL_DIR_ENV] = os.path.abspath(pdir)
     return with_test_plugin(env, os.path.join(pdir, "pool-plugin"), _PP.POOL_PLUGIN,
                             about="integration/pool_phases.py, issue 29/30 observers and switches",
                             gate_env=_PP.POOL_ENV, file_env=_PP.POOL_DRIVER_ENV, module="_kvcanary_e2e_pool",
@@ -1863,7 +1870,11 @@ def summarize_pool(phase: Phase, pdir: str, res: dict, results: dict) -> dict:
         s["verdict"], s["why"] = ("PASS" if not why else "FAIL"), why
         return s
     kind, s["upstream"], _ = _PP.HUNTS[phase.key]
-    s["triggers"], s["evidence"] = _PP.trigger_count(kind, log_text, s["retractions"])
+    if kind in ("swa-lock", "swa-lock-fix"):
+        violated = {int(r["slot"]) for r in rows if r.get("schema") == VIOLATION_SCHEMA and r.get("slot") is not None}
+        s["triggers"], s["evidence"] = _PP.swa_lock_evidence(kind, _PP.read_swa_lock(pdir), violated)
+    else:
+        s["triggers"], s["evidence"] = _PP.trigger_count(kind, log_text, s["retractions"])
     s["verdict"], s["why"] = _HU.verdict(kind, s, s["triggers"])
     return s
 
@@ -1877,6 +1888,10 @@ def dry_run_pool(phase: Phase, pdir: str, base: dict, n_req: int) -> dict:
         "27": "[e2e-pool] swa-race: free_swa=400 in_flight=57 slots=9000 slots_in_flight=1200\n",
         "28": "[e2e-pool] swa-race-fix: barriers=900 free_swa=400 in_flight=50 slots=9000 slots_in_flight=1100\n",
     }.get(phase.key, "")
+    if phase.key in ("29", "30"):  # the observer's slot file: two inserts that freed a locked tombstone's slots
+        with open(os.path.join(pdir, _PP.SWA_LOCK_FILE.format(pid=1)), "w") as f:
+            for k, slots in enumerate(([101, 102, 103], [207, 208]), 1):
+                f.write(json.dumps({"event": k, "slots": slots, "deferred": phase.key == "30"}) + "\n")
     with open(os.path.join(pdir, "worker.log"), "w") as f:
         f.write("[dry-run]\n" + lines)
         if phase.mode != "off":

@@ -85,3 +85,30 @@ def test_lift_switch_drops_only_the_kv_dtype_refusal() -> None:
         assert len(audit.refused_rows()) == len(before()) - 1
     finally:
         audit.refused_rows = before
+
+
+def test_swa_lock_phases_match_violations_against_the_freed_slots(e2e, tmp_path) -> None:
+    """Phases 29/30: the observer's slot files are read back, and phase 29's evidence says how many violated slots
+    are among the full slots sglang freed under a full lock (the match that ties the violations to the bug)."""
+    import pool_phases as pp
+
+    d = e2e
+    pdir = tmp_path / "p29"
+    pdir.mkdir()
+    for pid, slots in ((11, [5, 6, 7]), (12, [7, 9])):
+        (pdir / pp.SWA_LOCK_FILE.format(pid=pid)).write_text(json.dumps({"event": 1, "slots": slots}) + "\n")
+    (pdir / "worker.log").write_text("kvcanary stats: step=9 forwards=9 tokens_written=9 entries_verified=2000000 "
+                                     "entries_swept=9 violations=3 lost=0\n")
+    rows = [{"schema": "kvcanary.violation/1", "slot": s, "step": 4} for s in (5, 6, 40)]
+    (pdir / "kvc-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = {"status": "OK", "requests_sent": 2, "requests_ok": 2}
+    s = d.summarize_pool(d.PHASES["29"], str(pdir), res, {})
+    assert s["triggers"] == 2 and s["verdict"] == "CAUGHT"
+    assert s["evidence"] == ("2 inserts freed 5 full slots (4 distinct) of a full-locked SWA tombstone; 2 of the 3 "
+                             "distinct violated slots are among them")
+    assert pp.swa_lock_evidence("swa-lock-fix", [], set()) == (
+        0, "0 inserts freed 0 full slots (0 distinct) of a full-locked SWA tombstone, left allocated by the "
+           "test-only fix")
+    assert dict(d.PHASES["30"].env)["E2E_POOL"] == "swa-lock-fix"
+    env = d.pool_env(d.phase_env(d.PHASES["29"], str(pdir), base={}), d.PHASES["29"], str(pdir))
+    assert env["E2E_POOL"] == "swa-lock" and env["E2E_POOL_DIR"] == str(pdir)
