@@ -276,8 +276,24 @@ def last_match_fields(pattern: re.Pattern, log_text: str) -> dict | None:
 
 
 def parse_stats(log_text: str) -> dict | None:
-    """The last ``kvcanary stats:`` line of a log (cumulative counters), or None."""
-    return last_match_fields(STATS_RE, log_text)
+    """The cumulative counters of a log's last ``kvcanary stats:`` step, or None. A pool of several KV groups (an
+    SWAKVPool: full and swa) has a manager per group, each printing its line at the same step: their counters are
+    summed (before 2026-12-02 the swa group's line alone was read, so an SWA phase showed the window's entries and
+    no sweep)."""
+    lines = [{k: int(v) for k, v in m.groupdict().items()} for m in STATS_RE.finditer(log_text)]
+    if not lines:
+        return None
+    last_step = lines[-1]["step"]
+    out = dict(lines[-1])
+    tail = []
+    for line in reversed(lines):  # the last step's lines, one per group (they are printed together)
+        if line["step"] != last_step:
+            break
+        tail.append(line)
+    for k in out:
+        if k not in ("step", "forwards", "tokens_written"):  # (every group records the same tokens)
+            out[k] = sum(line[k] for line in tail)
+    return out
 
 
 def parse_host_time(log_text: str) -> dict | None:
