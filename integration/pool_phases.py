@@ -26,8 +26,10 @@ Everything here that runs inside sglang is test-only and reaches it through a pl
   the same pattern in the unified radix cache (PR 29352, "skip swa recovery on locked full kv"). The observer
   counts, during every insert, frees of slots held by a full-locked tombstone and writes them to
   ``swa-lock-<pid>.jsonl`` in the phase folder (``E2E_POOL_DIR``), so the driver can match kvcanary's violations
-  against them; ``swa-lock-fix`` also leaves those slots allocated (the lock holder's own insert at its finish
-  frees them as duplicates), a test-only stand-in for the upstream fix.
+  against them; ``swa-lock-fix`` also leaves those slots allocated, a stand-in for the upstream fix that is only
+  good until the Engine idles: the lock holder owns the prefix through the tree alone, so nobody frees them and
+  sglang's idle check reports them as a leak (H200, 2026-12-02: 704 slots, the Engine stopped). The real patch
+  (PR 29352's: keep the locked full slots, restore the SWA part from the incoming slice) is still to write.
 * ``lift-kv-dtype``: kvcanary's start-up guard refuses ``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2`` until a GPU run
   has proven the real-KV fingerprint on a quantised store (plugin/kvcanary/sglang/audit.py). This drops that one
   audit row in the scheduler process for the fp8 proof run only, and prints that it did; nothing else changes.
@@ -223,7 +225,7 @@ def _observe_swa_lock(fix: bool) -> None:
                 print(f"[e2e-pool] {kind}: " + " ".join(f"{k}={v}" for k, v in sorted(tally.items())), flush=True)
             if not fix:
                 return inner(free_index)
-            rest = free_index[~hit]  # the lock holder's own insert frees the held slots at its finish
+            rest = free_index[~hit]  # the held slots stay allocated (and leak: see the module docstring)
             return inner(rest) if rest.numel() else None
 
         alloc.free = free
