@@ -240,8 +240,8 @@ def test_an_unlocked_tombstone_takes_the_same_branch_harmlessly() -> None:
 @pytest.mark.parametrize("fix", [False, True], ids=["observe", "fix"])
 def test_e2e_swa_lock_switch_records_and_fixes_the_free(fix: bool, tmp_path, monkeypatch) -> None:
     """The GPU driver's test-only switch (integration/pool_phases.py, phases 29/30) on the same real objects: it
-    records the held slots Branch 1 frees, and with the fix leaves them allocated (A's own insert at its finish
-    frees them later, as duplicates), so C's allocation no longer gets them."""
+    records the held slots Branch 1 frees, and with the stand-in fix leaves them allocated, so C's allocation no
+    longer gets them (the stand-in then leaks them: see integration/pool_phases.py)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration"))
     import pool_phases
 
