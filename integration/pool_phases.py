@@ -26,10 +26,11 @@ Everything here that runs inside sglang is test-only and reaches it through a pl
   the same pattern in the unified radix cache (PR 29352, "skip swa recovery on locked full kv"). The observer
   counts, during every insert, frees of slots held by a full-locked tombstone and writes them to
   ``swa-lock-<pid>.jsonl`` in the phase folder (``E2E_POOL_DIR``), so the driver can match kvcanary's violations
-  against them; ``swa-lock-fix`` also leaves those slots allocated, a stand-in for the upstream fix that is only
-  good until the Engine idles: the lock holder owns the prefix through the tree alone, so nobody frees them and
-  sglang's idle check reports them as a leak (H200, 2026-12-02: 704 slots, the Engine stopped). The real patch
-  (PR 29352's: keep the locked full slots, restore the SWA part from the incoming slice) is still to write.
+  against them; ``swa-lock-fix`` also patches in the fix in PR 29352's shape: a Branch-1 free of a locked
+  node's whole value is left undone, and after the insert the node gets its own full slots back with the incoming
+  slots' SWA part (``full_to_swa_index_mapping``), and only the incoming full slots are freed. (A first stand-in
+  that only left the slots allocated leaked them: sglang's idle check stopped the Engine, H200 2026-12-02.) A
+  partial free (Branch 2) is left as sglang does it and counted ``unfixed``.
 * ``lift-kv-dtype``: kvcanary's start-up guard refuses ``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2`` until a GPU run
   has proven the real-KV fingerprint on a quantised store (plugin/kvcanary/sglang/audit.py). This drops that one
   audit row in the scheduler process for the fp8 proof run only, and prints that it did; nothing else changes.
@@ -173,17 +174,15 @@ def _observe_swa_race(fix: bool) -> None:
     SWATokenToKVPoolAllocator.free_swa = free_swa
 
 
-def _locked_tombstone_slots(tree):
-    """The full slots of every SWA tombstone some request still holds a full lock on (a tensor), or None."""
-    import torch
-
+def _locked_tombstones(tree) -> list:
+    """Every SWA tombstone some request still holds a full lock on."""
     held, stack = [], list(tree.root_node.children.values())
     while stack:
         node = stack.pop()
         stack.extend(node.children.values())
         if node.swa_tombstone and node.full_lock_ref > 0 and node.value is not None and node.value.numel():
-            held.append(node.value)
-    return torch.cat(held).to(torch.int64) if held else None
+            held.append(node)
+    return held
 
 
 def _observe_swa_lock(fix: bool) -> None:
@@ -203,12 +202,14 @@ def _observe_swa_lock(fix: bool) -> None:
 
     def _insert_helper(self, *args, **kwargs):
         tally["inserts"] += 1
-        held = _locked_tombstone_slots(self)
-        if held is None:
+        nodes = _locked_tombstones(self)
+        if not nodes:
             return orig_insert(self, *args, **kwargs)
+        held = torch.cat([n.value for n in nodes]).to(torch.int64)
         alloc = self.token_to_kv_pool_allocator
         own = vars(alloc).get("free")  # an instance-level wrapper someone else installed, kept underneath ours
         inner = alloc.free
+        kept = []  # (node, its held full slots) whose Branch-1 free the fix left undone
 
         def free(free_index):
             hit = torch.isin(free_index.to(torch.int64), held.to(free_index.device))
@@ -223,10 +224,13 @@ def _observe_swa_lock(fix: bool) -> None:
                                         "deferred": fix}) + "\n")
             if tally["events"] <= PRINT_FIRST or tally["events"] % PRINT_EVERY == 0:
                 print(f"[e2e-pool] {kind}: " + " ".join(f"{k}={v}" for k, v in sorted(tally.items())), flush=True)
-            if not fix:
+            whole = next((nd for nd in nodes if nd.value.numel() == free_index.numel()
+                          and bool(torch.equal(nd.value, free_index))), None)
+            if not fix or whole is None:  # observe; or a partial free (Branch 2): left as sglang does it
+                tally["unfixed"] += int(fix)
                 return inner(free_index)
-            rest = free_index[~hit]  # the held slots stay allocated (and leak: see the module docstring)
-            return inner(rest) if rest.numel() else None
+            kept.append((whole, whole.value))  # Branch 1 frees the whole node value, then adopts the incoming one
+            return None
 
         alloc.free = free
         try:
@@ -236,6 +240,19 @@ def _observe_swa_lock(fix: bool) -> None:
                 del alloc.free
             else:
                 alloc.free = own
+            # the fix (PR 29352's shape): the locked node keeps its full slots and takes the SWA part of the
+            # incoming ones; only the incoming full slots are freed (their swa slots now belong to the node)
+            mapping = getattr(alloc, "full_to_swa_index_mapping", None)
+            for node, old in kept:
+                incoming = node.value
+                if incoming is old or incoming.numel() != old.numel() or mapping is None:
+                    tally["unfixed"] += 1
+                    continue
+                mapping[old] = mapping[incoming]
+                mapping[incoming] = 0
+                alloc.full_attn_allocator.free(incoming)
+                node.value = old
+                tally["fixed"] += 1
 
     _insert_helper._e2e_pool = True  # type: ignore[attr-defined]
     SWARadixCache._insert_helper = _insert_helper

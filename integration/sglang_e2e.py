@@ -1827,7 +1827,7 @@ POOL_PHASES: dict[str, Phase] = {
     # prefix, so the fix's left-allocated slots would then leak); 29 may be a machine's first gpt-oss Engine, whose
     # MoE kernels compile cold (phase 2 on a fresh machine, 2026-12-02: not serving within 150 s)
     "29": Phase("29", "hunt-swa-lock", "log", True, 12288, 290, 70, COMMON_ENV + ((_PP.POOL_ENV, "swa-lock"),)),
-    "30": Phase("30", "hunt-swa-lock-fixed", "log", True, 12288, 150, 70,
+    "30": Phase("30", "hunt-swa-lock-fixed", "log", True, 12288, 200, 70,
                 COMMON_ENV + ((_PP.POOL_ENV, "swa-lock-fix"),)),
 }
 IDENT_PHASES = (_PP.IDENT_OFF, _PP.IDENT_ON)

@@ -240,8 +240,8 @@ def test_an_unlocked_tombstone_takes_the_same_branch_harmlessly() -> None:
 @pytest.mark.parametrize("fix", [False, True], ids=["observe", "fix"])
 def test_e2e_swa_lock_switch_records_and_fixes_the_free(fix: bool, tmp_path, monkeypatch) -> None:
     """The GPU driver's test-only switch (integration/pool_phases.py, phases 29/30) on the same real objects: it
-    records the held slots Branch 1 frees, and with the stand-in fix leaves them allocated, so C's allocation no
-    longer gets them (the stand-in then leaks them: see integration/pool_phases.py)."""
+    records the held slots Branch 1 frees; with the fix (PR 29352's shape) the locked node keeps them and takes
+    B's swa slots, and only B's duplicate full slots are freed: nothing held is free, nothing leaks."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration"))
     import pool_phases
 
@@ -251,9 +251,16 @@ def test_e2e_swa_lock_switch_records_and_fixes_the_free(fix: bool, tmp_path, mon
     s = Serving(FULL_SLOTS)
     a, node, a_slots = tombstone_a_full_locked_node(s, "window")
     b = s.new_req(PREFIX + B_TAIL)
-    s.prefill(b, len(PREFIX) + len(B_TAIL))
+    b_slots = s.prefill(b, len(PREFIX) + len(B_TAIL))
     events = pool_phases.read_swa_lock(str(tmp_path))
     assert [sorted(e["slots"]) for e in events] == [sorted(a_slots.tolist())]
     freed_while_held = set(a_slots.tolist()) & s.free_full()
     assert freed_while_held == (set() if fix else set(a_slots.tolist()))
     assert vars(s.alloc).get("free") is None  # the per-insert wrapper is gone again
+    assert s.alloc.full_available_size() == len(PREFIX)  # nothing leaks: one prefix's worth is free either way
+    if fix:  # the node keeps A's full slots, now with B's swa slots; B's duplicate full slots are the free ones
+        assert torch.equal(node.value, a_slots) and not node.swa_tombstone
+        assert s.free_full() == set(b_slots[: len(PREFIX)].tolist())
+        swa = s.alloc.full_to_swa_index_mapping
+        assert bool((swa[a_slots] > 0).all()) and bool((swa[b_slots[: len(PREFIX)]] == 0).all())
+        assert torch.equal(s.row(b, len(PREFIX)), a_slots)  # B's row now maps the tree's (A's) slots
