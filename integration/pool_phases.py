@@ -308,12 +308,11 @@ def swa_lock_evidence(kind: str, events: list[dict], violated_slots: set[int]) -
     for e in events:
         freed.update(e["slots"])
         total += len(e["slots"])
-    text = (f"{len(events)} inserts freed {total} full slots ({len(freed)} distinct) of a full-locked SWA "
-            f"tombstone")
-    if kind == "swa-lock-fix":
-        return len(events), text + ", left allocated by the test-only fix"
-    return len(events), text + (f"; {len(violated_slots & freed)} of the {len(violated_slots)} distinct violated "
-                                f"slots are among them")
+    fixed = " (the fix patched in: whole-node frees kept, partial ones as sglang does them)" if kind == "swa-lock-fix" \
+        else ""
+    return len(events), (f"{len(events)} inserts freed {total} full slots ({len(freed)} distinct) of a full-locked "
+                         f"SWA tombstone{fixed}; {len(violated_slots & freed)} of the {len(violated_slots)} distinct "
+                         f"violated slots are among them")
 
 
 def sweep_off(log_text: str) -> str | None:

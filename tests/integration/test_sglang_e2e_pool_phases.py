@@ -106,9 +106,9 @@ def test_swa_lock_phases_match_violations_against_the_freed_slots(e2e, tmp_path)
     assert s["triggers"] == 2 and s["verdict"] == "CAUGHT"
     assert s["evidence"] == ("2 inserts freed 5 full slots (4 distinct) of a full-locked SWA tombstone; 2 of the 3 "
                              "distinct violated slots are among them")
-    assert pp.swa_lock_evidence("swa-lock-fix", [], set()) == (
-        0, "0 inserts freed 0 full slots (0 distinct) of a full-locked SWA tombstone, left allocated by the "
-           "test-only fix")
+    assert pp.swa_lock_evidence("swa-lock-fix", [{"slots": [3]}], {3, 4}) == (
+        1, "1 inserts freed 1 full slots (1 distinct) of a full-locked SWA tombstone (the fix patched in: whole-node "
+           "frees kept, partial ones as sglang does them); 1 of the 2 distinct violated slots are among them")
     assert dict(d.PHASES["30"].env)["E2E_POOL"] == "swa-lock-fix"
     env = d.pool_env(d.phase_env(d.PHASES["29"], str(pdir), base={}), d.PHASES["29"], str(pdir))
     assert env["E2E_POOL"] == "swa-lock" and env["E2E_POOL_DIR"] == str(pdir)
