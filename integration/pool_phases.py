@@ -26,11 +26,12 @@ Everything here that runs inside sglang is test-only and reaches it through a pl
   the same pattern in the unified radix cache (PR 29352, "skip swa recovery on locked full kv"). The observer
   counts, during every insert, frees of slots held by a full-locked tombstone and writes them to
   ``swa-lock-<pid>.jsonl`` in the phase folder (``E2E_POOL_DIR``), so the driver can match kvcanary's violations
-  against them; ``swa-lock-fix`` also patches in the fix in PR 29352's shape: a Branch-1 free of a locked
-  node's whole value is left undone, and after the insert the node gets its own full slots back with the incoming
-  slots' SWA part (``full_to_swa_index_mapping``), and only the incoming full slots are freed. (A first stand-in
-  that only left the slots allocated leaked them: sglang's idle check stopped the Engine, H200 2026-12-02.) A
-  partial free (Branch 2) is left as sglang does it and counted ``unfixed``.
+  against them; ``swa-lock-fix`` also patches in the fix in PR 29352's shape for both branches: the free of a
+  locked node's slots (Branch 1: its whole value; Branch 2: the tail it splits off) is left undone, and after the
+  insert that node gets its own full slots back with the incoming slots' SWA part (``full_to_swa_index_mapping``),
+  and only the incoming full slots are freed. (A first stand-in that only left the slots allocated leaked them:
+  sglang's idle check stopped the Engine, H200 2026-12-02.) The driver's ``--test-pool-switch swa-lock-fix`` puts
+  the fix into any phase (clean, faults, identical outputs, the PR 26380 pair) on the SWA config.
 * ``lift-kv-dtype``: kvcanary's start-up guard refuses ``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2`` until a GPU run
   has proven the real-KV fingerprint on a quantised store (plugin/kvcanary/sglang/audit.py). This drops that one
   audit row in the scheduler process for the fp8 proof run only, and prints that it did; nothing else changes.
@@ -58,7 +59,7 @@ HUNTS = {
     "28": ("swa-race-fix", "sglang PR 26380 (fix patched in)", "the same, with the PR's WAR barrier"),
     "29": ("swa-lock", "SWARadixCache frees a locked tombstone's full KV",
            "inserts that freed full slots a running request still holds (full-locked SWA tombstone)"),
-    "30": ("swa-lock-fix", "the same (test-only fix patched in)", "the same frees, left allocated"),
+    "30": ("swa-lock-fix", "the same (test-only fix patched in)", "the same frees, undone by the fix"),
 }
 IDENT_OFF, IDENT_ON = "24", "25"
 
@@ -185,6 +186,12 @@ def _locked_tombstones(tree) -> list:
     return held
 
 
+def _is_tail(value, free_index) -> bool:
+    """Whether ``free_index`` is ``value``'s tail (Branch 1 frees a node's whole value, Branch 2 a tail of it)."""
+    n = free_index.numel()
+    return 0 < n <= value.numel() and bool((value[value.numel() - n:] == free_index.to(value.dtype)).all())
+
+
 def _observe_swa_lock(fix: bool) -> None:
     import json
     import os
@@ -202,34 +209,34 @@ def _observe_swa_lock(fix: bool) -> None:
 
     def _insert_helper(self, *args, **kwargs):
         tally["inserts"] += 1
-        nodes = _locked_tombstones(self)
-        if not nodes:
+        if not _locked_tombstones(self):
             return orig_insert(self, *args, **kwargs)
-        held = torch.cat([n.value for n in nodes]).to(torch.int64)
         alloc = self.token_to_kv_pool_allocator
         own = vars(alloc).get("free")  # an instance-level wrapper someone else installed, kept underneath ours
         inner = alloc.free
-        kept = []  # (node, its held full slots) whose Branch-1 free the fix left undone
+        kept = []  # (node, the held full slots whose free the fix left undone)
 
         def free(free_index):
-            hit = torch.isin(free_index.to(torch.int64), held.to(free_index.device))
-            n = int(hit.sum())  # (host sync: hunt phases only)
-            if not n:
+            # found at free time, not before the insert: a split earlier in the same walk makes new node objects
+            node = next((nd for nd in _locked_tombstones(self) if _is_tail(nd.value, free_index)), None)
+            if node is None:
                 return inner(free_index)
+            n = free_index.numel()
+            branch = 1 if n == node.value.numel() else 2  # Branch 1 frees the whole value, Branch 2 its tail
             tally["events"] += 1
             tally["slots"] += n
+            tally[f"branch{branch}"] += 1
             if path:
                 with open(path, "a") as f:
-                    f.write(json.dumps({"event": tally["events"], "slots": free_index[hit].tolist(),
+                    f.write(json.dumps({"event": tally["events"], "branch": branch, "slots": free_index.tolist(),
                                         "deferred": fix}) + "\n")
             if tally["events"] <= PRINT_FIRST or tally["events"] % PRINT_EVERY == 0:
                 print(f"[e2e-pool] {kind}: " + " ".join(f"{k}={v}" for k, v in sorted(tally.items())), flush=True)
-            whole = next((nd for nd in nodes if nd.value.numel() == free_index.numel()
-                          and bool(torch.equal(nd.value, free_index))), None)
-            if not fix or whole is None:  # observe; or a partial free (Branch 2): left as sglang does it
-                tally["unfixed"] += int(fix)
+            if not fix:
                 return inner(free_index)
-            kept.append((whole, whole.value))  # Branch 1 frees the whole node value, then adopts the incoming one
+            # Both branches then give ``node`` (Branch 2: the tail part of its split) the incoming slots of the same
+            # tokens; the fix undoes that after the insert
+            kept.append((node, free_index.clone()))
             return None
 
         alloc.free = free
@@ -245,7 +252,7 @@ def _observe_swa_lock(fix: bool) -> None:
             mapping = getattr(alloc, "full_to_swa_index_mapping", None)
             for node, old in kept:
                 incoming = node.value
-                if incoming is old or incoming.numel() != old.numel() or mapping is None:
+                if incoming.numel() != old.numel() or bool(torch.equal(incoming, old)) or mapping is None:
                     tally["unfixed"] += 1
                     continue
                 mapping[old] = mapping[incoming]
@@ -287,17 +294,17 @@ def trigger_count(kind: str, log_text: str, retractions: int = 0) -> tuple[int, 
                + (f"; {last.get('barriers', 0)} barriers" if kind == "swa-race-fix" else ""))
 
 
-def read_swa_lock(pdir: str) -> list[dict]:
-    """The swa-lock observer's events of one phase (every scheduler process's file)."""
+def swa_lock_files(pdir: str) -> list[str]:
+    """The swa-lock observer's files of one phase (one per scheduler process)."""
     import glob
-    import json
     import os
 
-    events = []
-    for path in sorted(glob.glob(os.path.join(pdir, SWA_LOCK_FILE.format(pid="*")))):
-        with open(path) as f:
-            events += [json.loads(line) for line in f if line.strip()]
-    return events
+    return sorted(glob.glob(os.path.join(pdir, SWA_LOCK_FILE.format(pid="*"))))
+
+
+def switch_tallies(log_text: str) -> dict[str, dict]:
+    """Each test-only switch's last running tally in a worker log (a phase run with ``--test-pool-switch``)."""
+    return {kind: lines[-1] for kind, lines in parse_lines(log_text).items() if lines}
 
 
 def swa_lock_evidence(kind: str, events: list[dict], violated_slots: set[int]) -> tuple[int, str]:
@@ -305,14 +312,16 @@ def swa_lock_evidence(kind: str, events: list[dict], violated_slots: set[int]) -
     of kvcanary's violated slots are among them (the match that makes the violations this bug, not noise)."""
     freed: set[int] = set()
     total = 0
+    branches: collections.Counter = collections.Counter()
     for e in events:
         freed.update(e["slots"])
         total += len(e["slots"])
-    fixed = " (the fix patched in: whole-node frees kept, partial ones as sglang does them)" if kind == "swa-lock-fix" \
-        else ""
-    return len(events), (f"{len(events)} inserts freed {total} full slots ({len(freed)} distinct) of a full-locked "
-                         f"SWA tombstone{fixed}; {len(violated_slots & freed)} of the {len(violated_slots)} distinct "
-                         f"violated slots are among them")
+        branches[e.get("branch", "?")] += 1
+    split = ", ".join(f"{n} Branch {b}" for b, n in sorted(branches.items(), key=str))
+    fixed = " (the fix patched in: every such free undone)" if kind == "swa-lock-fix" else ""
+    return len(events), (f"{len(events)} inserts ({split}) freed {total} full slots ({len(freed)} distinct) of a "
+                         f"full-locked SWA tombstone{fixed}; {len(violated_slots & freed)} of the "
+                         f"{len(violated_slots)} distinct violated slots are among them")
 
 
 def sweep_off(log_text: str) -> str | None:

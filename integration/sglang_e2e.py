@@ -65,6 +65,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -415,6 +416,7 @@ def summarize_phase(phase: Phase, result: dict, log_text: str, report_rows: list
         "pcg_capture_s": piecewise_capture_seconds(log_text),  # sglang's piecewise graph capture, per Engine
         "piecewise_requested": bool(result.get("piecewise")),
         "sweep_off": pool_phases.sweep_off(log_text),  # kvcanary cannot sweep this prefix cache (SWARadixCache)
+        "pool_switches": pool_phases.switch_tallies(log_text),  # test-only switches' tallies (--test-pool-switch)
     }
     return s
 
@@ -498,6 +500,10 @@ def render(summary: dict) -> str:
             f"{s['injections']} | "
             f"{_fmt(s['tokens_per_s'])} | {_host_cell(s.get('host'))} | {s.get('verdict', '-')} |"
         )
+    for s in summary["phases"]:
+        for kind, tally in sorted((s.get("pool_switches") or {}).items()):
+            lines.append(f"- phase {s['phase']}: test-only switch `{kind}`: "
+                         + " ".join(f"{k}={v}" for k, v in sorted(tally.items())))
     faults = summary.get("faults")
     if faults:
         lines += ["", "| fault class | injections | detected | rate | reasons (matched violations) | tags | "
@@ -1845,12 +1851,18 @@ def fault_classes(kvcanary_env: str) -> tuple[str, ...] | None:
     return None
 
 
-def pool_env(env: dict, phase: Phase, pdir: str, lift_kv_dtype: bool = False) -> dict:
-    """The test-only pool plugin (``E2E_POOL``) on the worker's path when the phase or --test-lift-kv-dtype asks."""
+def run_pool_switches(args) -> list[str]:
+    """The test-only switches the run asks for in every phase (--test-pool-switch, --test-lift-kv-dtype)."""
+    return list(getattr(args, "test_pool_switch", None) or []) + (
+        ["lift-kv-dtype"] if getattr(args, "test_lift_kv_dtype", False) else [])
+
+
+def pool_env(env: dict, phase: Phase, pdir: str, extra: Sequence[str] = ()) -> dict:
+    """The test-only pool plugin (``E2E_POOL``) on the worker's path when the phase or the run (``extra``:
+    --test-pool-switch, --test-lift-kv-dtype) asks for a switch."""
     env = dict(env)
     switches = [x for x in env.get(_PP.POOL_ENV, "").split(",") if x]
-    if lift_kv_dtype:
-        switches.append("lift-kv-dtype")
+    switches += [x for x in extra if x not in switches]
     if not switches:
         env.pop(_PP.POOL_ENV, None)
         return env
@@ -1888,7 +1900,7 @@ def summarize_pool(phase: Phase, pdir: str, res: dict, results: dict) -> dict:
     kind, s["upstream"], _ = _PP.HUNTS[phase.key]
     if kind in ("swa-lock", "swa-lock-fix"):
         violated = {int(r["slot"]) for r in rows if r.get("schema") == VIOLATION_SCHEMA and r.get("slot") is not None}
-        s["triggers"], s["evidence"] = _PP.swa_lock_evidence(kind, _PP.read_swa_lock(pdir), violated)
+        s["triggers"], s["evidence"] = _PP.swa_lock_evidence(kind, read_jsonl(_PP.swa_lock_files(pdir)), violated)
     else:
         s["triggers"], s["evidence"] = _PP.trigger_count(kind, log_text, s["retractions"])
     s["verdict"], s["why"] = _HU.verdict(kind, s, s["triggers"])
@@ -2065,7 +2077,7 @@ def run_phases(args, runner=run_worker) -> dict:
                         phase, pdir)
         env = hicache_env(env, phase, pdir)
         env = hunt_env(env, phase, pdir)
-        env = pool_env(env, phase, pdir, getattr(args, "test_lift_kv_dtype", False))
+        env = pool_env(env, phase, pdir, run_pool_switches(args))
         if getattr(args, "loop_probe", False):
             env = loop_probe.probe_env(env, os.path.join(pdir, "loop-probe-plugin"))
         rc = runner(cmd, env, os.path.join(pdir, "worker.log"), timeout)
@@ -2083,6 +2095,7 @@ def run_phases(args, runner=run_worker) -> dict:
               + ", ".join(f"{key + s}={results[key + s].get('status')}" for s in subs), flush=True)
         return rc
 
+    cold_s = float(getattr(args, "cold_start_s", 0.0) or 0.0)  # the first worker's Engine compiles cold
     for key in args.phase_list:
         phase = PHASES[key]
         pdir = os.path.join(args.out, f"phase{key}-{phase.name}")
@@ -2099,7 +2112,8 @@ def run_phases(args, runner=run_worker) -> dict:
                     results[key + sub] = {"status": "SKIPPED", "note": f"{left:.0f} s left"}
                 print(f"[e2e] phase {key} {phase.name} {'+'.join(batch)}: SKIPPED ({left:.0f} s left)", flush=True)
                 continue
-            launch(key, batch, min(cap_s, left - 3))
+            launch(key, batch, min(cap_s + cold_s, left - 3))
+            cold_s = 0.0
         if key == "4" and results.get(f"4{arms[0]}", {}).get("status") == "OK" and \
                 results.get(f"4{arms[1]}", {}).get("status") not in ("OK", "TRUNCATED"):
             left = args.budget - (time.monotonic() - t0)  # the second Engine failed in the shared process: retry alone
@@ -2507,6 +2521,14 @@ def parse_args(argv=None):
     ap.add_argument("--test-lift-kv-dtype", action="store_true",
                     help="TEST ONLY (issue 29's fp8 proof): lift kvcanary's start-up refusal of --kv-cache-dtype "
                     "fp8_* in every phase's sglang processes (integration/pool_phases.py, printed in the log)")
+    ap.add_argument("--test-pool-switch", action="append", default=[], choices=pool_phases.SWITCHES, metavar="NAME",
+                    help="TEST ONLY: a switch of integration/pool_phases.py in every phase's sglang processes "
+                    "(repeatable), e.g. swa-lock-fix to run the clean, fault and identical-output phases on the SWA "
+                    "config with the fix for the SWARadixCache bug kvcanary found patched in; "
+                    f"one of {', '.join(pool_phases.SWITCHES)}")
+    ap.add_argument("--cold-start-s", type=float, default=0.0, metavar="S",
+                    help="seconds added to the first phase's cap: the first Engine of a model on a fresh machine "
+                    "compiles its kernels cold (gpt-oss's MoE, MLA: ~100 s on the H200)")
     ap.add_argument("--tp-size", type=int, default=1, help="tensor parallel ranks (one canary per rank)")
     ap.add_argument("--fault-rank", type=int, default=None, help="phase 3: inject on this rank only")
     ap.add_argument("--dry-run", action="store_true", help="no sglang/GPU: synthesize reports, parse, print")

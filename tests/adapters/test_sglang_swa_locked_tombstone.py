@@ -237,23 +237,30 @@ def test_an_unlocked_tombstone_takes_the_same_branch_harmlessly() -> None:
     assert not set(s.row(b, len(PREFIX) + len(B_TAIL)).tolist()) & s.free_full()
 
 
-@pytest.mark.parametrize("fix", [False, True], ids=["observe", "fix"])
-def test_e2e_swa_lock_switch_records_and_fixes_the_free(fix: bool, tmp_path, monkeypatch) -> None:
-    """The GPU driver's test-only switch (integration/pool_phases.py, phases 29/30) on the same real objects: it
-    records the held slots Branch 1 frees; with the fix (PR 29352's shape) the locked node keeps them and takes
-    B's swa slots, and only B's duplicate full slots are freed: nothing held is free, nothing leaks."""
+def _install_switch(name: str, tmp_path, monkeypatch):
+    """The GPU driver's test-only switch (integration/pool_phases.py) installed on the real SWARadixCache, and the
+    driver's reader of the slot files it writes."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration"))
     import pool_phases
+    import sglang_e2e
 
     monkeypatch.setattr(SWARadixCache, "_insert_helper", SWARadixCache._insert_helper)  # restored after the test
     monkeypatch.setenv(pool_phases.POOL_DIR_ENV, str(tmp_path))
-    pool_phases.install("swa-lock-fix" if fix else "swa-lock")
+    pool_phases.install(name)
+    return lambda: sglang_e2e.read_jsonl(pool_phases.swa_lock_files(str(tmp_path)))
+
+
+@pytest.mark.parametrize("fix", [False, True], ids=["observe", "fix"])
+def test_e2e_swa_lock_switch_records_and_fixes_the_free(fix: bool, tmp_path, monkeypatch) -> None:
+    """Phases 29/30's switch on Branch 1: it records the held slots Branch 1 frees; with the fix (PR 29352's shape)
+    the locked node keeps them and takes B's swa slots, and only B's duplicate full slots are freed: nothing held
+    is free, nothing leaks."""
+    events = _install_switch("swa-lock-fix" if fix else "swa-lock", tmp_path, monkeypatch)
     s = Serving(FULL_SLOTS)
     a, node, a_slots = tombstone_a_full_locked_node(s, "window")
     b = s.new_req(PREFIX + B_TAIL)
     b_slots = s.prefill(b, len(PREFIX) + len(B_TAIL))
-    events = pool_phases.read_swa_lock(str(tmp_path))
-    assert [sorted(e["slots"]) for e in events] == [sorted(a_slots.tolist())]
+    assert [(e["branch"], sorted(e["slots"])) for e in events()] == [(1, sorted(a_slots.tolist()))]
     freed_while_held = set(a_slots.tolist()) & s.free_full()
     assert freed_while_held == (set() if fix else set(a_slots.tolist()))
     assert vars(s.alloc).get("free") is None  # the per-insert wrapper is gone again
@@ -264,3 +271,51 @@ def test_e2e_swa_lock_switch_records_and_fixes_the_free(fix: bool, tmp_path, mon
         swa = s.alloc.full_to_swa_index_mapping
         assert bool((swa[a_slots] > 0).all()) and bool((swa[b_slots[: len(PREFIX)]] == 0).all())
         assert torch.equal(s.row(b, len(PREFIX)), a_slots)  # B's row now maps the tree's (A's) slots
+
+
+@pytest.mark.parametrize("fix", [False, True], ids=["observe", "fix"])
+def test_e2e_swa_lock_switch_fixes_a_branch1_free_after_a_split(fix: bool, tmp_path, monkeypatch) -> None:
+    """B shares only PREFIX[:6]: the walk first splits the tombstone (a new node object, locked like it) and Branch 1
+    then frees that new node's value; the switch finds it at free time, not in a list taken before the insert."""
+    events = _install_switch("swa-lock-fix" if fix else "swa-lock", tmp_path, monkeypatch)
+    s = Serving(FULL_SLOTS)
+    a, node, a_slots = tombstone_a_full_locked_node(s, "window")
+    shared = 6
+    b = s.new_req(PREFIX[:shared] + B_TAIL)
+    b_slots = s.prefill(b, shared + len(B_TAIL))
+    head = node.parent  # the split's new node: PREFIX[:6], still full-locked by A
+    assert head.key.token_ids == PREFIX[:shared] and head.full_lock_ref > 0
+    assert [(e["branch"], sorted(e["slots"])) for e in events()] == [(1, sorted(a_slots[:shared].tolist()))]
+    assert set(a_slots.tolist()) & s.free_full() == (set() if fix else set(a_slots[:shared].tolist()))
+    assert s.alloc.full_available_size() == FULL_SLOTS - 16 - len(B_TAIL)  # A's 16 and B's tail held; no leak
+    if fix:
+        assert torch.equal(head.value, a_slots[:shared]) and not head.swa_tombstone
+        assert set(b_slots[:shared].tolist()) <= s.free_full()  # B's duplicates (besides the 2 never allocated)
+
+
+@pytest.mark.parametrize("fix", [False, True], ids=["observe", "fix"])
+def test_e2e_swa_lock_switch_fixes_branch2(fix: bool, tmp_path, monkeypatch) -> None:
+    """Branch 2 (as in ``test_branch2_has_the_same_shape``): sglang frees the locked node's tail
+    ``value[5:8]``, splits the node there and gives the tail part B's slots. With the fix the tail part keeps A's
+    full slots with B's swa slots, B's duplicate full slots for it are freed, and the head stays a tombstone."""
+    events = _install_switch("swa-lock-fix" if fix else "swa-lock", tmp_path, monkeypatch)
+    s = Serving()
+    a, node, a_slots = tombstone_a_full_locked_node(s, "window")
+    b_slots = s.alloc.alloc(len(PREFIX) + len(B_TAIL))
+    evicted_seqlen = 5
+    s.alloc.free_swa(b_slots[:evicted_seqlen])
+    s.tree.insert(InsertParams(key=RadixKey(PREFIX + B_TAIL), value=b_slots.clone(), prev_prefix_len=0,
+                               swa_evicted_seqlen=evicted_seqlen))
+    assert [(e["branch"], sorted(e["slots"])) for e in events()] == [(2, sorted(a_slots[evicted_seqlen:].tolist()))]
+    held_free = set(a_slots.tolist()) & s.free_full()
+    assert held_free == (set() if fix else set(a_slots[evicted_seqlen:].tolist()))
+    assert node.key.token_ids == PREFIX[evicted_seqlen:] and not node.swa_tombstone  # the split's tail part
+    assert node.parent.swa_tombstone and torch.equal(node.parent.value, a_slots[:evicted_seqlen])
+    # B's head (swa already evicted) goes back either way; with the fix also B's full slots for the tail part
+    expect_free = set(b_slots[:evicted_seqlen].tolist()) | (set(b_slots[evicted_seqlen:len(PREFIX)].tolist())
+                                                            if fix else set(a_slots[evicted_seqlen:].tolist()))
+    assert s.free_full() == expect_free
+    if fix:
+        assert torch.equal(node.value, a_slots[evicted_seqlen:])
+        swa = s.alloc.full_to_swa_index_mapping
+        assert bool((swa[node.value] > 0).all()) and bool((swa[b_slots[evicted_seqlen:len(PREFIX)]] == 0).all())

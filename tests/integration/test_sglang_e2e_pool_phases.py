@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration"))  # pool_phases
 
 
@@ -52,11 +54,33 @@ def test_pool_plugin_is_written_only_when_asked(e2e, tmp_path) -> None:
     d = e2e
     env = d.pool_env({"PATH": "/bin"}, d.PHASES["2"], str(tmp_path))
     assert "E2E_POOL" not in env and not (tmp_path / "pool-plugin").exists()
-    env = d.pool_env({"PATH": "/bin"}, d.PHASES["2"], str(tmp_path), lift_kv_dtype=True)
+    args = d.parse_args(["--test-lift-kv-dtype"])
+    env = d.pool_env({"PATH": "/bin"}, d.PHASES["2"], str(tmp_path), d.run_pool_switches(args))
     assert env["E2E_POOL"] == "lift-kv-dtype" and env["PYTHONPATH"].startswith(str(tmp_path / "pool-plugin"))
     assert (tmp_path / "pool-plugin" / "kvcanary_e2e_pool.py").exists()
     env = d.pool_env(d.phase_env(d.PHASES["26"], str(tmp_path), base={}), d.PHASES["26"], str(tmp_path))
     assert env["E2E_POOL"] == "page-tail" and os.path.isabs(env["E2E_POOL_PHASES_FILE"])
+    # a run-wide switch joins the phase's own, once
+    args = d.parse_args(["--test-pool-switch", "swa-lock-fix", "--test-pool-switch", "page-tail"])
+    env = d.pool_env(d.phase_env(d.PHASES["26"], str(tmp_path), base={}), d.PHASES["26"], str(tmp_path),
+                     d.run_pool_switches(args))
+    assert env["E2E_POOL"] == "page-tail,swa-lock-fix"
+    with pytest.raises(SystemExit):
+        d.parse_args(["--test-pool-switch", "no-such-switch"])
+
+
+def test_a_switch_tally_in_a_clean_phase_is_summarized_and_rendered(e2e) -> None:
+    log = ("[e2e-pool] swa-lock-fix: branch1=1 events=1 inserts=40 slots=12\n"
+           "[e2e-pool] swa-lock-fix: branch1=2 branch2=1 events=3 fixed=3 inserts=90 slots=30\n"
+           "kvcanary stats: step=9 forwards=9 tokens_written=9 entries_verified=2000000 entries_swept=9 "
+           "violations=0 lost=0\n")
+    s = e2e.summarize_phase(e2e.PHASES["2"], {"status": "OK", "requests_sent": 1, "requests_ok": 1}, log, [])
+    assert s["pool_switches"] == {"swa-lock-fix": {"branch1": 2, "branch2": 1, "events": 3, "fixed": 3,
+                                                   "inserts": 90, "slots": 30}}
+    s["phase"] = "2"
+    text = e2e.render({"phases": [s]})
+    assert "- phase 2: test-only switch `swa-lock-fix`: branch1=2 branch2=1 events=3 fixed=3 inserts=90 slots=30" \
+        in text
 
 
 def test_fault_classes_follow_the_kvcanary_env_override_and_sweep_off_is_allowed(e2e) -> None:
@@ -96,7 +120,8 @@ def test_swa_lock_phases_match_violations_against_the_freed_slots(e2e, tmp_path)
     pdir = tmp_path / "p29"
     pdir.mkdir()
     for pid, slots in ((11, [5, 6, 7]), (12, [7, 9])):
-        (pdir / pp.SWA_LOCK_FILE.format(pid=pid)).write_text(json.dumps({"event": 1, "slots": slots}) + "\n")
+        (pdir / pp.SWA_LOCK_FILE.format(pid=pid)).write_text(json.dumps({"event": 1, "branch": 1, "slots": slots})
+                                                             + "\n")
     (pdir / "worker.log").write_text("kvcanary stats: step=9 forwards=9 tokens_written=9 entries_verified=2000000 "
                                      "entries_swept=9 violations=3 lost=0\n")
     rows = [{"schema": "kvcanary.violation/1", "slot": s, "step": 4} for s in (5, 6, 40)]
@@ -104,11 +129,11 @@ def test_swa_lock_phases_match_violations_against_the_freed_slots(e2e, tmp_path)
     res = {"status": "OK", "requests_sent": 2, "requests_ok": 2}
     s = d.summarize_pool(d.PHASES["29"], str(pdir), res, {})
     assert s["triggers"] == 2 and s["verdict"] == "CAUGHT"
-    assert s["evidence"] == ("2 inserts freed 5 full slots (4 distinct) of a full-locked SWA tombstone; 2 of the 3 "
-                             "distinct violated slots are among them")
-    assert pp.swa_lock_evidence("swa-lock-fix", [{"slots": [3]}], {3, 4}) == (
-        1, "1 inserts freed 1 full slots (1 distinct) of a full-locked SWA tombstone (the fix patched in: whole-node "
-           "frees kept, partial ones as sglang does them); 1 of the 2 distinct violated slots are among them")
+    assert s["evidence"] == ("2 inserts (2 Branch 1) freed 5 full slots (4 distinct) of a full-locked SWA tombstone; "
+                             "2 of the 3 distinct violated slots are among them")
+    assert pp.swa_lock_evidence("swa-lock-fix", [{"slots": [3], "branch": 2}], {3, 4}) == (
+        1, "1 inserts (1 Branch 2) freed 1 full slots (1 distinct) of a full-locked SWA tombstone (the fix patched "
+           "in: every such free undone); 1 of the 2 distinct violated slots are among them")
     assert dict(d.PHASES["30"].env)["E2E_POOL"] == "swa-lock-fix"
     env = d.pool_env(d.phase_env(d.PHASES["29"], str(pdir), base={}), d.PHASES["29"], str(pdir))
     assert env["E2E_POOL"] == "swa-lock" and env["E2E_POOL_DIR"] == str(pdir)
