@@ -327,6 +327,23 @@ class FaultMatch:
     late: int = 0  # violations on touched slots, outside every window (e.g. a swapped record read again later)
     latency: dict = field(default_factory=lambda: collections.defaultdict(list))
     ended: list = field(default_factory=list)  # undetected, in the run's last ENDED_GRACE forwards: not judged
+    echoes: int = 0  # a window group's violations with a full-group twin (SWAKVPool: the same damage, seen twice)
+
+
+# An SWAKVPool's managers: the full group (``group=full``, or no group key: a one-group pool) and the window group
+# (``group=swa``), which numbers its own slots. The injector acts on the full group only; damage it does there that
+# the window group also reads (a swapped token, a redirected row) is reported by both, at the same step, row and
+# position: the window group's line is that detection seen again, judged by its full-group twin.
+WINDOW_GROUP = "swa"
+
+
+def _group_of(r: dict) -> str | None:
+    return (r.get("rank") or {}).get("group")
+
+
+def _rank_key(r: dict) -> str:
+    """A row's rank without its group (injections carry none: the injector acts on the full group)."""
+    return json.dumps({k: v for k, v in (r.get("rank") or {}).items() if k != "group"}, sort_keys=True)
 
 
 # An injection in the last forwards of a run may not have been read by a verify or a sweep yet when the workload
@@ -347,8 +364,15 @@ def match_injections(rows: list[dict]) -> FaultMatch:
     """
     res = FaultMatch()
     inj = [r for r in rows if r.get("schema") == INJECTION_SCHEMA]
-    vio = [r for r in rows if r.get("schema") == VIOLATION_SCHEMA]
-    rank_key = lambda r: json.dumps(r.get("rank"), sort_keys=True)  # noqa: E731
+    vio = [r for r in rows if r.get("schema") == VIOLATION_SCHEMA and _group_of(r) != WINDOW_GROUP]
+    rank_key = _rank_key
+    twin = lambda r: (rank_key(r), r["step"], r.get("request_row"), r.get("position"), tuple(r["reasons"]))  # noqa: E731
+    full_seen = {twin(v) for v in vio}
+    for v in (r for r in rows if r.get("schema") == VIOLATION_SCHEMA and _group_of(r) == WINDOW_GROUP):
+        if twin(v) in full_seen:
+            res.echoes += 1
+        else:
+            res.unexplained.append(v)  # the window group alone saw it: no injection explains that
     by_slot: dict[tuple[str, int], list[dict]] = collections.defaultdict(list)
     for i in inj:
         res.injections[i["fault"]] += 1
@@ -518,6 +542,9 @@ def render(summary: dict) -> str:
             lines.append(f"| {c} | {n} | {d} | {rate} | {reasons} | {tags} | {lat_s} |")
         lines.append(f"| violations on untouched slots | {faults['unexplained']} | | | | | |")
         lines.append(f"| late violations on touched slots (outside window) | {faults['late']} | | | | | |")
+        if faults.get("echoes"):
+            lines.append(f"| the window group's (`group=swa`) lines of those detections (same step, row, position) | "
+                         f"{faults['echoes']} | | | | | |")
         if faults.get("missed"):
             lines.append("")
             lines.append("missed injections: " + "; ".join(
@@ -642,7 +669,7 @@ def build_summary(out: str, phases: list[str], results: dict, budget: float, tot
                 "reasons": {k: dict(v) for k, v in m.reasons.items()}, "tags": {k: dict(v) for k, v in m.tags.items()},
                 "latency": {k: sorted(v) for k, v in m.latency.items()}, "unexplained": len(m.unexplained),
                 "unexplained_examples": m.unexplained[:10], "late": m.late, "missed": m.missed,
-                "ended": [(i["fault"], i["step"]) for i in m.ended],
+                "ended": [(i["fault"], i["step"]) for i in m.ended], "echoes": m.echoes,
             }
         else:
             ok, why = verdict_clean(s)
@@ -1814,11 +1841,16 @@ def summarize_protect(phase: Phase, pdir: str, res: dict, results: dict) -> dict
 
 
 # ---------------------------------------------------------------------------------------------------- pool kinds
-# integration/pool_phases.py (issues 29/30): greedy outputs with kvcanary off and on (24, 25: deterministic
-# inference, so the outputs do not depend on the batches), PR 35401's stale page tails (26: page 16, retraction) and
-# PR 26380's SWA mapping race (27 observed, 28 with the fix patched in; run them with the SWA config).
+# integration/pool_phases.py (issues 29/30): greedy outputs with kvcanary off and on (24, 25), PR 35401's stale page
+# tails (26: page 16, retraction) and PR 26380's SWA mapping race (27 observed, 28 with the fix patched in; run them
+# with the SWA config).
+# 24/25 serve one request at a time, first come first served: every forward's shapes, and so every kernel's result,
+# then follow from the workload alone, not from how the scheduler batched it (H200 2026-12-02: under
+# --enable-deterministic-inference the tiny gpt-oss and DeepSeek-V2 Engines sat after their first prefill until the
+# phase cap, with and without kvcanary). What kvcanary could change is what a forward computes, which batching does
+# not hide; run them with --requests 128 (one request at a time: ~30 s of serving).
 _PP = pool_phases
-_IDENT_ENGINE = (("enable_deterministic_inference", True),)
+_IDENT_ENGINE = (("max_running_requests", 1), ("schedule_policy", "fcfs"))
 _RETRACT = (("schedule_conservativeness", 0.05),)
 POOL_PHASES: dict[str, Phase] = {
     _PP.IDENT_OFF: Phase(_PP.IDENT_OFF, "ident-off", "off", True, 12288, 150, 70, COMMON_ENV, _IDENT_ENGINE),
@@ -1899,7 +1931,8 @@ def summarize_pool(phase: Phase, pdir: str, res: dict, results: dict) -> dict:
         return s
     kind, s["upstream"], _ = _PP.HUNTS[phase.key]
     if kind in ("swa-lock", "swa-lock-fix"):
-        violated = {int(r["slot"]) for r in rows if r.get("schema") == VIOLATION_SCHEMA and r.get("slot") is not None}
+        violated = {int(r["slot"]) for r in rows if r.get("schema") == VIOLATION_SCHEMA and r.get("slot") is not None
+                    and _group_of(r) != WINDOW_GROUP}  # full slots: the window group numbers its own
         s["triggers"], s["evidence"] = _PP.swa_lock_evidence(kind, read_jsonl(_PP.swa_lock_files(pdir)), violated)
     else:
         s["triggers"], s["evidence"] = _PP.trigger_count(kind, log_text, s["retractions"])

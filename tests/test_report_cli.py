@@ -235,6 +235,24 @@ def test_matcher_rule_windows() -> None:
     assert res.detected == 0 and res.unexplained == [] and res.late == 0 and len(res.missed) == 1
 
 
+def test_matcher_judges_the_window_groups_line_by_its_full_group_twin() -> None:
+    """An SWAKVPool's two groups (H200, 2026-12-02: a token swap in the full group, reported by both groups at the
+    same step, row and position, the swa group under its own slot numbers): the swa line is an echo, not a false
+    positive; a swa line with no full-group twin stays unexplained."""
+    full = {"tp_rank": 0, "group": "full"}
+    swa = {"tp_rank": 0, "group": "swa"}
+    inj = {"fault": "token_swap", "step": 46, "slots": [11882, 11889], "rank": full}
+
+    def vio(slot, rank, position=242, row=13):
+        return {"step": 48, "slot": slot, "position": position, "request_row": row, "reasons": ["verify_token"],
+                "tag": "verify", "rank": rank}
+
+    rows = [vio(11882, full), vio(3250, swa), vio(3251, swa, position=243)]
+    res = matcher.match_injections([(matcher.rank_key(inj), inj)], [(matcher.rank_key(v), v) for v in rows])
+    assert res.classes["token_swap"].detected == 1 and res.echoes == 1
+    assert [v["slot"] for v in res.unexplained] == [3251]
+
+
 @pytest.mark.skipif(not TP2_FAULTS.is_file(), reason="needs shared/e2e/results next to the repository")
 def test_real_tp2_fault_run_matches_the_e2e_drivers_matcher(tmp_path: Path) -> None:
     with tarfile.open(TP2_FAULTS) as tar:

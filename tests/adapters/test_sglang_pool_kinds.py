@@ -177,6 +177,12 @@ def test_pool_kind_clean_run_then_real_kv_flip(engine, capsys) -> None:
         print(f"{engine.kind} flip: {inj.detail} -> {exc.value.violations[0].log_line()}")
     assert {v.slot for v in exc.value.violations} == {slot}
     assert all(v.reasons == ("verify_real_kv_hash",) for v in exc.value.violations)
+    # an SWAKVPool numbers its slots per group: the report says which (the flip is in the swa group's K/V)
+    expect_group = {"group": "swa"} if engine.kind == "swa" else {}
+    assert all({k: v for k, v in (v.rank or {}).items() if k == "group"} == expect_group
+               for v in exc.value.violations)
+    if engine.kind == "swa":
+        assert " group=swa" in exc.value.violations[0].log_line()
 
 
 @pytest.mark.parametrize("engine", ["swa"], indirect=True)
@@ -216,4 +222,5 @@ def test_swa_cached_idle_corruption_is_swept(engine, capsys) -> None:
     assert {v.slot for v in exc.value.violations} == {slot}
     assert all(v.reasons == ("verify_real_kv_hash",) for v in exc.value.violations)
     assert any(v.tag_name == "sweep" for v in exc.value.violations)
+    assert all((v.rank or {}).get("group") == "full" for v in exc.value.violations)
 

@@ -80,6 +80,21 @@ def test_match_injections(e2e) -> None:
     assert not ok and any("untouched" in w or "no injection" in w for w in why)
 
 
+def test_the_window_groups_lines_are_judged_by_their_full_group_twin(e2e) -> None:
+    """SWAKVPool (H200 phase 3 with the swa-lock fix, 2026-12-02: 243 'untouched' violations, each the swa group's
+    line of a full-group detection under its own slot number): a ``group=swa`` violation with a full-group twin
+    (step, row, position, reasons) is an echo; without one it is unexplained."""
+    full, swa = {"tp_rank": 0, "group": "full"}, {"tp_rank": 0, "group": "swa"}
+    inj = {**_inj("token_swap", 46, [11882, 11889]), "rank": full}
+
+    def vio(slot, rank, position):
+        return {**_vio(48, slot, ["verify_token"]), "rank": rank, "position": position, "request_row": 13}
+
+    m = e2e.match_injections([inj, vio(11882, full, 242), vio(3250, swa, 242), vio(3251, swa, 243)])
+    assert dict(m.detected) == {"token_swap": 1} and m.echoes == 1
+    assert [v["slot"] for v in m.unexplained] == [3251]
+
+
 def test_an_injection_the_run_ended_before_reading_is_not_judged(e2e) -> None:
     """H200 phase 22 (2026-12-02): a cached-idle corruption at the run's last forward, the next sweep 3 forwards
     away: set apart, neither detected nor missed; one just before the grace is missed as usual."""

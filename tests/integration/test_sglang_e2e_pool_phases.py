@@ -45,7 +45,8 @@ def test_phases_engine_and_env(e2e) -> None:
     args = d.parse_args(["--phases", "26,27", "--model", "integration/models/gpt-oss-swa-tiny"])
     kw = d.engine_kwargs(d.PHASES["26"], args.model, args)
     assert kw["page_size"] == 16 and kw["schedule_conservativeness"] == 0.05
-    assert d.engine_kwargs(d.PHASES["24"], args.model, args)["enable_deterministic_inference"] is True
+    kw24 = d.engine_kwargs(d.PHASES["24"], args.model, args)
+    assert (kw24["max_running_requests"], kw24["schedule_policy"]) == (1, "fcfs")  # shapes follow the workload
     assert dict(d.PHASES["27"].env)["E2E_POOL"] == "swa-race"
     assert dict(d.PHASES["28"].env)["E2E_POOL"] == "swa-race-fix"
 

@@ -14,6 +14,11 @@ real engine's reports; that driver keeps its own copy because it never imports k
 * A violation is **unexplained** when no injection at an earlier step touched its slot (a false positive, or
   collateral damage the injector did not name), and **late** when injections touched its slot but all of them
   more than a window earlier.
+* A pool of several groups (sglang's ``SWAKVPool``: ``group=full`` and ``group=swa``) numbers its slots per group,
+  and the injector acts on one group. A violation of another group, in a rank whose injections name a group, is an
+  **echo** when a violation of the injections' group has the same rank (but for the group), step, request row,
+  position and reasons: the same damage read through the other group's slots (a swapped token, a redirected row).
+  Without such a twin it is unexplained.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class MatchResult:
     missed: list[dict[str, Any]] = field(default_factory=list)  # injections without a detection
     unexplained: list[dict[str, Any]] = field(default_factory=list)  # violations no earlier injection touched
     late: int = 0  # violations on touched slots, outside every window
+    echoes: int = 0  # another group's violations with a twin in the injections' group (module docstring)
 
     @property
     def injected(self) -> int:
@@ -62,6 +68,17 @@ def rank_key(record: Mapping[str, Any], source: str = "") -> str:
     """Which rank a record belongs to: its ``rank`` object (canonical JSON), or its file when it has none."""
     rank = record.get("rank")
     return json.dumps(rank, sort_keys=True) if rank else f"file:{source}"
+
+
+def _group(record: Mapping[str, Any]) -> str | None:
+    return (record.get("rank") or {}).get("group")
+
+
+def _twin(v: Mapping[str, Any]) -> tuple:
+    """What a violation and its echo in another group of the same pool share (module docstring)."""
+    rank = {k: val for k, val in (v.get("rank") or {}).items() if k != "group"}
+    return (json.dumps(rank, sort_keys=True), v["step"], v.get("request_row"), v.get("position"),
+            tuple(v["reasons"]))
 
 
 def match_injections(
@@ -79,16 +96,24 @@ def match_injections(
     res = MatchResult()
     by_slot: dict[tuple[str, int], list[Mapping[str, Any]]] = defaultdict(list)
     all_injections = []
+    injected_keys: set[str] = set()
     for key, inj in injections:
         all_injections.append(inj)
+        injected_keys.add(key)
         res.classes.setdefault(str(inj["fault"]), ClassMatch()).injected += 1
         for slot in inj["slots"]:
             by_slot[(key, int(slot))].append(inj)
     for lst in by_slot.values():
         lst.sort(key=lambda i: i["step"])
+    violations = list(violations)
+    # the injections' groups' violations, by what another group's echo of them shares
+    twins = {_twin(v) for key, v in violations if key in injected_keys and _group(v) is not None}
     detected: set[int] = set()
     for key, v in violations:
         step = v["step"]
+        if key not in injected_keys and _group(v) is not None and _twin(v) in twins:
+            res.echoes += 1
+            continue
         candidates = [i for i in by_slot.get((key, int(v["slot"])), ()) if i["step"] < step]
         if not candidates:
             res.unexplained.append(dict(v))

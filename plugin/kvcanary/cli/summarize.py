@@ -316,6 +316,7 @@ class ReportSummary:
                 "unexplained": len(m.unexplained),
                 "unexplained_first": m.unexplained[:MAX_LISTED],
                 "late": m.late,
+                "echoes": m.echoes,
             }
         return out
 
@@ -486,7 +487,8 @@ def render(s: ReportSummary) -> str:
         lines.append(format_table(rows, ("fault class", "injected", "detected", "rate", "latency (forwards)",
                                          "reasons (matched violations)", "tags"), right=(1, 2, 3)))
         lines.append(f"violations on slots no earlier injection touched: {len(m.unexplained)}; late (outside every "
-                     f"window): {m.late}; injections without a detection: {len(m.missed)}")
+                     f"window): {m.late}; injections without a detection: {len(m.missed)}"
+                     + (f"; another group's lines of the same detections: {m.echoes}" if m.echoes else ""))
         for v in m.unexplained[:MAX_LISTED]:
             lines.append(f"  unexplained: step={v['step']} tag={v['tag']} reasons={'+'.join(v['reasons'])} "
                          f"slot={v['slot']}")

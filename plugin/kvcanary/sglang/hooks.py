@@ -96,6 +96,9 @@ class AdapterHooks:
             self.zero_graph_padding = True  # (before any replay: pools are installed at init)
         groups = []
         for spec in specs:
+            # A pool of several groups (SWAKVPool: full and swa) numbers its slots per group: every line and record
+            # then says which group's slot it is (``group=swa``), or slot 3250 could be either pool's
+            group_rank = {**rank, "group": spec.name} if len(specs) > 1 else rank
             manager = CanaryManager(
                 config,
                 num_slots=spec.num_slots,
@@ -106,9 +109,9 @@ class AdapterHooks:
                 real_kv_sources=spec.sources,
                 swa_window_size=spec.swa_window_size,
                 full_to_swa_index_mapping=spec.full_to_swa_index_mapping,
-                reporter=Reporter(config.mode, config.report_path_for(report_rank), rank=rank,
+                reporter=Reporter(config.mode, config.report_path_for(report_rank), rank=group_rank,
                                   repeat_window=config.log_repeat_window),
-                rank=rank,
+                rank=group_rank,
                 **speculative.manager_kwargs(role),
             )
             groups.append(Group(spec, manager))
