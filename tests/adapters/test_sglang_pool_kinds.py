@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import importlib.util
 import random
+import re
 import types
 
 import pytest
@@ -224,3 +225,20 @@ def test_swa_cached_idle_corruption_is_swept(engine, capsys) -> None:
     assert any(v.tag_name == "sweep" for v in exc.value.violations)
     assert all((v.rank or {}).get("group") == "full" for v in exc.value.violations)
 
+
+
+def test_speculative_decoding_over_an_mla_or_window_pool_is_refused_by_name(engine) -> None:
+    """EAGLE is followed on MHA pools; over an MLA pool (DeepSeek's NEXTN) or a sliding-window pool it has not run, so
+    the install refuses it naming the flag (hooks.install calls this with the runner's server args)."""
+    from kvcanary.sglang import speculative
+    from kvcanary.sglang.refusal import UnsupportedSetupError
+
+    pool, groups = engine.mr.token_to_kv_pool, len(engine.inst.groups)
+    eagle = types.SimpleNamespace(speculative_algorithm="EAGLE")
+    speculative.check_pool_kind(pool, groups, types.SimpleNamespace(speculative_algorithm=None))
+    if engine.kind == "page64":
+        speculative.check_pool_kind(pool, groups, eagle)
+        return
+    what = {"mla": "an MLA KV pool (MLATokenToKVPool)", "swa": "a sliding-window KV pool (SWAKVPool)"}[engine.kind]
+    with pytest.raises(UnsupportedSetupError, match=r"--speculative-algorithm EAGLE\) over " + re.escape(what)):
+        speculative.check_pool_kind(pool, groups, eagle)

@@ -366,7 +366,8 @@ SETTINGS: tuple[Setting, ...] = (
     # --- speculative decoding (raised by speculative.check_speculative, in its order)
     Setting("speculative_algorithm", "--speculative-algorithm", C, _eagle_covered,
             "EAGLE, --speculative-eagle-topk 1, spec v2, sglang 0.5.12",
-            "one manager per pool (target, draft), verify and draft extend planned per row", test=EAGLE_TEST),
+            "one manager per pool (target, draft), verify and draft extend planned per row; on MHA pools: over an "
+            "MLA or sliding-window pool the install refuses it (speculative.check_pool_kind)", test=EAGLE_TEST),
     Setting("speculative_algorithm", "--speculative-algorithm", R,
             lambda sa, v: bool(_get(sa, "speculative_algorithm")) and not _spec_on(sa, v),
             "set, sglang other than 0.5.12", "EAGLE's hook targets are checked on 0.5.12 only",

@@ -84,6 +84,7 @@ class AdapterHooks:
         parts = v.runner_parts(runner)
         pool = parts.kv_pool
         specs = v.pool_groups(pool, config, sliding_window_size=parts.sliding_window_size)
+        speculative.check_pool_kind(pool, len(specs), v.server_args_of(runner))  # EAGLE: MHA pools only
         r2t = parts.req_to_token
         device = r2t.device
         max_bs = max(parts.max_running_requests + 1, parts.cuda_graph_max_bs)

@@ -113,6 +113,29 @@ def check_speculative(server_args, sglang_version: str) -> None:
         )
 
 
+def check_pool_kind(pool, groups: int, server_args) -> None:
+    """Refuse speculative decoding over a pool kind kvcanary has not followed it on, naming the flag: EAGLE is
+    followed on plain MHA pools (paged or not); an MLA pool (DeepSeek's NEXTN / MTP) or a sliding-window pool
+    (``groups`` > 1: a full and a window group) under a draft model has not been run, so it is refused at start-up
+    rather than installed on trust."""
+    from kvcanary.sglang.refusal import UnsupportedSetupError
+
+    algo = getattr(server_args, "speculative_algorithm", None)
+    if not algo:
+        return
+    if groups > 1:
+        kind = "a sliding-window KV pool"
+    elif hasattr(pool, "kv_lora_rank"):
+        kind = "an MLA KV pool"
+    else:
+        return
+    raise UnsupportedSetupError(
+        f"speculative decoding (--speculative-algorithm {getattr(algo, 'name', algo)}) over {kind} "
+        f"({type(pool).__name__}) is not followed by kvcanary (EAGLE is, on MHA pools): remove "
+        "--speculative-algorithm or unset KVCANARY_MODE"
+    )
+
+
 def pool_role(runner, server_args) -> PoolRole | None:
     """The runner's pool in a speculative engine (draft when ``is_draft_worker``), None without speculation."""
     if not getattr(server_args, "speculative_algorithm", None):
@@ -332,6 +355,7 @@ def after_verify_complete(result, worker, num_correct_drafts_per_req=None, *args
 __all__ = [
     "COVERED_VERSIONS", "POOL_MODES", "ROWS_WRITTEN_ATTR", "SPEC_ATTR", "SUPPORTED_ALGORITHMS", "SpecBatchView",
     "SpecState", "after_forward", "after_verify_complete", "around_draft_extend_replay", "around_draft_replay",
-    "attach", "batch_view_for", "check_speculative", "count_forward", "feed_metrics", "forward_modes", "log_stats",
+    "attach", "batch_view_for", "check_pool_kind", "check_speculative", "count_forward", "feed_metrics",
+    "forward_modes", "log_stats",
     "manager_kwargs", "pool_role", "spec_of", "zero_rows_left_behind",
 ]
