@@ -401,12 +401,17 @@ def match_injections(rows: list[dict]) -> FaultMatch:
                 res.tags[i["fault"]][v.get("tag", "?")] += 1
         if not hit:
             res.late += 1
-    last_step = max((int(r.get("step") or 0) for r in rows), default=0)
+    # the run's last step in the injection's own pool (every TP rank counts the same forwards; an EAGLE draft pool
+    # counts its own, more: H200 eagle-faults on pages of 16, 2026-12-02, a cached-idle corruption at the target's
+    # last forward, 1583, was judged missed against the draft pool's step 2080)
+    last_step: dict[str, int] = collections.defaultdict(int)
+    for r in rows:
+        last_step[_pool(r)] = max(last_step[_pool(r)], int(r.get("step") or 0))
     undetected = [i for i in inj if id(i) not in detected_ids]
-    res.ended = [i for i in undetected if i["step"] > last_step - ENDED_GRACE]
+    res.ended = [i for i in undetected if i["step"] > last_step[_pool(i)] - ENDED_GRACE]
     for i in res.ended:
         res.injections[i["fault"]] -= 1
-    res.missed = [i for i in undetected if i["step"] <= last_step - ENDED_GRACE][:20]
+    res.missed = [i for i in undetected if i["step"] <= last_step[_pool(i)] - ENDED_GRACE][:20]
     return res
 
 
@@ -542,6 +547,9 @@ def render(summary: dict) -> str:
             lines.append(f"| {c} | {n} | {d} | {rate} | {reasons} | {tags} | {lat_s} |")
         lines.append(f"| violations on untouched slots | {faults['unexplained']} | | | | | |")
         lines.append(f"| late violations on touched slots (outside window) | {faults['late']} | | | | | |")
+        if faults.get("ended"):
+            lines.append(f"| set apart: injected in the run's last {ENDED_GRACE} forwards, not read before it ended | "
+                         + ", ".join(f"{c}@{st}" for c, st in faults["ended"]) + " | | | | | |")
         if faults.get("echoes"):
             lines.append(f"| the window group's (`group=swa`) lines of those detections (same step, row, position) | "
                          f"{faults['echoes']} | | | | | |")
@@ -1546,6 +1554,9 @@ def render_eagle(details: list[dict]) -> list[str]:
                 tags = ", ".join(f"{a}×{b}" for a, b in sorted(f.tags.get(c, {}).items())) or "-"
                 lines.append(f"| {c} | {n} | {k} | {f'{100.0 * k / n:.0f} %' if n else '-'} | {reasons} | {tags} |")
             lines.append(f"| violations on untouched slots (any pool) | {len(f.unexplained)} | | | | |")
+            if f.ended:
+                lines.append(f"| set apart: injected in its pool's last {ENDED_GRACE} forwards, not read before the "
+                             "run ended | " + ", ".join(f"{i['fault']}@{i['step']}" for i in f.ended) + " | | | | |")
     return lines
 
 

@@ -109,6 +109,19 @@ def test_an_injection_the_run_ended_before_reading_is_not_judged(e2e) -> None:
     assert [i["step"] for i in m.missed] == [last - e2e.ENDED_GRACE]
 
 
+def test_the_run_end_grace_counts_in_the_injections_own_pool(e2e) -> None:
+    """EAGLE on pages of 16 (H200 2026-12-02): the draft pool counts more forwards (2080) than the target (1583); a
+    cached-idle corruption at the target's last forward is set apart, not judged missed against the draft's steps."""
+    target, draft = {"tp_rank": 0, "pool": "target"}, {"tp_rank": 0, "pool": "draft"}
+    rows = [{**_inj("cached_idle_corruption", 1583, [3377]), "rank": target},
+            {**_inj("real_kv_flip", 1500, [9]), "rank": target},
+            {**_vio(1501, 9, ["verify_real_kv_hash"]), "rank": target},
+            {**_vio(1583, 12, ["verify_real_kv_hash"]), "rank": target},
+            {**_vio(2080, 40, ["verify_token"]), "rank": draft}]
+    m = e2e.match_injections(rows)
+    assert [(i["fault"], i["step"]) for i in m.ended] == [("cached_idle_corruption", 1583)] and not m.missed
+
+
 def test_parse_stats_takes_the_last_line(e2e) -> None:
     log = ("x kvcanary stats: step=20 forwards=20 tokens_written=5 entries_verified=7 entries_swept=1 violations=0 "
            "lost=0\n[2026] kvcanary stats: step=40 forwards=40 tokens_written=9 entries_verified=1234567 "
