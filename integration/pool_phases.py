@@ -17,21 +17,22 @@ Everything here that runs inside sglang is test-only and reaches it through a pl
   barrier, ``schedule_stream.wait_stream(forward_stream)`` at the top of every overlap loop iteration (before
   ``recv_requests``). kvcanary reads the mapping inside the forward, on the forward stream, so its reads race
   exactly like the attention kernels': a violation in the observed phase and none with the fix is the race.
-* ``swa-lock`` / ``swa-lock-fix`` (found by kvcanary on the H200, 2026-12-02; the legacy ``SWARadixCache`` of
-  0.5.12): when an insert overlaps an SWA tombstone whose full KV a running request still holds
-  (``full_lock_ref`` > 0: a request past its window releases its swa lock, so the node can be tombstoned while
-  the full lock stays), ``_insert_helper``'s recovery branches free ``node.value`` (the full slots) and put the
-  inserting request's slots in the node. The running request's req_to_token row still holds the freed slots; the
-  next allocation hands them to another request, whose prefill overwrites its full-attention KV. Upstream fixed
-  the same pattern in the unified radix cache (PR 29352, "skip swa recovery on locked full kv"). The observer
-  counts, during every insert, frees of slots held by a full-locked tombstone and writes them to
-  ``swa-lock-<pid>.jsonl`` in the phase folder (``E2E_POOL_DIR``), so the driver can match kvcanary's violations
-  against them; ``swa-lock-fix`` also patches in the fix in PR 29352's shape for both branches: the free of a
-  locked node's slots (Branch 1: its whole value; Branch 2: the tail it splits off) is left undone, and after the
-  insert that node gets its own full slots back with the incoming slots' SWA part (``full_to_swa_index_mapping``),
-  and only the incoming full slots are freed. (A first stand-in that only left the slots allocated leaked them:
-  sglang's idle check stopped the Engine, H200 2026-12-02.) The driver's ``--test-pool-switch swa-lock-fix`` puts
-  the fix into any phase (clean, faults, identical outputs, the PR 26380 pair) on the SWA config.
+* ``swa-lock`` / ``swa-lock-fix`` (caught by kvcanary on the H200, 2026-12-02, unprompted; the legacy
+  ``SWARadixCache`` of 0.5.12, fixed upstream later by PR 29352, "skip swa recovery on locked full kv", which adds
+  ``_recover_tombstone_keeping_locked_full``; 0.5.23 no longer ships this cache): when an insert overlaps an SWA
+  tombstone whose full KV a running request still holds (``full_lock_ref`` > 0: a request past its window releases its
+  swa lock, so the node can be tombstoned while the full lock stays), ``_insert_helper``'s recovery branches free
+  ``node.value`` (the full slots) and put the inserting request's slots in the node. The running request's
+  req_to_token row still holds the freed slots; the next allocation hands them to another request, whose prefill
+  overwrites its full-attention KV. The observer counts, during every insert, frees of slots held by a full-locked
+  tombstone and writes them to ``swa-lock-<pid>.jsonl`` in the phase folder (``E2E_POOL_DIR``), so the driver can
+  match kvcanary's violations against them; ``swa-lock-fix`` also patches in the fix in PR 29352's shape for both
+  branches: the free of a locked node's slots (Branch 1: its whole value; Branch 2: the tail it splits off) is left
+  undone, and after the insert that node gets its own full slots back with the incoming slots' SWA part
+  (``full_to_swa_index_mapping``), and only the incoming full slots are freed. (A first stand-in that only left the
+  slots allocated leaked them: sglang's idle check stopped the Engine, H200 2026-12-02.) The driver's
+  ``--test-pool-switch swa-lock-fix`` puts the fix into any phase (clean, faults, identical outputs, the PR 26380
+  pair) on the SWA config.
 * ``lift-kv-dtype``: kvcanary's start-up guard refuses ``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2`` until a GPU run
   has proven the real-KV fingerprint on a quantised store (plugin/kvcanary/sglang/audit.py). This drops that one
   audit row in the scheduler process for the fp8 proof run only, and prints that it did; nothing else changes.
@@ -260,6 +261,8 @@ def _observe_swa_lock(fix: bool) -> None:
                 alloc.full_attn_allocator.free(incoming)
                 node.value = old
                 tally["fixed"] += 1
+            if kept:  # the tally after the fix (the lines at free time show it before)
+                print(f"[e2e-pool] {kind}: " + " ".join(f"{k}={v}" for k, v in sorted(tally.items())), flush=True)
 
     _insert_helper._e2e_pool = True  # type: ignore[attr-defined]
     SWARadixCache._insert_helper = _insert_helper

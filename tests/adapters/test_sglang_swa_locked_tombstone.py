@@ -35,9 +35,11 @@ prefills it into fresh slots, and the ``cache_unfinished_req`` after its prefill
 ``req_to_token`` row still maps and A's lock still protects. The next allocation hands them to a request C whose
 prefill overwrites A's full-attention K/V (what kvcanary saw on the GPU).
 
-Upstream fixed the same pattern in the unified radix cache (sglang PR 29352, "skip swa recovery on locked full kv");
-a fixed legacy ``SWARadixCache`` would, for a tombstone with ``full_lock_ref > 0``, leave ``node.value`` alone and free
-the incoming ``value[:prefix_len]`` instead (as Branch 3 does), so no slot a lock protects reaches the free list.
+Upstream fixed it after 0.5.12 (sglang PR 29352, "skip swa recovery on locked full kv", merged 2026-06-30, in both
+this cache and the unified one): for a tombstone with ``full_lock_ref > 0`` the node keeps its full slots, takes the
+incoming slots' SWA part through ``full_to_swa_index_mapping`` and only the incoming full slots are freed, so no slot
+a lock protects reaches the free list (``integration/pool_phases.py``'s ``swa-lock-fix`` patches that shape into
+0.5.12 for the GPU runs; sglang 0.5.23 no longer ships the legacy cache).
 
 These tests document 0.5.12's behaviour: ``test_*_frees_slots_a_running_request_holds`` PASSES while the bug is
 present (it asserts the violated invariant is violated); on a fixed sglang it fails at the marked assertion, and
