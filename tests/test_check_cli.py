@@ -65,11 +65,12 @@ def verdict_lines(text: str) -> dict[str, str]:
     (["--enable-pdmux"], 2, {"--enable-pdmux": "refused"}),
     ([*EAGLE, "--speculative-eagle-topk", "1"], 0, {"--speculative-algorithm EAGLE": "covered"}),
     ([*EAGLE, "--speculative-eagle-topk", "4"], 2, {"--speculative-eagle-topk 4": "refused"}),
-    (["--kv-cache-dtype", "fp8_e4m3"], 2, {"--kv-cache-dtype fp8_e4m3": "refused"}),
+    (["--kv-cache-dtype", "fp8_e4m3"], 0, {"--kv-cache-dtype fp8_e4m3": "covered"}),
+    (["--kv-cache-dtype", "fp4_e2m1"], 2, {"--kv-cache-dtype fp4_e2m1": "refused"}),
     (["--disaggregation-mode", "prefill"], 2, {"--disaggregation-mode prefill": "refused"}),
     (["--disable-radix-cache"], 0, {"--disable-radix-cache": "covered"}),
 ], ids=["plain", "hicache", "hicache-storage", "page16", "torch-compile", "pdmux", "eagle-topk1", "eagle-topk4",
-        "fp8-kv", "disagg-prefill", "no-radix"])
+        "fp8-kv", "fp4-kv", "disagg-prefill", "no-radix"])
 def test_check_lines_and_exit_code(model, extra, code, verdicts) -> None:
     got, text = check("--", "--model-path", model, *extra)
     assert got == code, text

@@ -24,6 +24,7 @@ import re
 import types
 
 import pytest
+import torch
 
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("sglang is not installed (pip install --no-deps -r requirements-sglang-cpu.txt)",
@@ -41,7 +42,7 @@ FORWARDS = 150
 SWEEP_INTERVAL = 7
 
 
-@pytest.fixture(params=["mla", "swa", "page64"])
+@pytest.fixture(params=["mla", "swa", "page64", "fp8"])
 def engine(request, tmp_path, monkeypatch):
     import sglang.srt.plugins as plugins
 
@@ -64,6 +65,9 @@ def engine(request, tmp_path, monkeypatch):
             sa = sgl_models.server_args(sgl_models.MLA_MODEL, tmp_path / "mla", **common)
         elif kind == "swa":
             sa = sgl_models.server_args(sgl_models.SWA_MODEL, tmp_path / "swa", **common)
+        elif kind == "fp8":
+            sa = sgl_engine.server_args(sgl_engine.write_model_dir(tmp_path / "tiny-llama"), kv_cache_dtype="fp8_e4m3",
+                                        **common)
         else:
             sa = sgl_engine.server_args(sgl_engine.write_model_dir(tmp_path / "tiny-llama"), page_size=64,
                                         **dict(common, max_total_tokens=4096))
@@ -110,6 +114,11 @@ def _check_groups(engine) -> None:
             b.data_ptr() for b in pool.full_kv_pool.k_buffer + pool.full_kv_pool.v_buffer}
         assert {s.tensor.data_ptr() for s in swa.spec.sources} <= {
             b.data_ptr() for b in pool.swa_kv_pool.k_buffer + pool.swa_kv_pool.v_buffer}
+    elif engine.kind == "fp8":  # sglang stores fp8 K/V as uint8 bytes: the fingerprint hashes one byte per element
+        assert type(pool) is MHATokenToKVPool and pool.dtype == torch.float8_e4m3fn
+        assert pool.k_buffer[0].dtype == torch.uint8 and [g.spec.name for g in groups] == ["full"]
+        src = groups[0].spec.sources[0]
+        assert src.num_bytes_per_token == pool.head_num * pool.head_dim
     else:
         assert type(pool) is MHATokenToKVPool and pool.page_size == 64
         assert [g.spec.name for g in groups] == ["full"] and groups[0].spec.num_slots == pool.size + 64
@@ -236,7 +245,7 @@ def test_speculative_decoding_over_an_mla_or_window_pool_is_refused_by_name(engi
     pool, groups = engine.mr.token_to_kv_pool, len(engine.inst.groups)
     eagle = types.SimpleNamespace(speculative_algorithm="EAGLE")
     speculative.check_pool_kind(pool, groups, types.SimpleNamespace(speculative_algorithm=None))
-    if engine.kind == "page64":
+    if engine.kind in ("page64", "fp8"):  # MHA pools
         speculative.check_pool_kind(pool, groups, eagle)
         return
     what = {"mla": "an MLA KV pool (MLATokenToKVPool)", "swa": "a sliding-window KV pool (SWAKVPool)"}[engine.kind]

@@ -146,6 +146,8 @@ EAGLE_TEST = "tests/adapters/test_sglang_eagle.py::test_installs_one_manager_per
 UNTESTED = "no test exercises kvcanary with it"
 
 C, R, N = Verdict.COVERED, Verdict.REFUSED, Verdict.NO_KV_EFFECT
+# (its engine fixture's "fp8" case: a real ModelRunner with --kv-cache-dtype fp8_e4m3)
+FP8_TEST = "tests/adapters/test_sglang_pool_kinds.py::test_pool_kind_clean_run_then_real_kv_flip"
 SPEC_EXAMPLE = {"speculative_algorithm": "EAGLE", "speculative_eagle_topk": 1, "speculative_num_steps": 2,
                 "speculative_num_draft_tokens": 3, "speculative_draft_model_path": "draft"}
 
@@ -248,13 +250,18 @@ SETTINGS: tuple[Setting, ...] = (
             "pages only group consecutive slots; e2e runs page 1 and 16", test=E2E),
     Setting("kv_cache_dtype", "--kv-cache-dtype", C, one_of("kv_cache_dtype", "bf16", "bfloat16"), "bf16",
             "the CPU engine's KV is bf16", test=E2E),
+    Setting("kv_cache_dtype", "--kv-cache-dtype", C, one_of("kv_cache_dtype", "fp8_e4m3", "fp8_e5m2"),
+            "fp8_e4m3, fp8_e5m2",
+            "one byte per element, stored as uint8: the real-KV fingerprint hashes those bytes (H200, fp8_e4m3: clean "
+            "0, every fault class found, outputs identical on and off)", test=FP8_TEST),
     Setting("kv_cache_dtype", "--kv-cache-dtype", R,
-            lambda sa, v: _get(sa, "kv_cache_dtype", "auto") not in ("auto", "bf16", "bfloat16"),
-            "fp8_e5m2, fp8_e4m3, fp4_e2m1",
-            f"a quantised KV store (uint8 bytes, fp4 scales); {UNTESTED} on the real-KV fingerprint",
-            refusal="{written}: kvcanary's real-KV fingerprint has not been tested on a quantised KV store; use "
-                    "--kv-cache-dtype auto or bf16, or unset KVCANARY_MODE",
-            example={"kv_cache_dtype": "fp8_e4m3"}),
+            lambda sa, v: _get(sa, "kv_cache_dtype", "auto") not in ("auto", "bf16", "bfloat16", "fp8_e4m3",
+                                                                    "fp8_e5m2"),
+            "fp4_e2m1 (or another quantised store)",
+            f"packed fp4 values with separate scales; {UNTESTED} on the real-KV fingerprint",
+            refusal="{written}: kvcanary's real-KV fingerprint has not been tested on this quantised KV store; use "
+                    "--kv-cache-dtype auto, bf16, fp8_e4m3 or fp8_e5m2, or unset KVCANARY_MODE",
+            example={"kv_cache_dtype": "fp4_e2m1"}),
     Setting("disable_radix_cache", "--disable-radix-cache", C, truthy("disable_radix_cache"), "set",
             "a ChunkCache: no prefix sharing, nothing to sweep; the EAGLE run uses it",
             test="tests/adapters/test_sglang_eagle.py::test_with_the_upstream_fix_nothing_is_reported"),
