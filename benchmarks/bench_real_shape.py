@@ -272,16 +272,16 @@ def worker_main(spec_path: str) -> int:
     res_path = spec["result"]
     res = {"status": "IMPORTING", "mode": spec["mode"], "arm": spec["arm"], "env": spec["env"], "shapes": {},
            "errors": []}
-    e2e._write_json(res_path, res)
+    e2e.write_json(res_path, res)
     t = time.perf_counter()
     try:
         from sglang.srt.entrypoints.engine import Engine
     except BaseException as exc:
         res.update(status="IMPORT_ERROR", errors=[f"{type(exc).__name__}: {str(exc)[:2000]}"])
-        e2e._write_json(res_path, res)
+        e2e.write_json(res_path, res)
         raise
     res.update(status="STARTING", import_s=round(time.perf_counter() - t, 2))
-    e2e._write_json(res_path, res)
+    e2e.write_json(res_path, res)
     print(f"[brs-worker] import sglang: {res['import_s']} s; KVCANARY_MODE={os.environ.get('KVCANARY_MODE')}",
           flush=True)
     kw = e2e.version_engine_kwargs(dict(spec["engine"]), e2e.installed_sglang_version())
@@ -292,10 +292,10 @@ def worker_main(spec_path: str) -> int:
     except BaseException as exc:
         res.update(status="START_ERROR", errors=[f"{type(exc).__name__}: {str(exc)[:2000]}"],
                    engine_start_s=round(time.perf_counter() - t, 2))
-        e2e._write_json(res_path, res)
+        e2e.write_json(res_path, res)
         raise
     res.update(status="RUNNING", engine_start_s=round(time.perf_counter() - t, 2))
-    e2e._write_json(res_path, res)
+    e2e.write_json(res_path, res)
     print(f"[brs-worker] Engine start: {res['engine_start_s']} s", flush=True)
     rc = 0
     try:
@@ -319,7 +319,7 @@ def worker_main(spec_path: str) -> int:
                 print(f"{loop_probe.WINDOW_END}{time.time():.3f}", flush=True)
             print(f"{END}{name}", flush=True)
             res["shapes"][name] = shape_result(tr, rounds)
-            e2e._write_json(res_path, res)
+            e2e.write_json(res_path, res)
             print(f"[brs-worker] {name}: {json.dumps(res['shapes'][name])}", flush=True)
         if res["status"] == "RUNNING":
             res["status"] = "OK"
@@ -334,7 +334,7 @@ def worker_main(spec_path: str) -> int:
         try:
             e2e.shutdown_engine(engine, res)
         finally:
-            e2e._write_json(res_path, res)
+            e2e.write_json(res_path, res)
     return rc
 
 
@@ -364,7 +364,7 @@ def _status(result_path: str) -> str | None:
 
 def run_engine_worker(cmd: list[str], env: dict, log_path: str, result_path: str, start_timeout: float,
                       timeout: float, poll: float = 0.5) -> dict:
-    """Start one worker (its own process group), wait for it; end it (the driver's ``_kill_group``) when it is still
+    """Start one worker (its own process group), wait for it; end it (the driver's ``kill_group``) when it is still
     importing or starting after ``start_timeout`` s, or running after ``timeout`` s. Returns ``{"rc", "killed",
     "worker_s"}``, killed = None | "start-up" | "timeout"."""
     t0 = time.monotonic()
@@ -382,7 +382,7 @@ def run_engine_worker(cmd: list[str], env: dict, log_path: str, result_path: str
             elif el > start_timeout and _status(result_path) in (None, "IMPORTING", "STARTING"):
                 killed = "start-up"
             if killed:
-                e2e._kill_group(proc)
+                e2e.kill_group(proc)
                 log.write(f"\n[brs] worker ended after {el:.0f} s ({killed})\n".encode())
                 rc = 124
                 break
@@ -422,7 +422,7 @@ def run_parent(args, runner=run_engine_worker) -> int:
         left = t_end - time.time()
         if left < args.engine_min_s:
             why = f"{left:.0f} s of --budget left, fewer than --engine-min-s {args.engine_min_s:.0f}"
-            e2e._write_json(result_path, {"status": "SKIPPED", "mode": mode, "arm": arm, "env": arm_env[arm],
+            e2e.write_json(result_path, {"status": "SKIPPED", "mode": mode, "arm": arm, "env": arm_env[arm],
                                           "shapes": {}, "errors": [why]})
             continue
         timeout = min(args.engine_timeout, left)
@@ -430,7 +430,7 @@ def run_parent(args, runner=run_engine_worker) -> int:
                 "seed": args.seed, "result": result_path, "deadline": time.time() + timeout - 30,
                 "loop_probe": args.loop_probe}
         spec_path = os.path.join(edir, "spec.json")
-        e2e._write_json(spec_path, spec)
+        e2e.write_json(spec_path, spec)
         env = e2e.phase_env(MODES[mode], edir, overrides=overrides | arm_env[arm])
         if args.loop_probe:
             env = loop_probe.probe_env(env, os.path.join(edir, "loop-probe-plugin"))
@@ -446,7 +446,7 @@ def run_parent(args, runner=run_engine_worker) -> int:
         elif res.get("status") == "OK" and ran["rc"] != 0:
             res["status"] = "ERROR"
             res.setdefault("errors", []).append(f"worker exit status {ran['rc']}")
-        e2e._write_json(result_path, res)
+        e2e.write_json(result_path, res)
         write_tail(edir)
         print(f"[brs] engine {first + k} ({arm}): {res['status']}, start {res.get('engine_start_s', '-')} s, "
               f"worker {ran['worker_s']:.0f} s", flush=True)
@@ -770,7 +770,7 @@ def summarize(dirs: list[str], out: str) -> int:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(md)
-    e2e._write_json(os.path.join(out, "summary.json"), {"engines": engines, **facts})
+    e2e.write_json(os.path.join(out, "summary.json"), {"engines": engines, **facts})
     print(md, flush=True)
     return 0 if facts["ok"] else 1
 
@@ -884,7 +884,7 @@ def dry_runner(cmd: list[str], env: dict, log_path: str, result_path: str, start
         f.write("\n".join(log) + "\n")
     with open(os.path.join(edir, "kvc-0.jsonl"), "w"):
         pass
-    e2e._write_json(result_path, res)
+    e2e.write_json(result_path, res)
     return {"rc": 0, "killed": None, "worker_s": round(res["import_s"] + res["engine_start_s"] + 60, 2)}
 
 

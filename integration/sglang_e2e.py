@@ -2064,12 +2064,12 @@ def run_worker(cmd: list[str], env: dict, log_path: str, timeout: float) -> int:
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            kill_group(proc)
             log.write(f"\n[e2e] worker killed after {timeout:.0f} s\n".encode())
             return 124
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def kill_group(proc: subprocess.Popen) -> None:
     import signal
 
     for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
@@ -2367,7 +2367,7 @@ def worker_main(spec_path: str) -> int:
         from sglang.srt.entrypoints.engine import Engine
     except BaseException as exc:
         for sub in spec["subs"]:
-            _write_json(os.path.join(out, f"result{sub and '-' + sub}.json"),
+            write_json(os.path.join(out, f"result{sub and '-' + sub}.json"),
                         {"status": "IMPORT_ERROR", "errors": [f"{type(exc).__name__}: {str(exc)[:2000]}"]})
         raise
     import_s = time.perf_counter() - t
@@ -2397,7 +2397,7 @@ def worker_main(spec_path: str) -> int:
 
             traceback.print_exc()
         finally:
-            _write_json(res_path, res)
+            write_json(res_path, res)
             for k, v in env_backup.items():
                 if v is None:
                     os.environ.pop(k, None)
@@ -2406,7 +2406,7 @@ def worker_main(spec_path: str) -> int:
     return rc
 
 
-def _write_json(path: str, obj: dict) -> None:
+def write_json(path: str, obj: dict) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1, default=str)
@@ -2461,10 +2461,10 @@ def run_engine(Engine, spec: dict, groups: list[list[Request]], res: dict, res_p
         print(MEASURED_MARKER, flush=True)  # the parent counts the canary's forwards from here
         print(f"{loop_probe.WINDOW_START}{time.time():.3f}", flush=True)  # --loop-probe's window
         if spec.get("hunt"):  # a hunt phase: its own timed schedule (waves, aborts, retries)
-            hunt_phases.run_workload(engine, spec, res, lambda: _write_json(res_path, res))
+            hunt_phases.run_workload(engine, spec, res, lambda: write_json(res_path, res))
             groups = []
         if spec.get("protect"):  # a protect phase: per-request outputs and endings (an abort raises per request)
-            protect_phases.run_workload(engine, groups, spec, res, lambda: _write_json(res_path, res))
+            protect_phases.run_workload(engine, groups, spec, res, lambda: write_json(res_path, res))
             groups = []
         for gi, group in enumerate(groups):
             if time.time() > spec["deadline"]:
@@ -2494,7 +2494,7 @@ def run_engine(Engine, spec: dict, groups: list[list[Request]], res: dict, res_p
             res.update(output_tokens=out_tok, prompt_tokens=in_tok, cached_tokens=cached, retractions=retract,
                        workload_s=round(wall, 3), tokens_per_s=round(out_tok / wall, 1) if wall else None,
                        total_tokens_per_s=round((out_tok + in_tok - cached) / wall, 1) if wall else None)
-            _write_json(res_path, res)  # partial results survive a kill
+            write_json(res_path, res)  # partial results survive a kill
             print(f"[e2e-worker] group {gi}: {len(group)} req, {wall:.2f} s so far, cached={cached} "
                   f"retractions={retract}", flush=True)
         print(f"{loop_probe.WINDOW_END}{time.time():.3f}", flush=True)
