@@ -251,3 +251,19 @@ def test_speculative_decoding_over_an_mla_or_window_pool_is_refused_by_name(engi
     what = {"mla": "an MLA KV pool (MLATokenToKVPool)", "swa": "a sliding-window KV pool (SWAKVPool)"}[engine.kind]
     with pytest.raises(UnsupportedSetupError, match=r"--speculative-algorithm EAGLE\) over " + re.escape(what)):
         speculative.check_pool_kind(pool, groups, eagle)
+
+
+def test_the_0_5_23_adapter_refuses_the_pools_it_has_not_run(engine) -> None:
+    """MLA and sliding-window pools have run with kvcanary on sglang 0.5.12 only: the 0.5.23 version module (its
+    pool classes are at the same paths) refuses them by name instead of installing on 0.5.12's proof."""
+    from kvcanary.sglang import v0_5_23
+    from kvcanary.sglang.refusal import UnsupportedSetupError
+
+    pool = engine.mr.token_to_kv_pool
+    config = engine.inst.manager.config
+    if engine.kind in ("page64", "fp8"):
+        assert [g.name for g in v0_5_23.pool_groups(pool, config)] == ["full"]
+        return
+    with pytest.raises(UnsupportedSetupError, match=f"KV pool {type(pool).__name__} has not been run with kvcanary "
+                                                    "on sglang 0.5.23"):
+        v0_5_23.pool_groups(pool, config, sliding_window_size=engine.mr.sliding_window_size)

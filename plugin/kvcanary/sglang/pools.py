@@ -16,19 +16,26 @@ from kvcanary.kernels.real_kv import RealKvSource
 from kvcanary.runtime.config import Config
 from kvcanary.runtime.installation import GroupSpec
 from kvcanary.settings import parse_ascii_int
+from kvcanary.sglang.refusal import UnsupportedSetupError
 
 ENV_REAL_KV_LAYERS = "KVCANARY_REAL_KV_LAYERS"
 DEFAULT_REAL_KV_LAYERS: tuple[int, ...] = (0, -1)
 MAX_REAL_KV_SOURCES = 4
 
 
+POOL_KINDS = ("mha", "mla", "swa")
+
+
 @dataclass(frozen=True)
 class PoolClasses:
-    """Dotted names of one sglang version's KV pool classes (imported only when a pool is converted)."""
+    """Dotted names of one sglang version's KV pool classes (imported only when a pool is converted), and the kinds
+    kvcanary has been run with on that version (``followed``): a pool of another kind is refused by name, not
+    installed on another version's proof."""
 
     mha: str
     mla: str
     swa: str
+    followed: frozenset[str] = frozenset(POOL_KINDS)
 
 
 def parse_real_kv_layers(environ: Mapping[str, str] | None = None) -> tuple[int, ...]:
@@ -96,6 +103,13 @@ def pool_groups(pool, config: Config, classes: PoolClasses, sglang_version: str,
     mha_cls = pkgutil.resolve_name(classes.mha)
     mla_cls = pkgutil.resolve_name(classes.mla)
     swa_cls = pkgutil.resolve_name(classes.swa)
+    kind = "swa" if isinstance(pool, swa_cls) else "mla" if isinstance(pool, mla_cls) else "mha"
+    if kind not in classes.followed:
+        raise UnsupportedSetupError(
+            f"kvcanary: the {'sliding-window' if kind == 'swa' else 'MLA'} KV pool {type(pool).__name__} has not "
+            f"been run with kvcanary on sglang {sglang_version}: serve this model with an sglang version kvcanary "
+            "covers it on (README, Use with SGLang), or unset KVCANARY_MODE"
+        )
 
     layers = parse_real_kv_layers() if layers is None else tuple(layers)
     want_sources = config.real_kv_mode != 0

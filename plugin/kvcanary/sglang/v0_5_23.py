@@ -37,6 +37,7 @@ accessors). The contract it satisfies is :class:`kvcanary.sglang.contract.Versio
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pkgutil
 import types
@@ -88,8 +89,11 @@ NO_PREFILL_GRAPHS_FLAG = "--cuda-graph-backend-prefill disabled"
 EAGER_TAIL_PREFILL_BACKENDS = ("breakable", "full")
 
 # Bound to this version's string (refusals, pool errors and unsupported forward modes name it); ``out_cache_loc``
-# holds physical ids, which on the pools kvcanary accepts are the slot ids ``req_to_token`` stores.
-pool_groups = base.pool_groups_of(SGLANG_VERSION)
+# holds physical ids, which on the pools kvcanary accepts are the slot ids ``req_to_token`` stores. MHA pools only:
+# MLA and sliding-window pools (and 0.5.23's unified radix cache's SWA component) have run on 0.5.12 only, so here
+# they are refused by name.
+POOL_CLASSES = dataclasses.replace(base.POOL_CLASSES, followed=frozenset({"mha"}))
+pool_groups = base.pool_groups_of(SGLANG_VERSION, POOL_CLASSES)
 batch_view = base.batch_view_of(SGLANG_VERSION)
 
 
