@@ -112,14 +112,16 @@ def test_contract_check_names_what_a_module_misses() -> None:
 
 def test_version_modules_state_only_what_differs_from_the_base() -> None:
     """0.5.12's reading is the base's: its module states its targets and the members bound to its version string;
-    0.5.23 states what moved. Protect mode's hook names are ProtectHooks' methods."""
+    0.5.23 states what moved (and the pool kinds it has run: MHA). Protect mode's hook names are ProtectHooks'
+    methods."""
     from kvcanary.sglang import base, protect, v0_5_23
 
     own = {name for name in base.__all__ if getattr(v0_5_12, name) is not getattr(base, name)}
     assert own == {"PROTECT_HOOK_TARGETS"}, own
     own = {name for name in base.__all__ if getattr(v0_5_23, name) is not getattr(base, name)}
     assert own == {"check_after_initialize", "runner_parts", "runner_ranks", "batch_requests", "sweep_source",
-                   "wrapper_gate", "max_static_tokens", "RADIX_NODE_HOOKS"}, own
+                   "wrapper_gate", "max_static_tokens", "RADIX_NODE_HOOKS", "POOL_CLASSES"}, own
+    assert v0_5_23.POOL_CLASSES.followed == {"mha"}  # (its pool class names are the base's)
     assert not v0_5_23.PROTECT_HOOK_TARGETS
     with pytest.raises(protect.ProtectRefused, match="supported on sglang 0.5.12 only"):
         protect.hooks_for(v0_5_23)
