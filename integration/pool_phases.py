@@ -7,7 +7,8 @@ Everything here that runs inside sglang is test-only and reaches it through a pl
 * ``page-tail`` (sglang PR 35401, open): with ``page_size`` > 1 the allocator hands out whole pages but the
   req_to_token row is written only up to ``seq_len``, so ``req_to_token[row, seq_len:ceil(seq_len/page)*page]``
   keeps the previous occupant's indices. Before every forward the observer counts the batch's rows whose last page
-  has such a stale tail (an entry that is not page start + offset) and prints ``[e2e-pool] page-tail:`` lines
+  has such a stale tail (a non-zero entry that is not page start + offset; a 0, the padding slot, is a tail entry
+  never written, counted apart as ``unwritten_entries``) and prints ``[e2e-pool] page-tail:`` lines
   (rate-limited; one host sync per forward, hunt phases only). kvcanary must stay clean: it verifies positions
   below ``seq_len`` only, so a stale tail nobody reads is no violation.
 * ``swa-race`` / ``swa-race-fix`` (sglang PR 26380, fixed in 0.5.13): under the overlap scheduler
@@ -118,9 +119,13 @@ def _observe_page_tail() -> None:
             tail = (pos >= seq[:, None]) & (rows[:, None] > 0) & (seq[:, None] > 0)
             got = r2t[rows[:, None], pos.clamp_max(r2t.shape[1] - 1)]
             want = r2t[rows, start][:, None] + off[None, :]
-            stale = tail & (got != want)
+            # 0 is no slot (the padding slot): a tail entry never written since the row was allocated, which is
+            # not PR 35401's case; a non-zero entry other than page start + offset is a previous occupant's index
+            unwritten = tail & (got == 0)
+            stale = tail & (got != 0) & (got != want)
             n = int(stale.sum())  # (host sync: hunt phases only)
             tally["forwards"] += 1
+            tally["unwritten_entries"] += int(unwritten.sum())
             if n:
                 tally["stale_forwards"] += 1
                 tally["stale_entries"] += n
@@ -285,8 +290,9 @@ def trigger_count(kind: str, log_text: str, retractions: int = 0) -> tuple[int, 
         totals = lines.get("page-tail-total") or [{}]
         last = totals[-1]
         n = max(int(last.get("stale_forwards", 0)), len(lines.get("page-tail", [])))
-        return n, (f"{n} of {last.get('forwards', '?')} observed forwards had rows with a stale last-page tail "
-                   f"({last.get('stale_entries', 0)} entries; running totals every {PRINT_EVERY} forwards)")
+        return n, (f"{n} of {last.get('forwards', '?')} observed forwards had rows whose last-page tail holds a "
+                   f"previous occupant's slot ids ({last.get('stale_entries', 0)} entries; tail entries never "
+                   f"written, 0: {last.get('unwritten_entries', 0)}; running totals every {PRINT_EVERY} forwards)")
     mine = lines.get(kind) or [{}]
     last = mine[-1]
     # observed: frees the host issued while the forward stream was busy; fixed: the same path exercised, with the

@@ -267,3 +267,36 @@ def test_the_0_5_23_adapter_refuses_the_pools_it_has_not_run(engine) -> None:
     with pytest.raises(UnsupportedSetupError, match=f"KV pool {type(pool).__name__} has not been run with kvcanary "
                                                     "on sglang 0.5.23"):
         v0_5_23.pool_groups(pool, config, sliding_window_size=engine.mr.sliding_window_size)
+
+
+def test_page_tail_observer_tells_a_previous_occupants_tail_from_an_unwritten_one(monkeypatch, capsys) -> None:
+    """Phase 26's observer (integration/pool_phases.py, PR 35401), before a forward on pages of 4: row 1's last page
+    tail holds another request's slot ids (stale, PR 35401's case), row 2's holds 0 (never written: not the bug; the
+    H200 warm-up printed only such tails as 'stale', 2026-12-02)."""
+    import sys
+    from pathlib import Path
+
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration"))
+    import pool_phases
+
+    seen = []
+    monkeypatch.setattr(ModelRunner, "forward", lambda self, fb, *a, **k: seen.append(fb) or "ran")
+    pool_phases.install("page-tail")
+    r2t = torch.zeros(4, 16, dtype=torch.int32)
+    r2t[1, :6] = torch.arange(40, 46)  # seq_len 6 on pages of 4: the last page 44..47, its tail positions 6, 7
+    r2t[1, 6:8] = torch.tensor([77, 78])  # a previous occupant's slots
+    r2t[2, :5] = torch.arange(20, 25)  # seq_len 5: tail positions 5..7 never written (0)
+    runner = types.SimpleNamespace(page_size=4, is_draft_worker=False,
+                                   req_to_token_pool=types.SimpleNamespace(req_to_token=r2t))
+    fb = types.SimpleNamespace(req_pool_indices=torch.tensor([1, 2]), seq_lens=torch.tensor([6, 5]))
+    assert ModelRunner.forward(runner, fb) == "ran" and seen == [fb]
+    out = capsys.readouterr().out
+    assert "[e2e-pool] page-tail: forward=1 stale_entries=2 row=1 seq_len=6 position=6 value=77 expected=46" in out
+    r2t[1, 6:8] = 0  # the same batch with row 1's tail cleared: nothing stale, only unwritten entries
+    for _ in range(pool_phases.PRINT_EVERY - 1):
+        ModelRunner.forward(runner, fb)
+    total = capsys.readouterr().out.strip().splitlines()[-1]
+    assert total == (f"[e2e-pool] page-tail-total: forwards={pool_phases.PRINT_EVERY} stale_entries=2 "
+                     f"stale_forwards=1 stale_rows=1 unwritten_entries={3 + 5 * (pool_phases.PRINT_EVERY - 1)}")
