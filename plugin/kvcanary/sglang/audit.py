@@ -405,6 +405,12 @@ SETTINGS: tuple[Setting, ...] = (
             "adapters change what K/V hold, not which slot holds which token; the prefix cache keys by adapter"),
     Setting("enable_deterministic_inference", "--enable-deterministic-inference", N,
             truthy("enable_deterministic_inference"), "set", "fixes kernel split sizes; slots are unchanged"),
+    Setting("strip_thinking_cache", "--strip-thinking-cache", N, truthy("strip_thinking_cache"), "set",
+            "a finished request with reasoning commits only its prompt to the prefix cache and frees the rest as "
+            "over-allocated KV; no live slot moves"),
+    Setting("speculative_attention_mode", "--speculative-attention-mode", N,
+            one_of("speculative_attention_mode", "decode"), "decode",
+            "which attention backend runs target verify and draft extend; the slots they write are the same"),
     Setting("enable_weights_cpu_backup", "--enable-weights-cpu-backup", N, truthy("enable_weights_cpu_backup"),
             "set", "weights only"),
     Setting("cpu_offload_gb", "--cpu-offload-gb", N, greater("cpu_offload_gb", 0), "> 0", "weights only"),
