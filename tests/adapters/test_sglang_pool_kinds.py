@@ -300,3 +300,16 @@ def test_page_tail_observer_tells_a_previous_occupants_tail_from_an_unwritten_on
     total = capsys.readouterr().out.strip().splitlines()[-1]
     assert total == (f"[e2e-pool] page-tail-total: forwards={pool_phases.PRINT_EVERY} stale_entries=2 "
                      f"stale_forwards=1 stale_rows=1 unwritten_entries={3 + 5 * (pool_phases.PRINT_EVERY - 1)}")
+
+
+def test_protect_refuses_a_pool_of_several_groups(engine) -> None:
+    """Protect mode acts on one slot numbering (the full pool's, the prefix cache's); an SWAKVPool's window group
+    numbers its own: refused by name (with --disable-radix-cache too, where the SWARadixCache refusal does not
+    apply). One-group pools pass this check."""
+    from kvcanary.sglang import protect
+
+    if engine.kind != "swa":
+        protect.check_single_group([engine.inst])
+        return
+    with pytest.raises(protect.ProtectRefused, match=r"KVCANARY_MODE=protect with a KV pool of 2 groups \(full, swa"):
+        protect.check_single_group([engine.inst])

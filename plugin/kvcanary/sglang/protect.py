@@ -492,6 +492,17 @@ def check_evictable(version: ModuleType, tree, radix, radix_cls: type) -> None:
                              "KVCANARY_MODE=log, or --disable-radix-cache")
 
 
+def check_single_group(insts) -> None:
+    """Refuse (:class:`ProtectRefused`) a pool of several groups (a sliding-window pool: a full and a window group):
+    the window group numbers its slots apart from the full group's and the prefix cache's, so protect's slot-scoped
+    actions would read a window slot as a full one, and protect has not been run on such a pool."""
+    for inst in insts:
+        if len(inst.groups) > 1:
+            raise ProtectRefused(f"KVCANARY_MODE=protect with a KV pool of {len(inst.groups)} groups "
+                                 f"({', '.join(g.spec.name for g in inst.groups)}: a sliding-window model): protect "
+                                 "acts on one slot numbering and has not been run there; use KVCANARY_MODE=log")
+
+
 def attach(scheduler, version: ModuleType) -> SchedulerProtect | None:
     """After ``Scheduler.init_cache_with_memory_pool``: protect the scheduler's installations (refusing setups it
     cannot act in, by name)."""
@@ -508,6 +519,7 @@ def attach(scheduler, version: ModuleType) -> SchedulerProtect | None:
         raise ProtectRefused("KVCANARY_PROTECT_HOLD=1 with --disable-overlap-schedule: without the overlap scheduler "
                              "sglang processes a batch's results in the batch being processed, where a request "
                              "cannot be retracted; drop the flag or KVCANARY_PROTECT_HOLD")
+    check_single_group([s.inst for s in mine])
     radix_cls = pkgutil.resolve_name(version.RADIX_CACHE_CLASS)
     radix = version.radix_cache(tree) if tree is not None else None
     check_evictable(version, tree, radix, radix_cls)
