@@ -34,6 +34,8 @@ NOT_APPLIED = (
     "--disable-overlap-schedule is not forced for EAGLE topk > 1 or SGLANG_ENABLE_SPEC_V2=0",
     "--disable-radix-cache is not forced for --disaggregation-mode decode",
     "HiCache's io backend and memory layout rewrites, attention backends, memory and CUDA graph sizes",
+    "the model's KV pool kind (the model's config is not read): the install refuses EAGLE over an MLA or "
+    "sliding-window pool, protect mode on a sliding-window pool, and MLA or sliding-window pools on sglang 0.5.23",
 )
 
 
