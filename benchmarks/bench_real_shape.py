@@ -423,7 +423,7 @@ def run_parent(args, runner=run_engine_worker) -> int:
         if left < args.engine_min_s:
             why = f"{left:.0f} s of --budget left, fewer than --engine-min-s {args.engine_min_s:.0f}"
             e2e.write_json(result_path, {"status": "SKIPPED", "mode": mode, "arm": arm, "env": arm_env[arm],
-                                          "shapes": {}, "errors": [why]})
+                                         "shapes": {}, "errors": [why]})
             continue
         timeout = min(args.engine_timeout, left)
         spec = {"mode": mode, "arm": arm, "env": arm_env[arm], "engine": engine, "traffic": args.traffic,

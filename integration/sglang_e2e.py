@@ -2368,7 +2368,7 @@ def worker_main(spec_path: str) -> int:
     except BaseException as exc:
         for sub in spec["subs"]:
             write_json(os.path.join(out, f"result{sub and '-' + sub}.json"),
-                        {"status": "IMPORT_ERROR", "errors": [f"{type(exc).__name__}: {str(exc)[:2000]}"]})
+                       {"status": "IMPORT_ERROR", "errors": [f"{type(exc).__name__}: {str(exc)[:2000]}"]})
         raise
     import_s = time.perf_counter() - t
     print(f"[e2e-worker] import sglang: {import_s:.1f} s", flush=True)
