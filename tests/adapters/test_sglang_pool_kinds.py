@@ -239,18 +239,20 @@ def test_swa_cached_idle_corruption_is_swept(engine, capsys) -> None:
 def test_speculative_decoding_over_an_mla_or_window_pool_is_refused_by_name(engine) -> None:
     """EAGLE is followed on MHA pools; over an MLA pool (DeepSeek's NEXTN) or a sliding-window pool it has not run, so
     the install refuses it naming the flag (hooks.install calls this with the runner's server args)."""
-    from kvcanary.sglang import speculative
+    from kvcanary.sglang import pools, speculative, v0_5_12
     from kvcanary.sglang.refusal import UnsupportedSetupError
 
-    pool, groups = engine.mr.token_to_kv_pool, len(engine.inst.groups)
+    pool = engine.mr.token_to_kv_pool
+    kind = pools.pool_kind(pool, v0_5_12.POOL_CLASSES)
+    assert kind == {"mla": "mla", "swa": "swa"}.get(engine.kind, "mha")
     eagle = types.SimpleNamespace(speculative_algorithm="EAGLE")
-    speculative.check_pool_kind(pool, groups, types.SimpleNamespace(speculative_algorithm=None))
-    if engine.kind in ("page64", "fp8"):  # MHA pools
-        speculative.check_pool_kind(pool, groups, eagle)
+    speculative.check_pool_kind(kind, type(pool).__name__, types.SimpleNamespace(speculative_algorithm=None))
+    if kind == "mha":  # paged, fp8
+        speculative.check_pool_kind(kind, type(pool).__name__, eagle)
         return
     what = {"mla": "an MLA KV pool (MLATokenToKVPool)", "swa": "a sliding-window KV pool (SWAKVPool)"}[engine.kind]
     with pytest.raises(UnsupportedSetupError, match=r"--speculative-algorithm EAGLE\) over " + re.escape(what)):
-        speculative.check_pool_kind(pool, groups, eagle)
+        speculative.check_pool_kind(kind, type(pool).__name__, eagle)
 
 
 def test_the_0_5_23_adapter_refuses_the_pools_it_has_not_run(engine) -> None:

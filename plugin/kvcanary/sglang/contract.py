@@ -23,6 +23,7 @@ from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.runtime.config import Config
 from kvcanary.runtime.installation import GroupSpec, Installation, WrapperCall
 from kvcanary.runtime.sweep import SweepPlan
+from kvcanary.sglang.pools import PoolClasses
 from kvcanary.sglang.radix_index import RadixNodeHooks
 from kvcanary.sglang.targets import Target
 
@@ -89,6 +90,7 @@ class VersionModule(Protocol):
     FORWARD_MODES: Mapping[str, ForwardKind]  # sglang ForwardMode name -> kind; anything else is refused
     RADIX_CACHE_CLASS: str  # dotted name of the RadixCache class (protect mode evicts from exactly that class)
     RADIX_NODE_HOOKS: RadixNodeHooks | None  # its methods the incremental sweep follows; None: walked every sweep
+    POOL_CLASSES: PoolClasses  # its KV pool classes and the kinds kvcanary has run on it (pools.pool_kind)
 
     def check_supported(self, server_args) -> None: ...
 
@@ -185,6 +187,8 @@ def contract_problems(module: ModuleType) -> list[str]:
     elif sorted(set(protect) - set(PROTECT_HOOK_NAMES)):
         problems.append(f"{name}.PROTECT_HOOK_TARGETS: unknown hook(s) {sorted(set(protect) - set(PROTECT_HOOK_NAMES))}"
                         f" (known: {list(PROTECT_HOOK_NAMES)})")
+    if not isinstance(getattr(module, "POOL_CLASSES", None), PoolClasses):
+        problems.append(f"{name}.POOL_CLASSES: expected a PoolClasses")
     if not isinstance(getattr(module, "RADIX_NODE_HOOKS", 0), RadixNodeHooks | None):
         problems.append(f"{name}.RADIX_NODE_HOOKS: expected a RadixNodeHooks or None")
     modes = getattr(module, "FORWARD_MODES", None)

@@ -32,7 +32,7 @@ from kvcanary.runtime.config import Config
 from kvcanary.runtime.identity_cache import IdentityCache
 from kvcanary.runtime.installation import Group, Installation
 from kvcanary.runtime.manager import CanaryManager
-from kvcanary.sglang import hicache, speculative
+from kvcanary.sglang import hicache, pools, speculative
 from kvcanary.sglang.batches import BatchConverter, mode_name, unsupported_mode
 from kvcanary.sglang.contract import VersionModule
 from kvcanary.sglang.installed import RUNNER_STATE_ATTR, RunnerState, installation_of, keep, runner_states
@@ -84,7 +84,8 @@ class AdapterHooks:
         parts = v.runner_parts(runner)
         pool = parts.kv_pool
         specs = v.pool_groups(pool, config, sliding_window_size=parts.sliding_window_size)
-        speculative.check_pool_kind(pool, len(specs), v.server_args_of(runner))  # EAGLE: MHA pools only
+        speculative.check_pool_kind(pools.pool_kind(pool, v.POOL_CLASSES), type(pool).__name__,
+                                    v.server_args_of(runner))  # EAGLE: MHA pools only
         r2t = parts.req_to_token
         device = r2t.device
         max_bs = max(parts.max_running_requests + 1, parts.cuda_graph_max_bs)

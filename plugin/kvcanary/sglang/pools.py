@@ -91,6 +91,15 @@ def token_major_source(buffer: torch.Tensor, num_slots: int, page_size: int) -> 
     return RealKvSource(buffer, 1, per_token, per_token)
 
 
+def pool_kind(pool, classes: PoolClasses) -> str:
+    """``"swa"``, ``"mla"`` or ``"mha"`` (any other pool too: :func:`pool_groups` then refuses what it cannot read)."""
+    if isinstance(pool, pkgutil.resolve_name(classes.swa)):
+        return "swa"
+    if isinstance(pool, pkgutil.resolve_name(classes.mla)):
+        return "mla"
+    return "mha"
+
+
 def pool_groups(pool, config: Config, classes: PoolClasses, sglang_version: str, *,
                 sliding_window_size: int | None = None, layers: Sequence[int] | None = None) -> list[GroupSpec]:
     """The KV groups of an sglang token-to-KV pool, with their real-KV sources.
@@ -101,9 +110,7 @@ def pool_groups(pool, config: Config, classes: PoolClasses, sglang_version: str,
     naming the class.
     """
     mha_cls = pkgutil.resolve_name(classes.mha)
-    mla_cls = pkgutil.resolve_name(classes.mla)
-    swa_cls = pkgutil.resolve_name(classes.swa)
-    kind = "swa" if isinstance(pool, swa_cls) else "mla" if isinstance(pool, mla_cls) else "mha"
+    kind = pool_kind(pool, classes)
     if kind not in classes.followed:
         raise UnsupportedSetupError(
             f"kvcanary: the {'sliding-window' if kind == 'swa' else 'MLA'} KV pool {type(pool).__name__} has not "
@@ -130,7 +137,7 @@ def pool_groups(pool, config: Config, classes: PoolClasses, sglang_version: str,
 
     name = type(pool).__name__
     try:
-        if isinstance(pool, swa_cls):
+        if kind == "swa":
             full, swa = pool.full_kv_pool, pool.swa_kv_pool
             lut = pool.full_to_swa_index_mapping
             if lut is None:
@@ -142,7 +149,7 @@ def pool_groups(pool, config: Config, classes: PoolClasses, sglang_version: str,
                 GroupSpec("full", slots_of(full), mha_sources(full, f"{name}.full_kv_pool")),
                 GroupSpec("swa", slots_of(swa), mha_sources(swa, f"{name}.swa_kv_pool"), window, lut, loc="swa"),
             ]
-        if isinstance(pool, mla_cls):
+        if kind == "mla":
             srcs: tuple = ()
             if want_sources:
                 idx = resolve_layers(layers, len(pool.kv_buffer), 1, name)

@@ -113,25 +113,23 @@ def check_speculative(server_args, sglang_version: str) -> None:
         )
 
 
-def check_pool_kind(pool, groups: int, server_args) -> None:
-    """Refuse speculative decoding over a pool kind kvcanary has not followed it on, naming the flag: EAGLE is
-    followed on plain MHA pools (paged or not); an MLA pool (DeepSeek's NEXTN / MTP) or a sliding-window pool
-    (``groups`` > 1: a full and a window group) under a draft model has not been run, so it is refused at start-up
-    rather than installed on trust."""
+# kvcanary.sglang.pools.pool_kind's kinds EAGLE has not been run over (a draft model on DeepSeek's NEXTN / MTP MLA
+# pool, or on a sliding-window pool), with how a refusal names them
+UNFOLLOWED_POOL_KINDS = {"mla": "an MLA KV pool", "swa": "a sliding-window KV pool"}
+
+
+def check_pool_kind(kind: str, pool_class: str, server_args) -> None:
+    """Refuse speculative decoding over a pool kind (``kvcanary.sglang.pools.pool_kind``) kvcanary has not followed
+    it on, naming the flag: EAGLE is followed on MHA pools (paged or not); over an MLA or a sliding-window pool it
+    has not been run, so it is refused at start-up rather than installed on trust."""
     from kvcanary.sglang.refusal import UnsupportedSetupError
 
     algo = getattr(server_args, "speculative_algorithm", None)
-    if not algo:
-        return
-    if groups > 1:
-        kind = "a sliding-window KV pool"
-    elif hasattr(pool, "kv_lora_rank"):
-        kind = "an MLA KV pool"
-    else:
+    if not algo or kind not in UNFOLLOWED_POOL_KINDS:
         return
     raise UnsupportedSetupError(
-        f"speculative decoding (--speculative-algorithm {getattr(algo, 'name', algo)}) over {kind} "
-        f"({type(pool).__name__}) is not followed by kvcanary (EAGLE is, on MHA pools): remove "
+        f"speculative decoding (--speculative-algorithm {getattr(algo, 'name', algo)}) over "
+        f"{UNFOLLOWED_POOL_KINDS[kind]} ({pool_class}) is not followed by kvcanary (EAGLE is, on MHA pools): remove "
         "--speculative-algorithm or unset KVCANARY_MODE"
     )
 
