@@ -200,32 +200,36 @@ def test_radix_sweep_source_never_reads_slots_on_the_host(engine, monkeypatch) -
     assert len(expected) > 100 and got == sorted(expected)
 
 
-def test_sweep_gathers_on_the_scheduler_stream(engine, monkeypatch) -> None:
-    """Regression (issue 11, tp=2 false positives): the RadixCache's node values live on sglang's scheduler stream,
-    which frees and reuses them; the sweep must read them there (``update_on_producer_stream`` with the scheduler's
-    ``schedule_stream``), not on the forward stream it is called from. The race itself is reproduced on a GPU by
-    tests/gpu/test_sweep_streams.py."""
+def test_sweep_reads_node_values_after_the_scheduler_stream_and_holds_them(engine, monkeypatch) -> None:
+    """Regression (issue 11, tp=2 false positives; issue 28, decode TTFT): the RadixCache's node values live on
+    sglang's scheduler stream, which frees and reuses them. The sweep's plan update reads them through
+    ``update_after_producer`` with the scheduler's ``schedule_stream``: after that stream's queued work, holding every
+    node value it gathers until it has run, and without making the scheduler stream wait for the forward stream.
+    The races are reproduced on a GPU by tests/gpu/test_sweep_streams.py."""
     rng = random.Random(5)
     sched = sgl_engine.MiniScheduler(engine.mr, engine.tree, chunk_size=48)
     _drive(sched, rng, [rng.randrange(3, 2000) for _ in range(40)], 20)
     seen = []
 
-    def on_producer(producer, update):
+    def on_producer(producer, update, reads):
         seen.append(producer)
-        reads = []
+        held = {id(t) for t in reads}
+        gathered = []
         real_cat = torch.cat
 
-        def cat(*args, **kwargs):  # every gather of node values happens inside update()
-            reads.append(len(seen))
-            return real_cat(*args, **kwargs)
+        def cat(tensors, *args, **kwargs):  # every gather of node values happens inside update()
+            gathered.extend(tensors)
+            return real_cat(tensors, *args, **kwargs)
 
         with monkeypatch.context() as m:
             m.setattr(torch, "cat", cat)
             update()
-        assert reads, "the sweep source gathered nothing inside update()"
+        assert gathered, "the sweep source gathered nothing inside update()"
+        # every node value the gather read is one the call holds (sglang's node values are int64: read as they are)
+        assert all(id(t) in held for t in gathered)
 
     stream = object()
-    monkeypatch.setattr(radix_index, "update_on_producer_stream", on_producer)
+    monkeypatch.setattr(radix_index, "update_after_producer", on_producer)
     monkeypatch.setattr(torch.cuda, "Stream", object)  # so the scheduler's (fake) stream counts as a CUDA stream
     class Scheduler:  # the two attributes after_init_cache reads (SimpleNamespace cannot be weakly referenced)
         tree_cache = engine.tree

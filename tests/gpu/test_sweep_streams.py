@@ -4,7 +4,8 @@ sglang's scheduler keeps RadixCache node values on its scheduler stream and free
 replaces the value with a clone); the canary's sweep ran on the forward stream. When the forward stream lags (a
 tensor-parallel rank waiting in an all-reduce), the freed block is reused by the scheduler stream before the
 sweep's queued gather reads it, and the sweep verifies another request's slots. ``run_on_producer_stream``
-gathers on the owning stream instead.
+gathers on the owning stream instead; ``update_after_producer`` (the incremental plan's update) reads on the
+consumer stream after the producer's queued work and holds the tensors it reads until it has run.
 """
 
 from __future__ import annotations
@@ -57,37 +58,81 @@ def test_the_race_is_real_without_it() -> None:
     assert gathered != expected, "the caching allocator did not reuse the freed blocks; the race was not exercised"
 
 
-def _update_behind_a_queued_read(ordered: bool) -> tuple[list[int], list[int]]:
-    """A plan the consumer stream reads (a sweep's verify, queued behind a lag) and the producer rewrites (the
-    incremental sweep plan's update from node values, kvcanary.sglang.radix_index). Returns (queued read, later
-    read)."""
-    from kvcanary.runtime.streams import update_on_producer_stream
+def _update_from_freed_producer_tensors(hold: bool) -> tuple[list[int], list[int]]:
+    """The incremental sweep plan's update (kvcanary.sglang.radix_index): on the lagging consumer (forward) stream, it
+    gathers node values the producer (scheduler) stream made; right after the call the producer drops them and its
+    next allocations reuse their blocks. Returns (the values, what the plan got)."""
+    from kvcanary.runtime.streams import update_after_producer
 
     producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
-    plan = torch.arange(4096, dtype=torch.int64, device="cuda")
-    torch.cuda.synchronize()
+    with torch.cuda.stream(producer):
+        nodes = [torch.arange(1000 + 100 * i, 1000 + 100 * i + 89, dtype=torch.int64, device="cuda") for i in range(8)]
+    expected = torch.cat(nodes).tolist()  # (synchronises)
+    plan = torch.zeros(len(expected), dtype=torch.int64, device="cuda")
 
     def update() -> None:
-        plan.fill_(-7)
+        torch.cat(nodes, out=plan)
 
     with torch.cuda.stream(consumer):
         torch.cuda._sleep(LAG_CYCLES)
-        queued = plan.clone()  # enqueued before the update: must see the plan as it was
-        if ordered:
-            update_on_producer_stream(producer, update)
-        else:
-            with torch.cuda.stream(producer):
-                update()
-        later = plan.clone()  # enqueued after it: must see the update
+        update_after_producer(producer, update, list(nodes) if hold else [])
+    nodes.clear()
+    with torch.cuda.stream(producer):
+        reused = [torch.full((89,), -7, dtype=torch.int64, device="cuda") for _ in range(8)]
     torch.cuda.synchronize()
-    return queued.tolist(), later.tolist()
+    del reused
+    return expected, plan.tolist()
 
 
-def test_plan_update_on_the_producer_stream_is_ordered_with_the_consumer() -> None:
-    queued, later = _update_behind_a_queued_read(ordered=True)
-    assert queued == list(range(4096)) and later == [-7] * 4096
+def test_plan_update_holds_the_producer_tensors_it_reads() -> None:
+    expected, got = _update_from_freed_producer_tensors(hold=True)
+    assert got == expected
 
 
-def test_the_plan_update_race_is_real_without_it() -> None:
-    queued, _ = _update_behind_a_queued_read(ordered=False)
-    assert queued != list(range(4096)), "the producer's write did not overtake the lagging read; race not exercised"
+def test_the_freed_tensor_race_is_real_without_the_hold() -> None:
+    expected, got = _update_from_freed_producer_tensors(hold=False)
+    assert got != expected, "the caching allocator did not reuse the freed blocks; the race was not exercised"
+
+
+def test_plan_update_reads_after_the_producer_and_is_ordered_on_the_consumer() -> None:
+    """Reads queued on the consumer before the update see the plan as it was, later ones the update; the update sees
+    what the producer wrote before the call, however late the producer runs."""
+    from kvcanary.runtime.streams import update_after_producer
+
+    producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
+    plan = torch.arange(4096, dtype=torch.int64, device="cuda")
+    source = torch.zeros(4096, dtype=torch.int64, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(LAG_CYCLES)  # the producer lags now
+        source.fill_(-7)
+    with torch.cuda.stream(consumer):
+        queued = plan.clone()
+        update_after_producer(producer, lambda: plan.copy_(source), [source])
+        later = plan.clone()
+    torch.cuda.synchronize()
+    assert queued.tolist() == list(range(4096)) and later.tolist() == [-7] * 4096
+
+
+def test_the_producer_never_waits_for_the_consumer() -> None:
+    """Regression (issue 28): the update used to run on the producer stream after a wait for the consumer, so work the
+    engine queued on its scheduler stream next waited for the forward in flight (~10 ms of decode TTFT, 8B shape).
+    With the consumer lagging, the producer's next work completes long before the consumer's."""
+    from kvcanary.runtime.streams import update_after_producer
+
+    producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
+    node = torch.arange(64, dtype=torch.int64, device="cuda")
+    plan = torch.zeros(64, dtype=torch.int64, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(consumer):
+        torch.cuda._sleep(LAG_CYCLES)
+        update_after_producer(producer, lambda: plan.copy_(node), [node])
+        consumer_done = torch.cuda.Event()
+        consumer_done.record(consumer)
+    with torch.cuda.stream(producer):
+        node.add_(0)  # the engine's next work on its scheduler stream
+        producer_next = torch.cuda.Event()
+        producer_next.record(producer)
+    producer_next.synchronize()
+    assert not consumer_done.query(), "the producer's next work waited for the lagging consumer"
+    torch.cuda.synchronize()

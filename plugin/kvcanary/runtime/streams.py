@@ -16,6 +16,11 @@ later free and reuse of those blocks, then makes the consumer stream wait for th
 used by the consumer stream (so the producer's allocator cannot recycle them early either). Host cost: a
 stream switch, one event wait and one ``record_stream`` per result, whatever the number of tensors read.
 
+:func:`update_after_producer` is for device state the consumer stream owns and updates from the producer's tensors
+(the incremental sweep plan): the update runs on the consumer stream after the producer's queued work, and the
+producer tensors it reads are held until it has run, so the producer never waits for the consumer (a wait there
+holds back what the engine queues on its scheduler stream next: issue 28's decode TTFT).
+
 :func:`current_stream` is ``torch.cuda.current_stream(device)`` at a fraction of its host cost, for the event
 records on the per-forward path (measured on the H200 host, torch 2.11: ``torch.cuda.current_stream(dev)`` 3.0 µs,
 ``event.record()`` with no stream 5.0 µs, ``event.record(stream)`` with a stream object at hand 0.8 µs).
@@ -23,6 +28,7 @@ records on the per-forward path (measured on the H200 host, torch 2.11: ``torch.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -84,26 +90,56 @@ def run_on_producer_stream(producer: torch.cuda.Stream | None, read: Callable[[]
     return results
 
 
-def update_on_producer_stream(producer: torch.cuda.Stream | None, update: Callable[[], None]) -> None:
-    """``update()`` on ``producer``, ordered after everything the caller's (consumer) stream has enqueued so far and
-    before anything it enqueues next.
+def update_after_producer(producer: torch.cuda.Stream | None, update: Callable[[], None],
+                          reads: Sequence[torch.Tensor]) -> None:
+    """``update()`` on the caller's (consumer) stream, after everything ``producer`` has queued so far; ``reads``, the
+    tensors of ``producer``'s that ``update`` reads, are kept from the caching allocator until ``update``'s device work
+    has run.
 
-    For device state the consumer stream reads and ``update`` rewrites from tensors ``producer`` owns (an
-    incremental sweep plan, filled from the prefix cache's node values): the consumer's earlier reads of that state
-    (a sweep still queued) finish before it is rewritten, and its later reads see the rewrite. ``update`` must not
-    free a tensor the consumer may still read (grow buffers before, outside ``producer``). With ``producer`` None or
-    current, ``update()`` runs as is. Never synchronises the host.
+    For device state only the consumer stream reads and writes (an incremental sweep plan, which the forward stream
+    verifies), updated from tensors ``producer`` makes and frees (the prefix cache's node values): the consumer's
+    earlier and later reads of the state are in its own stream order, the reads of ``producer``'s tensors come after
+    ``producer`` made them, and a tensor ``producer`` frees meanwhile keeps its block until the update has read it
+    (held here, released once an event recorded after the update has completed). ``producer`` never waits for the
+    consumer: a wait there would hold back everything the engine queues on ``producer`` next (sglang prepares the next
+    batch on its schedule stream) until the forward in flight has run (issue 28: ~10 ms of decode TTFT on an 8B
+    model). With ``producer`` None or current, ``update()`` runs as is. Never synchronises the host.
     """
     consumer = _other_consumer(producer)
     if consumer is None:
         update()
         return
-    consumer_done, producer_done = _order_events(producer)
-    consumer_done.record(consumer)
-    producer.wait_event(consumer_done)
-    _on_stream(producer, consumer, update)
+    _, producer_done = _order_events(producer)
     producer_done.record(producer)
     consumer.wait_event(producer_done)
+    update()
+    _hold_until_done(consumer, reads)
+
+
+# consumer stream handle -> [(event recorded after an update, the producer tensors it read)], oldest first: held so
+# that the caching allocator cannot hand their blocks to the producer's next allocation while the update is queued.
+_HELD: dict[int, collections.deque[tuple[torch.cuda.Event, tuple[torch.Tensor, ...]]]] = {}
+_MAX_HELD = 64  # updates whose reads are held at once per consumer (past it, the oldest is waited for)
+
+
+def _hold_until_done(consumer: torch.cuda.Stream, reads: Sequence[torch.Tensor]) -> None:
+    """Keep ``reads`` alive until the consumer's work enqueued so far has run; drop what earlier calls held once
+    their events completed (one event query per held update, one record per call)."""
+    held = _HELD.get(consumer.cuda_stream)
+    if held is None:  # (one per consumer stream: an engine's forward streams are few and live as long as it)
+        held = _HELD[consumer.cuda_stream] = collections.deque()
+    while held and held[0][0].query():
+        held.popleft()
+    if len(held) >= _MAX_HELD:  # (the consumer is that many updates behind: wait, rather than grow without bound)
+        held.popleft()[0].synchronize()
+    event = torch.cuda.Event()
+    event.record(consumer)
+    held.append((event, tuple(reads)))
+
+
+def held_updates() -> int:
+    """Updates whose producer tensors are still held (tests and diagnostics)."""
+    return sum(len(held) for held in _HELD.values())
 
 
 # (A sweep's host cost, the reason for the two helpers below: the order between the streams uses two events made once

@@ -35,9 +35,10 @@ the size of the cache and of the change:
   of the plan from every node.
 
 The index never reads a slot on the host (no device sync). It does not know streams: its caller runs the device
-operations (:meth:`SweepIndex.commit`, :meth:`SweepIndex.compact`) where the slot tensors it hands over are produced
-(:func:`kvcanary.runtime.streams.update_on_producer_stream`) and reserves capacity first (:meth:`SweepIndex.reserve`,
-which also allocates the compaction's buffer when one is wanted), outside that stream.
+operations (:meth:`SweepIndex.commit`, :meth:`SweepIndex.compact`) on the stream that verifies the plan, ordered after
+the stream that produces the slot tensors it hands over and keeping those alive until they have run
+(:func:`kvcanary.runtime.streams.update_after_producer`), and reserves capacity first (:meth:`SweepIndex.reserve`,
+which also allocates the compaction's buffer when one is wanted).
 """
 
 from __future__ import annotations

@@ -26,9 +26,12 @@ moment; a sweep of an unchanged tree launches verify on the plan as it is (no de
 changes costs one batch of ~7 device operations for what changed. ``walks`` counts the walks, ``walk_reasons``
 says why (:data:`WALK_REASONS`), ``compactions`` counts the gathers, ``events`` the tree events followed.
 
-Streams: the appends read node values, which sglang's scheduler stream produces and frees, so they run on that
-stream (:func:`kvcanary.runtime.streams.update_on_producer_stream`) after the sweeps already queued on the forward
-stream, which waits for them.
+Streams: the appends read node values, which sglang's scheduler stream produces and frees. The plan is the forward
+stream's (the sweep verifies it there), so the update runs on the forward stream after the scheduler stream's queued
+work, with the node values it reads held until it has run
+(:func:`kvcanary.runtime.streams.update_after_producer`). Until 2026-12-02 it ran on the scheduler stream, which
+first waited for the forward stream: that held sglang's next batch back behind the forward in flight whenever the
+tree had changed, ~10 ms of decode TTFT on a Llama-3.1-8B shape (issue 28).
 
 Only an exact ``RADIX_CACHE_CLASS`` instance is followed (:func:`kvcanary.sglang.base.sweep_source`): a subclass
 (HiRadixCache moves node values to and from the host in methods of its own) is walked on every sweep.
@@ -45,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcanary.runtime.streams import update_on_producer_stream
+from kvcanary.runtime.streams import update_after_producer
 from kvcanary.runtime.sweep import SweepPlan
 from kvcanary.runtime.sweep_index import Span, SweepIndex, UnplacedSpan
 
@@ -153,7 +156,7 @@ class RadixSweepIndex:
         if rebuild:
             index.clear()
         compact = index.wants_compaction()
-        index.reserve(sum(span.slots.numel() for span in spans))  # (outside the producer stream: see streams)
+        index.reserve(sum(span.slots.numel() for span in spans))
         planned: list[SweepPlan] = []
 
         def update() -> None:
@@ -163,7 +166,7 @@ class RadixSweepIndex:
             planned.append(index.commit())
 
         producer = self._producer_stream() if self._producer_stream is not None else None
-        update_on_producer_stream(producer, update)
+        update_after_producer(producer, update, [span.slots for span in spans])
         self._pending.clear()
         self._stale = None
         return planned[0]
