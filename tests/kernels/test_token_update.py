@@ -8,8 +8,9 @@
   and index_put_ leaves the winner among duplicate indices undefined on CUDA. Batches without that mix agree with
   the old code; every batch agrees with the old code applied one update at a time.
 * The op on hand-built stagings (layout, int64 -> int32 conversion), its argument errors, each naming the argument.
-* The staging ring with simulated events: a staging is handed out again only after its event completed (the host
-  waits when the device is behind), and is replaced by a larger one only then.
+* The staging ring with simulated events: a staging is handed out again only after an event recorded after its
+  last launch on its stream (its cover) completed (the host waits when the device is behind), and is replaced by a
+  larger one only then; the ring records one event per EVENT_EVERY launches (a group), not one per launch.
 * GPU (skipped without CUDA): uploads from pinned memory while the device is kept busy, more batches than the ring
   holds, checked against the reference.
 """
@@ -27,7 +28,16 @@ import torch
 
 from kvcanary.kernels import layout
 from kvcanary.kernels.tokens import canary_token_append, canary_token_update
-from kvcanary.runtime.token_table import MIN_STAGING_VALUES, StagingRing, TokenTable
+from kvcanary.runtime import token_table
+from kvcanary.runtime.token_table import (
+    EVENT_EVERY,
+    MIN_STAGING_VALUES,
+    RING_SIZE,
+    CudaStagingEvent,
+    StagingRing,
+    TokenTable,
+    launch_stream_of,
+)
 
 CPU = torch.device("cpu")
 FIELDS = layout.TOKEN_UPDATE_FIELDS
@@ -417,12 +427,15 @@ class FakeEvent:
         self.recorded = 0
         self.done = True
         self.waited = 0
+        self.streams: list = []  # the stream of each record (None: the current one)
         self.name = f"e{len([x for x in FakeEvent.log if x.startswith('new')])}"
         FakeEvent.log.append(f"new {self.name}")
 
-    def record(self) -> None:
+    def record(self, stream=None) -> None:
         self.recorded += 1
+        self.streams.append(stream)
         self.done = False
+        FakeEvent.log.append(f"record {self.name}")
 
     def query(self) -> bool:
         return self.done
@@ -486,9 +499,12 @@ def test_token_table_with_simulated_events_waits_when_the_device_is_a_ring_behin
         table.update(batch)
         reference_update(*ref, batch)
     assert_same(table, ref)
-    assert table.staging.size == 4 and table.staging.waits == 10 - 4  # no event ever completed by itself
-    assert FakeEvent.log[:4] == ["new e0", "new e1", "new e2", "new e3"]
-    assert FakeEvent.log[4:7] == ["wait e0", "wait e1", "wait e2"]
+    # No event ever completed by itself. With a record per launch (before EVENT_EVERY) each of launches 4..9 waited
+    # for its staging's own event; now a ring of 4 records one event per group of 4 launches (EVENT_EVERY = 4,
+    # capped at the ring size), the last staging's (e3), which covers the group: the first staging of the next turn
+    # waits for it, and the other three find it complete.
+    assert table.staging.size == 4 and table.staging.waits == 2
+    assert FakeEvent.log == ["new e0", "new e1", "new e2", "new e3", "record e3", "wait e3", "record e3", "wait e3"]
 
 
 def test_cpu_table_without_events_reuses_one_staging() -> None:
@@ -501,6 +517,220 @@ def test_cpu_table_without_events_reuses_one_staging() -> None:
 def test_ring_size_must_be_positive() -> None:
     with pytest.raises(ValueError, match="size must be >= 1, got 0"):
         TokenTable(4, 8, CPU, ring_size=0)
+    with pytest.raises(ValueError, match="event_every must be >= 1, got 0"):
+        StagingRing(4, pinned=False, event_factory=None, event_every=0)
+
+
+def test_ring_records_one_event_per_event_every_launches(fake_events) -> None:
+    """The per-forward host cost of issue 25: an event record per EVENT_EVERY uploads, not one per upload."""
+    assert EVENT_EVERY == 4 and RING_SIZE == 16  # a ring larger than a group: no turn comes while its group is open
+    table = TokenTable(ROWS, WIDTH, CPU, event_factory=fake_events)
+    assert table.staging.size == RING_SIZE
+    events = [slot.event for slot in table.staging._slots]
+    rng = random.Random(11)
+    for _ in range(16):
+        table.update(decode_batch(rng))
+    assert sum(e.recorded for e in events) == 4  # after launches 3, 7, 11 and 15: each group's last staging's
+    assert [e.recorded for e in events] == [0, 0, 0, 1] * 4
+    for e in events:
+        e.done = True  # the device caught up
+    for _ in range(16):
+        table.update(decode_batch(rng))
+    assert sum(e.recorded for e in events) == 8 and table.staging.waits == 0
+
+
+def test_ring_waits_for_the_cover_even_when_the_staging_s_own_event_was_never_recorded(fake_events) -> None:
+    """Staging 0's own event is never recorded (its group's last staging's is): a ring that tested staging 0's own
+    event would find it complete (never recorded) and hand the staging out while its launch may still be pending."""
+    ring = StagingRing(8, pinned=False, event_factory=fake_events, event_every=4)
+    first = ring.acquire(10)
+    ring.launched(first)
+    for _ in range(3):
+        ring.launched(ring.acquire(10))
+    cover = first.cover
+    assert first.event.recorded == 0 and first.event.query()  # its own event: never recorded
+    assert cover is not None and cover is not first.event and cover.recorded == 1 and not cover.query()
+    for _ in range(4):  # the rest of the ring: not in flight, no wait
+        ring.launched(ring.acquire(10))
+    assert ring.waits == 0
+    again = ring.acquire(10)  # staging 0's turn: its cover reports not complete, so the host waits on it
+    assert again is first and cover.waited == 1 and ring.waits == 1 and first.event.waited == 0
+    assert not first.in_flight and first.cover is None
+
+
+def test_ring_records_an_open_group_when_one_of_its_stagings_comes_round(fake_events) -> None:
+    """Launches refused between two turns of a staging (acquire without launched) leave its group open when its turn
+    comes: the ring then records the group's event at once (the last launch's staging's) and tests that."""
+    ring = StagingRing(4, pinned=False, event_factory=fake_events, event_every=4)
+    first = ring.acquire(10)
+    ring.launched(first)
+    second = ring.acquire(10)
+    ring.launched(second)
+    ring.acquire(10), ring.acquire(10)  # two refused launches: the group of 4 is still open
+    assert first.cover is None and second.cover is None and first.in_flight
+    assert ring.acquire(10) is first
+    assert second.event.recorded == 1 and first.event.recorded == 0  # recorded at the turn, covering both
+    assert second.event.waited == 1 and ring.waits == 1
+    assert ring.acquire(10) is second and ring.waits == 1  # the same event, now complete: no second wait
+
+
+def test_ring_reuses_a_staging_whose_cover_completed_without_a_wait(fake_events) -> None:
+    ring = StagingRing(8, pinned=False, event_factory=fake_events, event_every=4)
+    handed = []
+    for _ in range(8):
+        staging = ring.acquire(10)
+        ring.launched(staging)
+        handed.append(staging)
+    first_cover, second_cover = handed[0].cover, handed[4].cover
+    assert [h.cover for h in handed] == [first_cover] * 4 + [second_cover] * 4
+    first_cover.done = True  # the device ran the first group; the second is still pending
+    for h in handed[:4]:
+        assert ring.acquire(10) is h
+    assert ring.waits == 0 and first_cover.waited == 0  # own events never recorded, never waited on either
+    assert ring.acquire(10) is handed[4] and ring.waits == 1 and second_cover.waited == 1
+
+
+def test_ring_grows_a_staging_only_after_its_cover_completed(fake_events) -> None:
+    ring = StagingRing(4, pinned=False, event_factory=fake_events, event_every=4)
+    first = ring.acquire(10)
+    ring.launched(first)
+    for _ in range(3):
+        ring.launched(ring.acquire(10))
+    old, event, cover = weakref.ref(first.buffer), first.event, first.cover
+    assert cover is not event and not cover.query()
+    del first
+    gc.collect()
+    assert old() is not None  # pending: the ring still holds it
+    grown = ring.acquire(3 * MIN_STAGING_VALUES)
+    assert cover.waited == 1 and cover.query()  # waited for before it was replaced
+    assert grown.event is event and grown.cover is None and grown.buffer.numel() == 4 * MIN_STAGING_VALUES
+    gc.collect()
+    assert old() is None  # dropped once complete
+    assert ring.grows == 1 and ring.waits == 1
+    # an open group's staging, grown: its group is recorded and waited for first
+    ring.launched(grown)
+    pending = weakref.ref(grown.buffer)
+    del grown
+    for _ in range(3):
+        ring.acquire(10)  # refused launches
+    regrown = ring.acquire(9 * MIN_STAGING_VALUES)
+    assert event.recorded == 1 and event.waited == 1 and ring.grows == 2 and ring.waits == 2
+    assert regrown.buffer.numel() == 16 * MIN_STAGING_VALUES
+    gc.collect()
+    assert pending() is None
+
+
+def test_ring_records_a_group_on_its_own_stream_when_the_launches_change_stream(fake_events) -> None:
+    """An event covers only its own stream's launches: a launch on another stream than its group's closes the group,
+    with a record on the group's stream (the ring's launch_stream reads a launch's stream)."""
+    current = ["A"]
+    ring = StagingRing(8, pinned=False, event_factory=fake_events, event_every=4, launch_stream=lambda: current[0])
+    handed = []
+    for stream in ["A", "A", "B", "B", "B", "B", "A", "A"]:
+        current[0] = stream
+        staging = ring.acquire(10)
+        ring.launched(staging)
+        handed.append(staging)
+    assert handed[1].event.streams == ["A"] and handed[0].cover is handed[1].cover is handed[1].event
+    assert handed[5].event.streams == ["B"] and all(h.cover is handed[5].event for h in handed[2:6])
+    assert handed[6].cover is None and handed[7].cover is None  # a group on A, still open
+    assert [h.event.recorded for h in handed] == [0, 1, 0, 0, 0, 1, 0, 0]
+    current[0] = "B"
+    assert ring.acquire(10) is handed[0] and handed[1].event.waited == 1 and ring.waits == 1
+    assert ring.acquire(10) is handed[1] and ring.waits == 1
+    assert ring.acquire(10) is handed[2] and handed[5].event.waited == 1 and ring.waits == 2
+    for h in handed[3:6]:
+        assert ring.acquire(10) is h  # refused launches (nothing launched on B since)
+    # the open group's turn, with B current: its event is recorded on the group's stream, A
+    assert ring.acquire(10) is handed[6] and handed[7].event.streams == ["A"] and ring.waits == 3
+
+
+def test_cuda_staging_event_records_on_the_given_stream_or_the_current_one(monkeypatch) -> None:
+    """CudaStagingEvent and launch_stream_of, without a GPU (torch.cuda.Event and the current stream stood in for):
+    the ring records a group's event on the stream launch_stream_of read at its launches."""
+    recorded = []
+
+    class Event:
+        def record(self, stream) -> None:
+            recorded.append(stream)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(token_table, "current_stream", lambda index: f"stream of {index}")
+    event = CudaStagingEvent(torch.device("cuda", 1))
+    event.record()
+    event.record("the group's stream")
+    CudaStagingEvent(torch.device("cuda")).record()  # no index: the current device's
+    assert recorded == ["stream of 1", "the group's stream", "stream of 3"]
+    assert launch_stream_of(torch.device("cuda", 1))() == "stream of 1"
+    assert launch_stream_of(torch.device("cuda"))() == "stream of 3"
+
+
+class SimulatedDevice:
+    """Streams that run their launches in order, each at its own pace; events recorded on them (SimulatedEvent)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.queued = {"A": 0, "B": 0}  # launches queued per stream
+        self.done = {"A": 0, "B": 0}  # launches run per stream (in order)
+
+    def launch(self, stream: str) -> tuple[str, int]:
+        self.queued[stream] += 1
+        return stream, self.queued[stream]
+
+    def run_some(self) -> None:
+        for stream in self.done:
+            self.done[stream] = self.rng.randint(self.done[stream], self.queued[stream])
+
+    def ran(self, launch: tuple[str, int]) -> bool:
+        return self.done[launch[0]] >= launch[1]
+
+
+def test_ring_never_hands_out_a_staging_a_launch_may_still_read() -> None:
+    """Random launches on two streams, refused launches, a device at a random pace: whatever the ring hands out was
+    last read by a launch the device has run, and no event is recorded while an in-flight staging's test is on it."""
+    rng = random.Random(5)
+    device = SimulatedDevice(rng)
+    current = ["A"]
+    records = [0]
+    ring: StagingRing
+
+    class SimulatedEvent:
+        def __init__(self) -> None:
+            self.at: tuple[str, int] | None = None
+
+        def record(self, stream=None) -> None:
+            assert stream is not None
+            assert not any(s.in_flight and s.cover is self for s in ring._slots)  # no record of it is pending a test
+            self.at = (stream, device.queued[stream])
+            records[0] += 1
+
+        def query(self) -> bool:
+            return self.at is None or device.ran(self.at)
+
+        def synchronize(self) -> None:
+            stream, n = self.at
+            device.done[stream] = max(device.done[stream], n)
+
+    for size, every in [(16, 4), (4, 4), (3, 4), (5, 2), (1, 1)]:
+        ring = StagingRing(size, pinned=False, event_factory=SimulatedEvent, event_every=every,
+                           launch_stream=lambda: current[0])
+        last_launch: dict[int, tuple[str, int]] = {}
+        launches = records[0] = 0
+        for _ in range(400):
+            if rng.random() < 0.05:
+                current[0] = "B" if current[0] == "A" else "A"
+            staging = ring.acquire(10)
+            assert id(staging) not in last_launch or device.ran(last_launch[id(staging)])
+            if rng.random() < 0.1:
+                continue  # refused before anything was queued
+            last_launch[id(staging)] = device.launch(current[0])
+            ring.launched(staging)
+            launches += 1
+            if rng.random() < 0.3:
+                device.run_some()
+        assert 0 < ring.waits < launches
+        assert records[0] < launches if every > 1 else records[0] == launches
 
 
 # ---------------------------------------------------------------------------------------------- GPU
