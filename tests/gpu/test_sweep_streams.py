@@ -10,6 +10,8 @@ consumer stream after the producer's queued work and holds the tensors it reads 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -114,25 +116,52 @@ def test_plan_update_reads_after_the_producer_and_is_ordered_on_the_consumer() -
     assert queued.tolist() == list(range(4096)) and later.tolist() == [-7] * 4096
 
 
-def test_the_producer_never_waits_for_the_consumer() -> None:
-    """Regression (issue 28): the update used to run on the producer stream after a wait for the consumer, so work the
-    engine queued on its scheduler stream next waited for the forward in flight (~10 ms of decode TTFT, 8B shape).
-    With the consumer lagging, the producer's next work completes long before the consumer's."""
-    from kvcanary.runtime.streams import update_after_producer
-
+def _producer_wait_s(update_call) -> tuple[float, float]:
+    """With the consumer (forward) stream lagging, ``update_call(producer, update, reads)`` from the consumer, then the
+    engine's next work on the producer (scheduler) stream. Returns (host seconds until that work completed, until
+    everything completed): the first is far below the second unless the producer waited for the consumer."""
     producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
     node = torch.arange(64, dtype=torch.int64, device="cuda")
     plan = torch.zeros(64, dtype=torch.int64, device="cuda")
     torch.cuda.synchronize()
+    start = time.perf_counter()
     with torch.cuda.stream(consumer):
         torch.cuda._sleep(LAG_CYCLES)
-        update_after_producer(producer, lambda: plan.copy_(node), [node])
-        consumer_done = torch.cuda.Event()
-        consumer_done.record(consumer)
+        update_call(producer, lambda: plan.copy_(node), [node])
     with torch.cuda.stream(producer):
-        node.add_(0)  # the engine's next work on its scheduler stream
+        scratch = torch.ones(64, dtype=torch.int64, device="cuda")
+        scratch.add_(1)  # the engine's next work on its scheduler stream
         producer_next = torch.cuda.Event()
         producer_next.record(producer)
     producer_next.synchronize()
-    assert not consumer_done.query(), "the producer's next work waited for the lagging consumer"
+    producer_s = time.perf_counter() - start
     torch.cuda.synchronize()
+    return producer_s, time.perf_counter() - start
+
+
+def _old_update_on_producer_stream(producer, update, reads) -> None:
+    """The update as it was until 2026-12-02: on the producer, after a wait for the consumer's work so far."""
+    del reads
+    consumer = torch.cuda.current_stream()
+    consumer_done, producer_done = torch.cuda.Event(), torch.cuda.Event()
+    consumer_done.record(consumer)
+    producer.wait_event(consumer_done)
+    with torch.cuda.stream(producer):
+        update()
+    producer_done.record(producer)
+    consumer.wait_event(producer_done)
+
+
+def test_the_producer_never_waits_for_the_consumer() -> None:
+    """Regression (issue 28): the update used to run on the producer stream after a wait for the consumer, so work the
+    engine queued on its scheduler stream next waited for the forward in flight (~10 ms of decode TTFT, 8B shape)."""
+    from kvcanary.runtime.streams import update_after_producer
+
+    producer_s, total_s = _producer_wait_s(update_after_producer)
+    assert producer_s < total_s / 2, f"the producer's next work waited: {producer_s:.4f} s of {total_s:.4f} s"
+
+
+def test_the_old_update_made_the_producer_wait() -> None:
+    """The harness sees the wait: with the old update the producer's next work completes only after the lag."""
+    producer_s, total_s = _producer_wait_s(_old_update_on_producer_stream)
+    assert producer_s > total_s / 2, f"no wait seen ({producer_s:.4f} s of {total_s:.4f} s): the harness is blind"
