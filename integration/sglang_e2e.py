@@ -276,14 +276,38 @@ def last_match_fields(pattern: re.Pattern, log_text: str) -> dict | None:
     return {k: (float(v) if "." in v else int(v)) for k, v in last.groupdict().items() if v is not None}
 
 
+POOL_LABEL_RE = re.compile(r" pool=(?P<pool>[a-z]+)")
+
+
 def parse_stats(log_text: str) -> dict | None:
-    """The cumulative counters of a log's last ``kvcanary stats:`` step, or None. A pool of several KV groups (an
-    SWAKVPool: full and swa) has a manager per group, each printing its line at the same step: their counters are
-    summed (before 2026-12-02 the swa group's line alone was read, so an SWA phase showed the window's entries and
-    no sweep)."""
-    lines = [{k: int(v) for k, v in m.groupdict().items()} for m in STATS_RE.finditer(log_text)]
-    if not lines:
+    """The cumulative counters of a log's last ``kvcanary stats:`` step, or None.
+
+    A pool of several KV groups (an SWAKVPool: full and swa) has a manager per group, each printing its line at the
+    same step: their counters are summed (before 2026-12-02 the swa group's line alone was read). An EAGLE engine has
+    a canary per pool, each counting its own steps and ending its line with ``pool=target`` / ``pool=draft`` (since
+    2026-12-02): each pool's last step is read, the entry and violation counters are summed over the pools, and
+    ``step``, ``forwards`` and ``tokens_written`` are the target pool's (the engine's forwards); ``by_pool`` keeps each
+    pool's own counters. (Before, the draft pool's line, the log's last, stood for the engine.)"""
+    by_pool: dict[str, list[dict]] = {}
+    for m in STATS_RE.finditer(log_text):
+        end = log_text.find("\n", m.end())
+        label = POOL_LABEL_RE.search(log_text, m.end(), end if end >= 0 else len(log_text))
+        by_pool.setdefault(label["pool"] if label else "", []).append({k: int(v) for k, v in m.groupdict().items()})
+    if not by_pool:
         return None
+    counters = {pool: _last_step_summed(lines) for pool, lines in by_pool.items()}
+    engine_pool = "target" if "target" in counters else next(iter(counters))
+    out = dict(counters[engine_pool])
+    for k in ("entries_verified", "entries_swept", "violations", "lost"):
+        out[k] = sum(c[k] for c in counters.values())
+    if len(counters) > 1:
+        out["by_pool"] = counters
+    return out
+
+
+def _last_step_summed(lines: list[dict]) -> dict:
+    """One canary's (one pool's) counters at its last step: the lines printed at that step, one per KV group, summed
+    (every group records the same tokens and counts the same forwards)."""
     last_step = lines[-1]["step"]
     out = dict(lines[-1])
     tail = []
@@ -292,7 +316,7 @@ def parse_stats(log_text: str) -> dict | None:
             break
         tail.append(line)
     for k in out:
-        if k not in ("step", "forwards", "tokens_written"):  # (every group records the same tokens)
+        if k not in ("step", "forwards", "tokens_written"):
             out[k] = sum(line[k] for line in tail)
     return out
 

@@ -131,6 +131,40 @@ def test_parse_stats_takes_the_last_line(e2e) -> None:
     assert e2e.parse_stats("nothing") is None
 
 
+def test_parse_stats_reads_each_eagle_pool_at_its_own_last_step(e2e) -> None:
+    """Regression (H200, EAGLE on pages of 16, 2026-12-02): the target and draft canaries count their own steps, and
+    the summary took the log's last line, the draft's (13520 forwards, 7.9M entries), for the engine. Each pool is
+    now read at its own last step: entries summed, forwards the target's."""
+    def line(step, verified, pool):
+        return (f"[t] kvcanary stats: step={step} forwards={step} tokens_written={step * 10} "
+                f"entries_verified={verified} entries_swept=5 violations=0 lost=0 pool={pool}\n")
+    log = (line(6000, 3_000_000, "target") + line(12000, 7_000_000, "draft") + line(6820, 3_945_870, "target")
+           + line(13520, 7_864_605, "draft"))
+    stats = e2e.parse_stats(log)
+    assert stats["forwards"] == 6820 and stats["tokens_written"] == 68200
+    assert stats["entries_verified"] == 3_945_870 + 7_864_605 and stats["entries_swept"] == 10
+    by_pool = stats["by_pool"]
+    assert by_pool["draft"]["forwards"] == 13520 and by_pool["target"]["entries_verified"] == 3_945_870
+
+
+def test_manager_stats_line_names_its_pool_and_group(caplog) -> None:
+    """The product side of the regression above: a manager whose rank names a pool or a group says so on its line."""
+    import logging
+
+    import torch
+
+    from kvcanary.runtime.config import Config
+    from kvcanary.runtime.manager import CanaryManager
+    from kvcanary.settings import Mode
+
+    manager = CanaryManager(Config(mode=Mode.LOG, stats_every=1), num_slots=16,
+                            req_to_token=torch.zeros((2, 8), dtype=torch.int32), device="cpu", max_batch_size=2,
+                            max_tokens_per_forward=8, rank={"tp_rank": 0, "pool": "draft", "group": "swa"})
+    with caplog.at_level(logging.INFO, logger="kvcanary.runtime.health"):
+        manager.step()
+    assert any(r.getMessage().endswith("lost=0 pool=draft group=swa") for r in caplog.records)
+
+
 def test_phase_env_and_engine_kwargs(e2e, tmp_path) -> None:
     base = {"PATH": "/bin", "KVCANARY_MODE": "raise", "KVCANARY_FAULT": "all", "KVCANARY_CUDA_ARCH": "9.0a"}
     env = e2e.phase_env(e2e.PHASES["3"], str(tmp_path), base)

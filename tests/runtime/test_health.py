@@ -118,6 +118,15 @@ def test_stats_logger_period(caplog: pytest.LogCaptureFixture) -> None:
     assert [r.getMessage() for r in infos] == [lines[3], lines[6], lines[9]]
 
 
+def test_stats_logger_ends_its_line_with_its_labels() -> None:
+    """A process with several canaries (EAGLE's target and draft pools, an SWA pool's groups) prints a line for each:
+    the labels say whose it is, after the counters (a parser reading the counters by name is unaffected)."""
+    numbers = dict(forwards=1, tokens_written=2, entries_verified=3, entries_swept=4, violations=5, lost=6)
+    line = StatsLogger(every=1, labels=" pool=draft").maybe_log(1, **numbers, host_tier=(7, 8))
+    assert line == ("kvcanary stats: step=1 forwards=1 tokens_written=2 entries_verified=3 entries_swept=4 "
+                    "violations=5 lost=6 host_backed_up=7 host_loaded=8 pool=draft")
+
+
 def test_stats_logger_off_and_skipped_steps(caplog: pytest.LogCaptureFixture) -> None:
     numbers = dict(forwards=0, tokens_written=0, entries_verified=0, entries_swept=0, violations=0, lost=0)
     off = StatsLogger(every=0)

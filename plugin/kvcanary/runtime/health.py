@@ -88,10 +88,11 @@ class HealthMonitor:
 class StatsLogger:
     """Logs one INFO stats line every ``every`` steps (``0``: never)."""
 
-    def __init__(self, every: int, *, logger: logging.Logger | None = None) -> None:
+    def __init__(self, every: int, *, labels: str = "", logger: logging.Logger | None = None) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError(f"every: expected an int >= 0; got {every!r}")
         self.every = every
+        self.labels = labels  # appended to every line: which pool / group of a process's several canaries it is
         self._log = logger if logger is not None else _MODULE_LOGGER
         self._last_logged_step = 0
         # The first step at which ``due`` holds (never when ``every`` is 0): a caller's per-step test is one compare.
@@ -117,7 +118,8 @@ class StatsLogger:
 
         Format: ``kvcanary stats: step=S forwards=F tokens_written=W entries_verified=V entries_swept=E
         violations=N lost=L`` (cumulative counts), then ``host_backed_up=B host_loaded=H`` when the pool has a host
-        KV tier (``host_tier = (B, H)``: slots whose records went to the host tier, and came back from it).
+        KV tier (``host_tier = (B, H)``: slots whose records went to the host tier, and came back from it), then the
+        ``labels`` (e.g. `` pool=draft``, `` group=swa``: a process with several canaries prints a line for each).
         """
         if not self.due(step):
             return None
@@ -129,5 +131,6 @@ class StatsLogger:
         )
         if host_tier is not None:
             line += f" host_backed_up={host_tier[0]} host_loaded={host_tier[1]}"
+        line += self.labels
         self._log.info("%s", line)
         return line

@@ -45,7 +45,10 @@ from kvcanary.runtime.token_table import TokenTable
 from kvcanary.runtime.writers import WriterTable
 from kvcanary.settings import Mode
 
-__all__ = ["CanaryManager", "CanaryStats", "SweepSource"]
+__all__ = ["CanaryManager", "CanaryStats", "STATS_LINE_LABELS", "SweepSource"]
+
+# Rank keys the stats line ends with when the manager's rank has them: which of a process's canaries printed it.
+STATS_LINE_LABELS = ("pool", "group")
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +143,9 @@ class CanaryManager:
         self.sweeper = Sweeper(self.device_state, config.sweep_interval)
         self.stats = CanaryStats()
         self.health = HealthMonitor(config.health_window, self._expected_tags())
-        self.stats_logger = StatsLogger(config.stats_every)
+        # (an EAGLE pool's target and draft canaries, and an SWA pool's groups, each print a stats line: named by these)
+        self.stats_logger = StatsLogger(config.stats_every, labels="".join(
+            f" {key}={self.rank[key]}" for key in STATS_LINE_LABELS if self.rank and key in self.rank))
         self.violation_drain = ViolationDrain(
             self.device_state, drain_every=config.drain_every, reporter=self.reporter, rank=self.rank,
             writer_id=self.writers.writer_id, stats=self.stats, on_counters=self._observe_health,
