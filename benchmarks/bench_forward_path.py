@@ -241,7 +241,9 @@ def bench_version() -> types.ModuleType:
     def wrapper_gate(inst):  # sglang's two piecewise flags are module globals; here, always off
         return piecewise.wrapper_gate(inst, flags=(lambda: False, lambda: False))
 
-    v.pool_groups, v.wrapper_gate = pool_groups, wrapper_gate
+    # (POOL_CLASSES too: the install's speculative check asks pools.pool_kind with it, which imports the classes it
+    # names; with 0.5.12's it imported sglang, which this bench runs without: b450279 broke it)
+    v.pool_groups, v.wrapper_gate, v.POOL_CLASSES = pool_groups, wrapper_gate, classes
     return v
 
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench_forward_path.py"
@@ -119,3 +120,25 @@ def test_the_stand_in_model_keeps_its_time_without_module_setattr(bench, monkeyp
     for _ in range(3):
         assert model.forward(ids, ids, None) is ids
     assert calls == [] and model.inner_ns >= 0
+
+
+def test_the_bench_version_installs_without_sglang(bench, monkeypatch) -> None:
+    """Regression: the install's speculative check asks ``pools.pool_kind`` with the version's ``POOL_CLASSES``; the
+    bench's version module kept 0.5.12's, whose sglang classes the bench (which runs without sglang) then imported:
+    every case failed at install since b450279. The bench's version names its stand-in classes there too, and a
+    case's install imports no sglang module."""
+    imported: list[str] = []
+    real_resolve = bench.pools.pkgutil.resolve_name
+
+    def resolve(name: str):
+        imported.append(name)
+        return real_resolve(name)
+
+    monkeypatch.setattr(bench.pools.pkgutil, "resolve_name", resolve)
+    monkeypatch.setenv("KVCANARY_MODE", "log")
+    v = bench.bench_version()
+    assert v.POOL_CLASSES.mha.endswith("StandInMHAPool")
+    runner = bench.StandInRunner(4, 64, 256, torch.device("cpu"))
+    bench.AdapterHooks(v).after_init_memory_pool(None, runner)
+    assert bench.installation_of(runner) is not None
+    assert imported and not [name for name in imported if name.startswith("sglang")]
