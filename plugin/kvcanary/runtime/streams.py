@@ -128,11 +128,13 @@ def _hold_until_done(consumer: torch.cuda.Stream, reads: Sequence[torch.Tensor])
     held = _HELD.get(consumer.cuda_stream)
     if held is None:  # (one per consumer stream: an engine's forward streams are few and live as long as it)
         held = _HELD[consumer.cuda_stream] = collections.deque()
+    spare = None  # a completed event, recorded again below (an Event object and its CUDA event are made once)
     while held and held[0][0].query():
-        held.popleft()
+        spare = held.popleft()[0]
     if len(held) >= _MAX_HELD:  # (the consumer is that many updates behind: wait, rather than grow without bound)
-        held.popleft()[0].synchronize()
-    event = torch.cuda.Event()
+        spare = held.popleft()[0]
+        spare.synchronize()
+    event = spare if spare is not None else torch.cuda.Event()
     event.record(consumer)
     held.append((event, tuple(reads)))
 
