@@ -25,74 +25,68 @@ pytestmark = [
 LAG_CYCLES = 200_000_000  # ~0.1 s of torch.cuda._sleep on the consumer stream: the forward stream lags behind
 
 
-def _gather_then_reuse(fixed: bool) -> tuple[list[int], list[int]]:
-    """Node values made on the producer stream; a lagging consumer gathers them (on its own stream or, fixed, on
-    the producer's); the producer then frees the values and reuses their blocks. Returns (expected, gathered)."""
+def _consumer_reads_freed_values(consume) -> tuple[list[int], list[int]]:
+    """Node values made on the producer (scheduler) stream; ``consume(producer, nodes)`` enqueues a read of them on the
+    lagging consumer (forward) stream and returns the tensor it fills there; the producer then drops the values and its
+    next allocations reuse their blocks at once (a split clones node values, eviction frees them). Returns (the
+    values, what the consumer got)."""
     producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(producer):
         nodes = [torch.arange(1000 + 100 * i, 1000 + 100 * i + 89, dtype=torch.int64, device="cuda") for i in range(8)]
     expected = torch.cat(nodes).tolist()  # (synchronises: the values are complete before the race starts)
-
-    def read() -> tuple[torch.Tensor]:
-        return (torch.cat(nodes),)
-
     with torch.cuda.stream(consumer):
         torch.cuda._sleep(LAG_CYCLES)
-        (slots,) = run_on_producer_stream(producer, read) if fixed else read()
-        gathered = slots.clone()  # the sweep's copy into its plan, on the consumer stream
-    del slots
-    nodes.clear()  # the scheduler drops the node values (a split clones them; eviction frees them) ...
-    with torch.cuda.stream(producer):  # ... and its next slot copies reuse their blocks at once
-        reused = [torch.full((89,), -7, dtype=torch.int64, device="cuda") for _ in range(8)]
-    torch.cuda.synchronize()
-    del reused
-    return expected, gathered.tolist()
-
-
-def test_gather_on_the_producer_stream_reads_the_values_it_was_given() -> None:
-    expected, gathered = _gather_then_reuse(fixed=True)
-    assert gathered == expected
-
-
-def test_the_race_is_real_without_it() -> None:
-    """The harness reproduces the hazard: gathered on the lagging consumer stream, the values are gone."""
-    expected, gathered = _gather_then_reuse(fixed=False)
-    assert gathered != expected, "the caching allocator did not reuse the freed blocks; the race was not exercised"
-
-
-def _update_from_freed_producer_tensors(hold: bool) -> tuple[list[int], list[int]]:
-    """The incremental sweep plan's update (kvcanary.sglang.radix_index): on the lagging consumer (forward) stream, it
-    gathers node values the producer (scheduler) stream made; right after the call the producer drops them and its
-    next allocations reuse their blocks. Returns (the values, what the plan got)."""
-    from kvcanary.runtime.streams import update_after_producer
-
-    producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
-    with torch.cuda.stream(producer):
-        nodes = [torch.arange(1000 + 100 * i, 1000 + 100 * i + 89, dtype=torch.int64, device="cuda") for i in range(8)]
-    expected = torch.cat(nodes).tolist()  # (synchronises)
-    plan = torch.zeros(len(expected), dtype=torch.int64, device="cuda")
-
-    def update() -> None:
-        torch.cat(nodes, out=plan)
-
-    with torch.cuda.stream(consumer):
-        torch.cuda._sleep(LAG_CYCLES)
-        update_after_producer(producer, update, list(nodes) if hold else [])
+        got = consume(producer, nodes)
     nodes.clear()
     with torch.cuda.stream(producer):
         reused = [torch.full((89,), -7, dtype=torch.int64, device="cuda") for _ in range(8)]
     torch.cuda.synchronize()
     del reused
-    return expected, plan.tolist()
+    return expected, got.tolist()
+
+
+def _gather(fixed: bool):
+    """The walk source's gather (kvcanary.sglang.radix): on the producer stream when ``fixed``, then the sweep's copy
+    into its plan on the consumer stream."""
+    def consume(producer, nodes):
+        def read() -> tuple[torch.Tensor]:
+            return (torch.cat(nodes),)
+
+        (slots,) = run_on_producer_stream(producer, read) if fixed else read()
+        return slots.clone()
+    return consume
+
+
+def _plan_update(hold: bool):
+    """The incremental sweep plan's update (kvcanary.sglang.radix_index) on the consumer stream, holding the node values
+    it reads when ``hold``."""
+    from kvcanary.runtime.streams import update_after_producer
+
+    def consume(producer, nodes):
+        plan = torch.zeros(8 * 89, dtype=torch.int64, device="cuda")
+        update_after_producer(producer, lambda: torch.cat(nodes, out=plan), list(nodes) if hold else [])
+        return plan
+    return consume
+
+
+def test_gather_on_the_producer_stream_reads_the_values_it_was_given() -> None:
+    expected, gathered = _consumer_reads_freed_values(_gather(fixed=True))
+    assert gathered == expected
+
+
+def test_the_race_is_real_without_it() -> None:
+    """The harness reproduces the hazard: gathered on the lagging consumer stream, the values are gone."""
+    expected, gathered = _consumer_reads_freed_values(_gather(fixed=False))
+    assert gathered != expected, "the caching allocator did not reuse the freed blocks; the race was not exercised"
 
 
 def test_plan_update_holds_the_producer_tensors_it_reads() -> None:
-    expected, got = _update_from_freed_producer_tensors(hold=True)
+    expected, got = _consumer_reads_freed_values(_plan_update(hold=True))
     assert got == expected
 
 
 def test_the_freed_tensor_race_is_real_without_the_hold() -> None:
-    expected, got = _update_from_freed_producer_tensors(hold=False)
+    expected, got = _consumer_reads_freed_values(_plan_update(hold=False))
     assert got != expected, "the caching allocator did not reuse the freed blocks; the race was not exercised"
 
 
