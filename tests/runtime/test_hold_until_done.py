@@ -54,7 +54,7 @@ def fake_cuda(monkeypatch):
     consumer, producer = FakeStream(1), FakeStream(2)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(streams, "_HELD", {})
-    monkeypatch.setattr(streams, "_ORDER_EVENTS", {})
+    monkeypatch.setattr(streams, "_PRODUCER_DONE", {})
     monkeypatch.setattr(streams, "current_stream", lambda index: consumer)
     return consumer, producer
 
@@ -72,7 +72,7 @@ def test_reads_are_held_until_the_event_after_the_update_completes(fake_cuda) ->
     event.done = True
     streams.update_after_producer(producer, lambda: None, [])  # the next update drops what completed ...
     assert ref() is None and streams.held_updates() == 1
-    assert FakeEvent.made == 3  # (the producer's two order events, one hold event: recorded again, not made anew)
+    assert FakeEvent.made == 2  # (the producer's order event, one hold event: recorded again, not made anew)
 
 
 def test_a_consumer_that_many_updates_behind_is_waited_for(fake_cuda) -> None:

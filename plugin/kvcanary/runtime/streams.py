@@ -81,7 +81,7 @@ def run_on_producer_stream(producer: torch.cuda.Stream | None, read: Callable[[]
     if consumer is None:
         return read()
     results = _on_stream(producer, consumer, read)
-    _, producer_done = _order_events(producer)
+    producer_done = _producer_done(producer)
     producer_done.record(producer)
     consumer.wait_event(producer_done)
     for tensor in results:
@@ -109,7 +109,7 @@ def update_after_producer(producer: torch.cuda.Stream | None, update: Callable[[
     if consumer is None:
         update()
         return
-    _, producer_done = _order_events(producer)
+    producer_done = _producer_done(producer)
     producer_done.record(producer)
     consumer.wait_event(producer_done)
     update()
@@ -144,22 +144,22 @@ def held_updates() -> int:
     return sum(len(held) for held in _HELD.values())
 
 
-# (A sweep's host cost, the reason for the two helpers below: the order between the streams uses two events made once
-# per producer and re-recorded, where wait_stream makes one per call, and the switch a plain set_stream pair, where
-# the stream context also builds Stream objects: each torch call here is ~12-16 µs in the H200 engine's scheduler.)
-# producer stream handle -> (event after the consumer's work, event after the producer's), for both functions above.
+# (A sweep's host cost, the reason for the helpers below: the order between the streams uses an event made once per
+# producer and re-recorded, where wait_stream makes one per call, and the switch a plain set_stream pair, where the
+# stream context also builds Stream objects: each torch call here is ~12-16 µs in the H200 engine's scheduler.)
+# producer stream handle -> the event recorded after the producer's work so far, for both functions above.
 # Re-recording an event is safe while a wait on its previous record is still queued (a wait takes the record it
 # sees when it is enqueued). Few producers exist (a scheduler stream per engine), so the cache stays small.
-_ORDER_EVENTS: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
+_PRODUCER_DONE: dict[int, torch.cuda.Event] = {}
 
 
-def _order_events(producer: torch.cuda.Stream) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-    events = _ORDER_EVENTS.get(producer.cuda_stream)
-    if events is None:
-        if len(_ORDER_EVENTS) >= _MAX_CACHED_STREAMS:
-            _ORDER_EVENTS.clear()
-        events = _ORDER_EVENTS[producer.cuda_stream] = (torch.cuda.Event(), torch.cuda.Event())
-    return events
+def _producer_done(producer: torch.cuda.Stream) -> torch.cuda.Event:
+    event = _PRODUCER_DONE.get(producer.cuda_stream)
+    if event is None:
+        if len(_PRODUCER_DONE) >= _MAX_CACHED_STREAMS:
+            _PRODUCER_DONE.clear()
+        event = _PRODUCER_DONE[producer.cuda_stream] = torch.cuda.Event()
+    return event
 
 
 def _on_stream(stream: torch.cuda.Stream, current: torch.cuda.Stream, fn: Callable[[], T]) -> T:
