@@ -26,9 +26,7 @@ import json
 import random
 import re
 
-# kvcanary.runtime.faults.HOST_TIER_CLASSES and their expected reasons (tests/integration checks them against kvcanary)
-HOST_TIER_FAULTS: tuple[str, ...] = ("host_tier_flip", "load_wrong_slots", "load_before_backup")
-HOST_TIER_REASONS: dict[str, tuple[str, ...]] = {c: ("verify_real_kv_hash",) for c in HOST_TIER_FAULTS}
+# The host-tier fault classes and their reasons: HOST_TIER_FAULTS, HOST_TIER_REASONS of integration/e2e_core.py.
 VIA_HOST_TIER = "host_tier"
 MIN_LOADED = 5000  # slots a clean phase must load back (issue 24's acceptance)
 MIN_INJECTIONS = 5  # per host-tier class in the fault phase
@@ -115,6 +113,8 @@ def verdict(kind: str, s: dict, off_outputs: list | None, match=None) -> list[st
         elif s.get("outputs_digest") != outputs_digest(off_outputs):
             why.append(f"greedy outputs differ from hicache-off in {s.get('outputs_differ', '?')} requests")
     if kind == "faults" and match is not None:
+        from e2e_core import HOST_TIER_FAULTS  # (driver side only: sglang's processes load this file alone)
+
         for c in HOST_TIER_FAULTS:
             n, d = match.injections.get(c, 0), match.detected.get(c, 0)
             if n < MIN_INJECTIONS:

@@ -377,22 +377,14 @@ def _observe_host_free_during_load() -> None:
 # ------------------------------------------------------------------------------------------------ summary
 def parse_hunt_lines(log_text: str) -> dict[str, list[dict]]:
     """The observer's lines by kind: ``{kind: [{field: value}]}`` (values as ints where they are)."""
+    from e2e_core import kv_fields  # (driver side only: sglang's processes load this file alone)
+
     out: dict[str, list[dict]] = collections.defaultdict(list)
     for m in HUNT_LINE_RE.finditer(log_text):
         fields = kv_fields(m["fields"])
         if fields:
             out[m["kind"]].append(fields)
     return dict(out)
-
-
-def kv_fields(text: str) -> dict:
-    """``k=v`` pairs of an observer line as a dict (values as ints where they are; other words left out)."""
-    fields = {}
-    for pair in text.split():
-        k, sep, v = pair.partition("=")
-        if sep:
-            fields[k] = int(v) if re.fullmatch(r"-?\d+", v) else v
-    return fields
 
 
 def trigger_count(kind: str, lines: dict[str, list[dict]], res: dict) -> tuple[int, str]:

@@ -38,20 +38,27 @@ Everything here that runs inside sglang is test-only and reaches it through a pl
   audit.py) in the scheduler process, and prints that it did; nothing else changes. It let the fp8_e4m3 proof run
   on the H200 (2026-12-02: clean 0, every class found, outputs identical on and off), after which fp8 became
   covered; today only fp4_e2m1 is refused, so a proof run of that store is what it is for.
+
+The driver side (the worker's plugin environment, the trigger counts, the phase rows, the dry run) imports the
+driver core (integration/e2e_core.py) and driver_plugin.py inside its functions: sglang's processes load this file
+alone.
 """
 
 from __future__ import annotations
 
 import collections
-import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (annotations only: sglang's processes load this file alone)
+    from collections.abc import Sequence
+
+    from e2e_core import Phase
 
 POOL_ENV = "E2E_POOL"
 POOL_DRIVER_ENV = "E2E_POOL_PHASES_FILE"
 POOL_DIR_ENV = "E2E_POOL_DIR"  # the phase folder: observers that record slots write there
 SWA_LOCK_FILE = "swa-lock-{pid}.jsonl"
 POOL_PLUGIN = "kvcanary_e2e_pool"
-LINE_RE = re.compile(r"\[e2e-pool\] (?P<kind>[\w-]+): (?P<fields>[^\n]*)")
-SWEEP_OFF_RE = re.compile(r"kvcanary: prefix cache (?P<cls>\w+) cannot be swept")
 SWITCHES = ("page-tail", "swa-race", "swa-race-fix", "swa-lock", "swa-lock-fix", "lift-kv-dtype")
 PRINT_FIRST, PRINT_EVERY = 10, 200  # observer lines: the first events, then a running total every N forwards
 
@@ -65,6 +72,7 @@ HUNTS = {
     "30": ("swa-lock-fix", "the same (test-only fix patched in)", "the same frees, undone by the fix"),
 }
 IDENT_OFF, IDENT_ON = "24", "25"
+IDENT_PHASES = (IDENT_OFF, IDENT_ON)  # their workers keep the greedy outputs (compared on and off)
 
 
 # ------------------------------------------------------------------------------------------ in sglang (test-only)
@@ -275,17 +283,37 @@ def _observe_swa_lock(fix: bool) -> None:
 
 
 # ------------------------------------------------------------------------------------------ driver side
-def parse_lines(log_text: str) -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = collections.defaultdict(list)
-    from hunt_phases import kv_fields  # (driver side only: the observers' processes load this file alone)
+def run_pool_switches(args) -> list[str]:
+    """The test-only switches the run asks for in every phase (--test-pool-switch, --test-lift-kv-dtype)."""
+    return list(getattr(args, "test_pool_switch", None) or []) + (
+        ["lift-kv-dtype"] if getattr(args, "test_lift_kv_dtype", False) else [])
 
-    for m in LINE_RE.finditer(log_text):
-        out[m["kind"]].append(kv_fields(m["fields"]))
-    return dict(out)
+
+def pool_env(env: dict, phase: Phase, pdir: str, extra: Sequence[str] = ()) -> dict:
+    """The test-only pool plugin (``E2E_POOL``) on the worker's path when the phase or the run (``extra``:
+    --test-pool-switch, --test-lift-kv-dtype) asks for a switch."""
+    import os
+
+    from driver_plugin import with_test_plugin  # (driver side only: sglang's processes load this file alone)
+
+    env = dict(env)
+    switches = [x for x in env.get(POOL_ENV, "").split(",") if x]
+    switches += [x for x in extra if x not in switches]
+    if not switches:
+        env.pop(POOL_ENV, None)
+        return env
+    env[POOL_ENV] = ",".join(switches)
+    env[POOL_DIR_ENV] = os.path.abspath(pdir)
+    return with_test_plugin(env, os.path.join(pdir, "pool-plugin"), POOL_PLUGIN,
+                            about="integration/pool_phases.py, issue 29/30 observers and switches",
+                            gate_env=POOL_ENV, file_env=POOL_DRIVER_ENV, module="_kvcanary_e2e_pool",
+                            function="install", driver_file=__file__)
 
 
 def trigger_count(kind: str, log_text: str, retractions: int = 0) -> tuple[int, str]:
-    lines = parse_lines(log_text)
+    from e2e_core import parse_pool_lines  # (driver side only: sglang's processes load this file alone)
+
+    lines = parse_pool_lines(log_text)
     if kind == "page-tail":
         totals = lines.get("page-tail-total") or [{}]
         last = totals[-1]
@@ -312,11 +340,6 @@ def swa_lock_files(pdir: str) -> list[str]:
     return sorted(glob.glob(os.path.join(pdir, SWA_LOCK_FILE.format(pid="*"))))
 
 
-def switch_tallies(log_text: str) -> dict[str, dict]:
-    """Each test-only switch's last running tally in a worker log (a phase run with ``--test-pool-switch``)."""
-    return {kind: lines[-1] for kind, lines in parse_lines(log_text).items() if lines}
-
-
 def swa_lock_evidence(kind: str, events: list[dict], violated_slots: set[int]) -> tuple[int, str]:
     """(trigger count, evidence) of phase 29/30: the frees of full slots a running request still held, and how many
     of kvcanary's violated slots are among them (the match that makes the violations this bug, not noise)."""
@@ -334,12 +357,6 @@ def swa_lock_evidence(kind: str, events: list[dict], violated_slots: set[int]) -
                          f"{len(violated_slots)} distinct violated slots are among them")
 
 
-def sweep_off(log_text: str) -> str | None:
-    """The prefix cache kvcanary said it cannot sweep (e.g. SWARadixCache), or None."""
-    m = SWEEP_OFF_RE.search(log_text)
-    return m["cls"] if m else None
-
-
 def compare_outputs(ref: list | None, got: list | None) -> dict:
     """Greedy outputs of the kvcanary-on phase against the kvcanary-off phase's, request by request."""
     if not ref or not got:
@@ -347,6 +364,46 @@ def compare_outputs(ref: list | None, got: list | None) -> dict:
     differ = [i for i, (a, b) in enumerate(zip(ref, got, strict=False)) if a != b]
     return {"compared": min(len(ref), len(got)), "differ": len(differ) + abs(len(ref) - len(got)),
             "first_differ": differ[:5]}
+
+
+def summarize_pool(phase: Phase, pdir: str, res: dict, results: dict) -> dict:
+    """Phases 24-28: 24 passes when every request completed; 25 as a clean phase and with phase 24's greedy
+    outputs; 26-28 as a hunt (CLEAN / CAUGHT / NOT TRIGGERED), the trigger from the observer's lines."""
+    import glob
+    import os
+
+    from e2e_core import VIOLATION_SCHEMA, WINDOW_GROUP, group_of, read_jsonl, read_text, summarize_phase, verdict_clean
+    from hunt_phases import verdict
+
+    log_text = read_text(os.path.join(pdir, "worker.log"))
+    rows = read_jsonl(sorted(glob.glob(os.path.join(pdir, "kvc-*.jsonl"))))
+    s = summarize_phase(phase, res, log_text, rows)
+    if phase.key == IDENT_OFF:
+        ok = s["status"] == "OK" and s["requests_ok"] == s["requests_sent"] > 0
+        s["evidence"] = f"{len(res.get('outputs') or [])} greedy outputs kept (the reference)"
+        s["verdict"], s["why"] = ("PASS" if ok else "FAIL"), ([] if ok else [f"status {s['status']}"])
+        return s
+    if phase.key == IDENT_ON:
+        ok, why = verdict_clean(s)
+        cmp = compare_outputs((results.get(IDENT_OFF) or {}).get("outputs"), res.get("outputs"))
+        s["outputs"] = cmp
+        if not cmp["compared"]:
+            why.append("no outputs to compare (run ident-off in the same call)")
+        elif cmp["differ"]:
+            why.append(f"{cmp['differ']} of {cmp['compared']} greedy outputs differ from those with kvcanary off "
+                       f"(first: {cmp['first_differ']})")
+        s["evidence"] = f"{cmp['compared']} outputs compared, {cmp['differ']} differ"
+        s["verdict"], s["why"] = ("PASS" if not why else "FAIL"), why
+        return s
+    kind, s["upstream"], _ = HUNTS[phase.key]
+    if kind in ("swa-lock", "swa-lock-fix"):
+        violated = {int(r["slot"]) for r in rows if r.get("schema") == VIOLATION_SCHEMA and r.get("slot") is not None
+                    and group_of(r) != WINDOW_GROUP}  # full slots: the window group numbers its own
+        s["triggers"], s["evidence"] = swa_lock_evidence(kind, read_jsonl(swa_lock_files(pdir)), violated)
+    else:
+        s["triggers"], s["evidence"] = trigger_count(kind, log_text, s["retractions"])
+    s["verdict"], s["why"] = verdict(kind, s, s["triggers"])
+    return s
 
 
 def render(rows: list[dict]) -> list[str]:
@@ -360,3 +417,31 @@ def render(rows: list[dict]) -> list[str]:
                    f"{r['entries_verified'] if r['entries_verified'] is not None else '-'} | {r['violations']} | "
                    f"{r['verdict']} |")
     return out
+
+
+def dry_run_pool(phase: Phase, pdir: str, base: dict, n_req: int) -> dict:
+    """Phases 24-28's worker output, synthesized: the same outputs on and off, observer lines, no violation."""
+    import json
+    import os
+
+    lines = {
+        "26": "[e2e-pool] page-tail: forward=40 stale_entries=3 row=5 seq_len=37 position=40 value=901 "
+              "expected=41 page_size=16\n[e2e-pool] page-tail-total: forwards=800 stale_entries=90 "
+              "stale_forwards=31 stale_rows=40\n",
+        "27": "[e2e-pool] swa-race: free_swa=400 in_flight=57 slots=9000 slots_in_flight=1200\n",
+        "28": "[e2e-pool] swa-race-fix: barriers=900 free_swa=400 in_flight=50 slots=9000 slots_in_flight=1100\n",
+    }.get(phase.key, "")
+    if phase.key in ("29", "30"):  # the observer's slot file: two inserts that freed a locked tombstone's slots
+        with open(os.path.join(pdir, SWA_LOCK_FILE.format(pid=1)), "w") as f:
+            for k, slots in enumerate(([101, 102, 103], [207, 208]), 1):
+                f.write(json.dumps({"event": k, "slots": slots, "deferred": phase.key == "30"}) + "\n")
+    with open(os.path.join(pdir, "worker.log"), "w") as f:
+        f.write("[dry-run]\n" + lines)
+        if phase.mode != "off":
+            f.write("kvcanary stats: step=900 forwards=900 tokens_written=200000 entries_verified=2500000 "
+                    "entries_swept=90000 violations=0 lost=0\n")
+    open(os.path.join(pdir, "kvc-0.jsonl"), "w").close()
+    res = dict(base, retractions=4 if phase.key in ("26", "27", "28") else 0)
+    if phase.key in IDENT_PHASES:
+        res["outputs"] = [[7, i] for i in range(n_req)]
+    return res

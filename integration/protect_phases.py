@@ -176,9 +176,9 @@ def acted_on(injections: list[dict], actions: list[dict]) -> dict[int, dict]:
 
 def summarize(kind: str, s: dict, rows: list[dict], res: dict, clean: dict | None, match, fault_classes,
               log_text: str) -> dict:
-    """Fill a protect phase's summary row ``s`` (sglang_e2e.summarize_phase's counts) with the action records'
+    """Fill a protect phase's summary row ``s`` (e2e_core.summarize_phase's counts) with the action records'
     counts, the per-class acted-on counts, the outputs against protect-clean's, and the detection window.
-    ``kind``: clean, protect, hold. ``match``: sglang_e2e.match_injections of the rows (None for clean)."""
+    ``kind``: clean, protect, hold. ``match``: e2e_core.match_injections of the rows (None for clean)."""
     actions = [r for r in rows if r.get("schema") == ACTION_SCHEMA]
     s["kind"] = kind
     s["hold"] = kind == "hold"

@@ -33,7 +33,7 @@ Phases (``--phases``, default ``1,2,3,4``):
 5-8. EAGLE speculative decoding (topk 1, chunked prefill of 64): ``eagle-bug`` (sglang 0.5.12 as shipped: kvcanary's
    draft pool reports every wrong chunk tail of sglang issue 26329, matched to the tails a test-only plugin prints),
    ``eagle-fixed`` (upstream's fix patched in by that plugin: nothing reported), ``eagle-soak`` (raise, 320
-   requests) and ``eagle-faults`` (faults into the target pool); see the EAGLE section below.
+   requests) and ``eagle-faults`` (faults into the target pool); see integration/eagle_phases.py.
 
 15-16. EAGLE after retraction (sglang PR 28254, open upstream): ``eagle-retract`` (temperature 1.0, a KV pool small
    enough that decode retracts requests, PR 26800's fix patched in so that only the resumed requests' output-region
@@ -65,64 +65,52 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import eagle_phases  # noqa: E402  (integration/eagle_phases.py: the EAGLE phases 5-8, 15-16)
 import hicache_phases  # noqa: E402  (integration/hicache_phases.py: the HiCache phases 9-14)
 import hunt_phases  # noqa: E402  (integration/hunt_phases.py: the hunt phases 17-20, issue 27)
 import loop_probe  # noqa: E402  (integration/loop_probe.py: --loop-probe)
-import pool_phases  # noqa: E402  (integration/pool_phases.py: phases 24-28, issues 29/30)
+import pool_phases  # noqa: E402  (integration/pool_phases.py: phases 24-30, issues 29/30)
 import protect_phases  # noqa: E402  (integration/protect_phases.py: the protect phases 21-23, issue 26)
-from driver_plugin import plugin_env, with_test_plugin, write_test_plugin  # noqa: E402
+from driver_plugin import with_test_plugin  # noqa: E402
+from e2e_core import (  # noqa: E402  (integration/e2e_core.py: what every phase family reads and judges alike)
+    COMMON_ENV,
+    E2E_FAULTS,
+    ENDED_GRACE,
+    EXPECTED_REASONS,
+    HOST_TIER_FAULTS,
+    INJECTION_SCHEMA,
+    PCG_CAPTURE_RE,
+    VIOLATION_SCHEMA,
+    Phase,
+    Request,
+    fmt,
+    make_workload,
+    match_injections,
+    parse_piecewise,
+    parse_stats,
+    piecewise_capture_seconds,
+    pool_of,
+    read_jsonl,
+    read_text,
+    summarize_phase,
+    verdict_clean,
+    verdict_faults,
+    workload_stats,
+)
+
+# isort: split
+# Read through the driver, though it does not use them itself: by benchmarks/bench_real_shape.py (HEALTH_SCHEMA,
+# HOST_RE, last_match_fields, parse_host_time) and tests/adapters/test_sglang_eagle.py, test_sglang_eagle_28254.py
+# (make_draft_extend_for_prefill, parse_tails). They live in e2e_core.py and eagle_phases.py now; drop these once
+# those files import them from there.
+from e2e_core import HEALTH_SCHEMA, HOST_RE, last_match_fields, parse_host_time  # noqa: E402, F401
+from eagle_phases import make_draft_extend_for_prefill, parse_tails  # noqa: E402, F401
 
 # ---------------------------------------------------------------------------------------------------- facts
-# The fault classes a live engine can take through KVCANARY_FAULT, and the reason names kvcanary reports for
-# each (must equal kvcanary.runtime.faults.EXPECTED_REASONS; tests/integration checks it, this file does not import it).
-E2E_FAULTS: tuple[str, ...] = (
-    "req_to_token_redirect",
-    "real_kv_flip",
-    "cached_idle_corruption",
-    "token_swap",
-    "position_skew",
-)
-EXPECTED_REASONS: dict[str, tuple[str, ...]] = {
-    "req_to_token_redirect": ("verify_chain_hash",),
-    "real_kv_flip": ("verify_real_kv_hash",),
-    "cached_idle_corruption": ("verify_real_kv_hash",),
-    "token_swap": ("write_token", "verify_token"),
-    "position_skew": ("write_position", "verify_position"),
-    **hicache_phases.HOST_TIER_REASONS,  # the HiCache fault phase's classes
-}
-# Forwards after the injection within which a detection counts (the violation's step is the forward count when
-# kvcanary drained it: > the injection's step). A token swap is seen when its row's next forward verifies it.
-DETECT_WINDOW: dict[str, int] = {"token_swap": 256}
-DEFAULT_DETECT_WINDOW = 8
-
-INJECTION_SCHEMA = "kvcanary.injection/1"
-VIOLATION_SCHEMA = "kvcanary.violation/1"
-HEALTH_SCHEMA = "kvcanary.health/1"
-LOST_SCHEMA = "kvcanary.lost/1"
-STATS_RE = re.compile(
-    r"kvcanary stats: step=(?P<step>\d+) forwards=(?P<forwards>\d+) tokens_written=(?P<tokens_written>\d+) "
-    r"entries_verified=(?P<entries_verified>\d+) entries_swept=(?P<entries_swept>\d+) "
-    r"violations=(?P<violations>\d+) lost=(?P<lost>\d+)"
-)
-HOST_RE = re.compile(
-    r"kvcanary host time: step=\d+ forwards=(?P<forwards>\d+) eager=(?P<eager>\d+) "
-    r"canary_us_per_forward=(?P<canary_us>[\d.]+) hooks_us=(?P<hooks_us>[\d.]+) "
-    r"launch_us_per_eager_forward=(?P<launch_us>[\d.]+) forward_us=(?P<forward_us>[\d.]+)"
-    # the batch hook's share (ForwardBatch.init_new), last on the line; older lines lack it (no key then)
-    r"(?:[^\n]*? batch_init_us=(?P<batch_init_us>[\d.]+))?"
-    r"(?:[^\n]*? sweep_us=(?P<sweep_us>[\d.]+))?"  # the sweeps' part of hooks_us (since issue 25's sweep index)
-    r"(?: sweeps=(?P<sweeps>\d+) sweep_walks=(?P<sweep_walks>\d+) sweep_compactions=(?P<sweep_compactions>\d+)"
-    r"(?: sweep_event_us=(?P<sweep_event_us>[\d.]+))?)?"
-    # the tails (since issue 28): the longest forward's kvcanary host time since the previous line, forwards of >= 1 ms
-    r"(?:[^\n]*? max_forward_us=(?P<max_forward_us>[\d.]+) slow_forwards=(?P<slow_forwards>\d+))?"
-)
 MEASURED_MARKER = "[e2e-worker] measured workload starts"
 ENGINE_MARKER = "[e2e-worker] overhead engine: KVCANARY_MODE="
-RETRACT_RE = re.compile(r"KV cache pool is full\. Retract requests")
 KVCANARY_KEEP = ("KVCANARY_CUDA_ARCH", "KVCANARY_CACHE_DIR", "KVCANARY_SANITIZE")  # build settings pass through
 
 TINY_LLAMA = {
@@ -135,23 +123,6 @@ TINY_LLAMA = {
 
 
 # ---------------------------------------------------------------------------------------------------- phases
-@dataclass(frozen=True)
-class Phase:
-    key: str  # "1" .. "4"
-    name: str
-    mode: str  # KVCANARY_MODE
-    graphs: bool  # decode CUDA graphs
-    max_total_tokens: int  # KV pool (tokens)
-    cap_s: int  # most seconds this phase may take
-    min_s: int  # fewer seconds left than this: skipped
-    env: tuple[tuple[str, str], ...] = ()
-    engine: tuple[tuple[str, object], ...] = ()
-    max_new: tuple[int, int] = (8, 96)  # max_new_tokens range of the workload
-    workload: str = "mixed"  # make_workload's mixed serving workload, or an EAGLE phase's (make_eagle_workload)
-    temperature: float = 0.0  # of the measured requests (the Engine's random_seed seeds the sampling)
-
-
-COMMON_ENV = (("KVCANARY_STATS_EVERY", "20"), ("KVCANARY_SWEEP_INTERVAL", "10"), ("KVCANARY_VERIFY_TOKENS", "1"))
 PHASES: dict[str, Phase] = {
     # Eager decode is the slowest phase (~10k forwards): a pool of 8192 keeps ~10 requests decoding at once, and an
     # optimistic scheduler (it expects 5 % of max_new_tokens) over-admits so that decode must retract.
@@ -188,144 +159,20 @@ def parse_phases(text: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------- workload
-@dataclass
-class Request:
-    input_ids: list[int]
-    max_new_tokens: int
-    family: int  # shared-prefix family, -1 for none
-    repeat_of: int = -1  # index of the earlier request this one repeats exactly
+def phase_workload(spec: dict) -> list[list[Request]]:
+    """The workload a worker runs: the phase's own for EAGLE phases, else ``make_workload``."""
+    kind = spec.get("workload", "mixed")
+    if kind == "hicache":
+        return [[Request(ids, new, -1) for ids, new in group]
+                for group in hicache_phases.hicache_workload(spec["seed"])]
+    if kind.startswith("hunt-"):
+        return []  # hunt_phases.run_workload sends its own schedule
+    if kind.startswith("eagle"):
+        return eagle_phases.make_eagle_workload(kind, seed=spec["seed"], max_new=tuple(spec["max_new"]))
+    return make_workload(spec["requests"], seed=spec["seed"], max_new=tuple(spec["max_new"]))
 
 
-def make_workload(n: int = 640, *, seed: int = 0, batch: int = 64, min_len: int = 8, max_len: int = 1500,
-                  max_new: tuple[int, int] = (8, 96), vocab: int = 2048) -> list[list[Request]]:
-    """``n`` requests in groups of at most ``batch`` (one Engine.generate call each).
-
-    About 65 % extend one of 12 shared prefixes (16 to 1100 tokens: radix hits, and long prompts that chunked
-    prefill splits), 10 % repeat an earlier prompt exactly (a full hit), the rest are fresh; every prompt has
-    ``min_len``..``max_len`` tokens (ids 3..vocab-1), some exactly ``min_len`` and ``max_len``.
-    """
-    rng = random.Random(seed)
-
-    def toks(k: int) -> list[int]:
-        return [rng.randrange(3, vocab) for _ in range(k)]
-
-    families = [toks(rng.choice([16, 32, 64, 128, 256, 384, 512, 640, 768, 900, 1024, 1100])) for _ in range(12)]
-    reqs: list[Request] = []
-    for i in range(n):
-        r = rng.random()
-        new = rng.randint(*max_new)
-        if i == 0:
-            ids, fam = toks(min_len), -1
-        elif i == 1:
-            ids, fam = toks(max_len), -1
-        elif r < 0.10 and reqs:
-            j = rng.randrange(len(reqs))
-            reqs.append(Request(list(reqs[j].input_ids), new, reqs[j].family, j))
-            continue
-        elif r < 0.75:
-            fam = rng.randrange(len(families))
-            tail = rng.randint(min_len, max(min_len, min(400, max_len - len(families[fam]))))
-            ids = (families[fam] + toks(tail))[:max_len]
-        else:
-            ids, fam = toks(int(min_len * (max_len / min_len) ** rng.random())), -1
-        reqs.append(Request(ids, new, fam))
-    return [reqs[i : i + batch] for i in range(0, len(reqs), batch)]
-
-
-def workload_stats(groups: list[list[Request]], chunk: int) -> dict:
-    reqs = [r for g in groups for r in g]
-    lens = [len(r.input_ids) for r in reqs]
-    return {
-        "requests": len(reqs),
-        "groups": len(groups),
-        "max_group": max(len(g) for g in groups),
-        "prompt_len_min": min(lens),
-        "prompt_len_max": max(lens),
-        "prompt_tokens": sum(lens),
-        "shared_prefix_requests": sum(r.family >= 0 for r in reqs),
-        "exact_repeats": sum(r.repeat_of >= 0 for r in reqs),
-        "longer_than_chunk": sum(n > chunk for n in lens),
-        "max_new_tokens_sum": sum(r.max_new_tokens for r in reqs),
-    }
-
-
-# ---------------------------------------------------------------------------------------------------- reports
-def read_jsonl(paths: list[str]) -> list[dict]:
-    rows = []
-    for path in paths:
-        with open(path) as f:
-            for line in f:
-                line = line.strip()
-                if line:
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        rows.append({"schema": "unparsable", "line": line[:200]})
-    return rows
-
-
-def last_match_fields(pattern: re.Pattern, log_text: str) -> dict | None:
-    """The named groups of ``pattern``'s last match in a log, as ints (floats where the value has a '.'), or None.
-    kvcanary's stats and host-time lines are cumulative, so the last one says it all. An optional group that did
-    not match (a field an older line lacks) is left out."""
-    last = None
-    for m in pattern.finditer(log_text):
-        last = m
-    if last is None:
-        return None
-    return {k: (float(v) if "." in v else int(v)) for k, v in last.groupdict().items() if v is not None}
-
-
-POOL_LABEL_RE = re.compile(r" pool=(?P<pool>[a-z]+)")
-
-
-def parse_stats(log_text: str) -> dict | None:
-    """The cumulative counters of a log's last ``kvcanary stats:`` step, or None.
-
-    A pool of several KV groups (an SWAKVPool: full and swa) has a manager per group, each printing its line at the
-    same step: their counters are summed (before 2026-12-02 the swa group's line alone was read). An EAGLE engine has
-    a canary per pool, each counting its own steps and ending its line with ``pool=target`` / ``pool=draft`` (since
-    2026-12-02): each pool's last step is read, the entry and violation counters are summed over the pools, and
-    ``step``, ``forwards`` and ``tokens_written`` are the target pool's (the engine's forwards); ``by_pool`` keeps each
-    pool's own counters. (Before, the draft pool's line, the log's last, stood for the engine.)"""
-    by_pool: dict[str, list[dict]] = {}
-    for m in STATS_RE.finditer(log_text):
-        end = log_text.find("\n", m.end())
-        label = POOL_LABEL_RE.search(log_text, m.end(), end if end >= 0 else len(log_text))
-        by_pool.setdefault(label["pool"] if label else "", []).append({k: int(v) for k, v in m.groupdict().items()})
-    if not by_pool:
-        return None
-    counters = {pool: _last_step_summed(lines) for pool, lines in by_pool.items()}
-    engine_pool = "target" if "target" in counters else next(iter(counters))
-    out = dict(counters[engine_pool])
-    for k in ("entries_verified", "entries_swept", "violations", "lost"):
-        out[k] = sum(c[k] for c in counters.values())
-    if len(counters) > 1:
-        out["by_pool"] = counters
-    return out
-
-
-def _last_step_summed(lines: list[dict]) -> dict:
-    """One canary's (one pool's) counters at its last step: the lines printed at that step, one per KV group, summed
-    (every group records the same tokens and counts the same forwards)."""
-    last_step = lines[-1]["step"]
-    out = dict(lines[-1])
-    tail = []
-    for line in reversed(lines):  # the last step's lines, one per group (they are printed together)
-        if line["step"] != last_step:
-            break
-        tail.append(line)
-    for k in out:
-        if k not in ("step", "forwards", "tokens_written"):
-            out[k] = sum(line[k] for line in tail)
-    return out
-
-
-def parse_host_time(log_text: str) -> dict | None:
-    """The last ``kvcanary host time:`` line of a log (host time the canary adds per forward), or None."""
-    return last_match_fields(HOST_RE, log_text)
-
-
+# ---------------------------------------------------------------------------------------------------- summary
 def measured_forwards(log_text: str, mode: str = "log") -> int | None:
     """Forwards the canary counted during the measured workload of the last Engine of arm ``mode`` of an overhead
     log: its last stats count minus the last one before the measured-workload marker (the unmeasured warm-up's),
@@ -340,195 +187,17 @@ def measured_forwards(log_text: str, mode: str = "log") -> int | None:
     return end["forwards"] - (start["forwards"] if start else 0)
 
 
-@dataclass
-class FaultMatch:
-    injections: dict = field(default_factory=lambda: collections.Counter())
-    detected: dict = field(default_factory=lambda: collections.Counter())
-    reasons: dict = field(default_factory=lambda: collections.defaultdict(collections.Counter))
-    tags: dict = field(default_factory=lambda: collections.defaultdict(collections.Counter))
-    missed: list = field(default_factory=list)  # injections with no detection (first few)
-    unexplained: list = field(default_factory=list)  # violations on a slot no earlier injection touched
-    late: int = 0  # violations on touched slots, outside every window (e.g. a swapped record read again later)
-    latency: dict = field(default_factory=lambda: collections.defaultdict(list))
-    ended: list = field(default_factory=list)  # undetected, in the run's last ENDED_GRACE forwards: not judged
-    echoes: int = 0  # a window group's violations with a full-group twin (SWAKVPool: the same damage, seen twice)
-
-
-# An SWAKVPool's managers: the full group (``group=full``, or no group key: a one-group pool) and the window group
-# (``group=swa``), which numbers its own slots. The injector acts on the full group only; damage it does there that
-# the window group also reads (a swapped token, a redirected row) is reported by both, at the same step, row and
-# position: the window group's line is that detection seen again, judged by its full-group twin.
-WINDOW_GROUP = "swa"
-
-
-def _group_of(r: dict) -> str | None:
-    return (r.get("rank") or {}).get("group")
-
-
-def _rank_key(r: dict) -> str:
-    """A row's rank without its group (injections carry none: the injector acts on the full group)."""
-    return json.dumps({k: v for k, v in (r.get("rank") or {}).items() if k != "group"}, sort_keys=True)
-
-
-# An injection in the last forwards of a run may not have been read by a verify or a sweep yet when the workload
-# ended (H200 phase 22, 2026-12-02: a cached-idle corruption at the run's last forward, the sweep due 3 later): left
-# undetected there, it is counted apart (``FaultMatch.ended``), neither detected nor missed. The sweep interval of
-# the fault phases is at most 10.
-ENDED_GRACE = 10
-
-
-def match_injections(rows: list[dict]) -> FaultMatch:
-    """Match ``kvcanary.violation/1`` rows to ``kvcanary.injection/1`` rows (same rank) by slot and step.
-
-    An injection is detected when a violation with one of its class's expected reasons names one of its slots
-    within (step, step + window]; an undetected one in the run's last ``ENDED_GRACE`` forwards (the last step any
-    row names) is set apart (``ended``) and taken off ``injections``. A violation is unexplained when no injection
-    at an earlier step touched its slot: that is a false positive (or collateral damage of an injector), and must not
-    happen.
-    """
-    res = FaultMatch()
-    inj = [r for r in rows if r.get("schema") == INJECTION_SCHEMA]
-    vio = [r for r in rows if r.get("schema") == VIOLATION_SCHEMA and _group_of(r) != WINDOW_GROUP]
-    rank_key = _rank_key
-    twin = lambda r: (rank_key(r), r["step"], r.get("request_row"), r.get("position"), tuple(r["reasons"]))  # noqa: E731
-    full_seen = {twin(v) for v in vio}
-    for v in (r for r in rows if r.get("schema") == VIOLATION_SCHEMA and _group_of(r) == WINDOW_GROUP):
-        if twin(v) in full_seen:
-            res.echoes += 1
-        else:
-            res.unexplained.append(v)  # the window group alone saw it: no injection explains that
-    by_slot: dict[tuple[str, int], list[dict]] = collections.defaultdict(list)
-    for i in inj:
-        res.injections[i["fault"]] += 1
-        for s in i["slots"]:
-            by_slot[(rank_key(i), int(s))].append(i)
-    for lst in by_slot.values():
-        lst.sort(key=lambda i: i["step"])
-    detected_ids = set()
-    for v in vio:
-        cands = [i for i in by_slot.get((rank_key(v), int(v["slot"])), []) if i["step"] < v["step"]]
-        if not cands:
-            res.unexplained.append(v)
-            continue
-        hit = False
-        for i in cands:
-            window = DETECT_WINDOW.get(i["fault"], DEFAULT_DETECT_WINDOW)
-            if v["step"] > i["step"] + window:
-                continue
-            hit = True
-            if set(v["reasons"]) & set(EXPECTED_REASONS.get(i["fault"], ())):
-                if id(i) not in detected_ids:
-                    detected_ids.add(id(i))
-                    res.detected[i["fault"]] += 1
-                    res.latency[i["fault"]].append(v["step"] - i["step"])
-                res.reasons[i["fault"]]["+".join(v["reasons"])] += 1
-                res.tags[i["fault"]][v.get("tag", "?")] += 1
-        if not hit:
-            res.late += 1
-    # the run's last step in the injection's own pool (every TP rank counts the same forwards; an EAGLE draft pool
-    # counts its own, more: H200 eagle-faults on pages of 16, 2026-12-02, a cached-idle corruption at the target's
-    # last forward, 1583, was judged missed against the draft pool's step 2080)
-    last_step: dict[str, int] = collections.defaultdict(int)
-    for r in rows:
-        last_step[_pool(r)] = max(last_step[_pool(r)], int(r.get("step") or 0))
-    undetected = [i for i in inj if id(i) not in detected_ids]
-    res.ended = [i for i in undetected if i["step"] > last_step[_pool(i)] - ENDED_GRACE]
-    for i in res.ended:
-        res.injections[i["fault"]] -= 1
-    res.missed = [i for i in undetected if i["step"] <= last_step[_pool(i)] - ENDED_GRACE][:20]
-    return res
-
-
-def summarize_phase(phase: Phase, result: dict, log_text: str, report_rows: list[dict]) -> dict:
-    """One row of the summary: what the worker measured + what kvcanary reported."""
-    stats = parse_stats(log_text)
-    schemas = collections.Counter(r.get("schema") for r in report_rows)
-    s = {
-        "phase": f"{phase.key} {phase.name}",
-        "status": result.get("status", "MISSING"),
-        "rc": result.get("rc"),
-        "engine_start_s": result.get("engine_start_s"),
-        "requests_sent": result.get("requests_sent", 0),
-        "requests_ok": result.get("requests_ok", 0),
-        "cached_tokens": result.get("cached_tokens", 0),
-        "retractions": max(result.get("retractions", 0), len(RETRACT_RE.findall(log_text))),
-        "output_tokens": result.get("output_tokens", 0),
-        "tokens_per_s": result.get("tokens_per_s"),
-        "forwards": stats["forwards"] if stats else None,
-        "entries_verified": stats["entries_verified"] if stats else None,
-        "entries_swept": stats["entries_swept"] if stats else None,
-        "tokens_written": stats["tokens_written"] if stats else None,
-        "violations": schemas.get(VIOLATION_SCHEMA, 0),
-        "lost": sum(int(r.get("count", 0)) for r in report_rows if r.get("schema") == LOST_SCHEMA),
-        "health_errors": schemas.get(HEALTH_SCHEMA, 0),
-        "injections": schemas.get(INJECTION_SCHEMA, 0),
-        "errors": result.get("errors", []),
-        "kvcanary_errors": len(re.findall(r"CanaryViolationError|CanaryHealthError|kvcanary refused", log_text)),
-        "host": parse_host_time(log_text),
-        "piecewise": parse_piecewise(log_text),  # prefill forwards the piecewise runner served (None: no line)
-        "pcg_capture_s": piecewise_capture_seconds(log_text),  # sglang's piecewise graph capture, per Engine
-        "piecewise_requested": bool(result.get("piecewise")),
-        "sweep_off": pool_phases.sweep_off(log_text),  # kvcanary cannot sweep this prefix cache (SWARadixCache)
-        "pool_switches": pool_phases.switch_tallies(log_text),  # test-only switches' tallies (--test-pool-switch)
-    }
-    return s
-
-
-def verdict_clean(s: dict) -> tuple[bool, list[str]]:
-    why = []
-    if s["status"] != "OK":
-        why.append(f"status {s['status']}")
-    if s["requests_ok"] != s["requests_sent"] or not s["requests_sent"]:
-        why.append(f"{s['requests_ok']}/{s['requests_sent']} requests completed")
-    for k in ("violations", "lost", "health_errors", "kvcanary_errors"):
-        if s[k]:
-            why.append(f"{k}={s[k]}")
-    if s["errors"]:
-        why.append(f"errors={len(s['errors'])}")
-    if s["entries_verified"] is None:
-        why.append("no kvcanary stats line (plugin not active?)")
-    elif s["entries_verified"] < 1_000_000:
-        why.append(f"entries_verified {s['entries_verified']} < 1e6")
-    if not s["entries_swept"] and not s.get("sweep_off"):  # (kvcanary said why it is off: not judged here)
-        why.append("sweep never ran")
-    return not why, why
-
-
-def verdict_faults(s: dict, m: FaultMatch, min_per_class: int = 20,
-                   classes: tuple[str, ...] | None = None) -> tuple[bool, list[str]]:
-    why = []
-    if s["status"] not in ("OK", "TRUNCATED"):
-        why.append(f"status {s['status']}")
-    for c in classes or E2E_FAULTS:
-        n, d = m.injections.get(c, 0), m.detected.get(c, 0)
-        if n < min_per_class:
-            why.append(f"{c}: {n} injections < {min_per_class}")
-        if d != n:
-            why.append(f"{c}: {d}/{n} detected")
-    if m.unexplained:
-        why.append(f"{len(m.unexplained)} violation(s) on slots no injection touched")
-    return not why, why
-
-
-def _fmt(x, nd=1):
-    if x is None:
-        return "-"
-    if isinstance(x, float):
-        return f"{x:.{nd}f}"
-    return str(x)
-
-
 def _host_cell(host: dict | None) -> str:
     """The summary table's canary host µs per forward, with the batch hook's share when the line has it."""
     if not host:
         return "-"
-    cell = _fmt(host.get("canary_us"))
-    parts = [f"{name} {_fmt(host[key])}" for key, name in (("batch_init_us", "batch-init"), ("sweep_us", "sweep"))
+    cell = fmt(host.get("canary_us"))
+    parts = [f"{name} {fmt(host[key])}" for key, name in (("batch_init_us", "batch-init"), ("sweep_us", "sweep"))
              if key in host]
     if "sweep_walks" in host:  # of how many sweeps, how many walked the cache and how many compacted the plan
         parts.append(f"{host['sweeps']} sweeps: {host['sweep_walks']} walked, {host['sweep_compactions']} compacted")
     if "sweep_event_us" in host:  # the sweep source following the cache's changes, inside sglang's tree operations
-        parts.append(f"tree events {_fmt(host['sweep_event_us'])}")
+        parts.append(f"tree events {fmt(host['sweep_event_us'])}")
     return f"{cell} ({', '.join(parts)})" if parts else cell
 
 
@@ -547,11 +216,11 @@ def render(summary: dict) -> str:
     lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in summary["phases"]:
         lines.append(
-            f"| {s['phase']} | {s['status']} | {_fmt(s['engine_start_s'])} | {s['requests_ok']}/{s['requests_sent']} | "
-            f"{s['cached_tokens']} | {s['retractions']} | {_fmt(s['forwards'])} | {_fmt(s['entries_verified'])} | "
-            f"{_fmt(s['entries_swept'])} | {s['violations']} | {s['lost']} | {s['health_errors']} | "
+            f"| {s['phase']} | {s['status']} | {fmt(s['engine_start_s'])} | {s['requests_ok']}/{s['requests_sent']} | "
+            f"{s['cached_tokens']} | {s['retractions']} | {fmt(s['forwards'])} | {fmt(s['entries_verified'])} | "
+            f"{fmt(s['entries_swept'])} | {s['violations']} | {s['lost']} | {s['health_errors']} | "
             f"{s['injections']} | "
-            f"{_fmt(s['tokens_per_s'])} | {_host_cell(s.get('host'))} | {s.get('verdict', '-')} |"
+            f"{fmt(s['tokens_per_s'])} | {_host_cell(s.get('host'))} | {s.get('verdict', '-')} |"
         )
     for s in summary["phases"]:
         for kind, tally in sorted((s.get("pool_switches") or {}).items()):
@@ -593,9 +262,9 @@ def render(summary: dict) -> str:
                   "|---|---|---|---|---|---|"]
         for k in (base, arm):
             r = ov.get(k) or {}
-            lines.append(f"| {k} | {_fmt(r.get('tokens_per_s'))} | {_fmt(r.get('total_tokens_per_s'))} | "
-                         f"{_fmt(r.get('workload_s'), 2)} | {_fmt(r.get('forwards'))} | "
-                         f"{_fmt(r.get('ms_per_forward'), 3)} |")
+            lines.append(f"| {k} | {fmt(r.get('tokens_per_s'))} | {fmt(r.get('total_tokens_per_s'))} | "
+                         f"{fmt(r.get('workload_s'), 2)} | {fmt(r.get('forwards'))} | "
+                         f"{fmt(r.get('ms_per_forward'), 3)} |")
         host, host_arm = ov.get("host"), overhead_host_arm((base, arm))
         if host:
             lines.append(
@@ -609,14 +278,14 @@ def render(summary: dict) -> str:
                    "period" if (ov.get(host_arm) or {}).get("ms_per_forward") else "") + " | | | | |")
         for w in ov.get("warmup_rounds") or []:
             lines.append(f"| warm-up pair {w['round']} (first Engines on this machine), {arm}/{base} | "
-                         f"{_fmt(w['ratio'], 4)} ({arm} {_fmt(w[arm])} vs {base} {_fmt(w[base])} tok/s) | | | | |")
+                         f"{fmt(w['ratio'], 4)} ({arm} {fmt(w[arm])} vs {base} {fmt(w[base])} tok/s) | | | | |")
         if ov.get("ratio") is not None:
             r = ov["ratio"]
             what = (f"{100 * (1 - r):.2f} % fewer tok/s" if r < 1 else
                     f"no slowdown measurable: {100 * (r - 1):.2f} % more tok/s, within Engine-to-Engine noise")
-            lines.append(f"| {arm}/{base} | {r:.4f} ({what}) | | | | {_fmt(ov.get('ms_per_forward_delta'), 3)} ms per "
+            lines.append(f"| {arm}/{base} | {r:.4f} ({what}) | | | | {fmt(ov.get('ms_per_forward_delta'), 3)} ms per "
                          f"forward, {arm} - {base} |")
-    lines += render_eagle(summary.get("eagle") or [])
+    lines += eagle_phases.render_eagle(summary.get("eagle") or [])
     lines += hicache_phases.render(summary.get("hicache") or [])
     lines += hunt_phases.render(summary.get("hunt") or [])
     lines += pool_phases.render(summary.get("pool") or [])
@@ -625,7 +294,7 @@ def render(summary: dict) -> str:
         f = row.get("faults")
         if f:
             lines += ["", "| host-tier fault class | injections | detected | latency (steps) |", "|---|---|---|---|"]
-            for c in hicache_phases.HOST_TIER_FAULTS:
+            for c in HOST_TIER_FAULTS:
                 lat = f["latency"].get(c) or []
                 lines.append(f"| {c} | {f['injections'].get(c, 0)} | {f['detected'].get(c, 0)} | "
                              f"{f'{min(lat)}..{max(lat)}' if lat else '-'} |")
@@ -661,7 +330,7 @@ def build_summary(out: str, phases: list[str], results: dict, budget: float, tot
             continue
         res = results.get(key, {"status": "SKIPPED"})
         if key in POOL_PHASES:
-            s = summarize_pool(phase, pdir, res, results)
+            s = pool_phases.summarize_pool(phase, pdir, res, results)
             summary.setdefault("pool", []).append(s)
             ok_all &= s["verdict"] in ("PASS",) + HUNT_OK
             summary["phases"].append(s)
@@ -685,7 +354,7 @@ def build_summary(out: str, phases: list[str], results: dict, budget: float, tot
             summary["phases"].append(s)
             continue
         if key in EAGLE_PHASES or key in EAGLE_RETRACT_PHASES:
-            s, detail = summarize_eagle(phase, pdir, res, seed=res.get("seed", 0))
+            s, detail = eagle_phases.summarize_eagle(phase, pdir, res, seed=res.get("seed", 0))
             summary.setdefault("eagle", []).append(detail)
             ok_all &= s["verdict"] == "PASS"
             summary["phases"].append(s)
@@ -848,15 +517,6 @@ def _overhead_rows(phase: Phase, pdir: str, results: dict, summary: dict,
     return rows
 
 
-def read_text(path: str) -> str:
-    """A log file's text (bad bytes replaced), or "" when it cannot be read."""
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
 # ---------------------------------------------------------------------------------------------------- piecewise
 # sglang 0.5.12 serves extend forwards of up to piecewise_cuda_graph_max_tokens tokens (= chunked_prefill_size,
 # capped by max_total_tokens) from piecewise CUDA graphs unless disable_piecewise_cuda_graph is passed. Building them
@@ -869,11 +529,6 @@ PIECEWISE_OVERHEAD_ROUNDS = 3  # phase 4 with --piecewise: off/log pairs (median
 # Phases whose prefill the piecewise runner must serve with --piecewise. The EAGLE phases' target extends ask for
 # hidden states (CaptureHiddenMode.FULL), which 0.5.12's PiecewiseCudaGraphRunner.can_run declines: shown, not required.
 PIECEWISE_SERVES = ("1", "2", "3", "4")
-PIECEWISE_RE = re.compile(
-    r"kvcanary host time: step=\d+ forwards=(?P<forwards>\d+) .*?piecewise=(?P<piecewise>\d+) "
-    r"launch_us_per_piecewise_forward=(?P<launch_us>[\d.]+) canary_us_per_piecewise_forward=(?P<canary_us>[\d.]+)"
-)
-PCG_CAPTURE_RE = re.compile(r"Capture piecewise CUDA graph end\. Time elapsed: (?P<s>[\d.]+) s")
 
 
 def piecewise_engine_kwargs(kw: dict, piecewise: bool) -> dict:
@@ -899,18 +554,6 @@ def phase_limits(phase: Phase, args, engines: int, total_engines: int) -> tuple[
     least = phase.min_s * engines / max(total_engines, 1)
     extra = piecewise_start_allowance(args)
     return cap + extra * engines, least + extra
-
-
-def parse_piecewise(log_text: str) -> dict | None:
-    """Prefill forwards the piecewise CUDA graph runner served, from the last ``kvcanary host time:`` line that
-    counts them: ``{"forwards", "piecewise", "launch_us", "canary_us"}`` (canary host µs per such forward: its
-    launches around the replay, and hooks + launches); None without such a line."""
-    return last_match_fields(PIECEWISE_RE, log_text)
-
-
-def piecewise_capture_seconds(log_text: str) -> list[float]:
-    """sglang's own time for building the piecewise graphs, one entry per Engine (scheduler process) started."""
-    return [float(m.group("s")) for m in PCG_CAPTURE_RE.finditer(log_text)]
 
 
 def verdict_piecewise(s: dict) -> list[str]:
@@ -1027,8 +670,8 @@ def render_piecewise(summary: dict) -> list[str]:
         for s in rows:
             pw = s.get("piecewise") or {}
             cap = s.get("pcg_capture_s") or []
-            lines.append(f"| {s['phase']} | {_fmt(pw.get('piecewise'))} | {_fmt(pw.get('forwards'))} | "
-                         f"{_fmt(pw.get('canary_us'))} ({_fmt(pw.get('launch_us'))}) | "
+            lines.append(f"| {s['phase']} | {fmt(pw.get('piecewise'))} | {fmt(pw.get('forwards'))} | "
+                         f"{fmt(pw.get('canary_us'))} ({fmt(pw.get('launch_us'))}) | "
                          f"{', '.join(f'{c:.1f}' for c in cap) or '-'} |")
     pairs = (summary.get("overhead") or {}).get("pairs") or {}
     if len(pairs.get("ratios") or []) > 1:
@@ -1046,42 +689,14 @@ def render_piecewise(summary: dict) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------- EAGLE
-# Speculative decoding (phases 5-8): EAGLE with one draft per step (topk 1, sglang 0.5.12's spec-v2 path), a
-# one-layer dummy draft beside the tiny Llama. kvcanary shadows the target and the draft KV pool, each with its
-# own manager; its lines and records carry ``pool=target`` / ``pool=draft``.
-#
-# sglang issue 26329 (fixed upstream by PR 26800): 0.5.12's ``EagleDraftWorker._draft_extend_for_prefill`` ends
-# every prefill segment's draft input with the sampled token, also for a chunk that is not the request's last,
-# where the next prompt token belongs; the draft KV at each chunk boundary is built from the wrong token. The
-# driver carries a small test-only sglang plugin (written into the phase folder, put on the worker's PYTHONPATH)
-# that replaces that method with the corrected one (``E2E_EAGLE_TAIL=fix``), or with one that behaves exactly
-# as 0.5.12's and prints every non-final chunk tail it feeds (``observe``): the ground truth the violations are
-# matched against. Nothing in kvcanary patches sglang.
-
-TINY_EAGLE = {
-    "architectures": ["LlamaForCausalLMEagle"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
-    "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-    "vocab_size": 2048, "max_position_embeddings": 4096, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
-    "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
-}
-# Fault classes the EAGLE fault phase injects into the target pool. token_swap is left out: it needs a plain
-# DECODE forward, and under EAGLE the target only runs extends and target-verify forwards, whose CUDA-graph inputs
-# sglang copies before ModelRunner.forward (replay_prepare in prepare_for_v2_verify), out of the injector's reach.
-EAGLE_FAULTS: tuple[str, ...] = ("req_to_token_redirect", "real_kv_flip", "cached_idle_corruption", "position_skew")
-EAGLE_TAIL_ENV = "E2E_EAGLE_TAIL"  # observe | fix | fix_prompt: what the test plugin does to _draft_extend_for_prefill
-EAGLE_DRIVER_ENV = "E2E_EAGLE_DRIVER"  # this file, which the test plugin loads in the scheduler process
-EAGLE_PLUGIN = "kvcanary_e2e_eagle"
-EAGLE_CHUNK = 64
-EAGLE_TAIL_RE = re.compile(r"\[e2e-eagle\] draft tail: mode=(?P<mode>\w+) position=(?P<position>\d+) "
-                           r"fed=(?P<fed>-?\d+) next=(?P<next>-?\d+) sampled=(?P<sampled>-?\d+)"
-                           r"(?: region=(?P<region>\w+))?")
-EAGLE_PATCHED_RE = re.compile(r"\[e2e-eagle\] EagleDraftWorker\._draft_extend_for_prefill replaced: mode=(\w+)")
-SPEC_STATS_RE = re.compile(r"kvcanary spec stats:((?: [a-z_][a-z0-9_]*=\S+)+)")
+# integration/eagle_phases.py: speculative decoding, EAGLE with one draft per step (topk 1) and a one-layer dummy
+# draft; sglang issue 26329's chunk tails (5-8) and PR 28254's after retraction (15-16), each seen against the tails
+# a test-only plugin prints.
+_EA = eagle_phases
 # Engine arguments of every EAGLE phase (sglang 0.5.12 clamps num_draft_tokens to num_steps + 1 for topk 1).
 EAGLE_ENGINE: tuple[tuple[str, object], ...] = (
     ("speculative_algorithm", "EAGLE"), ("speculative_num_steps", 2), ("speculative_eagle_topk", 1),
-    ("speculative_num_draft_tokens", 3), ("chunked_prefill_size", EAGLE_CHUNK), ("max_running_requests", 32),
+    ("speculative_num_draft_tokens", 3), ("chunked_prefill_size", _EA.EAGLE_CHUNK), ("max_running_requests", 32),
 )
 # Caps of 190 s: a warm machine needs ~150 s per phase (Engine start ~80 s with three sets of CUDA graphs), the first
 # Engine on a fresh machine also sglang's and kvcanary's first-use builds.
@@ -1089,20 +704,20 @@ EAGLE_PHASES: dict[str, Phase] = {
     # sglang 0.5.12 as shipped (the observer changes nothing): violations in the draft pool at every wrong chunk
     # tail, none in the target pool.
     "5": Phase("5", "eagle-bug", "log", True, 12288, 190, 110,
-               COMMON_ENV + ((EAGLE_TAIL_ENV, "observe"),), EAGLE_ENGINE + (("cuda_graph_max_bs", 16),),
+               COMMON_ENV + ((_EA.EAGLE_TAIL_ENV, "observe"),), EAGLE_ENGINE + (("cuda_graph_max_bs", 16),),
                max_new=(16, 32), workload="eagle-chunked"),
     # The same workload with the upstream fix patched in: nothing to report.
     "6": Phase("6", "eagle-fixed", "log", True, 12288, 190, 110,
-               COMMON_ENV + ((EAGLE_TAIL_ENV, "fix"),), EAGLE_ENGINE + (("cuda_graph_max_bs", 16),),
+               COMMON_ENV + ((_EA.EAGLE_TAIL_ENV, "fix"),), EAGLE_ENGINE + (("cuda_graph_max_bs", 16),),
                max_new=(16, 32), workload="eagle-chunked"),
     # Clean soak in raise mode: 320 requests, shared prefixes and exact repeats (radix hits), chunked prefill.
     "7": Phase("7", "eagle-soak", "raise", True, 12288, 190, 110,
-               COMMON_ENV + ((EAGLE_TAIL_ENV, "fix"),), EAGLE_ENGINE + (("cuda_graph_max_bs", 32),),
+               COMMON_ENV + ((_EA.EAGLE_TAIL_ENV, "fix"),), EAGLE_ENGINE + (("cuda_graph_max_bs", 32),),
                max_new=(8, 32), workload="eagle-soak"),
     # Faults into the target pool (the draft pool must stay clean), matched like phase 3.
     "8": Phase("8", "eagle-faults", "log", True, 12288, 190, 110, COMMON_ENV + (
-        ("KVCANARY_SWEEP_INTERVAL", "3"), ("KVCANARY_FAULT", ",".join(EAGLE_FAULTS)), ("KVCANARY_FAULT_EVERY", "4"),
-        ("KVCANARY_FAULT_WARMUP", "10"), ("KVCANARY_FAULT_SEED", "5"), (EAGLE_TAIL_ENV, "fix")),
+        ("KVCANARY_SWEEP_INTERVAL", "3"), ("KVCANARY_FAULT", ",".join(_EA.EAGLE_FAULTS)), ("KVCANARY_FAULT_EVERY", "4"),
+        ("KVCANARY_FAULT_WARMUP", "10"), ("KVCANARY_FAULT_SEED", "5"), (_EA.EAGLE_TAIL_ENV, "fix")),
         EAGLE_ENGINE + (("cuda_graph_max_bs", 32),), max_new=(8, 24), workload="eagle-faults"),
 }
 # sglang PR 28254 (open upstream; the code is unchanged in 0.5.23): a request retracted under KV pressure is
@@ -1121,560 +736,13 @@ EAGLE_RETRACT_ENV = COMMON_ENV  # (the default ring keeps every row since 802b3c
 EAGLE_RETRACT_PHASES: dict[str, Phase] = {
     # PR 26800's fix only (fix_prompt): draft-pool verify_token at exactly the wrong output-region tails.
     "15": Phase("15", "eagle-retract", "log", True, 3072, 190, 110,
-                EAGLE_RETRACT_ENV + ((EAGLE_TAIL_ENV, "fix_prompt"),), EAGLE_RETRACT_ENGINE, max_new=(200, 320),
+                EAGLE_RETRACT_ENV + ((_EA.EAGLE_TAIL_ENV, "fix_prompt"),), EAGLE_RETRACT_ENGINE, max_new=(200, 320),
                 workload="eagle-retract", temperature=1.0),
     # PR 26800's and PR 28254's fixes (fix): the same workload, nothing to report.
     "16": Phase("16", "eagle-retract-fixed", "log", True, 3072, 190, 110,
-                EAGLE_RETRACT_ENV + ((EAGLE_TAIL_ENV, "fix"),), EAGLE_RETRACT_ENGINE, max_new=(200, 320),
+                EAGLE_RETRACT_ENV + ((_EA.EAGLE_TAIL_ENV, "fix"),), EAGLE_RETRACT_ENGINE, max_new=(200, 320),
                 workload="eagle-retract", temperature=1.0),
 }
-
-
-def is_eagle(phase: Phase) -> bool:
-    """An EAGLE phase: the EAGLE phases' workloads, or a phase whose Engine runs EAGLE (hunt-spec-abort)."""
-    return phase.workload.startswith("eagle") or dict(phase.engine).get("speculative_algorithm") == "EAGLE"
-
-
-def make_eagle_workload(kind: str, *, seed: int = 0, max_new: tuple[int, int] = (16, 32),
-                        vocab: int = 2048) -> list[list[Request]]:
-    """The workload of an EAGLE phase.
-
-    ``eagle-chunked``: 16 distinct random prompts of 140-300 tokens (3-5 prefill chunks of 64 each, no shared
-    prefix), in groups of 4; ``eagle-soak``: 320 requests of ``make_workload`` (shared prefixes, exact repeats) with
-    prompts of at most 400 tokens; ``eagle-faults``: the same with 640 requests; ``eagle-retract``: 32 distinct
-    random prompts of 40-120 tokens (some longer than a chunk: prompt-region tails too) with ``max_new`` tokens each,
-    in 2 groups of 16 (the KV pressure that makes decode retract).
-    """
-    if kind == "eagle-chunked":
-        rng = random.Random(seed + 26329)
-        reqs = [Request([rng.randrange(3, vocab) for _ in range(rng.randint(2 * EAGLE_CHUNK + 12, 300))],
-                        rng.randint(*max_new), -1) for _ in range(16)]
-        return [reqs[i : i + 4] for i in range(0, len(reqs), 4)]
-    if kind == "eagle-retract":
-        rng = random.Random(seed + 28254)
-        reqs = [Request([rng.randrange(3, vocab) for _ in range(rng.randint(40, 120))], rng.randint(*max_new), -1)
-                for _ in range(32)]
-        return [reqs[i : i + 16] for i in range(0, len(reqs), 16)]
-    n = {"eagle-soak": 320, "eagle-faults": 640}.get(kind)
-    if n is None:
-        raise ValueError(f"unknown EAGLE workload {kind!r}")
-    return make_workload(n, seed=seed, batch=64, max_len=400, max_new=max_new, vocab=vocab)
-
-
-def phase_workload(spec: dict) -> list[list[Request]]:
-    """The workload a worker runs: the phase's own for EAGLE phases, else ``make_workload``."""
-    kind = spec.get("workload", "mixed")
-    if kind == "hicache":
-        return [[Request(ids, new, -1) for ids, new in group]
-                for group in hicache_phases.hicache_workload(spec["seed"])]
-    if kind.startswith("hunt-"):
-        return []  # hunt_phases.run_workload sends its own schedule
-    if kind.startswith("eagle"):
-        return make_eagle_workload(kind, seed=spec["seed"], max_new=tuple(spec["max_new"]))
-    return make_workload(spec["requests"], seed=spec["seed"], max_new=tuple(spec["max_new"]))
-
-
-def ensure_draft_model(args) -> str:
-    """The EAGLE draft model folder (``--draft-model``, or the one-layer dummy draft written into --out)."""
-    if getattr(args, "draft_model", None):
-        return args.draft_model
-    path = os.path.join(args.out, "tiny-eagle")
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(TINY_EAGLE, f, indent=1)
-    return path
-
-
-def eagle_engine_kwargs(kw: dict, phase: Phase, args) -> dict:
-    """An EAGLE phase's Engine: the draft model, and piecewise CUDA graphs off (also with --piecewise: the EAGLE
-    phases measure the setup sglang issue 26329 was found in)."""
-    if is_eagle(phase):
-        kw["speculative_draft_model_path"] = ensure_draft_model(args)
-        kw["disable_piecewise_cuda_graph"] = True
-    return kw
-
-
-def write_eagle_plugin(root: str) -> str:
-    """The test-only sglang plugin that applies ``install_eagle_tail_patch`` of this file in every sglang process
-    where ``E2E_EAGLE_TAIL`` is set (integration/driver_plugin.py). Returns ``root``."""
-    return write_test_plugin(root, EAGLE_PLUGIN, about="integration/sglang_e2e.py, EAGLE phases",
-                             gate_env=EAGLE_TAIL_ENV, file_env=EAGLE_DRIVER_ENV, module="_kvcanary_e2e_driver",
-                             function="install_eagle_tail_patch")
-
-
-def eagle_env(env: dict, phase: Phase, pdir: str) -> dict:
-    """An EAGLE phase's worker environment: the test plugin on PYTHONPATH (and in SGLANG_PLUGINS if the caller
-    restricts plugins), and where it finds this file."""
-    if not is_eagle(phase):
-        return env
-    root = write_eagle_plugin(os.path.join(pdir, "eagle-plugin"))
-    return plugin_env(env, root, EAGLE_PLUGIN, file_env=EAGLE_DRIVER_ENV, driver_file=__file__)
-
-
-def prefill_tails(extend_prefix_lens, extend_seq_lens, seqs) -> list[tuple[int, int, int]]:
-    """``(row, position, next token)`` of every batch row whose prefill segment ends before its sequence does (a
-    chunk that is not the request's last): the draft's input at ``position`` must be that next token (PR 26800;
-    the sequence is ``origin_input_ids + output_ids``, as PR 28254 corrects for resumed requests)."""
-    out = []
-    for i, (prefix, extend, seq) in enumerate(zip(extend_prefix_lens, extend_seq_lens, seqs, strict=True)):
-        end = int(prefix) + int(extend)
-        if int(extend) > 0 and end < len(seq):
-            out.append((i, end - 1, int(seq[end])))
-    return out
-
-
-def make_draft_extend_for_prefill(mode: str):
-    """sglang 0.5.12's ``EagleDraftWorker._draft_extend_for_prefill``, line for line, with the tail token of each
-    non-final chunk printed (``observe``: still the sampled token, as 0.5.12 feeds it) or corrected to the
-    request's next token (``fix``: PR 26800's correction with PR 28254's ``origin_input_ids + output_ids``, so also
-    a resumed request's output region), or corrected only where the next token is a prompt token (``fix_prompt``:
-    PR 26800 alone, which indexes ``origin_input_ids``; past the prompt it falls back to the sampled token, the
-    path PR 28254 fixes). Only the draft's input rotation changes; the draft input's bonus tokens stay the sampled
-    ones, as upstream. A tail whose next token is an output token (a request resumed after retraction) is printed
-    with ``region=output``."""
-    if mode not in ("observe", "fix", "fix_prompt"):
-        raise ValueError(f"{EAGLE_TAIL_ENV}: expected observe or fix (or fix_prompt: PR 26800 alone), got {mode!r}")
-
-    def _draft_extend_for_prefill(self, batch, target_hidden_states, next_token_ids, mm_input_embeds=None):
-        import torch
-        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-        from sglang.srt.speculative.eagle_info import EagleDraftInput
-        from sglang.srt.speculative.spec_utils import maybe_detect_nan
-        from sglang.srt.utils.common import fast_topk
-
-        if not batch.forward_mode.is_idle():
-            tails = next_token_ids
-            seqs = [list(r.origin_input_ids) + list(r.output_ids) for r in batch.reqs]
-            found = prefill_tails(batch.extend_prefix_lens, batch.extend_seq_lens, seqs)
-            if found:
-                sampled = next_token_ids.tolist()  # a host sync per chunked prefill: this is a test driver
-                fixed = {i for i, pos, _ in found if mode == "fix" or (
-                    mode == "fix_prompt" and pos + 1 < len(batch.reqs[i].origin_input_ids))}
-                if fixed:
-                    tails = next_token_ids.clone()
-                    for i, _, nxt in found:
-                        if i in fixed:
-                            tails[i] = nxt
-                for i, pos, nxt in found:
-                    fed = nxt if i in fixed else sampled[i]
-                    region = " region=output" if pos + 1 >= len(batch.reqs[i].origin_input_ids) else ""
-                    print(f"[e2e-eagle] draft tail: mode={mode} position={pos} fed={fed} next={nxt} "
-                          f"sampled={sampled[i]}{region} rid={batch.reqs[i].rid}", flush=True)
-            pt = 0
-            for i, extend_len in enumerate(batch.extend_seq_lens):
-                input_ids = batch.input_ids[pt : pt + extend_len]
-                batch.input_ids[pt : pt + extend_len] = torch.cat((input_ids[1:], tails[i].reshape(1)))
-                pt += extend_len
-
-        next_draft_input = EagleDraftInput(
-            hidden_states=target_hidden_states,
-            bonus_tokens=next_token_ids,
-            new_seq_lens=batch.seq_lens,
-            num_tokens_per_req=1,
-            num_tokens_for_logprob_per_req=1,
-        )
-        batch.spec_info = next_draft_input
-        forward_batch = ForwardBatch.init_new(batch, self.draft_runner)
-        forward_batch.return_logprob = False
-        if mm_input_embeds is not None:
-            forward_batch.mm_input_embeds = mm_input_embeds
-        logits_output = self.draft_runner.forward(forward_batch).logits_output
-        maybe_detect_nan(logits_output.next_token_logits, "draft_extend_for_prefill")
-        probs = torch.softmax(logits_output.next_token_logits, dim=-1)
-        next_draft_input.topk_p, next_draft_input.topk_index = fast_topk(probs, self.topk, dim=-1)
-        next_draft_input.hidden_states = logits_output.hidden_states
-        return next_draft_input
-
-    _draft_extend_for_prefill.e2e_eagle_tail = mode  # type: ignore[attr-defined]
-    return _draft_extend_for_prefill
-
-
-def install_eagle_tail_patch(mode: str) -> None:
-    """Replace ``EagleDraftWorker._draft_extend_for_prefill`` in this process (test plugin, once per mode)."""
-    from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker
-
-    if getattr(EagleDraftWorker._draft_extend_for_prefill, "e2e_eagle_tail", None) == mode:
-        return
-    EagleDraftWorker._draft_extend_for_prefill = make_draft_extend_for_prefill(mode)
-    print(f"[e2e-eagle] EagleDraftWorker._draft_extend_for_prefill replaced: mode={mode} pid={os.getpid()}",
-          flush=True)
-
-
-def parse_spec_stats(log_text: str) -> dict[str, dict]:
-    """The last ``kvcanary spec stats:`` line of each pool (``target``, ``draft``): its fields, numbers as ints."""
-    pools: dict[str, dict] = {}
-    for m in SPEC_STATS_RE.finditer(log_text):
-        fields = dict(pair.split("=", 1) for pair in m.group(1).split())
-        pools[fields.get("pool", "?")] = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in fields.items()}
-    return pools
-
-
-def parse_tails(log_text: str) -> list[dict]:
-    """The tails the test plugin printed: mode, position, fed, next, sampled, and ``region: "output"`` for a tail
-    in a resumed request's output region (no region key: a prompt tail)."""
-    return [{k: (v if k in ("mode", "region") else int(v)) for k, v in m.groupdict().items() if v is not None}
-            for m in EAGLE_TAIL_RE.finditer(log_text)]
-
-
-def _pool(row: dict) -> str:
-    return (row.get("rank") or {}).get("pool", "target")
-
-
-@dataclass
-class EagleMatch:
-    """Draft-pool violations against the chunk tails the test plugin printed (phase eagle-bug / eagle-fixed)."""
-
-    tails: list = field(default_factory=list)  # wrong tails: fed != next
-    detected: int = 0  # wrong tails with a matching draft-pool verify_token violation
-    missed: list = field(default_factory=list)
-    unexplained: list = field(default_factory=list)  # draft-pool violations no wrong tail explains
-    target: list = field(default_factory=list)  # violations in the target pool
-    # distinct violations: (pool, reasons, slot, position, stored, expected, rows, explained by a wrong tail)
-    groups: list = field(default_factory=list)
-    chunked_requests: int = 0  # measured requests longer than a chunk
-    requests_with_tail: int = 0  # of those, with at least one tail the plugin printed (observed or fixed)
-    requests_detected: int = 0  # of those, with at least one wrong tail that a violation matched
-
-
-def match_eagle(rows: list[dict], tails: list[dict], groups: list[list[Request]],
-                chunk: int = EAGLE_CHUNK) -> EagleMatch:
-    """Match ``kvcanary.violation/1`` rows to the chunk tails: a wrong tail (position p, fed f, next t) is detected by
-    a draft-pool violation with ``verify_token`` at position p, stored token f and expected token t (the draft
-    record at p holds the token it was fed; the token check expects token p + 1 of the request)."""
-    res = EagleMatch()
-    vio = [r for r in rows if r.get("schema") == VIOLATION_SCHEMA]
-    res.target = [v for v in vio if _pool(v) != "draft"]
-    wrong = {(t["position"], t["fed"], t["next"]): t for t in tails if t["fed"] != t["next"]}
-    res.tails = list(wrong.values())
-    hit_keys = set()
-    distinct: dict[tuple, list] = {}
-    for v in vio:
-        key = (int(v["position"]), int(v.get("stored_token", -1)), int(v.get("expected_token", -1)))
-        gkey = (_pool(v), "+".join(v["reasons"]), int(v["slot"])) + key
-        distinct.setdefault(gkey, []).append(v)
-        if _pool(v) != "draft":
-            continue
-        if key in wrong and "verify_token" in v["reasons"]:
-            hit_keys.add(key)
-        else:
-            res.unexplained.append(v)
-    res.detected = len(hit_keys)
-    res.missed = [t for k, t in wrong.items() if k not in hit_keys]
-    res.groups = [(p, r, s, pos, st, ex, len(vs), (pos, st, ex) in wrong)
-                  for (p, r, s, pos, st, ex), vs in sorted(distinct.items(), key=lambda kv: (kv[0][0], kv[0][3]))]
-    for req in (r for g in groups for r in g):
-        ids = req.input_ids
-        if len(ids) <= chunk:
-            continue
-        res.chunked_requests += 1
-        mine = [t for t in tails if t["position"] + 1 < len(ids) and ids[t["position"] + 1] == t["next"]]
-        res.requests_with_tail += bool(mine)
-        res.requests_detected += any((t["position"], t["fed"], t["next"]) in hit_keys for t in mine)
-    return res
-
-
-@dataclass
-class RetractMatch:
-    """Violations against the chunk tails of requests resumed after retraction (phases eagle-retract, -fixed)."""
-
-    output_tails: int = 0  # tails printed in the output region (resumed requests)
-    wrong: list = field(default_factory=list)  # output-region tails fed a token other than the request's
-    prompt_tails: int = 0
-    prompt_wrong: list = field(default_factory=list)  # prompt-region tails fed wrong (PR 26800's fix missing)
-    detected: int = 0  # wrong output-region tails with a matching draft-pool verify_token violation
-    missed: list = field(default_factory=list)
-    unexplained: list = field(default_factory=list)  # draft-pool violations no wrong output-region tail explains
-    target: list = field(default_factory=list)  # violations in the target pool
-    pools: dict = field(default_factory=dict)  # pool -> {"rows", "slots", "verify_token", "other"}
-    # position -> {"tails", "wrong", "violations" (distinct draft-pool ones), "detected"}
-    positions: dict = field(default_factory=dict)
-
-
-def match_eagle_retract(rows: list[dict], tails: list[dict]) -> RetractMatch:
-    """A wrong output-region tail (position p, fed f, next t: the request's own output token at p + 1) is detected by
-    a draft-pool ``verify_token`` violation at position p with stored token f and expected token t. Every draft-pool
-    violation must be such a one; the target pool must have none."""
-    res = RetractMatch()
-    vio = [r for r in rows if r.get("schema") == VIOLATION_SCHEMA]
-    out = [t for t in tails if t.get("region") == "output"]
-    prompt = [t for t in tails if t.get("region") != "output"]
-    res.output_tails, res.prompt_tails = len(out), len(prompt)
-    res.prompt_wrong = [t for t in prompt if t["fed"] != t["next"]]
-    wrong = {(t["position"], t["fed"], t["next"]): t for t in out if t["fed"] != t["next"]}
-    res.wrong = list(wrong.values())
-    res.target = [v for v in vio if _pool(v) != "draft"]
-    hit, distinct = set(), set()
-    for v in vio:
-        pool = _pool(v)
-        p = res.pools.setdefault(pool, {"rows": 0, "slots": set(), "verify_token": 0, "other": 0})
-        p["rows"] += 1
-        p["slots"].add(int(v["slot"]))
-        p["verify_token" if v["reasons"] == ["verify_token"] else "other"] += 1
-        if pool != "draft":
-            continue
-        key = (int(v["position"]), int(v.get("stored_token", -1)), int(v.get("expected_token", -1)))
-        distinct.add((int(v["slot"]),) + key)
-        if key in wrong and v["reasons"] == ["verify_token"]:
-            hit.add(key)
-        else:
-            res.unexplained.append(v)
-    for p in res.pools.values():
-        p["slots"] = len(p["slots"])
-    res.detected = len(hit)
-    res.missed = [t for k, t in wrong.items() if k not in hit]
-    for t in out:
-        d = res.positions.setdefault(t["position"], {"tails": 0, "wrong": 0, "violations": 0, "detected": 0})
-        d["tails"] += 1
-    for pos, _, _ in wrong:
-        res.positions[pos]["wrong"] += 1
-    for pos, _, _ in hit:
-        res.positions[pos]["detected"] += 1
-    for _, pos, _, _ in distinct:
-        res.positions.setdefault(pos, {"tails": 0, "wrong": 0, "violations": 0, "detected": 0})["violations"] += 1
-    res.positions = dict(sorted(res.positions.items()))
-    return res
-
-
-def verdict_eagle_retract(m: RetractMatch, mode: str | None, retractions: int, violations: int) -> list[str]:
-    """Why an eagle-retract (``fix_prompt``) or eagle-retract-fixed (``fix``) phase fails (empty: it passes)."""
-    why = []
-    if not retractions:
-        why.append("no retraction happened (shrink max_total_tokens)")
-    if not m.output_tails:
-        why.append("no chunk tail in a resumed request's output region (PR 28254's path not exercised)")
-    if m.prompt_wrong:
-        why.append(f"{len(m.prompt_wrong)} prompt-region tail(s) fed wrong (PR 26800's fix not applied?)")
-    if m.target:
-        why.append(f"{len(m.target)} violation(s) in the target pool")
-    if mode == "fix_prompt":
-        if not m.wrong:
-            why.append("no wrong output-region tail observed (sampling greedy, or sglang fixed already?)")
-        if m.missed:
-            why.append(f"{len(m.missed)}/{len(m.wrong)} wrong output-region tails not detected")
-        if m.unexplained:
-            why.append(f"{len(m.unexplained)} draft-pool violation(s) no wrong output-region tail explains")
-    elif violations or m.wrong:
-        why.append(f"violations={violations}, wrong output-region tails fed={len(m.wrong)} (expected 0 with the fix)")
-    return why
-
-
-def summarize_eagle(phase: Phase, pdir: str, res: dict, seed: int = 0) -> tuple[dict, dict]:
-    """One EAGLE phase: the summary row (with its verdict) and the details for the EAGLE tables."""
-    log_text = read_text(os.path.join(pdir, "worker.log"))
-    rows = read_jsonl(sorted(glob.glob(os.path.join(pdir, "kvc-*.jsonl"))))
-    s = summarize_phase(phase, res, log_text, rows)
-    pools = parse_spec_stats(log_text)
-    tgt = pools.get("target", {})
-    for key in ("forwards", "entries_verified", "tokens_written"):  # the target pool's (the stats line has no pool)
-        s[key] = tgt.get(key, s[key])
-    tails = parse_tails(log_text)
-    groups = make_eagle_workload(phase.workload, seed=seed, max_new=phase.max_new)
-    detail = {"phase": s["phase"], "pools": pools, "patched": EAGLE_PATCHED_RE.findall(log_text)}
-    why = []
-    if s["status"] != "OK":
-        why.append(f"status {s['status']}")
-    if s["requests_ok"] != s["requests_sent"] or not s["requests_sent"]:
-        why.append(f"{s['requests_ok']}/{s['requests_sent']} requests completed")
-    for k in ("lost", "health_errors"):
-        if s[k]:
-            why.append(f"{k}={s[k]}")
-    for pool in ("target", "draft"):
-        p = pools.get(pool)
-        if not p:
-            why.append(f"no kvcanary spec stats line for the {pool} pool (EAGLE not covered?)")
-        elif not p.get("entries_verified"):
-            why.append(f"{pool} pool verified nothing")
-    if pools.get("target") and not pools["target"].get("verify_forwards"):
-        why.append("no target verify forward counted")
-    if pools.get("draft") and not pools["draft"].get("drafts_written"):
-        why.append("no draft written in the draft pool")
-    mode = dict(phase.env).get(EAGLE_TAIL_ENV)
-    if mode and mode not in detail["patched"]:
-        why.append(f"the test plugin did not replace _draft_extend_for_prefill ({mode})")
-    if phase.workload == "eagle-chunked":
-        m = match_eagle(rows, tails, groups)
-        detail["match"] = m
-        if m.target:
-            why.append(f"{len(m.target)} violation(s) in the target pool")
-        if m.unexplained:
-            why.append(f"{len(m.unexplained)} draft-pool violation(s) no wrong chunk tail explains")
-        if m.chunked_requests == 0 or m.requests_with_tail != m.chunked_requests:
-            why.append(f"{m.requests_with_tail}/{m.chunked_requests} chunked requests had a chunk tail printed")
-        if mode == "observe":
-            if not m.tails:
-                why.append("no wrong chunk tail observed (sglang fixed already?)")
-            if m.missed:
-                why.append(f"{len(m.missed)}/{len(m.tails)} wrong chunk tails not detected")
-            if m.requests_detected != m.chunked_requests:
-                why.append(f"{m.requests_detected}/{m.chunked_requests} chunked requests with a detected wrong tail")
-        elif s["violations"] or m.tails:
-            why.append(f"violations={s['violations']}, wrong tails fed={len(m.tails)} (expected 0 with the fix)")
-    elif phase.workload == "eagle-retract":
-        m = match_eagle_retract(rows, tails)
-        detail["retract"], detail["retractions"] = m, s["retractions"]
-        why += verdict_eagle_retract(m, mode, s["retractions"], s["violations"])
-    elif phase.workload == "eagle-faults":
-        m = match_injections(rows)
-        detail["faults"] = m
-        for c in EAGLE_FAULTS:
-            n, d = m.injections.get(c, 0), m.detected.get(c, 0)
-            if n < 20:
-                why.append(f"{c}: {n} injections < 20")
-            if d != n:
-                why.append(f"{c}: {d}/{n} detected")
-        if m.unexplained:
-            why.append(f"{len(m.unexplained)} violation(s) on slots no injection touched (pool "
-                       f"{sorted({_pool(v) for v in m.unexplained})})")
-    else:  # clean soak
-        for k in ("violations", "kvcanary_errors"):
-            if s[k]:
-                why.append(f"{k}={s[k]}")
-        if s["requests_sent"] < 300:
-            why.append(f"{s['requests_sent']} requests < 300")
-        if not s["cached_tokens"]:
-            why.append("no radix-cache hit (prefix sharing not exercised)")
-    if s["status"] == "TRUNCATED" and phase.workload == "eagle-faults":
-        why = [w for w in why if not w.startswith("status") and "requests completed" not in w]
-    s["verdict"], s["why"] = ("PASS" if not why else "FAIL"), why
-    return s, detail
-
-
-def render_eagle(details: list[dict]) -> list[str]:
-    """The EAGLE tables: per pool speculative counters, the draft-tail matching, the fault classes."""
-    if not details:
-        return []
-    lines = ["", "| EAGLE phase | pool | forwards | verify fwd | draft decode fwd | draft extend fwd | "
-                 "drafts written | accepted | rejected | rolled back | entries verified | violations |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for d in details:
-        for pool in ("target", "draft"):
-            p = d["pools"].get(pool) or {}
-            lines.append(f"| {d['phase']} | {pool} | " + " | ".join(_fmt(p.get(k)) for k in (
-                "forwards", "verify_forwards", "draft_decode_forwards", "draft_extend_forwards", "drafts_written",
-                "drafts_accepted", "drafts_rejected", "rolled_back", "entries_verified", "violations")) + " |")
-    for d in details:
-        m = d.get("match")
-        if m is not None:
-            lines += ["", f"{d['phase']}: {m.chunked_requests} chunked requests, {m.requests_with_tail} with a "
-                          f"chunk tail printed, {m.requests_detected} with a detected wrong tail; wrong tails fed to "
-                          f"the draft {len(m.tails)}, detected {m.detected}; draft-pool violations no wrong tail "
-                          f"explains {len(m.unexplained)}; target-pool violations {len(m.target)}"]
-            if m.groups:
-                lines += ["", "| pool | reasons | slot | position | stored token | expected token | rows | "
-                              "a wrong chunk tail (fed, next prompt token) |", "|---|---|---|---|---|---|---|---|"]
-                for p, r, s, pos, st, ex, n, hit in m.groups[:40]:
-                    lines.append(f"| {p} | {r} | {s} | {pos} | {st} | {ex} | {n} | {'yes' if hit else 'no'} |")
-                if len(m.groups) > 40:
-                    lines.append(f"| … {len(m.groups) - 40} more | | | | | | | |")
-        lines += render_eagle_retract(d)
-        f = d.get("faults")
-        if f is not None:
-            lines += ["", f"| {d['phase']}: fault class (target pool) | injections | detected | rate | reasons | "
-                          "tags |",
-                      "|---|---|---|---|---|---|"]
-            for c in EAGLE_FAULTS:
-                n, k = f.injections.get(c, 0), f.detected.get(c, 0)
-                reasons = ", ".join(f"{a}×{b}" for a, b in sorted(f.reasons.get(c, {}).items())) or "-"
-                tags = ", ".join(f"{a}×{b}" for a, b in sorted(f.tags.get(c, {}).items())) or "-"
-                lines.append(f"| {c} | {n} | {k} | {f'{100.0 * k / n:.0f} %' if n else '-'} | {reasons} | {tags} |")
-            lines.append(f"| violations on untouched slots (any pool) | {len(f.unexplained)} | | | | |")
-            if f.ended:
-                lines.append(f"| set apart: injected in its pool's last {ENDED_GRACE} forwards, not read before the "
-                             "run ended | " + ", ".join(f"{i['fault']}@{i['step']}" for i in f.ended) + " | | | | |")
-    return lines
-
-
-def render_eagle_retract(d: dict) -> list[str]:
-    """An eagle-retract phase's tables: retractions and tails, violations per pool, per position."""
-    m = d.get("retract")
-    if m is None:
-        return []
-    lines = ["", f"{d['phase']}: retractions {d.get('retractions')}; chunk tails in resumed requests' output region "
-                 f"{m.output_tails}, fed a wrong token {len(m.wrong)}, detected {m.detected}; prompt-region tails "
-                 f"{m.prompt_tails} (fed wrong {len(m.prompt_wrong)}); draft-pool violations no wrong tail explains "
-                 f"{len(m.unexplained)}; target-pool violations {len(m.target)}",
-             "", f"| {d['phase']}: pool | violation rows | distinct slots | verify_token only | other reasons |",
-             "|---|---|---|---|---|"]
-    for pool in ("target", "draft"):
-        p = m.pools.get(pool) or {}
-        lines.append(f"| {pool} | {p.get('rows', 0)} | {p.get('slots', 0)} | {p.get('verify_token', 0)} | "
-                     f"{p.get('other', 0)} |")
-    if m.positions:
-        lines += ["", f"| {d['phase']}: position | output-region tails | wrong tails | draft-pool violations "
-                      "(distinct) | wrong tails detected |", "|---|---|---|---|---|"]
-        for pos, c in list(m.positions.items())[:40]:
-            lines.append(f"| {pos} | {c['tails']} | {c['wrong']} | {c['violations']} | {c['detected']} |")
-        if len(m.positions) > 40:
-            lines.append(f"| … {len(m.positions) - 40} more | | | | |")
-    return lines
-
-
-def dry_run_eagle(phase: Phase, pdir: str, base: dict, seed: int = 0) -> dict:
-    """What an EAGLE phase's worker would leave (no sglang): tails, spec stats lines, a report that passes."""
-    groups = make_eagle_workload(phase.workload, seed=seed, max_new=phase.max_new)
-    reqs = [r for g in groups for r in g]
-    mode = dict(phase.env).get(EAGLE_TAIL_ENV, "")
-    log = [f"[e2e-eagle] EagleDraftWorker._draft_extend_for_prefill replaced: mode={mode} pid=1"]
-    report = []
-    rank_t, rank_d = {"tp_rank": 0, "pool": "target"}, {"tp_rank": 0, "pool": "draft"}
-    slot, step = 100, 20
-    if phase.workload == "eagle-chunked":
-        for r in reqs:
-            for end in range(EAGLE_CHUNK, len(r.input_ids), EAGLE_CHUNK):
-                nxt = r.input_ids[end]
-                fed = nxt if mode == "fix" else (nxt + 1) % 2048
-                log.append(f"[e2e-eagle] draft tail: mode={mode} position={end - 1} fed={fed} next={nxt} "
-                           f"sampled={(nxt + 1) % 2048} rid=x")
-                if mode == "observe":
-                    for rep in range(2):
-                        report.append({"schema": VIOLATION_SCHEMA, "step": step + rep, "tag": "verify",
-                                       "reasons": ["verify_token"], "slot": slot + end - 1, "position": end - 1,
-                                       "stored_token": fed, "expected_token": nxt, "rank": rank_d})
-            slot += 400
-    retractions = 0
-    if phase.workload == "eagle-retract":  # 3 requests retracted after 100-140 output tokens, resumed in chunks
-        rng = random.Random(seed)
-        for j, r in enumerate(reqs[:3]):
-            log.append("KV cache pool is full. Retract requests. #retracted_reqs: 1, #new_token_ratio: 0.35 -> 0.9")
-            retractions += 1
-            seq = r.input_ids + [rng.randrange(3, 2048) for _ in range(100 + 20 * j)]
-            # the resumed prefill shares the 64-token budget with other requests: its first chunk is shorter
-            for end in range(EAGLE_CHUNK - 8 * j, len(seq), EAGLE_CHUNK):
-                nxt, output = seq[end], end >= len(r.input_ids)
-                sampled = (nxt + 1) % 2048
-                fed = sampled if output and mode == "fix_prompt" else nxt
-                log.append(f"[e2e-eagle] draft tail: mode={mode} position={end - 1} fed={fed} next={nxt} "
-                           f"sampled={sampled}{' region=output' if output else ''} rid=x{j}")
-                if fed != nxt:
-                    for rep in range(2):
-                        report.append({"schema": VIOLATION_SCHEMA, "step": step + rep, "tag": "verify",
-                                       "reasons": ["verify_token"], "slot": slot + end - 1, "position": end - 1,
-                                       "stored_token": fed, "expected_token": nxt, "rank": rank_d})
-            slot += 600
-    if phase.workload == "eagle-faults":
-        rng = random.Random(seed)
-        for c in EAGLE_FAULTS * 22:
-            slots = [rng.randrange(1, 6000) for _ in range(3 if c == "req_to_token_redirect" else 1)]
-            report.append({"schema": INJECTION_SCHEMA, "fault": c, "step": step, "slots": slots, "detail": "dry-run",
-                           "rank": rank_t})
-            report.append({"schema": VIOLATION_SCHEMA, "step": step + 1, "reasons": [EXPECTED_REASONS[c][0]],
-                           "tag": "sweep" if c == "cached_idle_corruption" else "verify", "slot": slots[0],
-                           "rank": rank_t})
-            step += 4
-    nvio = sum(r["schema"] == VIOLATION_SCHEMA and _pool(r) == "draft" for r in report)
-    for pool in ("target", "draft"):
-        log.append(f"kvcanary spec stats: step=400 pool={pool} verify_forwards={300 if pool == 'target' else 0} "
-                   f"draft_decode_forwards={0 if pool == 'target' else 300} draft_extend_forwards="
-                   f"{0 if pool == 'target' else 340} drafts_written=600 drafts_accepted=12 drafts_rejected=588 "
-                   f"rolled_back=588 forwards=400 tokens_written=30000 entries_verified=900000 "
-                   f"violations={nvio if pool == 'draft' else 0} tp_rank=0")
-    with open(os.path.join(pdir, "worker.log"), "w") as f:
-        f.write("[dry-run]\n" + "\n".join(log) + "\n")
-    with open(os.path.join(pdir, "kvc-0.jsonl"), "w") as f:
-        f.write("".join(json.dumps(r) + "\n" for r in report))
-    return dict(base, requests_sent=len(reqs), requests_ok=len(reqs), cached_tokens=4321, retractions=retractions)
-
-
 PHASES.update(EAGLE_PHASES)
 PHASE_NAMES.update({p.name: k for k, p in EAGLE_PHASES.items()})
 PHASES.update(EAGLE_RETRACT_PHASES)
@@ -1697,7 +765,7 @@ HICACHE_PHASES: dict[str, Phase] = {
     "10": _hicache_phase("10", "hicache-clean", "raise", "write_through"),
     "11": _hicache_phase("11", "hicache-writeback", "raise", "write_back"),
     "12": _hicache_phase("12", "hicache-faults", "log", "write_through", (
-        ("KVCANARY_FAULT", ",".join(_HC.HOST_TIER_FAULTS)), ("KVCANARY_FAULT_EVERY", "6"),
+        ("KVCANARY_FAULT", ",".join(HOST_TIER_FAULTS)), ("KVCANARY_FAULT_EVERY", "6"),
         ("KVCANARY_FAULT_WARMUP", "20"), ("KVCANARY_FAULT_SEED", "5"))),
     "13": _hicache_phase("13", "hicache-race", "log", "write_through"),
     "14": _hicache_phase("14", "hicache-race-fixed", "log", "write_through", ((_HC.FENCE_ENV, "fix"),)),
@@ -1766,7 +834,7 @@ def _hunt_phase(key: str, kind: str, cap_s: int, min_s: int, env: tuple = ()) ->
 HUNT_PHASES: dict[str, Phase] = {
     "17": _hunt_phase("17", "overlap-cached", 110, 60),
     # the 26329 chunk-tail fix patched in (test-only): that known bug stays out of the hunt
-    "18": _hunt_phase("18", "spec-abort", 150, 90, ((EAGLE_TAIL_ENV, "fix"),)),
+    "18": _hunt_phase("18", "spec-abort", 150, 90, ((eagle_phases.EAGLE_TAIL_ENV, "fix"),)),
     "19": _hunt_phase("19", "determ-radix", 110, 60),
     "20": _hunt_phase("20", "hicache-hostfree", 150, 80),
 }
@@ -1803,7 +871,7 @@ def summarize_hunt(phase: Phase, pdir: str, res: dict) -> dict:
     s["triggers"], s["evidence"] = _HU.trigger_count(kind, _HU.parse_hunt_lines(log_text), res)
     s["upstream"] = _HU.KINDS[kind][0]
     vio = [r for r in rows if r.get("schema") == VIOLATION_SCHEMA]
-    s["distinct_slots"] = len({(_pool(r), r.get("slot")) for r in vio})
+    s["distinct_slots"] = len({(pool_of(r), r.get("slot")) for r in vio})
     s["violation_examples"] = vio[:8]
     s["verdict"], s["why"] = _HU.verdict(kind, s, s["triggers"])
     return s
@@ -1903,7 +971,6 @@ POOL_PHASES: dict[str, Phase] = {
     "30": Phase("30", "hunt-swa-lock-fixed", "log", True, 12288, 200, 70,
                 COMMON_ENV + ((_PP.POOL_ENV, "swa-lock-fix"),)),
 }
-IDENT_PHASES = (_PP.IDENT_OFF, _PP.IDENT_ON)
 PHASES.update(POOL_PHASES)
 PHASE_NAMES.update({p.name: k for k, p in POOL_PHASES.items()})
 
@@ -1916,88 +983,6 @@ def fault_classes(kvcanary_env: str) -> tuple[str, ...] | None:
         if key == "KVCANARY_FAULT":
             return tuple(c for c in value.split(",") if c)
     return None
-
-
-def run_pool_switches(args) -> list[str]:
-    """The test-only switches the run asks for in every phase (--test-pool-switch, --test-lift-kv-dtype)."""
-    return list(getattr(args, "test_pool_switch", None) or []) + (
-        ["lift-kv-dtype"] if getattr(args, "test_lift_kv_dtype", False) else [])
-
-
-def pool_env(env: dict, phase: Phase, pdir: str, extra: Sequence[str] = ()) -> dict:
-    """The test-only pool plugin (``E2E_POOL``) on the worker's path when the phase or the run (``extra``:
-    --test-pool-switch, --test-lift-kv-dtype) asks for a switch."""
-    env = dict(env)
-    switches = [x for x in env.get(_PP.POOL_ENV, "").split(",") if x]
-    switches += [x for x in extra if x not in switches]
-    if not switches:
-        env.pop(_PP.POOL_ENV, None)
-        return env
-    env[_PP.POOL_ENV] = ",".join(switches)
-    env[_PP.POOL_DIR_ENV] = os.path.abspath(pdir)
-    return with_test_plugin(env, os.path.join(pdir, "pool-plugin"), _PP.POOL_PLUGIN,
-                            about="integration/pool_phases.py, issue 29/30 observers and switches",
-                            gate_env=_PP.POOL_ENV, file_env=_PP.POOL_DRIVER_ENV, module="_kvcanary_e2e_pool",
-                            function="install", driver_file=_PP.__file__)
-
-
-def summarize_pool(phase: Phase, pdir: str, res: dict, results: dict) -> dict:
-    """Phases 24-28: 24 passes when every request completed; 25 as a clean phase and with phase 24's greedy
-    outputs; 26-28 as a hunt (CLEAN / CAUGHT / NOT TRIGGERED), the trigger from the observer's lines."""
-    log_text = read_text(os.path.join(pdir, "worker.log"))
-    rows = read_jsonl(sorted(glob.glob(os.path.join(pdir, "kvc-*.jsonl"))))
-    s = summarize_phase(phase, res, log_text, rows)
-    if phase.key == _PP.IDENT_OFF:
-        ok = s["status"] == "OK" and s["requests_ok"] == s["requests_sent"] > 0
-        s["evidence"] = f"{len(res.get('outputs') or [])} greedy outputs kept (the reference)"
-        s["verdict"], s["why"] = ("PASS" if ok else "FAIL"), ([] if ok else [f"status {s['status']}"])
-        return s
-    if phase.key == _PP.IDENT_ON:
-        ok, why = verdict_clean(s)
-        cmp = _PP.compare_outputs((results.get(_PP.IDENT_OFF) or {}).get("outputs"), res.get("outputs"))
-        s["outputs"] = cmp
-        if not cmp["compared"]:
-            why.append("no outputs to compare (run ident-off in the same call)")
-        elif cmp["differ"]:
-            why.append(f"{cmp['differ']} of {cmp['compared']} greedy outputs differ from those with kvcanary off "
-                       f"(first: {cmp['first_differ']})")
-        s["evidence"] = f"{cmp['compared']} outputs compared, {cmp['differ']} differ"
-        s["verdict"], s["why"] = ("PASS" if not why else "FAIL"), why
-        return s
-    kind, s["upstream"], _ = _PP.HUNTS[phase.key]
-    if kind in ("swa-lock", "swa-lock-fix"):
-        violated = {int(r["slot"]) for r in rows if r.get("schema") == VIOLATION_SCHEMA and r.get("slot") is not None
-                    and _group_of(r) != WINDOW_GROUP}  # full slots: the window group numbers its own
-        s["triggers"], s["evidence"] = _PP.swa_lock_evidence(kind, read_jsonl(_PP.swa_lock_files(pdir)), violated)
-    else:
-        s["triggers"], s["evidence"] = _PP.trigger_count(kind, log_text, s["retractions"])
-    s["verdict"], s["why"] = _HU.verdict(kind, s, s["triggers"])
-    return s
-
-
-def dry_run_pool(phase: Phase, pdir: str, base: dict, n_req: int) -> dict:
-    """Phases 24-28's worker output, synthesized: the same outputs on and off, observer lines, no violation."""
-    lines = {
-        "26": "[e2e-pool] page-tail: forward=40 stale_entries=3 row=5 seq_len=37 position=40 value=901 "
-              "expected=41 page_size=16\n[e2e-pool] page-tail-total: forwards=800 stale_entries=90 "
-              "stale_forwards=31 stale_rows=40\n",
-        "27": "[e2e-pool] swa-race: free_swa=400 in_flight=57 slots=9000 slots_in_flight=1200\n",
-        "28": "[e2e-pool] swa-race-fix: barriers=900 free_swa=400 in_flight=50 slots=9000 slots_in_flight=1100\n",
-    }.get(phase.key, "")
-    if phase.key in ("29", "30"):  # the observer's slot file: two inserts that freed a locked tombstone's slots
-        with open(os.path.join(pdir, _PP.SWA_LOCK_FILE.format(pid=1)), "w") as f:
-            for k, slots in enumerate(([101, 102, 103], [207, 208]), 1):
-                f.write(json.dumps({"event": k, "slots": slots, "deferred": phase.key == "30"}) + "\n")
-    with open(os.path.join(pdir, "worker.log"), "w") as f:
-        f.write("[dry-run]\n" + lines)
-        if phase.mode != "off":
-            f.write("kvcanary stats: step=900 forwards=900 tokens_written=200000 entries_verified=2500000 "
-                    "entries_swept=90000 violations=0 lost=0\n")
-    open(os.path.join(pdir, "kvc-0.jsonl"), "w").close()
-    res = dict(base, retractions=4 if phase.key in ("26", "27", "28") else 0)
-    if phase.key in IDENT_PHASES:
-        res["outputs"] = [[7, i] for i in range(n_req)]
-    return res
 
 
 # ---------------------------------------------------------------------------------------------------- parent
@@ -2033,7 +1018,8 @@ def engine_kwargs(phase: Phase, model: str, args) -> dict:
         kw.update(tp_size=args.tp_size)  # one kvcanary manager per TP rank, reports kvc-<rank>.jsonl
     kw.update(dict(phase.engine))
     kw.update(parse_engine_args(getattr(args, "engine_arg", None) or []))
-    return eagle_engine_kwargs(piecewise_engine_kwargs(kw, getattr(args, "piecewise", False)), phase, args)
+    kw = piecewise_engine_kwargs(kw, getattr(args, "piecewise", False))
+    return eagle_phases.eagle_engine_kwargs(kw, phase, args)
 
 
 # Set by the driver per phase and Engine: an override would silently not apply (or break the phase's checks).
@@ -2132,7 +1118,8 @@ def run_phases(args, runner=run_worker) -> dict:
                 "deadline": time.time() + timeout - 25,  # the worker stops sending requests then, and shuts down
                 "max_new": list(phase.max_new), "warm_groups": 3 if key == "4" else 0, "workload": phase.workload,
                 "temperature": phase.temperature, "hunt": hunt_kind(phase),
-                "keep_outputs": key in HICACHE_PHASES or key in IDENT_PHASES, "protect": key in PROTECT_PHASES}
+                "keep_outputs": key in HICACHE_PHASES or key in pool_phases.IDENT_PHASES,
+                "protect": key in PROTECT_PHASES}
         spec_path = os.path.join(pdir, f"spec{'-' + '-'.join(s for s in subs if s)}.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f, indent=1)
@@ -2140,12 +1127,12 @@ def run_phases(args, runner=run_worker) -> dict:
         label = f"{key} {phase.name}" + (f" ({'+'.join(subs)})" if any(subs) else "")
         print(f"[e2e] phase {label}: timeout {timeout:.0f} s", flush=True)
         t = time.monotonic()
-        env = eagle_env(phase_env(phase, pdir, fault_rank=getattr(args, "fault_rank", None),
-                                  overrides=parse_kvcanary_env(getattr(args, "kvcanary_env", None) or [])),
-                        phase, pdir)
+        env = phase_env(phase, pdir, fault_rank=getattr(args, "fault_rank", None),
+                        overrides=parse_kvcanary_env(getattr(args, "kvcanary_env", None) or []))
+        env = eagle_phases.eagle_env(env, phase, pdir)
         env = hicache_env(env, phase, pdir)
         env = hunt_env(env, phase, pdir)
-        env = pool_env(env, phase, pdir, run_pool_switches(args))
+        env = pool_phases.pool_env(env, phase, pdir, pool_phases.run_pool_switches(args))
         if getattr(args, "loop_probe", False):
             env = loop_probe.probe_env(env, os.path.join(pdir, "loop-probe-plugin"))
         rc = runner(cmd, env, os.path.join(pdir, "worker.log"), timeout)
@@ -2284,7 +1271,7 @@ def dry_run_reports(args, groups: list[list[Request]]) -> dict:
                 "launch_us_per_eager_forward=106.5 forward_us=2210.0 piecewise=0 launch_us_per_piecewise_forward=0.0 " \
                 "canary_us_per_piecewise_forward=0.0 batch_init_us=3.2\n"
         if key in EAGLE_PHASES or key in EAGLE_RETRACT_PHASES:
-            results[key] = dry_run_eagle(phase, pdir, dict(base, seed=args.seed), args.seed)
+            results[key] = eagle_phases.dry_run_eagle(phase, pdir, dict(base, seed=args.seed), args.seed)
             continue
         if key in HICACHE_PHASES:
             results[key] = dry_run_hicache(phase, pdir, base, rng)
@@ -2293,7 +1280,7 @@ def dry_run_reports(args, groups: list[list[Request]]) -> dict:
             results[key] = dry_run_hunt(phase, pdir, base, args.seed)
             continue
         if key in POOL_PHASES:
-            results[key] = dry_run_pool(phase, pdir, base, n_req)
+            results[key] = pool_phases.dry_run_pool(phase, pdir, base, n_req)
             continue
         if key in PROTECT_PHASES:
             results[key] = protect_phases.dry_run(PROTECT_KIND[key], pdir, base, groups, E2E_FAULTS, EXPECTED_REASONS)
@@ -2341,7 +1328,7 @@ def dry_run_hicache(phase: Phase, pdir: str, base: dict, rng: random.Random) -> 
     if kind == "faults":
         with open(os.path.join(pdir, "kvc-0.jsonl"), "w") as f:
             step = 20
-            for c in hicache_phases.HOST_TIER_FAULTS * 8:
+            for c in HOST_TIER_FAULTS * 8:
                 slots = [rng.randrange(1, 6000) for _ in range(2)]
                 f.write(json.dumps({"schema": INJECTION_SCHEMA, "fault": c, "step": step, "slots": slots,
                                     "detail": "dry-run", "rank": {"tp_rank": 0}}) + "\n")

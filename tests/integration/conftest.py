@@ -1,5 +1,5 @@
-"""Shared fixture of the driver tests: integration/sglang_e2e.py loaded once as a module (it is a script, not a
-package module, and must never import kvcanary itself)."""
+"""Shared fixtures of the driver tests: integration/sglang_e2e.py loaded once as a module (it is a script, not a
+package module, and must never import kvcanary itself), and the modules it imports: its core and phase families."""
 
 from __future__ import annotations
 
@@ -26,6 +26,24 @@ def _script(name: str, path: Path):
 @pytest.fixture(scope="module")
 def e2e():
     return _script("sglang_e2e_driver", DRIVER)
+
+
+@pytest.fixture(scope="module")
+def core(e2e):
+    """integration/e2e_core.py (what every phase family reads and judges alike), as the driver imports it."""
+    return sys.modules["e2e_core"]
+
+
+@pytest.fixture(scope="module")
+def eagle(e2e):
+    """integration/eagle_phases.py (the EAGLE phases), as the driver imports it."""
+    return e2e.eagle_phases
+
+
+@pytest.fixture(scope="module")
+def pool(e2e):
+    """integration/pool_phases.py (the pool-kind phases 24-30), as the driver imports it."""
+    return e2e.pool_phases
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DRIVER = ROOT / "integration" / "sglang_e2e.py"
 
 
-def test_driver_imports_neither_kvcanary_nor_sglang_at_module_level() -> None:
-    text = DRIVER.read_text()
+@pytest.mark.parametrize("name", ["sglang_e2e.py", "e2e_core.py", "eagle_phases.py"])  # the driver, what it split off
+def test_driver_imports_neither_kvcanary_nor_sglang_at_module_level(name) -> None:
+    text = (DRIVER.parent / name).read_text()
     assert "import kvcanary" not in text and "from kvcanary" not in text
     top = [ln for ln in text.splitlines() if ln.startswith(("import ", "from "))]
     assert not [ln for ln in top if "sglang" in ln], top
@@ -165,7 +166,7 @@ def test_manager_stats_line_names_its_pool_and_group(caplog) -> None:
     assert any(r.getMessage().endswith("lost=0 pool=draft group=swa") for r in caplog.records)
 
 
-def test_phase_env_and_engine_kwargs(e2e, tmp_path) -> None:
+def test_phase_env_and_engine_kwargs(e2e, eagle, tmp_path) -> None:
     base = {"PATH": "/bin", "KVCANARY_MODE": "raise", "KVCANARY_FAULT": "all", "KVCANARY_CUDA_ARCH": "9.0a"}
     env = e2e.phase_env(e2e.PHASES["3"], str(tmp_path), base)
     assert env["KVCANARY_MODE"] == "log" and env["KVCANARY_CUDA_ARCH"] == "9.0a" and env["PATH"] == "/bin"
@@ -174,7 +175,7 @@ def test_phase_env_and_engine_kwargs(e2e, tmp_path) -> None:
     assert "KVCANARY_FAULT" not in e2e.phase_env(e2e.PHASES["1"], str(tmp_path), base)
     args = e2e.parse_args(["--out", str(tmp_path)])
     for key, phase in e2e.PHASES.items():
-        if e2e.is_eagle(phase):  # their own engine arguments: test_sglang_e2e_eagle.py (-_retract.py)
+        if eagle.is_eagle(phase):  # their own engine arguments: test_sglang_e2e_eagle.py (-_retract.py)
             continue
         kw = e2e.engine_kwargs(phase, "m", args)
         assert kw["disable_piecewise_cuda_graph"] is True
@@ -244,7 +245,7 @@ def test_tp_size_and_fault_rank_reach_the_engine_and_the_fault_phase(e2e, tmp_pa
     assert "KVCANARY_FAULT_RANK" not in clean  # only phases that inject get the filter
 
 
-def test_host_time_line_of_the_adapter_parses(e2e, caplog) -> None:
+def test_host_time_line_of_the_adapter_parses(core, caplog) -> None:
     """The driver reads the adapter's own ``kvcanary host time:`` line (same text, no shared code)."""
     from kvcanary.runtime.config import Config
     from kvcanary.runtime.installation import HostTime, Installation
@@ -256,14 +257,14 @@ def test_host_time_line_of_the_adapter_parses(e2e, caplog) -> None:
         inst.account_batch_init(5_000)
         inst.account_forward(forward_ns=2_000_000, hook_ns=40_000)
         inst.account_forward(forward_ns=3_000_000, hook_ns=60_000)
-    host = e2e.parse_host_time("\n".join(r.getMessage() for r in caplog.records))
+    host = core.parse_host_time("\n".join(r.getMessage() for r in caplog.records))
     # canary = (hooks 100 + launches 90 + batch-init 12) µs over 2 forwards
     # the longest forward: the first, its hook half (40), launches (90) and both batch hooks before it (12)
     assert host == {"forwards": 2, "eager": 1, "canary_us": 101.0, "hooks_us": 50.0, "launch_us": 90.0,
                     "forward_us": 2500.0, "batch_init_us": 6.0, "max_forward_us": 142.0, "slow_forwards": 0}
 
 
-def test_host_time_line_counts_slow_forwards_and_the_longest_since_the_last_line(e2e, caplog) -> None:
+def test_host_time_line_counts_slow_forwards_and_the_longest_since_the_last_line(core, caplog) -> None:
     """The tails (issue 28: an 8B engine's inter-token p99 rose while kvcanary's mean host time was 2-3 % of the
     wall): a forward's kvcanary host time is its hook half, the launches made since the previous forward was accounted
     and the batch-hook and host-tier time since then; forwards of >= 1 ms are counted since the start, the longest
@@ -283,39 +284,39 @@ def test_host_time_line_counts_slow_forwards_and_the_longest_since_the_last_line
         inst.account_forward(forward_ns=4_000_000, hook_ns=200_000)
         inst.account_forward(forward_ns=4_000_000, hook_ns=999_999)  # -> line 2; just under
     lines = [r.getMessage() for r in caplog.records if "host time" in r.getMessage()]
-    first, second = (e2e.parse_host_time(x) for x in lines)
+    first, second = (core.parse_host_time(x) for x in lines)
     assert (first["max_forward_us"], first["slow_forwards"]) == (3500.0, 1)
     assert (second["max_forward_us"], second["slow_forwards"]) == (1000.0, 2)  # the max restarted; the count did not
 
 
-def test_host_time_lines_without_batch_init_still_parse(e2e) -> None:
+def test_host_time_lines_without_batch_init_still_parse(e2e, core) -> None:
     """Logs written before the batch hook was counted (no ``batch_init_us``) parse as before, with no such key; the
     summary shows the batch hook's share only when the line has it."""
     old = ("kvcanary host time: step=900 forwards=900 eager=3 canary_us_per_forward=70.0 hooks_us=30.0 "
            "launch_us_per_eager_forward=200.0 forward_us=900.0\n")
     new = old.replace("forward_us=900.0", "forward_us=900.0 piecewise=0 launch_us_per_piecewise_forward=0.0 "
                       "canary_us_per_piecewise_forward=0.0 batch_init_us=4.5")
-    assert e2e.parse_host_time(old) == {"forwards": 900, "eager": 3, "canary_us": 70.0, "hooks_us": 30.0,
-                                        "launch_us": 200.0, "forward_us": 900.0}
-    assert e2e.parse_host_time(old + new)["batch_init_us"] == 4.5  # the last line wins
-    assert "batch_init_us" not in e2e.parse_host_time(new + old)
-    assert e2e._host_cell(e2e.parse_host_time(new)) == "70.0 (batch-init 4.5)"
-    assert e2e._host_cell(e2e.parse_host_time(old)) == "70.0" and e2e._host_cell(None) == "-"
+    assert core.parse_host_time(old) == {"forwards": 900, "eager": 3, "canary_us": 70.0, "hooks_us": 30.0,
+                                         "launch_us": 200.0, "forward_us": 900.0}
+    assert core.parse_host_time(old + new)["batch_init_us"] == 4.5  # the last line wins
+    assert "batch_init_us" not in core.parse_host_time(new + old)
+    assert e2e._host_cell(core.parse_host_time(new)) == "70.0 (batch-init 4.5)"
+    assert e2e._host_cell(core.parse_host_time(old)) == "70.0" and e2e._host_cell(None) == "-"
 
 
-def test_host_time_line_with_sweep_counts_parses(e2e) -> None:
+def test_host_time_line_with_sweep_counts_parses(e2e, core) -> None:
     """Since the sweep counts its walks and compactions, the line ends with them after ``sweep_us``; a line with
     ``sweep_us`` alone (the wheels between) still gives the sweep's share."""
     base = ("kvcanary host time: step=2160 forwards=2160 eager=425 canary_us_per_forward=257.2 hooks_us=140.1 "
             "launch_us_per_eager_forward=91.3 forward_us=1086.1 piecewise=0 launch_us_per_piecewise_forward=0.0 "
             "canary_us_per_piecewise_forward=0.0 batch_init_us=99.2 sweep_us=98.0")
-    counted = e2e.parse_host_time(base + " sweeps=216 sweep_walks=1 sweep_compactions=24 sweep_event_us=1.4\n")
+    counted = core.parse_host_time(base + " sweeps=216 sweep_walks=1 sweep_compactions=24 sweep_event_us=1.4\n")
     assert (counted["sweep_us"], counted["sweeps"], counted["sweep_walks"], counted["sweep_compactions"],
             counted["sweep_event_us"]) == (98.0, 216, 1, 24, 1.4)
     assert e2e._host_cell(counted) == ("257.2 (batch-init 99.2, sweep 98.0, 216 sweeps: 1 walked, 24 compacted, "
                                        "tree events 1.4)")
-    assert "sweep_event_us" not in e2e.parse_host_time(base + " sweeps=216 sweep_walks=1 sweep_compactions=24\n")
-    assert e2e._host_cell(e2e.parse_host_time(base + "\n")) == "257.2 (batch-init 99.2, sweep 98.0)"
+    assert "sweep_event_us" not in core.parse_host_time(base + " sweeps=216 sweep_walks=1 sweep_compactions=24\n")
+    assert e2e._host_cell(core.parse_host_time(base + "\n")) == "257.2 (batch-init 99.2, sweep 98.0)"
 
 
 def test_overhead_ratio_comes_from_the_last_pair(e2e, tmp_path) -> None:

@@ -9,13 +9,12 @@ import sys
 DRIVER_DIR = __import__("pathlib").Path(__file__).resolve().parents[2] / "integration"
 
 
-def test_host_tier_classes_match_kvcanary(e2e) -> None:
+def test_host_tier_classes_match_kvcanary(core) -> None:
     from kvcanary.runtime import faults
 
-    hp = e2e.hicache_phases
-    assert hp.HOST_TIER_FAULTS == faults.HOST_TIER_CLASSES
-    for c in hp.HOST_TIER_FAULTS:
-        assert tuple(e2e.EXPECTED_REASONS[c]) == tuple(faults.EXPECTED_REASONS[c])
+    assert core.HOST_TIER_FAULTS == faults.HOST_TIER_CLASSES
+    for c in core.HOST_TIER_FAULTS:
+        assert tuple(core.EXPECTED_REASONS[c]) == tuple(faults.EXPECTED_REASONS[c])
 
 
 def test_the_workload_overflows_the_device_pool_and_reuses_prefixes(e2e) -> None:

@@ -16,7 +16,7 @@ def hunt(e2e):
     return e2e.hunt_phases
 
 
-def test_hunt_phases_and_engines(e2e, hunt, tmp_path) -> None:
+def test_hunt_phases_and_engines(e2e, eagle, hunt, tmp_path) -> None:
     assert e2e.parse_phases("hunt-overlap-cached,hunt-spec-abort,hunt-determ-radix,hunt-hicache-hostfree") == \
         ["17", "18", "19", "20"]
     args = e2e.parse_args(["--out", str(tmp_path)])
@@ -24,18 +24,18 @@ def test_hunt_phases_and_engines(e2e, hunt, tmp_path) -> None:
         phase = e2e.PHASES[key]
         assert e2e.hunt_kind(phase) == kind and phase.mode == "log" and phase.temperature == 0.0
         kw = e2e.engine_kwargs(phase, "m", args)
-        env = e2e.hunt_env(e2e.eagle_env(e2e.phase_env(phase, str(tmp_path), {"PATH": "/bin"}), phase,
-                                         str(tmp_path)), phase, str(tmp_path))
+        env = e2e.hunt_env(eagle.eagle_env(e2e.phase_env(phase, str(tmp_path), {"PATH": "/bin"}), phase,
+                                           str(tmp_path)), phase, str(tmp_path))
         assert env[hunt.HUNT_ENV] == kind and env["KVCANARY_VERIFY_TOKENS"] == "1"
         assert env[hunt.HUNT_DRIVER_ENV].endswith("hunt_phases.py")
         assert (tmp_path / "hunt-plugin" / f"{hunt.HUNT_PLUGIN}.py").is_file()
         assert "disable_overlap_schedule" not in kw and not kw.get("disable_radix_cache")
         if kind == "spec-abort":  # EAGLE topk 1 (kvcanary refuses NGRAM), the 26329 fix patched in, the draft
-            assert e2e.is_eagle(phase) and kw["speculative_algorithm"] == "EAGLE"
+            assert eagle.is_eagle(phase) and kw["speculative_algorithm"] == "EAGLE"
             assert kw["speculative_eagle_topk"] == 1 and kw["speculative_draft_model_path"]
-            assert env[e2e.EAGLE_TAIL_ENV] == "fix"
+            assert env[eagle.EAGLE_TAIL_ENV] == "fix"
         else:
-            assert not e2e.is_eagle(phase) and "speculative_algorithm" not in kw
+            assert not eagle.is_eagle(phase) and "speculative_algorithm" not in kw
         if kind == "determ-radix":
             assert kw["enable_deterministic_inference"] is True and kw["attention_backend"] == "triton"
             assert kw["chunked_prefill_size"] == 512 and max(len(r["input_ids"])

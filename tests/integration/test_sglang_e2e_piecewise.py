@@ -25,11 +25,11 @@ def host_line(piecewise: int, forwards: int = 900) -> str:
             f"launch_us_per_piecewise_forward=150.5 canary_us_per_piecewise_forward=190.25\n")
 
 
-def test_piecewise_leaves_sglangs_default_in_place(e2e, tmp_path) -> None:
+def test_piecewise_leaves_sglangs_default_in_place(e2e, eagle, tmp_path) -> None:
     plain = e2e.parse_args(["--out", str(tmp_path)])
     pw = e2e.parse_args(["--out", str(tmp_path), "--piecewise"])
     for phase in e2e.PHASES.values():
-        if e2e.is_eagle(phase):  # piecewise graphs stay off there: test_sglang_e2e_eagle.py
+        if eagle.is_eagle(phase):  # piecewise graphs stay off there: test_sglang_e2e_eagle.py
             continue
         assert e2e.engine_kwargs(phase, "m", plain)["disable_piecewise_cuda_graph"] is True
         kw = e2e.engine_kwargs(phase, "m", pw)
@@ -52,10 +52,10 @@ def test_time_limits_add_the_piecewise_start_per_engine(e2e, tmp_path) -> None:
     assert cap == p4.cap_s * 6 / 4 + 6 * extra and least == p4.min_s + extra
 
 
-def test_parse_piecewise_and_capture_seconds(e2e) -> None:
+def test_parse_piecewise_and_capture_seconds(e2e, core) -> None:
     log = CAPTURE + STATS + host_line(10, 400) + STATS + host_line(57)
     assert e2e.parse_piecewise(log) == {"forwards": 900, "piecewise": 57, "launch_us": 150.5, "canary_us": 190.25}
-    assert e2e.parse_host_time(log)["forwards"] == 900  # the older fields still parse on the longer line
+    assert core.parse_host_time(log)["forwards"] == 900  # the older fields still parse on the longer line
     assert e2e.parse_piecewise(STATS) is None
     assert e2e.piecewise_capture_seconds(CAPTURE * 2) == [18.7, 18.7]
 
@@ -170,7 +170,7 @@ def test_dry_run_cli_with_piecewise(tmp_path) -> None:
     assert "over 3 pairs: median" in proc.stdout
 
 
-def test_the_adapters_host_time_line_parses_with_its_piecewise_count(e2e, caplog) -> None:
+def test_the_adapters_host_time_line_parses_with_its_piecewise_count(e2e, core, caplog) -> None:
     """The driver reads kvcanary's own ``kvcanary host time:`` line (same text, no shared code)."""
     from kvcanary.runtime.config import Config
     from kvcanary.runtime.installation import HostTime, Installation
@@ -183,9 +183,9 @@ def test_the_adapters_host_time_line_parses_with_its_piecewise_count(e2e, caplog
         inst.account_forward(forward_ns=3_000_000, hook_ns=60_000)
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert e2e.parse_piecewise(text) == {"forwards": 2, "piecewise": 1, "launch_us": 160.0, "canary_us": 200.0}
-    assert e2e.parse_host_time(text) == {"forwards": 2, "eager": 1, "canary_us": 175.0, "hooks_us": 50.0,
-                                         "launch_us": 90.0, "forward_us": 2500.0, "batch_init_us": 0.0,
-                                             "max_forward_us": 290.0, "slow_forwards": 0}
+    assert core.parse_host_time(text) == {"forwards": 2, "eager": 1, "canary_us": 175.0, "hooks_us": 50.0,
+                                          "launch_us": 90.0, "forward_us": 2500.0, "batch_init_us": 0.0,
+                                              "max_forward_us": 290.0, "slow_forwards": 0}
 
 
 def test_no_piecewise_table_for_phases_that_ran_without_piecewise_graphs(e2e) -> None:

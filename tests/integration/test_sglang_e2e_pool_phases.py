@@ -28,7 +28,7 @@ def test_dry_run_of_phases_24_to_28_passes(e2e, tmp_path, capsys) -> None:
     assert "| 26 hunt-page-tail | sglang PR 35401 |" in out
 
 
-def test_ident_on_fails_when_an_output_differs(e2e, tmp_path) -> None:
+def test_ident_on_fails_when_an_output_differs(e2e, pool, tmp_path) -> None:
     d = e2e
     off = {"status": "OK", "requests_sent": 2, "requests_ok": 2, "outputs": [[1, 2], [3, 4]]}
     on = dict(off, outputs=[[1, 2], [3, 5]])
@@ -36,7 +36,7 @@ def test_ident_on_fails_when_an_output_differs(e2e, tmp_path) -> None:
     pdir.mkdir()
     (pdir / "worker.log").write_text("kvcanary stats: step=9 forwards=9 tokens_written=9 entries_verified=2000000 "
                                      "entries_swept=9 violations=0 lost=0\n")
-    s = d.summarize_pool(d.PHASES["25"], str(pdir), on, {"24": off})
+    s = pool.summarize_pool(d.PHASES["25"], str(pdir), on, {"24": off})
     assert s["verdict"] == "FAIL" and any("1 of 2 greedy outputs differ from those" in w for w in s["why"])
 
 
@@ -51,20 +51,20 @@ def test_phases_engine_and_env(e2e) -> None:
     assert dict(d.PHASES["28"].env)["E2E_POOL"] == "swa-race-fix"
 
 
-def test_pool_plugin_is_written_only_when_asked(e2e, tmp_path) -> None:
+def test_pool_plugin_is_written_only_when_asked(e2e, pool, tmp_path) -> None:
     d = e2e
-    env = d.pool_env({"PATH": "/bin"}, d.PHASES["2"], str(tmp_path))
+    env = pool.pool_env({"PATH": "/bin"}, d.PHASES["2"], str(tmp_path))
     assert "E2E_POOL" not in env and not (tmp_path / "pool-plugin").exists()
     args = d.parse_args(["--test-lift-kv-dtype"])
-    env = d.pool_env({"PATH": "/bin"}, d.PHASES["2"], str(tmp_path), d.run_pool_switches(args))
+    env = pool.pool_env({"PATH": "/bin"}, d.PHASES["2"], str(tmp_path), pool.run_pool_switches(args))
     assert env["E2E_POOL"] == "lift-kv-dtype" and env["PYTHONPATH"].startswith(str(tmp_path / "pool-plugin"))
     assert (tmp_path / "pool-plugin" / "kvcanary_e2e_pool.py").exists()
-    env = d.pool_env(d.phase_env(d.PHASES["26"], str(tmp_path), base={}), d.PHASES["26"], str(tmp_path))
+    env = pool.pool_env(d.phase_env(d.PHASES["26"], str(tmp_path), base={}), d.PHASES["26"], str(tmp_path))
     assert env["E2E_POOL"] == "page-tail" and os.path.isabs(env["E2E_POOL_PHASES_FILE"])
     # a run-wide switch joins the phase's own, once
     args = d.parse_args(["--test-pool-switch", "swa-lock-fix", "--test-pool-switch", "page-tail"])
-    env = d.pool_env(d.phase_env(d.PHASES["26"], str(tmp_path), base={}), d.PHASES["26"], str(tmp_path),
-                     d.run_pool_switches(args))
+    env = pool.pool_env(d.phase_env(d.PHASES["26"], str(tmp_path), base={}), d.PHASES["26"], str(tmp_path),
+                        pool.run_pool_switches(args))
     assert env["E2E_POOL"] == "page-tail,swa-lock-fix"
     with pytest.raises(SystemExit):
         d.parse_args(["--test-pool-switch", "no-such-switch"])
@@ -112,7 +112,7 @@ def test_lift_switch_drops_only_the_kv_dtype_refusal() -> None:
         audit.refused_rows = before
 
 
-def test_swa_lock_phases_match_violations_against_the_freed_slots(e2e, tmp_path) -> None:
+def test_swa_lock_phases_match_violations_against_the_freed_slots(e2e, pool, tmp_path) -> None:
     """Phases 29/30: the observer's slot files are read back, and phase 29's evidence says how many violated slots
     are among the full slots sglang freed under a full lock (the match that ties the violations to the bug)."""
     import pool_phases as pp
@@ -128,7 +128,7 @@ def test_swa_lock_phases_match_violations_against_the_freed_slots(e2e, tmp_path)
     rows = [{"schema": "kvcanary.violation/1", "slot": s, "step": 4} for s in (5, 6, 40)]
     (pdir / "kvc-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     res = {"status": "OK", "requests_sent": 2, "requests_ok": 2}
-    s = d.summarize_pool(d.PHASES["29"], str(pdir), res, {})
+    s = pool.summarize_pool(d.PHASES["29"], str(pdir), res, {})
     assert s["triggers"] == 2 and s["verdict"] == "CAUGHT"
     assert s["evidence"] == ("2 inserts (2 Branch 1) freed 5 full slots (4 distinct) of a full-locked SWA tombstone; "
                              "2 of the 3 distinct violated slots are among them")
@@ -136,7 +136,7 @@ def test_swa_lock_phases_match_violations_against_the_freed_slots(e2e, tmp_path)
         1, "1 inserts (1 Branch 2) freed 1 full slots (1 distinct) of a full-locked SWA tombstone (the fix patched "
            "in: every such free undone); 1 of the 2 distinct violated slots are among them")
     assert dict(d.PHASES["30"].env)["E2E_POOL"] == "swa-lock-fix"
-    env = d.pool_env(d.phase_env(d.PHASES["29"], str(pdir), base={}), d.PHASES["29"], str(pdir))
+    env = pool.pool_env(d.phase_env(d.PHASES["29"], str(pdir), base={}), d.PHASES["29"], str(pdir))
     assert env["E2E_POOL"] == "swa-lock" and env["E2E_POOL_DIR"] == str(pdir)
 
 
