@@ -235,12 +235,13 @@ SOURCES = ("follow@{before}", "follow", "walk")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def module_at(rev: str, path: str, name: str, replace: tuple[str, str] | None = None) -> types.ModuleType:
-    """The module ``path`` (in this repository) as of git revision ``rev``, loaded as ``name``."""
+def module_at(rev: str, path: str, name: str, replace: tuple[tuple[str, str], ...] = ()) -> types.ModuleType:
+    """The module ``path`` (in this repository) as of git revision ``rev``, loaded as ``name`` (``replace``: text
+    replacements first, e.g. an import redirected to another module loaded as of ``rev``)."""
     text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"], capture_output=True, text=True,
                           check=True).stdout
-    if replace:
-        text = text.replace(*replace)
+    for old, new in replace:
+        text = text.replace(old, new)
     module = types.ModuleType(name)
     module.__file__ = f"{rev}:{path}"
     sys.modules[name] = module  # (dataclasses look their module up)
@@ -249,11 +250,14 @@ def module_at(rev: str, path: str, name: str, replace: tuple[str, str] | None = 
 
 
 def radix_index_at(rev: str) -> types.ModuleType:
-    """``kvcanary.sglang.radix_index`` as of ``rev``, over ``kvcanary.runtime.sweep_index`` as of ``rev``."""
+    """``kvcanary.sglang.radix_index`` as of ``rev``, over ``kvcanary.runtime.sweep_index`` and
+    ``kvcanary.runtime.streams`` as of ``rev`` (a revision's index imports names a later module may not have)."""
     tag = "".join(c for c in rev if c.isalnum())
     index = module_at(rev, "plugin/kvcanary/runtime/sweep_index.py", f"_bench_sweep_index_{tag}")
+    streams = module_at(rev, "plugin/kvcanary/runtime/streams.py", f"_bench_streams_{tag}")
     return module_at(rev, "plugin/kvcanary/sglang/radix_index.py", f"_bench_radix_index_{tag}",
-                     ("from kvcanary.runtime.sweep_index import", f"from {index.__name__} import"))
+                     (("from kvcanary.runtime.sweep_index import", f"from {index.__name__} import"),
+                      ("from kvcanary.runtime.streams import", f"from {streams.__name__} import")))
 
 
 def make_source(name: str, tree):
