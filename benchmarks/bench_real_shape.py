@@ -67,6 +67,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "integration"))
+import e2e_core  # noqa: E402  (integration/e2e_core.py: the log and report parsers every e2e phase reads with)
 import loop_probe  # noqa: E402  (integration/loop_probe.py: --loop-probe's plugin and its log lines)
 import sglang_e2e as e2e  # noqa: E402  (the e2e driver: env, Engine kwargs, log and report parsing; no sglang import)
 
@@ -494,7 +495,8 @@ def host_window(log_text: str, name: str) -> dict | None:
     e = log_text.find(END + name, b)
     if b < 0 or e < 0:
         return None
-    lines = [(m.start(), e2e.last_match_fields(e2e.HOST_RE, m.group(0))) for m in e2e.HOST_RE.finditer(log_text)]
+    host_re = e2e_core.HOST_RE
+    lines = [(m.start(), e2e_core.last_match_fields(host_re, m.group(0))) for m in host_re.finditer(log_text)]
     before = [f for p, f in lines if p < b]
     upto = [f for p, f in lines if p < e]
     a = before[-1] if before else {"forwards": 0, "canary_us": 0.0, "forward_us": 0.0}
@@ -554,8 +556,8 @@ def load_engines(dirs: list[str]) -> list[dict]:
                    "mode": "off" if arm == "off" else "on", "result": res,
                    "startup": startup_facts(log), "entries_verified": stats.get("entries_verified"),
                    "violations": sum(1 for r in rows if r.get("schema") == e2e.VIOLATION_SCHEMA),
-                   "health_errors": sum(1 for r in rows if r.get("schema") == e2e.HEALTH_SCHEMA),
-                   "host": e2e.parse_host_time(log), "shapes": {}}
+                   "health_errors": sum(1 for r in rows if r.get("schema") == e2e_core.HEALTH_SCHEMA),
+                   "host": e2e_core.parse_host_time(log), "shapes": {}}
             for name, s in (res.get("shapes") or {}).items():
                 s = dict(s)
                 host = host_window(log, name) if eng["mode"] == "on" else None

@@ -101,12 +101,6 @@ from e2e_core import (  # noqa: E402  (integration/e2e_core.py: what every phase
 )
 
 # isort: split
-# Read through the driver, though it does not use them itself: by benchmarks/bench_real_shape.py (HEALTH_SCHEMA,
-# HOST_RE, last_match_fields, parse_host_time) and tests/adapters/test_sglang_eagle.py, test_sglang_eagle_28254.py
-# (make_draft_extend_for_prefill, parse_tails). They live in e2e_core.py and eagle_phases.py now; drop these once
-# those files import them from there.
-from e2e_core import HEALTH_SCHEMA, HOST_RE, last_match_fields, parse_host_time  # noqa: E402, F401
-from eagle_phases import make_draft_extend_for_prefill, parse_tails  # noqa: E402, F401
 
 # ---------------------------------------------------------------------------------------------------- facts
 MEASURED_MARKER = "[e2e-worker] measured workload starts"

@@ -56,10 +56,11 @@ TINY_EAGLE = {
 
 
 def _driver():
-    """integration/sglang_e2e.py (its corrected _draft_extend_for_prefill, the upstream fix)."""
-    name = "sglang_e2e_driver"
+    """integration/eagle_phases.py, the e2e driver's EAGLE family (its corrected _draft_extend_for_prefill, the
+    upstream fix; the tail observer's line parser)."""
+    name = "sglang_e2e_eagle_phases"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "integration" / "sglang_e2e.py")
+        spec = importlib.util.spec_from_file_location(name, ROOT / "integration" / "eagle_phases.py")
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
