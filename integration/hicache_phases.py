@@ -1,5 +1,6 @@
 """The HiCache phases of integration/sglang_e2e.py (sglang's host-memory KV tier, issue 24): their workload, what a
-phase's run folder says, the verdicts, the summary table, and the test-only PR 36738 fence.
+phase's run folder says, the phase rows, the verdicts, the summary tables, the dry run and the test-only PR 36738
+fence.
 
 Phases (keys in sglang_e2e.HICACHE_PHASES; each one Engine with ``--enable-hierarchical-cache``, a device pool far
 smaller than the workload's prefixes, so HiRadixCache backs prefixes up to the host, evicts them from the device
@@ -16,7 +17,9 @@ and loads them back into new slots many times):
   fixed one must find nothing.
 
 Nothing here imports sglang or kvcanary at module level (the driver's rule); the fence is applied in sglang's
-processes by a test-only plugin (integration/driver_plugin.py).
+processes by a test-only plugin (integration/driver_plugin.py). The driver side (the worker's plugin environment,
+the phase rows, the dry run) imports the driver core (integration/e2e_core.py) and driver_plugin.py inside its
+functions: sglang's processes load this file alone.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ import collections
 import json
 import random
 import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (annotations only: sglang's processes load this file alone)
+    from e2e_core import Phase
 
 # The host-tier fault classes and their reasons: HOST_TIER_FAULTS, HOST_TIER_REASONS of integration/e2e_core.py.
 VIA_HOST_TIER = "host_tier"
@@ -128,6 +135,28 @@ def verdict(kind: str, s: dict, off_outputs: list | None, match=None) -> list[st
     return why
 
 
+def render_faults(rows: list[dict]) -> list[str]:
+    """The fault phase's host-tier classes (injections, detected, latency) and the race phases' violations."""
+    from e2e_core import HOST_TIER_FAULTS  # (driver side only: sglang's processes load this file alone)
+
+    lines: list[str] = []
+    for row in rows:
+        f = row.get("faults")
+        if f:
+            lines += ["", "| host-tier fault class | injections | detected | latency (steps) |", "|---|---|---|---|"]
+            for c in HOST_TIER_FAULTS:
+                lat = f["latency"].get(c) or []
+                lines.append(f"| {c} | {f['injections'].get(c, 0)} | {f['detected'].get(c, 0)} | "
+                             f"{f'{min(lat)}..{max(lat)}' if lat else '-'} |")
+            lines.append(f"| violations on untouched slots | {f['unexplained']} | | |")
+        for v in row.get("violation_examples") or []:
+            if row["phase"].split()[1].startswith("hicache-race"):
+                lines.append(f"- {row['phase']}: step={v.get('step')} slot={v.get('slot')} "
+                             f"position={v.get('position')} reasons={'+'.join(v.get('reasons', []))} "
+                             f"via={v.get('via')}")
+    return lines
+
+
 def render(rows: list[dict]) -> list[str]:
     if not rows:
         return []
@@ -177,3 +206,90 @@ def install_hicache_fence(value: str) -> None:
     fenced_start_loading._e2e_fenced = True  # type: ignore[attr-defined]
     cc.HiCacheController.start_loading = fenced_start_loading
     sched.Scheduler.init_cache_with_memory_pool = init_cache_with_fence
+
+
+# ------------------------------------------------------------------------------------------ driver side
+# sglang_e2e.HICACHE_PHASES' keys: what each phase is judged as (``verdict``'s kind)
+HICACHE_KIND = {"9": "off", "10": "clean", "11": "clean", "12": "faults", "13": "race", "14": "race-fixed"}
+
+
+def hicache_env(env: dict, phase: Phase, pdir: str) -> dict:
+    """A phase with the PR 36738 fence: the test-only plugin on PYTHONPATH, and where it finds hicache_phases.py."""
+    import os
+
+    from driver_plugin import with_test_plugin  # (driver side only: sglang's processes load this file alone)
+
+    if dict(phase.env).get(FENCE_ENV) is None:
+        return env
+    return with_test_plugin(env, os.path.join(pdir, "fence-plugin"), FENCE_PLUGIN,
+                            about="integration/hicache_phases.py, PR 36738's fence", gate_env=FENCE_ENV,
+                            file_env=FENCE_DRIVER_ENV, module="_kvcanary_e2e_hicache",
+                            function="install_hicache_fence", driver_file=__file__)
+
+
+def summarize_hicache(phase: Phase, pdir: str, res: dict, results: dict) -> dict:
+    """A HiCache phase's row: the clean-phase counts plus the host tier's (kvcanary's stats line), the outputs
+    against hicache-off's, the fault match, and the verdict."""
+    import glob
+    import os
+
+    from e2e_core import VIOLATION_SCHEMA, match_injections, read_jsonl, read_text, summarize_phase
+
+    log_text = read_text(os.path.join(pdir, "worker.log"))
+    rows = read_jsonl(sorted(glob.glob(os.path.join(pdir, "kvc-*.jsonl"))))
+    s = summarize_phase(phase, res, log_text, rows)
+    counts = host_tier_counts(log_text)
+    if counts is not None:
+        s["host_backed_up"], s["host_loaded"] = counts
+    else:
+        s["host_loaded"] = None
+    s["write_policy"] = dict(phase.engine).get("hicache_write_policy")
+    vio = [r for r in rows if r.get("schema") == VIOLATION_SCHEMA]
+    s["violations_via_host_tier"] = sum(r.get("via") == VIA_HOST_TIER for r in vio)
+    s["violations_not_via_host_tier"] = len(vio) - s["violations_via_host_tier"]
+    s["violation_examples"] = vio[:5]
+    off = results.get("9", {}).get("outputs")
+    mine = res.get("outputs")
+    s["outputs_digest"] = outputs_digest(mine)
+    if off is not None and mine is not None and phase.key != "9":
+        differ = sum(a != b for a, b in zip(off, mine, strict=False)) + abs(len(off) - len(mine))
+        s["outputs_differ"], s["outputs_equal"] = differ, "yes" if differ == 0 else f"no ({differ})"
+    kind = HICACHE_KIND[phase.key]
+    match = match_injections(rows) if kind == "faults" else None
+    if match is not None:
+        s["faults"] = {"injections": dict(match.injections), "detected": dict(match.detected),
+                       "latency": {k: sorted(v) for k, v in match.latency.items()},
+                       "unexplained": len(match.unexplained), "missed": match.missed}
+    why = verdict(kind, s, off, match)
+    s["verdict"], s["why"] = ("PASS" if not why else "FAIL"), why
+    if kind == "race" and not why:  # a finding either way: what the race phase saw is reported, not judged
+        s["verdict"] = "REPORTED"
+    return s
+
+
+def dry_run_hicache(phase: Phase, pdir: str, base: dict, rng: random.Random) -> dict:
+    """A HiCache phase's worker output, synthesized: stats lines with the host tier's counts (none with kvcanary
+    off), the same outputs in every phase, and in the fault phase injections each detected via the host tier."""
+    import os
+
+    from e2e_core import HOST_TIER_FAULTS, INJECTION_SCHEMA, VIOLATION_SCHEMA  # (driver side only)
+
+    kind = HICACHE_KIND[phase.key]
+    with open(os.path.join(pdir, "worker.log"), "w") as f:
+        f.write("[dry-run]\n")
+        if kind != "off":
+            f.write("kvcanary stats: step=900 forwards=900 tokens_written=200000 entries_verified=2500000 "
+                    "entries_swept=90000 violations=0 lost=0 host_backed_up=31000 host_loaded=24000\n")
+    if kind == "faults":
+        with open(os.path.join(pdir, "kvc-0.jsonl"), "w") as f:
+            step = 20
+            for c in HOST_TIER_FAULTS * 8:
+                slots = [rng.randrange(1, 6000) for _ in range(2)]
+                f.write(json.dumps({"schema": INJECTION_SCHEMA, "fault": c, "step": step, "slots": slots,
+                                    "detail": "dry-run", "rank": {"tp_rank": 0}}) + "\n")
+                f.write(json.dumps({"schema": VIOLATION_SCHEMA, "step": step + 1, "tag": "verify",
+                                    "reasons": ["verify_real_kv_hash"], "slot": slots[0], "via": "host_tier",
+                                    "rank": {"tp_rank": 0}}) + "\n")
+                step += 6
+    n = base["requests_sent"]
+    return dict(base, outputs=[[7] * 4 for _ in range(n)])

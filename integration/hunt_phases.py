@@ -34,7 +34,9 @@ Verdicts (one per phase): ``CAUGHT`` (violations, with the trigger observed: the
 hunt-overlap-cached: any violation), ``FAIL`` (the phase did not run through).
 
 Nothing here imports sglang or kvcanary at module level (the driver's rule); the observers run in sglang's
-processes through the test-only plugin (integration/driver_plugin.py) and change nothing sglang does.
+processes through the test-only plugin (integration/driver_plugin.py) and change nothing sglang does. The driver
+side (the worker's plugin environment, the phase rows, the dry run) imports the driver core
+(integration/e2e_core.py) and driver_plugin.py inside its functions: sglang's processes load this file alone.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ import collections
 import random
 import re
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (annotations only: sglang's processes load this file alone)
+    from e2e_core import Phase
 
 HUNT_ENV = "E2E_HUNT"  # the observer to install in sglang's processes (the phase's kind)
 HUNT_DRIVER_ENV = "E2E_HUNT_PHASES_FILE"
@@ -449,3 +455,79 @@ def render(rows: list[dict]) -> list[str]:
                        f"slot={v.get('slot')} position={v.get('position')} "
                        f"reasons={'+'.join(v.get('reasons', []))} via={v.get('via')}")
     return out
+
+
+# ------------------------------------------------------------------------------------------ driver side
+def hunt_kind(phase: Phase) -> str | None:
+    return phase.workload[len("hunt-"):] if phase.workload.startswith("hunt-") else None
+
+
+def hunt_env(env: dict, phase: Phase, pdir: str) -> dict:
+    """A hunt phase's worker environment: the test-only observer plugin on PYTHONPATH, and where it finds
+    hunt_phases.py."""
+    import os
+
+    from driver_plugin import with_test_plugin  # (driver side only: sglang's processes load this file alone)
+
+    if hunt_kind(phase) is None:
+        return env
+    return with_test_plugin(env, os.path.join(pdir, "hunt-plugin"), HUNT_PLUGIN,
+                            about="integration/hunt_phases.py, the hunt observers", gate_env=HUNT_ENV,
+                            file_env=HUNT_DRIVER_ENV, module="_kvcanary_e2e_hunt",
+                            function="install_hunt_observer", driver_file=__file__)
+
+
+def summarize_hunt(phase: Phase, pdir: str, res: dict) -> dict:
+    """A hunt phase's row: the clean-phase counts, the trigger the observer (or the requests) showed, the
+    violations (distinct slots, examples), the verdict."""
+    import glob
+    import os
+
+    from e2e_core import VIOLATION_SCHEMA, pool_of, read_jsonl, read_text, summarize_phase
+
+    kind = hunt_kind(phase)
+    log_text = read_text(os.path.join(pdir, "worker.log"))
+    rows = read_jsonl(sorted(glob.glob(os.path.join(pdir, "kvc-*.jsonl"))))
+    s = summarize_phase(phase, res, log_text, rows)
+    for k in ("aborts_sent", "aborted_finished_abort", "retries_ok", "prefix_hits_exact_64", "repeats",
+              "repeats_differ"):
+        s[k] = res.get(k, 0)
+    s["triggers"], s["evidence"] = trigger_count(kind, parse_hunt_lines(log_text), res)
+    s["upstream"] = KINDS[kind][0]
+    vio = [r for r in rows if r.get("schema") == VIOLATION_SCHEMA]
+    s["distinct_slots"] = len({(pool_of(r), r.get("slot")) for r in vio})
+    s["violation_examples"] = vio[:8]
+    s["verdict"], s["why"] = verdict(kind, s, s["triggers"])
+    return s
+
+
+def dry_run_hunt(phase: Phase, pdir: str, base: dict, seed: int = 0) -> dict:
+    """A hunt phase's worker output, synthesized: every request completes (aborted ones end aborted, retries
+    complete), the observer printed a few trigger lines, kvcanary verified entries and found nothing."""
+    import os
+
+    kind = hunt_kind(phase)
+    records = []
+    for r in make_schedule(kind, seed):
+        aborted = r["abort_after"] is not None
+        n = 3 if aborted else r["max_new"]
+        cached = (SHARED_PREFIX_DETERM if kind == "determ-radix" and r["wave"] > 0 and "-d" in r["name"]
+                  else len(r["input_ids"]) - 1 if kind == "overlap-cached" and r["wave"] > 0 else 0)
+        records.append({"name": r["name"], "retry_of": r["retry_of"], "max_new": r["max_new"],
+                        "prompt_len": len(r["input_ids"]), "abort_sent": aborted, "output_len": n,
+                        "cached_tokens": cached, "finish": "abort" if aborted else "length",
+                        "output_ids": [7] * n})
+    res = dict(base)
+    summarize_requests(records, res, kind, seed)
+    lines = {
+        "overlap-cached": "[e2e-hunt] overlap-cached: rid=x position=40 fresh_slot=900 tree_slot=17 "
+                          "launched_decode=1 overlap=1\n",
+        "spec-abort": "[e2e-hunt] spec-abort: rid=x running=1 waiting=0 chunked=0\n",
+        "determ-radix": "",
+        "hicache-hostfree": "[e2e-hunt] hicache-hostfree: freed=256 loading_freed=64 loading=300\n",
+    }[kind] * 8
+    with open(os.path.join(pdir, "worker.log"), "w") as f:
+        f.write("[dry-run]\n" + lines + "kvcanary stats: step=800 forwards=800 tokens_written=90000 "
+                "entries_verified=1500000 entries_swept=40000 violations=0 lost=0\n")
+    open(os.path.join(pdir, "kvc-0.jsonl"), "w").close()
+    return res

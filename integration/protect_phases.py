@@ -1,5 +1,5 @@
 """The protect phases of integration/sglang_e2e.py (``KVCANARY_MODE=protect``, issue 26's GPU acceptance item 2):
-their workload loop, what a phase's run folder says, the verdicts and the tables.
+their workload loop, what a phase's run folder says, the phase rows, the verdicts and the tables.
 
 Phases (keys in sglang_e2e.PROTECT_PHASES; each one Engine with sglang's defaults: overlap scheduler, radix cache,
 decode CUDA graphs; the driver's mixed workload of phase 3, greedy, ``ignore_eos``):
@@ -20,7 +20,8 @@ after another, as ``Engine.generate`` sends them): sglang turns a request's abor
 of that request, which in a batch ``generate`` call would lose the whole group's outputs. Each request's id is
 ``<tag>-<index>``, so the action records' ``request_id`` names the request.
 
-Nothing here imports sglang or kvcanary at module level (the driver's rule).
+Nothing here imports sglang or kvcanary at module level (the driver's rule). The phase rows (``summarize_protect``)
+import the driver core (integration/e2e_core.py) inside the function, as the other families' driver sides do.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ import json
 import re
 import statistics
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (annotations only)
+    from e2e_core import Phase
 
 ACTION_SCHEMA = "kvcanary.action/1"  # = kvcanary.runtime.protect.ACTION_SCHEMA (tests/integration checks it)
 ABORT_PREFIX = "kvcanary: KV cache integrity violation"  # = kvcanary.runtime.protect.ABORT_MESSAGE_PREFIX
@@ -391,3 +396,28 @@ def dry_run(kind: str, pdir: str, base: dict, groups, fault_classes, expected_re
     res = dict(base)
     summarize_requests(records, res)
     return res
+
+
+# ------------------------------------------------------------------------------------------ driver side
+# sglang_e2e.PROTECT_PHASES' keys: what each phase is judged as (``summarize``'s and ``verdict``'s kind)
+PROTECT_KIND = {CLEAN_KEY: "clean", "22": "protect", "23": "hold"}
+
+
+def summarize_protect(phase: Phase, pdir: str, res: dict, results: dict) -> dict:
+    """A protect phase's row: the clean-phase counts, the fault match (phase 3's), the action records per class,
+    the outputs against protect-clean's, the detection window, the verdict."""
+    import glob
+    import os
+
+    from e2e_core import E2E_FAULTS, match_injections, read_jsonl, read_text, summarize_phase
+
+    kind = PROTECT_KIND[phase.key]
+    log_text = read_text(os.path.join(pdir, "worker.log"))
+    rows = read_jsonl(sorted(glob.glob(os.path.join(pdir, "kvc-*.jsonl"))))
+    s = summarize_phase(phase, res, log_text, rows)
+    clean = results.get(CLEAN_KEY)
+    match = match_injections(rows) if kind != "clean" else None
+    summarize(kind, s, rows, res, clean, match, E2E_FAULTS, log_text)
+    why = verdict(kind, s, kind == "clean" or bool((clean or {}).get("outputs")))
+    s["verdict"], s["why"] = ("PASS" if not why else "FAIL"), why
+    return s

@@ -28,7 +28,7 @@ Phases (``--phases``, default ``1,2,3,4``):
    a fresh machine compiles on first use. The ratio is the last pair's (tokens/s and wall time per forward); the
    earlier pairs' ratios are shown beside it. ``--overhead-arms A,B`` (default ``off,log``) compares two other
    arms the same way, e.g. ``log,protect``: A is the baseline, B/A the ratio (arms: off, log, raise, protect,
-   protect-hold = protect with ``KVCANARY_PROTECT_HOLD=1`` for that Engine only).
+   protect-hold = protect with ``KVCANARY_PROTECT_HOLD=1`` for that Engine only); see integration/overhead_phases.py.
 
 5-8. EAGLE speculative decoding (topk 1, chunked prefill of 64): ``eagle-bug`` (sglang 0.5.12 as shipped: kvcanary's
    draft pool reports every wrong chunk tail of sglang issue 26329, matched to the tails a test-only plugin prints),
@@ -47,13 +47,12 @@ Prefill graphs: by default the Engines run with ``disable_piecewise_cuda_graph=T
 of the first H200 runs). ``--piecewise`` leaves sglang 0.5.12's default instead: piecewise CUDA graphs serve
 the prefill forwards (kvcanary runs its launches around each replay); each phase then also needs kvcanary's
 ``kvcanary host time:`` lines to show prefill forwards served by the piecewise runner, and the overhead phase
-runs 3 off/log pairs (median and range of their ratios).
+runs 3 off/log pairs (median and range of their ratios); integration/overhead_phases.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import glob
 import json
@@ -61,7 +60,6 @@ import os
 import random
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -73,7 +71,6 @@ import hunt_phases  # noqa: E402  (integration/hunt_phases.py: the hunt phases 1
 import loop_probe  # noqa: E402  (integration/loop_probe.py: --loop-probe)
 import pool_phases  # noqa: E402  (integration/pool_phases.py: phases 24-30, issues 29/30)
 import protect_phases  # noqa: E402  (integration/protect_phases.py: the protect phases 21-23, issue 26)
-from driver_plugin import with_test_plugin  # noqa: E402
 from e2e_core import (  # noqa: E402  (integration/e2e_core.py: what every phase family reads and judges alike)
     COMMON_ENV,
     E2E_FAULTS,
@@ -81,17 +78,12 @@ from e2e_core import (  # noqa: E402  (integration/e2e_core.py: what every phase
     EXPECTED_REASONS,
     HOST_TIER_FAULTS,
     INJECTION_SCHEMA,
-    PCG_CAPTURE_RE,
     VIOLATION_SCHEMA,
     Phase,
     Request,
     fmt,
     make_workload,
     match_injections,
-    parse_piecewise,
-    parse_stats,
-    piecewise_capture_seconds,
-    pool_of,
     read_jsonl,
     read_text,
     summarize_phase,
@@ -99,12 +91,34 @@ from e2e_core import (  # noqa: E402  (integration/e2e_core.py: what every phase
     verdict_faults,
     workload_stats,
 )
+from overhead_phases import (  # noqa: E402  (integration/overhead_phases.py: phase 4 and --piecewise)
+    DEFAULT_OVERHEAD_ARMS,
+    MEASURED_MARKER,
+    OVERHEAD_ARMS,
+    PIECEWISE_OVERHEAD_ROUNDS,
+    dry_run_overhead,
+    dry_run_piecewise_log,
+    overhead_arms_in,
+    overhead_engine_env,
+    overhead_engine_marker,
+    overhead_pairs,
+    overhead_rows,
+    overhead_subs,
+    parse_overhead_arms,
+    phase_limits,
+    piecewise_engine_kwargs,
+    piecewise_start_allowance,
+    render_overhead,
+    render_piecewise,
+    verdict_piecewise,
+)
 
 # isort: split
+# benchmarks/bench_real_shape.py reads these two parsers through the driver (e2e.parse_stats,
+# e2e.piecewise_capture_seconds), which no longer uses them itself: to drop once it reads them from e2e_core
+from e2e_core import parse_stats, piecewise_capture_seconds  # noqa: E402, F401
 
 # ---------------------------------------------------------------------------------------------------- facts
-MEASURED_MARKER = "[e2e-worker] measured workload starts"
-ENGINE_MARKER = "[e2e-worker] overhead engine: KVCANARY_MODE="
 KVCANARY_KEEP = ("KVCANARY_CUDA_ARCH", "KVCANARY_CACHE_DIR", "KVCANARY_SANITIZE")  # build settings pass through
 
 TINY_LLAMA = {
@@ -167,20 +181,6 @@ def phase_workload(spec: dict) -> list[list[Request]]:
 
 
 # ---------------------------------------------------------------------------------------------------- summary
-def measured_forwards(log_text: str, mode: str = "log") -> int | None:
-    """Forwards the canary counted during the measured workload of the last Engine of arm ``mode`` of an overhead
-    log: its last stats count minus the last one before the measured-workload marker (the unmeasured warm-up's),
-    to within ``KVCANARY_STATS_EVERY``. None without stats lines or marker."""
-    mine = [sec for arm, sec in engine_sections(log_text) if arm == mode]
-    if not mine or MEASURED_MARKER not in mine[-1]:
-        return None
-    before, after = mine[-1].split(MEASURED_MARKER, 1)
-    start, end = parse_stats(before), parse_stats(before + after)
-    if end is None:
-        return None
-    return end["forwards"] - (start["forwards"] if start else 0)
-
-
 def _host_cell(host: dict | None) -> str:
     """The summary table's canary host µs per forward, with the batch hook's share when the line has it."""
     if not host:
@@ -249,55 +249,13 @@ def render(summary: dict) -> str:
                 f"step={v['step']} tag={v.get('tag')} reasons={'+'.join(v['reasons'])} slot={v['slot']}"
                 for v in faults["unexplained_examples"][:5]))
     ov = summary.get("overhead")
-    if ov:
-        base, arm = overhead_arms_of(ov)
-        # forwards: the timed workload's only (the phase row above also counts the unmeasured warm-up groups)
-        lines += ["", "| overhead | output tok/s | total tok/s | workload s | timed forwards | ms/forward |",
-                  "|---|---|---|---|---|---|"]
-        for k in (base, arm):
-            r = ov.get(k) or {}
-            lines.append(f"| {k} | {fmt(r.get('tokens_per_s'))} | {fmt(r.get('total_tokens_per_s'))} | "
-                         f"{fmt(r.get('workload_s'), 2)} | {fmt(r.get('forwards'))} | "
-                         f"{fmt(r.get('ms_per_forward'), 3)} |")
-        host, host_arm = ov.get("host"), overhead_host_arm((base, arm))
-        if host:
-            lines.append(
-                f"| where the canary's time goes ({host_arm}) | {host['canary_us']:.1f} µs host per forward: "
-                f"{host['hooks_us']:.1f} in the forward hooks (drain, health, stats) + "
-                + (f"{host['batch_init_us']:.1f} in the batch hook (ForwardBatch.init_new: writer attribution, "
-                   "token uploads) + " if "batch_init_us" in host else "")
-                + f"{host['launch_us']:.1f} per eager forward ({host['eager']} of {host['forwards']}) launching "
-                f"plan/verify/write; a forward's own host time {host['forward_us']:.1f} µs"
-                + (f"; = {host['canary_us'] / (10 * ov[host_arm]['ms_per_forward']):.1f} % of the measured forward "
-                   "period" if (ov.get(host_arm) or {}).get("ms_per_forward") else "") + " | | | | |")
-        for w in ov.get("warmup_rounds") or []:
-            lines.append(f"| warm-up pair {w['round']} (first Engines on this machine), {arm}/{base} | "
-                         f"{fmt(w['ratio'], 4)} ({arm} {fmt(w[arm])} vs {base} {fmt(w[base])} tok/s) | | | | |")
-        if ov.get("ratio") is not None:
-            r = ov["ratio"]
-            what = (f"{100 * (1 - r):.2f} % fewer tok/s" if r < 1 else
-                    f"no slowdown measurable: {100 * (r - 1):.2f} % more tok/s, within Engine-to-Engine noise")
-            lines.append(f"| {arm}/{base} | {r:.4f} ({what}) | | | | {fmt(ov.get('ms_per_forward_delta'), 3)} ms per "
-                         f"forward, {arm} - {base} |")
+    lines += render_overhead(ov)
     lines += eagle_phases.render_eagle(summary.get("eagle") or [])
     lines += hicache_phases.render(summary.get("hicache") or [])
     lines += hunt_phases.render(summary.get("hunt") or [])
     lines += pool_phases.render(summary.get("pool") or [])
     lines += protect_phases.render(summary.get("protect") or [], E2E_FAULTS)
-    for row in summary.get("hicache") or []:
-        f = row.get("faults")
-        if f:
-            lines += ["", "| host-tier fault class | injections | detected | latency (steps) |", "|---|---|---|---|"]
-            for c in HOST_TIER_FAULTS:
-                lat = f["latency"].get(c) or []
-                lines.append(f"| {c} | {f['injections'].get(c, 0)} | {f['detected'].get(c, 0)} | "
-                             f"{f'{min(lat)}..{max(lat)}' if lat else '-'} |")
-            lines.append(f"| violations on untouched slots | {f['unexplained']} | | |")
-        for v in row.get("violation_examples") or []:
-            if row["phase"].split()[1].startswith("hicache-race"):
-                lines.append(f"- {row['phase']}: step={v.get('step')} slot={v.get('slot')} "
-                             f"position={v.get('position')} reasons={'+'.join(v.get('reasons', []))} "
-                             f"via={v.get('via')}")
+    lines += hicache_phases.render_faults(summary.get("hicache") or [])
     lines += render_piecewise(summary)
     lines += loop_probe.render([tuple(r) for r in (ov or {}).get("probe") or []])
     notes = [f"{s['phase']}: {w}" for s in summary["phases"] for w in s.get("why", [])]
@@ -318,7 +276,7 @@ def build_summary(out: str, phases: list[str], results: dict, budget: float, tot
         pdir = os.path.join(out, f"phase{key}-{phase.name}")
         if key == "4":
             arms = overhead_arms or overhead_arms_in(results)
-            summary["phases"] += _overhead_rows(phase, pdir, results, summary, arms)
+            summary["phases"] += overhead_rows(phase, pdir, results, summary, arms)
             ok_all &= summary.get("overhead", {}).get("ratio") is not None
             ok_all &= overhead_pairs(summary, pdir, results)
             continue
@@ -330,19 +288,19 @@ def build_summary(out: str, phases: list[str], results: dict, budget: float, tot
             summary["phases"].append(s)
             continue
         if key in PROTECT_PHASES:
-            s = summarize_protect(phase, pdir, res, results)
+            s = protect_phases.summarize_protect(phase, pdir, res, results)
             summary.setdefault("protect", []).append(s)
             ok_all &= s["verdict"] == "PASS"
             summary["phases"].append(s)
             continue
         if key in HUNT_PHASES:
-            s = summarize_hunt(phase, pdir, res)
+            s = hunt_phases.summarize_hunt(phase, pdir, res)
             summary.setdefault("hunt", []).append(s)
             ok_all &= s["verdict"] in HUNT_OK
             summary["phases"].append(s)
             continue
         if key in HICACHE_PHASES:
-            s = summarize_hicache(phase, pdir, res, results)
+            s = hicache_phases.summarize_hicache(phase, pdir, res, results)
             summary.setdefault("hicache", []).append(s)
             ok_all &= s["verdict"] in ("PASS", "REPORTED")
             summary["phases"].append(s)
@@ -377,309 +335,6 @@ def build_summary(out: str, phases: list[str], results: dict, budget: float, tot
         summary["phases"].append(s)
     summary["pass"] = bool(ok_all and summary["phases"])
     return summary
-
-
-# Phase 4's arms (--overhead-arms A,B): the kvcanary setting of an Engine, by the name its subs and rows carry. A is
-# the baseline, B the measured arm (the ratio is B/A); protect-hold is protect with KVCANARY_PROTECT_HOLD=1.
-OVERHEAD_ARMS = ("off", "log", "raise", "protect", "protect-hold")
-DEFAULT_OVERHEAD_ARMS = ("off", "log")
-
-
-def parse_overhead_arms(text: str) -> tuple[str, str]:
-    """``--overhead-arms A,B``: two distinct arm names; anything else is refused naming the option and the arms."""
-    arms = tuple(a.strip().lower() for a in str(text).split(","))
-    if len(arms) != 2 or arms[0] == arms[1] or not all(a in OVERHEAD_ARMS for a in arms):
-        raise SystemExit(f"--overhead-arms: expected two distinct arms A,B (A the baseline, B measured against it) "
-                         f"from {', '.join(OVERHEAD_ARMS)}; got {text!r}")
-    return arms
-
-
-def overhead_arm(sub: str) -> str:
-    """The arm of one of phase 4's Engines: ``off-1`` -> off, ``protect-hold`` -> protect-hold."""
-    if sub in OVERHEAD_ARMS:
-        return sub
-    arm, _, r = sub.rpartition("-")
-    if arm in OVERHEAD_ARMS and r.isdigit():
-        return arm
-    raise ValueError(f"not a phase-4 Engine: {sub!r}")
-
-
-def overhead_engine_env(sub: str, sdir: str) -> dict[str, str]:
-    """The kvcanary settings the worker sets for one of phase 4's Engines (and restores after it): the arm's mode,
-    the Engine's report folder, and for the protect arms whether protect holds (``KVCANARY_PROTECT_HOLD``)."""
-    arm = overhead_arm(sub)
-    env = {"KVCANARY_MODE": "protect" if arm == "protect-hold" else arm,
-           "KVCANARY_REPORT": os.path.join(sdir, "kvc-{rank}.jsonl")}
-    if arm.startswith("protect"):
-        env["KVCANARY_PROTECT_HOLD"] = "1" if arm == "protect-hold" else "0"
-    return env
-
-
-def overhead_engine_marker(sub: str, env: dict[str, str] | None = None) -> str:
-    """The worker's line before one of phase 4's Engines starts (``engine_sections`` splits the log at it):
-    ``ENGINE_MARKER`` + mode, then the hold setting and ``arm=`` where the mode alone does not name the arm."""
-    arm = overhead_arm(sub)
-    env = env or overhead_engine_env(sub, "")
-    line = ENGINE_MARKER + env["KVCANARY_MODE"]
-    if "KVCANARY_PROTECT_HOLD" in env:
-        line += f" KVCANARY_PROTECT_HOLD={env['KVCANARY_PROTECT_HOLD']}"
-    return line + (f" arm={arm}" if arm != env["KVCANARY_MODE"] else "")
-
-
-def overhead_arms_in(results: dict) -> tuple[str, str]:
-    """Phase 4's (baseline, measured) arms from the results' keys (``4<arm>``, in start order); the default
-    ``off,log`` when they name no two arms."""
-    arms = [k[1:] for k in results if k.startswith("4") and k[1:] in OVERHEAD_ARMS]
-    return tuple(arms[:2]) if len(arms) >= 2 else DEFAULT_OVERHEAD_ARMS
-
-
-def overhead_arms_of(ov: dict) -> tuple[str, str]:
-    """The (baseline, measured) arms of ``summary["overhead"]`` (kept there only when not the default)."""
-    return tuple(ov.get("arms") or DEFAULT_OVERHEAD_ARMS)
-
-
-def overhead_host_arm(arms: tuple[str, str]) -> str:
-    """The arm whose ``kvcanary host time:`` line the overhead table breaks down: B, or A when B is off."""
-    return arms[1] if arms[1] != "off" else arms[0]
-
-
-def overhead_subs(rounds: int, arms: tuple[str, str] = DEFAULT_OVERHEAD_ARMS) -> list[str]:
-    """Phase 4's Engines in start order: warm-up pairs ``off-1``, ``log-1`` ... then the measured ``off``, ``log``
-    (with ``--overhead-arms A,B``: ``A-1``, ``B-1`` ... ``A``, ``B``)."""
-    subs = [f"{arm}-{r}" for r in range(1, max(rounds, 1)) for arm in arms]
-    return subs + list(arms)
-
-
-def overhead_arm_text(log_text: str, arm: str, arms: tuple[str, str]) -> str:
-    """The part of phase 4's log an arm's row reads: all of it without the other arm's Engines when that arm runs
-    kvcanary too (its stats lines would be taken for this arm's); all of it when the other arm is off (as before)."""
-    other = arms[1] if arm == arms[0] else arms[0]
-    if other == "off" or ENGINE_MARKER not in log_text:
-        return log_text
-    head, *parts = log_text.split(ENGINE_MARKER)
-    return head + "".join(ENGINE_MARKER + p for p in parts if _section_arm(p) != other)
-
-
-def _overhead_rows(phase: Phase, pdir: str, results: dict, summary: dict,
-                   arms: tuple[str, str] = DEFAULT_OVERHEAD_ARMS) -> list[dict]:
-    base, arm = arms
-    rows, ov = [], {}
-    warm = []
-    r = 1
-    while f"4{base}-{r}" in results or f"4{arm}-{r}" in results:
-        a, b = results.get(f"4{base}-{r}", {}), results.get(f"4{arm}-{r}", {})
-        ratio = b["tokens_per_s"] / a["tokens_per_s"] if a.get("tokens_per_s") and b.get("tokens_per_s") else None
-        warm.append({"round": r, base: a.get("tokens_per_s"), arm: b.get("tokens_per_s"), "ratio": ratio})
-        r += 1
-    shared = read_text(os.path.join(pdir, "worker.log"))
-    for sub in arms:
-        res = results.get(f"4{sub}", {"status": "SKIPPED"})
-        sdir = os.path.join(pdir, sub)
-        log_text = overhead_arm_text(shared, sub, arms) + read_text(os.path.join(sdir, "worker.log"))
-        rep = read_jsonl(sorted(glob.glob(os.path.join(sdir, "kvc-*.jsonl"))))
-        s = summarize_phase(phase, res, log_text if sub != "off" else "", rep)
-        s["phase"] = f"4 overhead-{sub}"
-        ok = s["status"] == "OK" and s["requests_ok"] == s["requests_sent"] > 0 and not s["violations"]
-        s["verdict"], s["why"] = ("PASS" if ok else "FAIL"), ([] if ok else [f"status {s['status']}"])
-        ov[sub] = {"tokens_per_s": res.get("tokens_per_s"), "total_tokens_per_s": res.get("total_tokens_per_s"),
-                   "workload_s": res.get("workload_s"), "forwards": s["forwards"]}
-        if sub == overhead_host_arm(arms):
-            ov["host"] = s.get("host")
-        rows.append(s)
-    # forwards of each arm's measured workload; an off arm's are the other arm's (same workload, same schedule: the
-    # plugin off counts nothing)
-    fws = {sub: measured_forwards(overhead_arm_text(shared, sub, arms), sub) or ov[sub].get("forwards")
-           for sub in arms if sub != "off"}
-    for sub in arms:
-        fw = fws.get(sub) if sub != "off" else fws.get(arm if sub == base else base)
-        if fw:
-            ov[sub]["forwards"] = fw
-    for sub in arms:
-        r = ov[sub]
-        ok = r.get("workload_s") and r.get("forwards")
-        r["ms_per_forward"] = 1000.0 * r["workload_s"] / r["forwards"] if ok else None
-    if ov[base].get("tokens_per_s") and ov[arm].get("tokens_per_s"):
-        ov["ratio"] = ov[arm]["tokens_per_s"] / ov[base]["tokens_per_s"]
-        if ov[base]["ms_per_forward"] and ov[arm]["ms_per_forward"]:
-            ov["ms_per_forward_delta"] = ov[arm]["ms_per_forward"] - ov[base]["ms_per_forward"]
-    else:
-        ov["ratio"] = None
-    ov["warmup_rounds"] = warm
-    if tuple(arms) != DEFAULT_OVERHEAD_ARMS:
-        ov["arms"] = list(arms)
-    summary["overhead"] = ov
-    return rows
-
-
-# ---------------------------------------------------------------------------------------------------- piecewise
-# sglang 0.5.12 serves extend forwards of up to piecewise_cuda_graph_max_tokens tokens (= chunked_prefill_size,
-# capped by max_total_tokens) from piecewise CUDA graphs unless disable_piecewise_cuda_graph is passed. Building them
-# costs every Engine start: torch.compile (dynamo, the "eager" compiler: no codegen) traces the model's layer stack
-# once, then each capture size (4..512 tokens with this driver's chunk of 512: 30 sizes) runs once to compile and
-# twice to capture one graph per piece (pieces split at attention: layers + 1 of them). Estimated 15-40 s for the
-# tiny 2-layer model on an H200 host; the summary prints what sglang measured ("Capture piecewise CUDA graph end").
-PIECEWISE_START_S = 40  # budget allowance per Engine start with piecewise graphs
-PIECEWISE_OVERHEAD_ROUNDS = 3  # phase 4 with --piecewise: off/log pairs (median and range of the ratios)
-# Phases whose prefill the piecewise runner must serve with --piecewise. The EAGLE phases' target extends ask for
-# hidden states (CaptureHiddenMode.FULL), which 0.5.12's PiecewiseCudaGraphRunner.can_run declines: shown, not required.
-PIECEWISE_SERVES = ("1", "2", "3", "4")
-
-
-def piecewise_engine_kwargs(kw: dict, piecewise: bool) -> dict:
-    """``--piecewise``: sglang's own default for prefill graphs (the argument is left out, as a user leaves it)."""
-    if piecewise:
-        kw.pop("disable_piecewise_cuda_graph", None)
-    return kw
-
-
-def piecewise_start_allowance(args) -> float:
-    return PIECEWISE_START_S if getattr(args, "piecewise", False) else 0.0
-
-
-def phase_limits(phase: Phase, args, engines: int, total_engines: int) -> tuple[float, float]:
-    """(cap, minimum) seconds of one worker that starts ``engines`` of the phase's ``total_engines`` Engines.
-
-    The phase's own cap and minimum (the minimum shared out over the Engines); phase 4 with more than the default
-    2 pairs in one worker gets its cap scaled per Engine; ``--piecewise`` adds PIECEWISE_START_S per Engine started
-    to the cap, and once to the minimum."""
-    cap = float(phase.cap_s)
-    if phase.key == "4" and engines > 4:
-        cap = phase.cap_s * engines / 4
-    least = phase.min_s * engines / max(total_engines, 1)
-    extra = piecewise_start_allowance(args)
-    return cap + extra * engines, least + extra
-
-
-def verdict_piecewise(s: dict) -> list[str]:
-    """With --piecewise a phase passes only if the piecewise runner was built and served prefill forwards that
-    kvcanary planned, verified and wrote (its host-time line counts them)."""
-    if not s.get("piecewise_requested") or s.get("status") in ("SKIPPED", None):
-        return []
-    why = []
-    if not s.get("pcg_capture_s"):
-        why.append("no piecewise CUDA graph was built (sglang disabled it for this setup?)")
-    pw = s.get("piecewise")
-    if (not pw or not pw["piecewise"]) and str(s.get("phase", "")).split(" ", 1)[0] in PIECEWISE_SERVES:
-        why.append("no prefill forward served by the piecewise runner in kvcanary's host-time lines")
-    return why
-
-
-def _section_arm(part: str) -> str:
-    """The arm of one Engine's part of phase 4's log (the text after ``ENGINE_MARKER``): its ``arm=`` where the
-    marker line has one, else the mode (the line's first word)."""
-    if not part.strip():
-        return "?"
-    first = part.split("\n", 1)[0].split()
-    named = [w[len("arm="):] for w in first if w.startswith("arm=")]
-    return named[-1] if named else first[0] if first else part.split(None, 1)[0]
-
-
-def engine_sections(log_text: str) -> list[tuple[str, str]]:
-    """Phase 4's worker log split per Engine: ``(arm, text)`` in start order (the arm is the mode for the arms
-    named after theirs: off, log, raise, protect)."""
-    parts = log_text.split(ENGINE_MARKER)[1:]
-    return [(_section_arm(p), p) for p in parts]
-
-
-def overhead_pairs(summary: dict, pdir: str, results: dict) -> bool:
-    """Every off/log pair's tokens/s ratio (log/off; with --overhead-arms A,B: B/A), their median and range, into
-    ``summary["overhead"]["pairs"]``; with --piecewise also that every Engine built piecewise graphs and every
-    Engine with kvcanary on (log, or an arm other than off) served prefill forwards from them (the failing rows get
-    the reason). Returns False when --piecewise's requirements fail."""
-    ov = summary.setdefault("overhead", {})
-    arms = overhead_arms_of(ov)
-    ratios = [w["ratio"] for w in ov.get("warmup_rounds") or [] if w.get("ratio")]
-    if ov.get("ratio"):
-        ratios.append(ov["ratio"])
-    ov["pairs"] = {"ratios": ratios, "median": statistics.median(ratios) if ratios else None,
-                   "min": min(ratios) if ratios else None, "max": max(ratios) if ratios else None}
-    ov["probe"] = probe_rows(pdir)
-    requested = any(r.get("piecewise") for k, r in results.items() if k.startswith("4"))
-    if not requested:
-        return True
-    log_text = read_text(os.path.join(pdir, "worker.log"))
-    for sub in arms:
-        log_text += read_text(os.path.join(pdir, sub, "worker.log"))
-    sections = engine_sections(log_text)
-    ov["pcg_engines"] = {"built": sum(bool(PCG_CAPTURE_RE.search(t)) for _, t in sections), "engines": len(sections),
-                         "capture_s": piecewise_capture_seconds(log_text)}
-    served = {arm: [c["piecewise"] if c else 0 for c in (parse_piecewise(t) for m, t in sections if m == arm)]
-              for arm in arms if arm != "off"}  # prefill forwards the piecewise runner served, per Engine of the arm
-    if "log" in served:
-        ov["piecewise_per_log_engine"] = served["log"]
-    if tuple(arms) != DEFAULT_OVERHEAD_ARMS:
-        ov["piecewise_per_engine"] = served
-    ok = True
-    for row in summary["phases"]:
-        if not row["phase"].startswith("4 overhead-"):
-            continue
-        row["piecewise_requested"] = True
-        arm = row["phase"][len("4 overhead-"):]
-        row["pcg_capture_s"] = [c for m, t in sections if m == arm for c in piecewise_capture_seconds(t)]
-        why = []
-        if sections and ov["pcg_engines"]["built"] < len(sections):
-            why.append(f"piecewise graphs built by {ov['pcg_engines']['built']} of {len(sections)} Engines")
-        if arm in served and (not served[arm] or not all(served[arm])):
-            why.append(f"a {arm} Engine served no prefill forward from the piecewise runner")
-        if why:
-            row["verdict"], row["why"] = "FAIL", row.get("why", []) + why
-            ok = False
-    if len(ratios) < PIECEWISE_OVERHEAD_ROUNDS:
-        ok = False
-        for row in summary["phases"]:
-            if row["phase"] == f"4 overhead-{arms[1]}":
-                row["verdict"] = "FAIL"
-                row["why"] = row.get("why", []) + [f"{len(ratios)} {arms[0]}/{arms[1]} pair(s) measured, "
-                                                   f"< {PIECEWISE_OVERHEAD_ROUNDS}"]
-    return ok
-
-
-def probe_rows(pdir: str) -> list[tuple[str, dict]]:
-    """--loop-probe: each overhead Engine's µs per scheduler-loop iteration in its measured workload, in start
-    order, labelled ``off-1``, ``log-1`` ... (by arm: ``log-1``, ``protect-1`` ...; empty without probe lines)."""
-    log_text = read_text(os.path.join(pdir, "worker.log"))
-    for sub in os.listdir(pdir) if os.path.isdir(pdir) else []:
-        log_text += read_text(os.path.join(pdir, sub, "worker.log"))
-    rows, seen = [], collections.Counter()
-    for mode, text in engine_sections(log_text):
-        window = loop_probe.parse_window(text)
-        if window is None or not window["iters"]:
-            continue
-        seen[mode] += 1
-        rows.append((f"{mode}-{seen[mode]}", loop_probe.per_iteration(window)))
-    return rows
-
-
-def render_piecewise(summary: dict) -> list[str]:
-    """The piecewise table: per phase, prefill forwards the piecewise runner served and the canary's host time on
-    them; the overhead pairs' median and range."""
-    # a phase without --piecewise still parses piecewise=0 from its host-time lines: no table for it
-    rows = [s for s in summary["phases"]
-            if s.get("piecewise_requested") or (s.get("piecewise") or {}).get("piecewise")]
-    lines: list[str] = []
-    if rows:
-        lines += ["", "| phase (piecewise CUDA graphs on) | prefill forwards served by the piecewise runner | "
-                      "of forwards | canary host µs per piecewise forward (of it launches) | piecewise graph build s |",
-                  "|---|---|---|---|---|"]
-        for s in rows:
-            pw = s.get("piecewise") or {}
-            cap = s.get("pcg_capture_s") or []
-            lines.append(f"| {s['phase']} | {fmt(pw.get('piecewise'))} | {fmt(pw.get('forwards'))} | "
-                         f"{fmt(pw.get('canary_us'))} ({fmt(pw.get('launch_us'))}) | "
-                         f"{', '.join(f'{c:.1f}' for c in cap) or '-'} |")
-    pairs = (summary.get("overhead") or {}).get("pairs") or {}
-    if len(pairs.get("ratios") or []) > 1:
-        ov = summary["overhead"]
-        base, arm = overhead_arms_of(ov)
-        built = ov.get("pcg_engines")
-        served = ov.get("piecewise_per_engine") or {"log": ov.get("piecewise_per_log_engine")}
-        lines += ["", f"overhead, {arm}/{base} tok/s over {len(pairs['ratios'])} pairs: median {pairs['median']:.4f}, "
-                      f"min {pairs['min']:.4f}, max {pairs['max']:.4f} (pairs in start order: "
-                      + ", ".join(f"{r:.4f}" for r in pairs["ratios"]) + ")"
-                  + (f"; piecewise graphs built by {built['built']} of {built['engines']} Engines, prefill "
-                     f"forwards served " + ", ".join(f"per {a} Engine: {n}" for a, n in served.items())
-                     if built else "")]
-    return lines
 
 
 # ---------------------------------------------------------------------------------------------------- EAGLE
@@ -764,54 +419,8 @@ HICACHE_PHASES: dict[str, Phase] = {
     "13": _hicache_phase("13", "hicache-race", "log", "write_through"),
     "14": _hicache_phase("14", "hicache-race-fixed", "log", "write_through", ((_HC.FENCE_ENV, "fix"),)),
 }
-HICACHE_KIND = {"9": "off", "10": "clean", "11": "clean", "12": "faults", "13": "race", "14": "race-fixed"}
 PHASES.update(HICACHE_PHASES)
 PHASE_NAMES.update({p.name: k for k, p in HICACHE_PHASES.items()})
-
-
-def hicache_env(env: dict, phase: Phase, pdir: str) -> dict:
-    """A phase with the PR 36738 fence: the test-only plugin on PYTHONPATH, and where it finds hicache_phases.py."""
-    if dict(phase.env).get(_HC.FENCE_ENV) is None:
-        return env
-    return with_test_plugin(env, os.path.join(pdir, "fence-plugin"), _HC.FENCE_PLUGIN,
-                            about="integration/hicache_phases.py, PR 36738's fence", gate_env=_HC.FENCE_ENV,
-                            file_env=_HC.FENCE_DRIVER_ENV, module="_kvcanary_e2e_hicache",
-                            function="install_hicache_fence", driver_file=_HC.__file__)
-
-
-def summarize_hicache(phase: Phase, pdir: str, res: dict, results: dict) -> dict:
-    """A HiCache phase's row: the clean-phase counts plus the host tier's (kvcanary's stats line), the outputs
-    against hicache-off's, the fault match, and the verdict."""
-    log_text = read_text(os.path.join(pdir, "worker.log"))
-    rows = read_jsonl(sorted(glob.glob(os.path.join(pdir, "kvc-*.jsonl"))))
-    s = summarize_phase(phase, res, log_text, rows)
-    counts = _HC.host_tier_counts(log_text)
-    if counts is not None:
-        s["host_backed_up"], s["host_loaded"] = counts
-    else:
-        s["host_loaded"] = None
-    s["write_policy"] = dict(phase.engine).get("hicache_write_policy")
-    vio = [r for r in rows if r.get("schema") == VIOLATION_SCHEMA]
-    s["violations_via_host_tier"] = sum(r.get("via") == _HC.VIA_HOST_TIER for r in vio)
-    s["violations_not_via_host_tier"] = len(vio) - s["violations_via_host_tier"]
-    s["violation_examples"] = vio[:5]
-    off = results.get("9", {}).get("outputs")
-    mine = res.get("outputs")
-    s["outputs_digest"] = _HC.outputs_digest(mine)
-    if off is not None and mine is not None and phase.key != "9":
-        differ = sum(a != b for a, b in zip(off, mine, strict=False)) + abs(len(off) - len(mine))
-        s["outputs_differ"], s["outputs_equal"] = differ, "yes" if differ == 0 else f"no ({differ})"
-    kind = HICACHE_KIND[phase.key]
-    match = match_injections(rows) if kind == "faults" else None
-    if match is not None:
-        s["faults"] = {"injections": dict(match.injections), "detected": dict(match.detected),
-                       "latency": {k: sorted(v) for k, v in match.latency.items()},
-                       "unexplained": len(match.unexplained), "missed": match.missed}
-    why = _HC.verdict(kind, s, off, match)
-    s["verdict"], s["why"] = ("PASS" if not why else "FAIL"), why
-    if kind == "race" and not why:  # a finding either way: what the race phase saw is reported, not judged
-        s["verdict"] = "REPORTED"
-    return s
 
 
 # ---------------------------------------------------------------------------------------------------- hunt
@@ -837,70 +446,6 @@ PHASE_NAMES.update({p.name: k for k, p in HUNT_PHASES.items()})
 HUNT_OK = ("CLEAN", "CAUGHT", "NOT TRIGGERED")  # a finding either way; FAIL and FALSE POSITIVE fail the run
 
 
-def hunt_kind(phase: Phase) -> str | None:
-    return phase.workload[len("hunt-"):] if phase.workload.startswith("hunt-") else None
-
-
-def hunt_env(env: dict, phase: Phase, pdir: str) -> dict:
-    """A hunt phase's worker environment: the test-only observer plugin on PYTHONPATH, and where it finds
-    hunt_phases.py."""
-    if hunt_kind(phase) is None:
-        return env
-    return with_test_plugin(env, os.path.join(pdir, "hunt-plugin"), _HU.HUNT_PLUGIN,
-                            about="integration/hunt_phases.py, the hunt observers", gate_env=_HU.HUNT_ENV,
-                            file_env=_HU.HUNT_DRIVER_ENV, module="_kvcanary_e2e_hunt",
-                            function="install_hunt_observer", driver_file=_HU.__file__)
-
-
-def summarize_hunt(phase: Phase, pdir: str, res: dict) -> dict:
-    """A hunt phase's row: the clean-phase counts, the trigger the observer (or the requests) showed, the
-    violations (distinct slots, examples), the verdict."""
-    kind = hunt_kind(phase)
-    log_text = read_text(os.path.join(pdir, "worker.log"))
-    rows = read_jsonl(sorted(glob.glob(os.path.join(pdir, "kvc-*.jsonl"))))
-    s = summarize_phase(phase, res, log_text, rows)
-    for k in ("aborts_sent", "aborted_finished_abort", "retries_ok", "prefix_hits_exact_64", "repeats",
-              "repeats_differ"):
-        s[k] = res.get(k, 0)
-    s["triggers"], s["evidence"] = _HU.trigger_count(kind, _HU.parse_hunt_lines(log_text), res)
-    s["upstream"] = _HU.KINDS[kind][0]
-    vio = [r for r in rows if r.get("schema") == VIOLATION_SCHEMA]
-    s["distinct_slots"] = len({(pool_of(r), r.get("slot")) for r in vio})
-    s["violation_examples"] = vio[:8]
-    s["verdict"], s["why"] = _HU.verdict(kind, s, s["triggers"])
-    return s
-
-
-def dry_run_hunt(phase: Phase, pdir: str, base: dict, seed: int = 0) -> dict:
-    """A hunt phase's worker output, synthesized: every request completes (aborted ones end aborted, retries
-    complete), the observer printed a few trigger lines, kvcanary verified entries and found nothing."""
-    kind = hunt_kind(phase)
-    records = []
-    for r in _HU.make_schedule(kind, seed):
-        aborted = r["abort_after"] is not None
-        n = 3 if aborted else r["max_new"]
-        cached = (_HU.SHARED_PREFIX_DETERM if kind == "determ-radix" and r["wave"] > 0 and "-d" in r["name"]
-                  else len(r["input_ids"]) - 1 if kind == "overlap-cached" and r["wave"] > 0 else 0)
-        records.append({"name": r["name"], "retry_of": r["retry_of"], "max_new": r["max_new"],
-                        "prompt_len": len(r["input_ids"]), "abort_sent": aborted, "output_len": n,
-                        "cached_tokens": cached, "finish": "abort" if aborted else "length",
-                        "output_ids": [7] * n})
-    res = dict(base)
-    _HU.summarize_requests(records, res, kind, seed)
-    lines = {
-        "overlap-cached": "[e2e-hunt] overlap-cached: rid=x position=40 fresh_slot=900 tree_slot=17 "
-                          "launched_decode=1 overlap=1\n",
-        "spec-abort": "[e2e-hunt] spec-abort: rid=x running=1 waiting=0 chunked=0\n",
-        "determ-radix": "",
-        "hicache-hostfree": "[e2e-hunt] hicache-hostfree: freed=256 loading_freed=64 loading=300\n",
-    }[kind] * 8
-    with open(os.path.join(pdir, "worker.log"), "w") as f:
-        f.write("[dry-run]\n" + lines + "kvcanary stats: step=800 forwards=800 tokens_written=90000 "
-                "entries_verified=1500000 entries_swept=40000 violations=0 lost=0\n")
-    open(os.path.join(pdir, "kvc-0.jsonl"), "w").close()
-    return res
-
-
 # ---------------------------------------------------------------------------------------------------- protect
 # integration/protect_phases.py: KVCANARY_MODE=protect under phase 3's faults (issue 26, GPU acceptance item 2).
 # sglang's defaults (overlap scheduler, radix cache, decode graphs), phase 3's workload; ~80 s a phase warm.
@@ -917,24 +462,8 @@ PROTECT_PHASES: dict[str, Phase] = {
     "22": _protect_phase("22", "protect", _PROTECT_FAULT_ENV),
     "23": _protect_phase("23", "protect-hold", _PROTECT_FAULT_ENV + (("KVCANARY_PROTECT_HOLD", "1"),)),
 }
-PROTECT_KIND = {_PR.CLEAN_KEY: "clean", "22": "protect", "23": "hold"}
 PHASES.update(PROTECT_PHASES)
 PHASE_NAMES.update({p.name: k for k, p in PROTECT_PHASES.items()})
-
-
-def summarize_protect(phase: Phase, pdir: str, res: dict, results: dict) -> dict:
-    """A protect phase's row: the clean-phase counts, the fault match (phase 3's), the action records per class,
-    the outputs against protect-clean's, the detection window, the verdict."""
-    kind = PROTECT_KIND[phase.key]
-    log_text = read_text(os.path.join(pdir, "worker.log"))
-    rows = read_jsonl(sorted(glob.glob(os.path.join(pdir, "kvc-*.jsonl"))))
-    s = summarize_phase(phase, res, log_text, rows)
-    clean = results.get(_PR.CLEAN_KEY)
-    match = match_injections(rows) if kind != "clean" else None
-    _PR.summarize(kind, s, rows, res, clean, match, E2E_FAULTS, log_text)
-    why = _PR.verdict(kind, s, kind == "clean" or bool((clean or {}).get("outputs")))
-    s["verdict"], s["why"] = ("PASS" if not why else "FAIL"), why
-    return s
 
 
 # ---------------------------------------------------------------------------------------------------- pool kinds
@@ -1111,7 +640,7 @@ def run_phases(args, runner=run_worker) -> dict:
                 "requests": args.requests, "seed": args.seed, "chunk": args.chunk, "out": pdir,
                 "deadline": time.time() + timeout - 25,  # the worker stops sending requests then, and shuts down
                 "max_new": list(phase.max_new), "warm_groups": 3 if key == "4" else 0, "workload": phase.workload,
-                "temperature": phase.temperature, "hunt": hunt_kind(phase),
+                "temperature": phase.temperature, "hunt": hunt_phases.hunt_kind(phase),
                 "keep_outputs": key in HICACHE_PHASES or key in pool_phases.IDENT_PHASES,
                 "protect": key in PROTECT_PHASES}
         spec_path = os.path.join(pdir, f"spec{'-' + '-'.join(s for s in subs if s)}.json")
@@ -1124,8 +653,8 @@ def run_phases(args, runner=run_worker) -> dict:
         env = phase_env(phase, pdir, fault_rank=getattr(args, "fault_rank", None),
                         overrides=parse_kvcanary_env(getattr(args, "kvcanary_env", None) or []))
         env = eagle_phases.eagle_env(env, phase, pdir)
-        env = hicache_env(env, phase, pdir)
-        env = hunt_env(env, phase, pdir)
+        env = hicache_phases.hicache_env(env, phase, pdir)
+        env = hunt_phases.hunt_env(env, phase, pdir)
         env = pool_phases.pool_env(env, phase, pdir, pool_phases.run_pool_switches(args))
         if getattr(args, "loop_probe", False):
             env = loop_probe.probe_env(env, os.path.join(pdir, "loop-probe-plugin"))
@@ -1268,29 +797,23 @@ def dry_run_reports(args, groups: list[list[Request]]) -> dict:
             results[key] = eagle_phases.dry_run_eagle(phase, pdir, dict(base, seed=args.seed), args.seed)
             continue
         if key in HICACHE_PHASES:
-            results[key] = dry_run_hicache(phase, pdir, base, rng)
+            results[key] = hicache_phases.dry_run_hicache(phase, pdir, base, rng)
             continue
         if key in HUNT_PHASES:
-            results[key] = dry_run_hunt(phase, pdir, base, args.seed)
+            results[key] = hunt_phases.dry_run_hunt(phase, pdir, base, args.seed)
             continue
         if key in POOL_PHASES:
             results[key] = pool_phases.dry_run_pool(phase, pdir, base, n_req)
             continue
         if key in PROTECT_PHASES:
-            results[key] = protect_phases.dry_run(PROTECT_KIND[key], pdir, base, groups, E2E_FAULTS, EXPECTED_REASONS)
+            results[key] = protect_phases.dry_run(protect_phases.PROTECT_KIND[key], pdir, base, groups,
+                                                   E2E_FAULTS, EXPECTED_REASONS)
             continue
         if args.piecewise:
             stats = dry_run_piecewise_log()
             base["piecewise"] = True
-        if key == "4" and args.piecewise:
-            results.update(dry_run_piecewise_overhead(args, pdir, base, stats))
-            continue
-        if key == "4":  # the measured pair only (A, then B 2.5 % slower)
-            for sub, tps in zip(getattr(args, "overhead_arms", DEFAULT_OVERHEAD_ARMS), (1000.0, 975.0), strict=True):
-                os.makedirs(os.path.join(pdir, sub))
-                results["4" + sub] = dict(base, tokens_per_s=tps, workload_s=out_tok / tps)
-                with open(os.path.join(pdir, sub, "worker.log"), "w") as f:
-                    f.write(stats if sub != "off" else "")
+        if key == "4":
+            results.update(dry_run_overhead(args, pdir, base, stats))
             continue
         with open(os.path.join(pdir, "worker.log"), "w") as f:
             f.write("[dry-run]\n" + stats)
@@ -1307,57 +830,6 @@ def dry_run_reports(args, groups: list[list[Request]]) -> dict:
                                         "rank": {"tp_rank": 0}}) + "\n")
                     step += 3
         results[key] = base
-    return results
-
-
-def dry_run_hicache(phase: Phase, pdir: str, base: dict, rng: random.Random) -> dict:
-    """A HiCache phase's worker output, synthesized: stats lines with the host tier's counts (none with kvcanary
-    off), the same outputs in every phase, and in the fault phase injections each detected via the host tier."""
-    kind = HICACHE_KIND[phase.key]
-    with open(os.path.join(pdir, "worker.log"), "w") as f:
-        f.write("[dry-run]\n")
-        if kind != "off":
-            f.write("kvcanary stats: step=900 forwards=900 tokens_written=200000 entries_verified=2500000 "
-                    "entries_swept=90000 violations=0 lost=0 host_backed_up=31000 host_loaded=24000\n")
-    if kind == "faults":
-        with open(os.path.join(pdir, "kvc-0.jsonl"), "w") as f:
-            step = 20
-            for c in HOST_TIER_FAULTS * 8:
-                slots = [rng.randrange(1, 6000) for _ in range(2)]
-                f.write(json.dumps({"schema": INJECTION_SCHEMA, "fault": c, "step": step, "slots": slots,
-                                    "detail": "dry-run", "rank": {"tp_rank": 0}}) + "\n")
-                f.write(json.dumps({"schema": VIOLATION_SCHEMA, "step": step + 1, "tag": "verify",
-                                    "reasons": ["verify_real_kv_hash"], "slot": slots[0], "via": "host_tier",
-                                    "rank": {"tp_rank": 0}}) + "\n")
-                step += 6
-    n = base["requests_sent"]
-    return dict(base, outputs=[[7] * 4 for _ in range(n)])
-
-
-def dry_run_piecewise_log() -> str:
-    """A worker log of one Engine with piecewise graphs: sglang's capture line and kvcanary's lines."""
-    return ("Capture piecewise CUDA graph end. Time elapsed: 21.4 s. mem usage=0.12 GB. avail mem=120.00 GB.\n"
-            "kvcanary stats: step=1200 forwards=1200 tokens_written=300000 entries_verified=2500000 "
-            "entries_swept=90000 violations=0 lost=0\n"
-            "kvcanary host time: step=1200 forwards=1200 eager=0 canary_us_per_forward=64.7 hooks_us=40.2 "
-            "launch_us_per_eager_forward=0.0 forward_us=2210.0 piecewise=240 launch_us_per_piecewise_forward=106.5 "
-            "canary_us_per_piecewise_forward=146.7 batch_init_us=3.2\n")
-
-
-def dry_run_piecewise_overhead(args, pdir: str, base: dict, log_engine: str) -> dict:
-    """Phase 4 with --piecewise: every Engine of every pair in one worker log, as the shared worker writes it."""
-    results, text = {}, ""
-    arms = tuple(getattr(args, "overhead_arms", DEFAULT_OVERHEAD_ARMS))
-    for i, sub in enumerate(overhead_subs(args.overhead_rounds, arms)):
-        arm = overhead_arm(sub)
-        tps = 1000.0 if arm == arms[0] else 975.0 + 10.0 * i
-        os.makedirs(os.path.join(pdir, sub), exist_ok=True)
-        results["4" + sub] = dict(base, tokens_per_s=tps, workload_s=base["output_tokens"] / tps)
-        capture, *canary = log_engine.splitlines(True)
-        text += overhead_engine_marker(sub) + "\n" + capture + MEASURED_MARKER + "\n"
-        text += "".join(canary) if arm != "off" else ""
-    with open(os.path.join(pdir, "worker.log"), "w") as f:
-        f.write(text)
     return results
 
 

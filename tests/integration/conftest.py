@@ -47,6 +47,12 @@ def pool(e2e):
 
 
 @pytest.fixture(scope="module")
+def overhead(e2e):
+    """integration/overhead_phases.py (phase 4 and --piecewise), as the driver imports it."""
+    return sys.modules["overhead_phases"]
+
+
+@pytest.fixture(scope="module")
 def probe():
     """integration/loop_probe.py (the driver's --loop-probe)."""
     return _script("loop_probe_under_test", INTEGRATION / "loop_probe.py")

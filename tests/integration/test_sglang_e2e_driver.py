@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DRIVER = ROOT / "integration" / "sglang_e2e.py"
 
 
-@pytest.mark.parametrize("name", ["sglang_e2e.py", "e2e_core.py", "eagle_phases.py"])  # the driver, what it split off
+@pytest.mark.parametrize("name", ["sglang_e2e.py", "e2e_core.py", "eagle_phases.py",  # the driver, what it split off
+                                  "overhead_phases.py"])
 def test_driver_imports_neither_kvcanary_nor_sglang_at_module_level(name) -> None:
     text = (DRIVER.parent / name).read_text()
     assert "import kvcanary" not in text and "from kvcanary" not in text
@@ -123,16 +124,16 @@ def test_the_run_end_grace_counts_in_the_injections_own_pool(e2e) -> None:
     assert [(i["fault"], i["step"]) for i in m.ended] == [("cached_idle_corruption", 1583)] and not m.missed
 
 
-def test_parse_stats_takes_the_last_line(e2e) -> None:
+def test_parse_stats_takes_the_last_line(e2e, core) -> None:
     log = ("x kvcanary stats: step=20 forwards=20 tokens_written=5 entries_verified=7 entries_swept=1 violations=0 "
            "lost=0\n[2026] kvcanary stats: step=40 forwards=40 tokens_written=9 entries_verified=1234567 "
            "entries_swept=3 violations=2 lost=1\n")
-    assert e2e.parse_stats(log) == {"step": 40, "forwards": 40, "tokens_written": 9, "entries_verified": 1234567,
+    assert core.parse_stats(log) == {"step": 40, "forwards": 40, "tokens_written": 9, "entries_verified": 1234567,
                                     "entries_swept": 3, "violations": 2, "lost": 1}
-    assert e2e.parse_stats("nothing") is None
+    assert core.parse_stats("nothing") is None
 
 
-def test_parse_stats_reads_each_eagle_pool_at_its_own_last_step(e2e) -> None:
+def test_parse_stats_reads_each_eagle_pool_at_its_own_last_step(e2e, core) -> None:
     """Regression (H200, EAGLE on pages of 16, 2026-12-02): the target and draft canaries count their own steps, and
     the summary took the log's last line, the draft's (13520 forwards, 7.9M entries), for the engine. Each pool is
     now read at its own last step: entries summed, forwards the target's."""
@@ -141,7 +142,7 @@ def test_parse_stats_reads_each_eagle_pool_at_its_own_last_step(e2e) -> None:
                 f"entries_verified={verified} entries_swept=5 violations=0 lost=0 pool={pool}\n")
     log = (line(6000, 3_000_000, "target") + line(12000, 7_000_000, "draft") + line(6820, 3_945_870, "target")
            + line(13520, 7_864_605, "draft"))
-    stats = e2e.parse_stats(log)
+    stats = core.parse_stats(log)
     assert stats["forwards"] == 6820 and stats["tokens_written"] == 68200
     assert stats["entries_verified"] == 3_945_870 + 7_864_605 and stats["entries_swept"] == 10
     by_pool = stats["by_pool"]
@@ -319,10 +320,10 @@ def test_host_time_line_with_sweep_counts_parses(e2e, core) -> None:
     assert e2e._host_cell(core.parse_host_time(base + "\n")) == "257.2 (batch-init 99.2, sweep 98.0)"
 
 
-def test_overhead_ratio_comes_from_the_last_pair(e2e, tmp_path) -> None:
+def test_overhead_ratio_comes_from_the_last_pair(e2e, overhead, tmp_path) -> None:
     """Phase 4 starts off, log, off, log: the first pair pays a fresh machine's compile-on-first-use (the H200 run
     measured off 4406 vs log 7060 tok/s in it), so the ratio is the last pair's; the first is shown beside it."""
-    assert e2e.overhead_subs(2) == ["off-1", "log-1", "off", "log"] and e2e.overhead_subs(1) == ["off", "log"]
+    assert overhead.overhead_subs(2) == ["off-1", "log-1", "off", "log"] and overhead.overhead_subs(1) == ["off", "log"]
     ok = {"status": "OK", "requests_sent": 640, "requests_ok": 640, "workload_s": 5.0}
     results = {"4off-1": dict(ok, tokens_per_s=4406.0), "4log-1": dict(ok, tokens_per_s=7060.0),
                "4off": dict(ok, tokens_per_s=7000.0), "4log": dict(ok, tokens_per_s=6790.0)}
@@ -333,17 +334,18 @@ def test_overhead_ratio_comes_from_the_last_pair(e2e, tmp_path) -> None:
     assert "warm-up pair 1" in e2e.render(summary)
 
 
-def test_measured_forwards_excludes_the_warm_up(e2e) -> None:
+def test_measured_forwards_excludes_the_warm_up(e2e, overhead) -> None:
     """Phase 4's per-forward time divides the measured workload's wall time by the forwards the canary counted
     after the worker's marker, not by every forward the Engine ran (its warm-up groups included)."""
     stats = ("kvcanary stats: step={0} forwards={0} tokens_written=1 entries_verified=1 entries_swept=0 "
              "violations=0 lost=0\n")
-    log = (e2e.ENGINE_MARKER + "off\n" + e2e.MEASURED_MARKER + "\n"
-           + e2e.ENGINE_MARKER + "log\n" + stats.format(700) + stats.format(740) + e2e.MEASURED_MARKER + "\n"
-           + stats.format(1500) + stats.format(2900) + e2e.ENGINE_MARKER + "off\n" + e2e.MEASURED_MARKER + "\n")
-    assert e2e.measured_forwards(log) == 2900 - 740
-    assert e2e.measured_forwards(log.replace(e2e.MEASURED_MARKER, "")) is None
-    assert e2e.measured_forwards("no engines") is None
+    engine, measured = overhead.ENGINE_MARKER, overhead.MEASURED_MARKER
+    log = (engine + "off\n" + measured + "\n"
+           + engine + "log\n" + stats.format(700) + stats.format(740) + measured + "\n"
+           + stats.format(1500) + stats.format(2900) + engine + "off\n" + measured + "\n")
+    assert overhead.measured_forwards(log) == 2900 - 740
+    assert overhead.measured_forwards(log.replace(overhead.MEASURED_MARKER, "")) is None
+    assert overhead.measured_forwards("no engines") is None
 
 
 def test_a_log_faster_than_off_is_not_called_a_slowdown(e2e, tmp_path) -> None:

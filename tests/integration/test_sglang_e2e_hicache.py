@@ -34,14 +34,14 @@ def test_the_workload_overflows_the_device_pool_and_reuses_prefixes(e2e) -> None
     assert hp.hicache_workload(0) == groups and hp.hicache_workload(1) != groups
 
 
-def test_the_stats_line_counts_parse(e2e) -> None:
+def test_the_stats_line_counts_parse(e2e, core) -> None:
     hp = e2e.hicache_phases
     log = ("kvcanary stats: step=50 forwards=50 tokens_written=1 entries_verified=2 entries_swept=3 violations=0 "
            "lost=0 host_backed_up=10 host_loaded=4\nkvcanary stats: step=100 forwards=100 tokens_written=1 "
            "entries_verified=2 entries_swept=3 violations=0 lost=0 host_backed_up=20 host_loaded=9\n")
     assert hp.host_tier_counts(log) == (20, 9)
     assert hp.host_tier_counts("kvcanary stats: step=1 forwards=1 violations=0 lost=0") is None
-    assert e2e.parse_stats(log)["forwards"] == 100  # the older pattern still reads the line
+    assert core.parse_stats(log)["forwards"] == 100  # the older pattern still reads the line
 
 
 def test_a_clean_phase_fails_on_outputs_violations_or_too_few_loads(e2e) -> None:

@@ -22,10 +22,10 @@ def test_hunt_phases_and_engines(e2e, eagle, hunt, tmp_path) -> None:
     args = e2e.parse_args(["--out", str(tmp_path)])
     for key, kind in zip(("17", "18", "19", "20"), KINDS, strict=True):
         phase = e2e.PHASES[key]
-        assert e2e.hunt_kind(phase) == kind and phase.mode == "log" and phase.temperature == 0.0
+        assert hunt.hunt_kind(phase) == kind and phase.mode == "log" and phase.temperature == 0.0
         kw = e2e.engine_kwargs(phase, "m", args)
-        env = e2e.hunt_env(eagle.eagle_env(e2e.phase_env(phase, str(tmp_path), {"PATH": "/bin"}), phase,
-                                           str(tmp_path)), phase, str(tmp_path))
+        env = hunt.hunt_env(eagle.eagle_env(e2e.phase_env(phase, str(tmp_path), {"PATH": "/bin"}), phase,
+                                            str(tmp_path)), phase, str(tmp_path))
         assert env[hunt.HUNT_ENV] == kind and env["KVCANARY_VERIFY_TOKENS"] == "1"
         assert env[hunt.HUNT_DRIVER_ENV].endswith("hunt_phases.py")
         assert (tmp_path / "hunt-plugin" / f"{hunt.HUNT_PLUGIN}.py").is_file()

@@ -18,17 +18,18 @@ STATS = ("kvcanary stats: step={0} forwards={0} tokens_written=1 entries_verifie
          "violations=0 lost=0\n")
 
 
-def test_default_arms_are_off_and_log_as_before(e2e, tmp_path) -> None:
+def test_default_arms_are_off_and_log_as_before(e2e, overhead, tmp_path) -> None:
     """No --overhead-arms: the same Engines, result keys, report folders, marker lines and summary keys as before
     the option existed."""
     args = e2e.parse_args(["--out", str(tmp_path), "--phases", "4"])
-    assert args.overhead_arms == e2e.DEFAULT_OVERHEAD_ARMS == ("off", "log")
-    assert e2e.overhead_subs(2) == e2e.overhead_subs(2, args.overhead_arms) == ["off-1", "log-1", "off", "log"]
-    assert e2e.overhead_subs(3) == ["off-1", "log-1", "off-2", "log-2", "off", "log"]
+    assert args.overhead_arms == overhead.DEFAULT_OVERHEAD_ARMS == ("off", "log")
+    subs = overhead.overhead_subs
+    assert subs(2) == subs(2, args.overhead_arms) == ["off-1", "log-1", "off", "log"]
+    assert overhead.overhead_subs(3) == ["off-1", "log-1", "off-2", "log-2", "off", "log"]
     for sub, mode in (("off-1", "off"), ("log-1", "log"), ("off", "off"), ("log", "log")):
-        env = e2e.overhead_engine_env(sub, "/r/" + sub)
+        env = overhead.overhead_engine_env(sub, "/r/" + sub)
         assert env == {"KVCANARY_MODE": mode, "KVCANARY_REPORT": f"/r/{sub}/kvc-{{rank}}.jsonl"}
-        assert e2e.overhead_engine_marker(sub) == "[e2e-worker] overhead engine: KVCANARY_MODE=" + mode
+        assert overhead.overhead_engine_marker(sub) == "[e2e-worker] overhead engine: KVCANARY_MODE=" + mode
     results = e2e.dry_run_reports(args, e2e.make_workload(64, seed=0))
     assert list(results) == ["4off", "4log"]
     summary = e2e.build_summary(args.out, ["4"], results, 100.0, 1.0, {}, overhead_arms=args.overhead_arms)
@@ -40,29 +41,30 @@ def test_default_arms_are_off_and_log_as_before(e2e, tmp_path) -> None:
     assert "| off | 1000.0 |" in text and "| log | 975.0 |" in text and "| log/off | 0.9750 (" in text
     assert "where the canary's time goes (log)" in text and "overhead-arms" not in text
     # inferred from the results' keys when not given (--summarize)
-    assert e2e.overhead_arms_in(results) == ("off", "log") and e2e.overhead_arms_in({"1": {}}) == ("off", "log")
+    assert overhead.overhead_arms_in(results) == ("off", "log")
+    assert overhead.overhead_arms_in({"1": {}}) == ("off", "log")
 
 
-def test_arm_engine_env_sets_mode_and_hold_per_engine(e2e) -> None:
+def test_arm_engine_env_sets_mode_and_hold_per_engine(e2e, overhead) -> None:
     """The settings the worker sets (and restores) per Engine: the arm's mode, its report folder, and for the
     protect arms the hold (protect-hold: 1, protect: 0, so neither inherits the other's)."""
     want = {"log-1": ("log", None), "protect-1": ("protect", "0"), "raise": ("raise", None),
             "protect": ("protect", "0"), "protect-hold-2": ("protect", "1"), "protect-hold": ("protect", "1"),
             "off": ("off", None)}
     for sub, (mode, hold) in want.items():
-        env = e2e.overhead_engine_env(sub, "/d")
+        env = overhead.overhead_engine_env(sub, "/d")
         assert env["KVCANARY_MODE"] == mode and env.get("KVCANARY_PROTECT_HOLD") == hold, sub
         assert env["KVCANARY_REPORT"] == "/d/kvc-{rank}.jsonl"
-        assert e2e.engine_sections(e2e.overhead_engine_marker(sub) + "\nx\n") == \
-            [(e2e.overhead_arm(sub), e2e.overhead_engine_marker(sub)[len(e2e.ENGINE_MARKER):] + "\nx\n")]
-    assert e2e.overhead_engine_marker("protect-hold") == \
+        assert overhead.engine_sections(overhead.overhead_engine_marker(sub) + "\nx\n") == \
+            [(overhead.overhead_arm(sub), overhead.overhead_engine_marker(sub)[len(overhead.ENGINE_MARKER):] + "\nx\n")]
+    assert overhead.overhead_engine_marker("protect-hold") == \
         "[e2e-worker] overhead engine: KVCANARY_MODE=protect KVCANARY_PROTECT_HOLD=1 arm=protect-hold"
     for bad in ("protect-hold-x", "logx", "", "hold-1"):
         with pytest.raises(ValueError):
-            e2e.overhead_arm(bad)
+            overhead.overhead_arm(bad)
 
 
-def test_worker_sets_and_restores_each_engines_settings(e2e, tmp_path, monkeypatch) -> None:
+def test_worker_sets_and_restores_each_engines_settings(e2e, overhead, tmp_path, monkeypatch) -> None:
     """worker_main: each Engine starts under its arm's settings; after it the worker's own come back (also
     KVCANARY_PROTECT_HOLD, set for the protect Engines only)."""
     monkeypatch.setenv("KVCANARY_MODE", "log")
@@ -79,7 +81,7 @@ def test_worker_sets_and_restores_each_engines_settings(e2e, tmp_path, monkeypat
     sglang_entry = type(sys)("sglang.srt.entrypoints.engine")  # (no sglang import: a found module is taken as is)
     sglang_entry.Engine = object
     monkeypatch.setitem(sys.modules, "sglang.srt.entrypoints.engine", sglang_entry)
-    subs = e2e.overhead_subs(2, ("log", "protect-hold"))
+    subs = overhead.overhead_subs(2, ("log", "protect-hold"))
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"out": str(tmp_path), "subs": subs}))
     assert e2e.worker_main(str(spec)) == 0
@@ -134,21 +136,21 @@ def test_piecewise_and_eager_combine_with_the_arms(e2e, tmp_path) -> None:
     e2e.parse_args(["--out", str(tmp_path)])  # (PHASES["4"] back to decode graphs for the other tests)
 
 
-def test_two_kvcanary_arms_each_read_their_own_engines(e2e, tmp_path) -> None:
+def test_two_kvcanary_arms_each_read_their_own_engines(e2e, overhead, tmp_path) -> None:
     """In one shared worker log, a row's stats and measured forwards are its own arm's Engines', not the other's
     (with off as one arm nothing is left out, as before); a protect Engine without piecewise prefill fails."""
     pdir = tmp_path / "phase4-overhead"
     pdir.mkdir()
     log = ""
-    for sub, (warm, end) in zip(e2e.overhead_subs(2, ("log", "protect")),
+    for sub, (warm, end) in zip(overhead.overhead_subs(2, ("log", "protect")),
                                 [(100, 400), (110, 500), (700, 1000), (800, 1300)], strict=True):
-        log += e2e.overhead_engine_marker(sub) + "\n" + STATS.format(warm) + e2e.MEASURED_MARKER + "\n"
+        log += overhead.overhead_engine_marker(sub) + "\n" + STATS.format(warm) + overhead.MEASURED_MARKER + "\n"
         log += STATS.format(end)
     (pdir / "worker.log").write_text(log)
     ok = {"status": "OK", "requests_sent": 640, "requests_ok": 640, "workload_s": 6.0}
     results = {"4log-1": dict(ok, tokens_per_s=5000.0), "4protect-1": dict(ok, tokens_per_s=4500.0),
                "4log": dict(ok, tokens_per_s=6000.0), "4protect": dict(ok, tokens_per_s=5700.0)}
-    assert e2e.overhead_arms_in(results) == ("log", "protect")
+    assert overhead.overhead_arms_in(results) == ("log", "protect")
     summary = e2e.build_summary(str(tmp_path), ["4"], results, 100.0, 1.0, {})  # arms read from the keys
     rows = {r["phase"]: r for r in summary["phases"]}
     assert rows["4 overhead-log"]["forwards"] == 1000 and rows["4 overhead-protect"]["forwards"] == 1300

@@ -25,7 +25,7 @@ def host_line(piecewise: int, forwards: int = 900) -> str:
             f"launch_us_per_piecewise_forward=150.5 canary_us_per_piecewise_forward=190.25\n")
 
 
-def test_piecewise_leaves_sglangs_default_in_place(e2e, eagle, tmp_path) -> None:
+def test_piecewise_leaves_sglangs_default_in_place(e2e, overhead, eagle, tmp_path) -> None:
     plain = e2e.parse_args(["--out", str(tmp_path)])
     pw = e2e.parse_args(["--out", str(tmp_path), "--piecewise"])
     for phase in e2e.PHASES.values():
@@ -35,29 +35,29 @@ def test_piecewise_leaves_sglangs_default_in_place(e2e, eagle, tmp_path) -> None
         kw = e2e.engine_kwargs(phase, "m", pw)
         assert "disable_piecewise_cuda_graph" not in kw  # left out, as a user leaves it: sglang's default (on)
         assert kw["chunked_prefill_size"] == 512 and kw["max_total_tokens"] == phase.max_total_tokens
-    assert plain.overhead_rounds == 2 and pw.overhead_rounds == e2e.PIECEWISE_OVERHEAD_ROUNDS == 3
+    assert plain.overhead_rounds == 2 and pw.overhead_rounds == overhead.PIECEWISE_OVERHEAD_ROUNDS == 3
     assert e2e.parse_args(["--out", str(tmp_path), "--piecewise", "--overhead-rounds", "4"]).overhead_rounds == 4
 
 
-def test_time_limits_add_the_piecewise_start_per_engine(e2e, tmp_path) -> None:
+def test_time_limits_add_the_piecewise_start_per_engine(e2e, overhead, tmp_path) -> None:
     plain = e2e.parse_args(["--out", str(tmp_path)])
     pw = e2e.parse_args(["--out", str(tmp_path), "--piecewise"])
     p2, p4 = e2e.PHASES["2"], e2e.PHASES["4"]
-    assert e2e.phase_limits(p2, plain, 1, 1) == (p2.cap_s, p2.min_s)  # unchanged without --piecewise
-    assert e2e.phase_limits(p4, plain, 4, 4) == (p4.cap_s, p4.min_s)
-    assert e2e.phase_limits(p4, plain, 1, 4) == (p4.cap_s, p4.min_s / 4)  # --overhead-split: one Engine each
-    extra = e2e.PIECEWISE_START_S
-    assert e2e.phase_limits(p2, pw, 1, 1) == (p2.cap_s + extra, p2.min_s + extra)
-    cap, least = e2e.phase_limits(p4, pw, 6, 6)  # 3 pairs in one worker
+    assert overhead.phase_limits(p2, plain, 1, 1) == (p2.cap_s, p2.min_s)  # unchanged without --piecewise
+    assert overhead.phase_limits(p4, plain, 4, 4) == (p4.cap_s, p4.min_s)
+    assert overhead.phase_limits(p4, plain, 1, 4) == (p4.cap_s, p4.min_s / 4)  # --overhead-split: one Engine each
+    extra = overhead.PIECEWISE_START_S
+    assert overhead.phase_limits(p2, pw, 1, 1) == (p2.cap_s + extra, p2.min_s + extra)
+    cap, least = overhead.phase_limits(p4, pw, 6, 6)  # 3 pairs in one worker
     assert cap == p4.cap_s * 6 / 4 + 6 * extra and least == p4.min_s + extra
 
 
 def test_parse_piecewise_and_capture_seconds(e2e, core) -> None:
     log = CAPTURE + STATS + host_line(10, 400) + STATS + host_line(57)
-    assert e2e.parse_piecewise(log) == {"forwards": 900, "piecewise": 57, "launch_us": 150.5, "canary_us": 190.25}
+    assert core.parse_piecewise(log) == {"forwards": 900, "piecewise": 57, "launch_us": 150.5, "canary_us": 190.25}
     assert core.parse_host_time(log)["forwards"] == 900  # the older fields still parse on the longer line
-    assert e2e.parse_piecewise(STATS) is None
-    assert e2e.piecewise_capture_seconds(CAPTURE * 2) == [18.7, 18.7]
+    assert core.parse_piecewise(STATS) is None
+    assert core.piecewise_capture_seconds(CAPTURE * 2) == [18.7, 18.7]
 
 
 def _phase_dir(tmp_path, key: str) -> Path:
@@ -95,7 +95,7 @@ def _overhead_log(served: list[int]) -> str:
 
 
 def e2e_marker() -> str:
-    return sys.modules["sglang_e2e_driver"].ENGINE_MARKER
+    return sys.modules["overhead_phases"].ENGINE_MARKER  # (integration/overhead_phases.py, as the driver imports it)
 
 
 def _overhead_results(tps_pairs: list[tuple[float, float]], piecewise: bool = True) -> dict:
@@ -139,7 +139,7 @@ def test_overhead_with_piecewise_fails_without_its_evidence(e2e, tmp_path, serve
                              100.0, 1.0, {})["pass"]
 
 
-def test_run_phases_with_piecewise_reaches_the_worker_spec(e2e, tmp_path) -> None:
+def test_run_phases_with_piecewise_reaches_the_worker_spec(e2e, overhead, tmp_path) -> None:
     specs = []
 
     def runner(cmd, env, log_path, timeout):
@@ -156,8 +156,8 @@ def test_run_phases_with_piecewise_reaches_the_worker_spec(e2e, tmp_path) -> Non
     assert specs[1][0]["subs"] == ["off-1", "log-1", "off-2", "log-2", "off", "log"]
     for spec, _ in specs:
         assert "disable_piecewise_cuda_graph" not in spec["engine"]
-    assert specs[0][1] == e2e.PHASES["2"].cap_s + e2e.PIECEWISE_START_S
-    assert specs[1][1] == e2e.phase_limits(e2e.PHASES["4"], args, 6, 6)[0]
+    assert specs[0][1] == e2e.PHASES["2"].cap_s + overhead.PIECEWISE_START_S
+    assert specs[1][1] == overhead.phase_limits(e2e.PHASES["4"], args, 6, 6)[0]
     assert all(r["piecewise"] for r in results.values())
 
 
@@ -182,19 +182,19 @@ def test_the_adapters_host_time_line_parses_with_its_piecewise_count(e2e, core, 
         inst.account_forward(forward_ns=2_000_000, hook_ns=40_000)
         inst.account_forward(forward_ns=3_000_000, hook_ns=60_000)
     text = "\n".join(r.getMessage() for r in caplog.records)
-    assert e2e.parse_piecewise(text) == {"forwards": 2, "piecewise": 1, "launch_us": 160.0, "canary_us": 200.0}
+    assert core.parse_piecewise(text) == {"forwards": 2, "piecewise": 1, "launch_us": 160.0, "canary_us": 200.0}
     assert core.parse_host_time(text) == {"forwards": 2, "eager": 1, "canary_us": 175.0, "hooks_us": 50.0,
                                           "launch_us": 90.0, "forward_us": 2500.0, "batch_init_us": 0.0,
                                               "max_forward_us": 290.0, "slow_forwards": 0}
 
 
-def test_no_piecewise_table_for_phases_that_ran_without_piecewise_graphs(e2e) -> None:
+def test_no_piecewise_table_for_phases_that_ran_without_piecewise_graphs(e2e, overhead) -> None:
     """A phase without --piecewise still parses piecewise=0 from its host-time lines: the piecewise table (headed
     'piecewise CUDA graphs on') is for phases that asked for the graphs or were served by them."""
     off = {"phase": "2 graph", "piecewise": {"piecewise": 0, "forwards": 2160, "canary_us": 0.0, "launch_us": 0.0}}
-    assert e2e.render_piecewise({"phases": [off]}) == []
+    assert overhead.render_piecewise({"phases": [off]}) == []
     served = {**off, "phase": "2 graph", "piecewise": {**off["piecewise"], "piecewise": 5}}
     asked = {**off, "phase": "3 faults", "piecewise_requested": True}
-    lines = e2e.render_piecewise({"phases": [off, served, asked]})
+    lines = overhead.render_piecewise({"phases": [off, served, asked]})
     assert [line.split(" |")[0] for line in lines if line.startswith("| 2 ") or line.startswith("| 3 ")] == [
         "| 2 graph", "| 3 faults"]

@@ -140,7 +140,7 @@ def test_swa_lock_phases_match_violations_against_the_freed_slots(e2e, pool, tmp
     assert env["E2E_POOL"] == "swa-lock" and env["E2E_POOL_DIR"] == str(pdir)
 
 
-def test_stats_of_a_two_group_pool_are_summed(e2e) -> None:
+def test_stats_of_a_two_group_pool_are_summed(e2e, core) -> None:
     """An SWAKVPool's two managers print one stats line each at the same step: the phase's counters are both."""
     log = ("kvcanary stats: step=20 forwards=20 tokens_written=5 entries_verified=50 entries_swept=7 violations=0 "
            "lost=0\n"
@@ -148,6 +148,6 @@ def test_stats_of_a_two_group_pool_are_summed(e2e) -> None:
            "violations=2 lost=1\n"
            "kvcanary stats: step=40 forwards=40 tokens_written=26249 entries_verified=206326 entries_swept=0 "
            "violations=3 lost=0\n")
-    assert e2e.parse_stats(log) == {"step": 40, "forwards": 40, "tokens_written": 26249, "entries_verified": 2429796,
-                                    "entries_swept": 206723, "violations": 5, "lost": 1}
-    assert e2e.parse_stats(log.split("\n", 1)[0])["entries_verified"] == 50
+    assert core.parse_stats(log) == {"step": 40, "forwards": 40, "tokens_written": 26249, "entries_verified": 2429796,
+                                     "entries_swept": 206723, "violations": 5, "lost": 1}
+    assert core.parse_stats(log.split("\n", 1)[0])["entries_verified"] == 50
