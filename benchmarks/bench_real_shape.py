@@ -475,7 +475,7 @@ def _sizes(pattern: re.Pattern, text: str) -> int | None:
 def startup_facts(log_text: str) -> dict:
     """sglang's own start-up figures from an Engine's log (None where the line never came)."""
     num = lambda s: None if s is None else float(s)  # noqa: E731
-    pcg = e2e.piecewise_capture_seconds(log_text)
+    pcg = e2e_core.piecewise_capture_seconds(log_text)
     return {
         "weights_s": num(_last(LOAD_RE, log_text, "s")),
         "decode_capture_s": num(_last(DECODE_CAPTURE_RE, log_text, "s")), "decode_sizes": _sizes(DECODE_SIZES_RE,
@@ -549,7 +549,7 @@ def load_engines(dirs: list[str]) -> list[dict]:
             res = e2e.load_result(os.path.join(edir, "result.json")) or {"status": "NO_RESULT", "shapes": {}}
             log = e2e.read_text(os.path.join(edir, "worker.log"))
             rows = e2e.read_jsonl(sorted(glob.glob(os.path.join(edir, "kvc-*.jsonl"))))
-            stats = e2e.parse_stats(log) or {}
+            stats = e2e_core.parse_stats(log) or {}
             arm = res.get("arm") or m.group(2)
             probes = probe_windows(log)
             eng = {"run": run, "dir": edir, "index": int(m.group(1)), "arm": arm,

@@ -113,11 +113,6 @@ from overhead_phases import (  # noqa: E402  (integration/overhead_phases.py: ph
     verdict_piecewise,
 )
 
-# isort: split
-# benchmarks/bench_real_shape.py reads these two parsers through the driver (e2e.parse_stats,
-# e2e.piecewise_capture_seconds), which no longer uses them itself: to drop once it reads them from e2e_core
-from e2e_core import parse_stats, piecewise_capture_seconds  # noqa: E402, F401
-
 # ---------------------------------------------------------------------------------------------------- facts
 KVCANARY_KEEP = ("KVCANARY_CUDA_ARCH", "KVCANARY_CACHE_DIR", "KVCANARY_SANITIZE")  # build settings pass through
 
