@@ -452,7 +452,16 @@ def verdict_faults(s: dict, m: FaultMatch, min_per_class: int = 20,
     why = []
     if s["status"] not in ("OK", "TRUNCATED"):
         why.append(f"status {s['status']}")
-    for c in classes or E2E_FAULTS:
+    why += fault_class_gaps(m, classes or E2E_FAULTS, min_per_class)
+    return not why, why
+
+
+def fault_class_gaps(m: FaultMatch, classes: tuple[str, ...], min_per_class: int) -> list[str]:
+    """Why a fault phase's matching fails for ``classes`` (empty: it passes): a class with fewer than
+    ``min_per_class`` injections or one not every injection of which was detected, and violations on slots no
+    injection touched. The fault verdicts of every family (this one, HiCache's host-tier classes) read it."""
+    why = []
+    for c in classes:
         n, d = m.injections.get(c, 0), m.detected.get(c, 0)
         if n < min_per_class:
             why.append(f"{c}: {n} injections < {min_per_class}")
@@ -460,7 +469,7 @@ def verdict_faults(s: dict, m: FaultMatch, min_per_class: int = 20,
             why.append(f"{c}: {d}/{n} detected")
     if m.unexplained:
         why.append(f"{len(m.unexplained)} violation(s) on slots no injection touched")
-    return not why, why
+    return why
 
 
 def fmt(x, nd=1):

@@ -120,16 +120,9 @@ def verdict(kind: str, s: dict, off_outputs: list | None, match=None) -> list[st
         elif s.get("outputs_digest") != outputs_digest(off_outputs):
             why.append(f"greedy outputs differ from hicache-off in {s.get('outputs_differ', '?')} requests")
     if kind == "faults" and match is not None:
-        from e2e_core import HOST_TIER_FAULTS  # (driver side only: sglang's processes load this file alone)
+        from e2e_core import HOST_TIER_FAULTS, fault_class_gaps  # (driver side only: sglang loads this file alone)
 
-        for c in HOST_TIER_FAULTS:
-            n, d = match.injections.get(c, 0), match.detected.get(c, 0)
-            if n < MIN_INJECTIONS:
-                why.append(f"{c}: {n} injections < {MIN_INJECTIONS}")
-            if d != n:
-                why.append(f"{c}: {d}/{n} detected")
-        if match.unexplained:
-            why.append(f"{len(match.unexplained)} violation(s) on slots no injection touched")
+        why += fault_class_gaps(match, HOST_TIER_FAULTS, MIN_INJECTIONS)
         if s.get("violations_not_via_host_tier"):
             why.append(f"{s['violations_not_via_host_tier']} violation(s) without via=host_tier")
     return why

@@ -46,18 +46,11 @@ ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 64
 N_DRAFT = 3  # speculative_num_draft_tokens (the bonus + 2 drafts)
 STEPS = 2  # speculative_num_steps
-TINY_EAGLE = {
-    "architectures": ["LlamaForCausalLMEagle"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
-    "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-    "vocab_size": 2048, "max_position_embeddings": 4096, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
-    "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
-}
 
 
 def _driver():
     """integration/eagle_phases.py, the e2e driver's EAGLE family (its corrected _draft_extend_for_prefill, the
-    upstream fix; the tail observer's line parser)."""
+    upstream fix; the tail observer's line parser; ``TINY_EAGLE``, the one-layer draft config the e2e runs use)."""
     name = "sglang_e2e_eagle_phases"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, ROOT / "integration" / "eagle_phases.py")
@@ -114,7 +107,7 @@ def eagle(tmp_path, monkeypatch, request):
             assert hooks_state.is_patched(t.dotted), t.dotted
         draft_dir = tmp_path / "tiny-eagle"
         draft_dir.mkdir()
-        (draft_dir / "config.json").write_text(json.dumps(TINY_EAGLE))
+        (draft_dir / "config.json").write_text(json.dumps(_driver().TINY_EAGLE))
         sa = sgl_engine.server_args(
             sgl_engine.write_model_dir(tmp_path / "tiny-llama"), speculative_algorithm="EAGLE",
             speculative_draft_model_path=str(draft_dir), speculative_num_steps=STEPS, speculative_eagle_topk=1,
@@ -479,7 +472,7 @@ def test_with_the_upstream_fix_nothing_is_reported(eagle) -> None:
 def test_uncovered_speculative_setups_are_refused(tmp_path, change, match) -> None:
     draft_dir = tmp_path / "tiny-eagle"
     draft_dir.mkdir()
-    (draft_dir / "config.json").write_text(json.dumps(TINY_EAGLE))
+    (draft_dir / "config.json").write_text(json.dumps(_driver().TINY_EAGLE))
     ok = sgl_engine.server_args(sgl_engine.write_model_dir(tmp_path / "tiny-llama"), speculative_algorithm="EAGLE",
                                 speculative_draft_model_path=str(draft_dir), speculative_num_steps=STEPS,
                                 speculative_eagle_topk=1, speculative_num_draft_tokens=N_DRAFT)
