@@ -44,14 +44,20 @@ which also allocates the compaction's buffer when one is wanted).
 from __future__ import annotations
 
 import array
-from collections.abc import Hashable, Sequence
+import functools
+import struct
+from collections.abc import Callable, Hashable, Sequence
 from typing import NamedTuple
 
 import torch
 
 from kvcanary.kernels import layout
+from kvcanary.kernels.jit import load_module
 from kvcanary.kernels.plan import VerifyPlan
+from kvcanary.kernels.sweep_plan import canary_sweep_plan_update
 from kvcanary.runtime.sweep import MIN_SWEEP_PLAN, SweepPlan, allocate_sweep_plan
+from kvcanary.runtime.token_table import (EVENT_EVERY, CudaStagingEvent, StagingEvent, StagingRing,
+                                          launch_stream_of)
 
 # Tombstones below this many entries never ask for a compaction: verifying a few thousand padding entries costs the
 # device nothing measurable, a rebuild costs a walk of the cache.
@@ -78,13 +84,25 @@ class UnplacedSpan(KeyError):
     """A span's ``after`` is neither held by the index nor earlier in the same append (the caller rebuilds)."""
 
 
-# Tombstone ranges a commit without appends sets one fill each (below: one batch of 3-4 operations).
-FILL_TOMBSTONES = 4
-# Expansions of at most this many entries (an update's new entries twice and its tombstones, or a compaction's live
-# entries) upload their differences and scan them on the device (2 operations, a 64 KiB host buffer at most);
-# larger ones upload their segments and expand them with repeat_interleave (~5 operations).
+# Stagings of commit metadata on CUDA (pinned, SWEEP_PLAN_META_VALUES int64 each: 6 KiB), reused in turn; one event
+# is recorded per EVENT_EVERY launches (kvcanary.runtime.token_table: the same ring as the token check's uploads). A
+# staging is rewritten RING_SIZE launches later, by when the device has long run the (microsecond) launch that read it
+# unless it is that many commits behind (then the host waits on the event, never overwriting what it still reads).
+RING_SIZE = 16
+# Spans and tombstone ranges per launch (the metadata block's bound, csrc/canary_sweep_plan.cuh). A commit with more
+# is SPLIT into several launches, never sent to a torch path: the spans in chunks of MAX_SPANS, in plan order, every
+# chunk before any tombstone (a chunk reads predecessors from the plan, which no tombstone of this commit may have
+# padded yet); the tombstones with the last chunk of spans, and any left over in launches of their own after it.
+MAX_SPANS = layout.SWEEP_PLAN_MAX_SPANS
+MAX_TOMBSTONES = layout.SWEEP_PLAN_MAX_TOMBSTONES
+# Expansions of at most this many entries (a compaction's live entries) upload their differences and scan them on the
+# device (2 operations, a 64 KiB host buffer at most); larger ones upload their segments and expand them with
+# repeat_interleave (~5 operations).
 SCAN_ENTRIES = 8192
 _ONES = array.array("q", [1]) * SCAN_ENTRIES
+
+
+_pack_into = struct.pack_into
 
 
 def _ones(n: int) -> array.array:
@@ -95,21 +113,35 @@ def _ones(n: int) -> array.array:
 class SweepIndex:
     """The sweep plan of a prefix cache, kept up to date span by span (see the module docstring)."""
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, *,
+                 event_factory: Callable[[], StagingEvent] | None = None) -> None:
         self.device = torch.device(device)
         self._plan: VerifyPlan | None = None
         self._spare: VerifyPlan | None = None  # the compaction's target (same capacity), swapped with the plan
         self._ranges: dict[Hashable, tuple[int, int, int]] = {}  # key -> (plan start, length, first position)
         self._used = 0  # plan entries in use, tombstones included (and appended ones not written yet)
         self._dead = 0  # tombstoned entries among them
-        self._tombstones: list[tuple[int, int]] = []  # (start, length) not yet set to the padding slot
+        # not yet set to the padding slot: (start, length) per range, flat (the metadata block's layout)
+        self._tombstones: list[int] = []
         # appended, not written yet: their slot tensors, and per span (plan start, length, first position, plan
-        # index of its first slot's predecessor, -1: a chain head) from _written on
+        # index of its first slot's predecessor, -1: a chain head) from _written on, flat (the metadata's layout)
         self._parts: list[torch.Tensor] = []
-        self._appended: list[tuple[int, int, int, int]] = []
+        self._appended: list[int] = []
         self._written = 0  # plan entries written (the appended ones start here)
         self._planned: SweepPlan | None = None  # what the last commit handed out (None: changed since)
         self.compactions = 0
+        self.launches = 0  # canary_sweep_plan_update launches (benchmarks count them as device operations)
+        # The commit's metadata stagings (see RING_SIZE; on the CPU the launch has read its staging when it returns:
+        # one staging, no events, unless tests inject theirs) and the export, bound once.
+        stream = None
+        if event_factory is None and self.device.type == "cuda":
+            event_factory = functools.partial(CudaStagingEvent, self.device)
+            stream = launch_stream_of(self.device)
+        self._staging = StagingRing(RING_SIZE if event_factory is not None else 1, pinned=self.device.type == "cuda",
+                                    event_factory=event_factory, event_every=EVENT_EVERY, launch_stream=stream,
+                                    min_values=layout.SWEEP_PLAN_META_VALUES)
+        self._launch = load_module("cuda" if self.device.type == "cuda" else "cpu").canary_sweep_plan_update
+        self._no_slots = torch.zeros(0, dtype=torch.int64, device=self.device)  # new_slots of a commit without appends
 
     # ------------------------------------------------------------------------------------------ host facts
     def __len__(self) -> int:
@@ -147,7 +179,7 @@ class SweepIndex:
     def remove(self, key: Hashable) -> None:
         """The span ``key`` left the cache: its entries become tombstones at the next :meth:`commit`."""
         start, length, _ = self._ranges.pop(key)
-        self._tombstones.append((start, length))
+        self._tombstones += start, length
         self._dead += length
         self._planned = None
 
@@ -190,7 +222,7 @@ class SweepIndex:
         ``ValueError`` for a key held already or an empty span."""
         ranges = self._ranges
         batch: dict[Hashable, tuple[int, int, int]] = {}
-        appended: list[tuple[int, int, int, int]] = []
+        appended: list[int] = []
         start = self._used
         for key, slots, after in spans:
             if key in ranges or key in batch:
@@ -207,12 +239,13 @@ class SweepIndex:
                 a_start, a_length, a_position = found
                 before, first_position = a_start + a_length - 1, a_position + a_length
             batch[key] = (start, n, first_position)
-            appended.append((start, n, first_position, before))
+            appended += start, n, first_position, before
             start += n
         ranges.update(batch)
         self._appended += appended
-        self._parts += [span.slots if span.slots.dtype is torch.int64 else span.slots.to(torch.int64)
-                        for span in spans]
+        # (the kernel reads one contiguous int64 tensor: a span's own when it is the commit's only one, else the cat)
+        self._parts += [span.slots if span.slots.dtype is torch.int64 and span.slots.is_contiguous()
+                        else span.slots.to(torch.int64, memory_format=torch.contiguous_format) for span in spans]
         self._used = start
         self._planned = None
 
@@ -271,57 +304,60 @@ class SweepIndex:
 
     def commit(self) -> SweepPlan:
         """Write the appended entries, set the pending tombstones and the entry count on the device; the plan to
-        sweep (the same object while nothing changed: no device work then)."""
+        sweep (the same object while nothing changed: no device work then). Device work: the ``cat`` of the appended
+        spans' slot tensors (none for one span or none), and one ``canary_sweep_plan_update`` launch (more only for
+        a commit of over :data:`MAX_SPANS` spans or :data:`MAX_TOMBSTONES` tombstone ranges)."""
         planned = self._planned
         if planned is not None and not self._tombstones and not self._appended:
             return planned
         self.reserve(0)
         plan = self._plan
-        tombstones, appended = self._tombstones, self._appended
-        if appended or len(tombstones) > FILL_TOMBSTONES:
-            self._write(plan, appended, tombstones)
-        else:
-            for start, length in tombstones:
-                plan.verify_slot_indices[start:start + length].fill_(layout.PADDING_SLOT)
-        tombstones.clear()
-        appended.clear()
-        self._parts.clear()
+        parts = self._parts
+        new_slots = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else self._no_slots
+        self._write(plan, new_slots, self._appended, self._tombstones)
+        self._tombstones.clear()
+        self._appended.clear()
+        parts.clear()
         self._written = self._used
-        plan.verify_num_valid.fill_(self._used)
         planned = self._planned = SweepPlan(plan, self._dead)
         return planned
 
-    def _write(self, plan: VerifyPlan, appended: list[tuple[int, int, int, int]],
-               tombstones: list[tuple[int, int]]) -> None:
-        """One expansion of the pending segments (see the module docstring): the appended entries' positions, their
-        predecessors' plan indices, then the tombstoned entries' plan indices."""
-        written, end = self._written, self._used
-        total = end - written
-        head = plan.capacity - 1  # (its -1: a chain head's predecessor)
-        offsets: list[int] = []
-        lengths: list[int] = []
-        for start, n, first_position, _ in appended:  # positions: first position + i
-            offsets.append(first_position - (start - written))
-            lengths.append(n)
-        for start, n, _, before in appended:  # predecessors: the plan index before, but at a span's first
-            at = total + start - written
-            offsets += (head if before < 0 else before) - at, written - total - 1
-            lengths += 1, n - 1
-        at = 2 * total
-        dead = 0
-        for start, length in tombstones:
-            offsets.append(start - at)
-            lengths.append(length)
-            at += length
-            dead += length
-        index = self._expand(offsets, lengths, 2 * total + dead)
-        if total:
-            slots = plan.verify_slot_indices
-            torch.cat(self._parts, out=slots[written:end])
-            plan.verify_expected_positions[written:end].copy_(index[:total])
-            torch.index_select(slots, 0, index[total:2 * total], out=plan.verify_prev_slot_indices[written:end])
-        if dead:
-            plan.verify_slot_indices.index_fill_(0, index[2 * total:], layout.PADDING_SLOT)
+    def _write(self, plan: VerifyPlan, new_slots: torch.Tensor, appended: list[int], tombstones: list[int]) -> None:
+        """The pending changes by ``canary_sweep_plan_update`` (csrc/canary_sweep_plan.cuh): per launch, its
+        metadata packed into the ring's next staging (the header, the spans, the tombstone ranges), one call, and the
+        staging handed back to the ring (which records an event after every EVENT_EVERY-th launch). A commit over
+        the block's bound takes several launches in the order of :data:`MAX_SPANS`' comment."""
+        span_values = MAX_SPANS * layout.SWEEP_PLAN_SPAN_FIELDS
+        tombstone_values = MAX_TOMBSTONES * layout.SWEEP_PLAN_TOMBSTONE_FIELDS
+        base, used = self._written, self._used
+        s = t = 0
+        while True:
+            spans = appended[s:s + span_values]
+            s += len(spans)
+            # tombstones only with (or after) the last chunk of spans
+            ranges = tombstones[t:t + tombstone_values] if s == len(appended) else []
+            t += len(ranges)
+            values = layout.SWEEP_PLAN_META_HEADER_FIELDS + len(spans) + len(ranges)
+            staging = self._staging.acquire(values)
+            _pack_into(f"{values}q", staging.view, 0, len(spans) // layout.SWEEP_PLAN_SPAN_FIELDS,
+                       len(ranges) // layout.SWEEP_PLAN_TOMBSTONE_FIELDS, base, used, *spans, *ranges)
+            try:
+                self._launch(plan.verify_slot_indices, plan.verify_prev_slot_indices, plan.verify_expected_positions,
+                             plan.verify_num_valid, new_slots, staging.buffer)
+            except Exception:
+                # Refused before anything was written (the export checks every argument and the metadata first): the
+                # keyword wrapper names the argument (or re-raises).
+                canary_sweep_plan_update(verify_slot_indices=plan.verify_slot_indices,
+                                         verify_prev_slot_indices=plan.verify_prev_slot_indices,
+                                         verify_expected_positions=plan.verify_expected_positions,
+                                         verify_num_valid=plan.verify_num_valid, new_slots=new_slots,
+                                         meta=staging.buffer)
+                raise
+            self._staging.launched(staging)  # (after the launch that reads the staging)
+            self.launches += 1
+            if s == len(appended) and t == len(tombstones):
+                return
 
 
-__all__ = ["FILL_TOMBSTONES", "MIN_COMPACTION_ENTRIES", "SCAN_ENTRIES", "Span", "SweepIndex", "UnplacedSpan"]
+__all__ = ["MAX_SPANS", "MAX_TOMBSTONES", "MIN_COMPACTION_ENTRIES", "RING_SIZE", "SCAN_ENTRIES", "Span", "SweepIndex",
+           "UnplacedSpan"]
