@@ -56,8 +56,7 @@ from kvcanary.kernels.jit import load_module
 from kvcanary.kernels.plan import VerifyPlan
 from kvcanary.kernels.sweep_plan import canary_sweep_plan_update
 from kvcanary.runtime.sweep import MIN_SWEEP_PLAN, SweepPlan, allocate_sweep_plan
-from kvcanary.runtime.token_table import (EVENT_EVERY, CudaStagingEvent, StagingEvent, StagingRing,
-                                          launch_stream_of)
+from kvcanary.runtime.token_table import EVENT_EVERY, CudaStagingEvent, StagingEvent, StagingRing, launch_stream_of
 
 # Tombstones below this many entries never ask for a compaction: verifying a few thousand padding entries costs the
 # device nothing measurable, a rebuild costs a walk of the cache.
