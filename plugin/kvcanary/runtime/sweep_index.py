@@ -4,8 +4,8 @@ Why. A sweep verifies every (slot, predecessor, position) the prefix cache holds
 cache costs host time in proportion to its nodes (~1-2 ms per sweep of a few hundred nodes on the H200 host), and a
 serving engine's cache changes between nearly every two sweeps (requests finish and are inserted, the pool
 evicts), so a walk-per-sweep source pays that walk almost every time. :class:`SweepIndex` instead follows the
-cache's changes as they happen and turns them into one batch of ~7 device operations at the next sweep, whatever
-the size of the cache and of the change:
+cache's changes as they happen and turns them into 2 device operations at the next sweep (a ``cat`` and one kernel
+launch), whatever the size of the cache and of the change:
 
 * **Spans.** The cache tells the index about *spans*: a run of slots at consecutive positions, owned by a key (a
   cache node), continuing the chain of another span (``after``: the span whose last slot precedes its first) or
@@ -20,13 +20,20 @@ the size of the cache and of the change:
   ``skipped``): "entries swept" stays the number of cached entries checked.
 * **Splits** (:meth:`SweepIndex.split`): a span cut in two keeps its entries where they are; only the host ranges
   change (a split keeps every slot, predecessor and position).
-* **Commit** (:meth:`SweepIndex.commit`): the pending changes as segments of consecutive plan indices, expanded on
-  the device from one upload into every new entry's position, every new entry's predecessor's plan index and every
-  tombstoned entry's plan index (a ``cumsum`` of uploaded differences; ``repeat_interleave`` beyond
-  :data:`SCAN_ENTRIES`); the new slots land in the plan by one ``cat``, the predecessors are read from the plan by
-  one ``index_select`` (a held span's last slot, a new span's previous entry, or the -1 every plan buffer keeps in
-  its last entry, outside the verified range, for a chain head), the tombstones by one ``index_fill_``: ~7 device
-  operations (1-5 for a few tombstones alone), where appends and commits used to take ~20.
+* **Commit** (:meth:`SweepIndex.commit`): the appended spans' slot tensors joined by one ``cat`` (none for a single
+  span; they stay device tensors, never read on the host), and one launch of ``canary_sweep_plan_update``
+  (csrc/canary_sweep_plan.cuh) that writes every new entry's slot, position and predecessor slot, sets the
+  tombstones to the padding slot and writes the entry count. What it reads of the change is a small int64 block
+  the host packs (per span: plan start, length, first position, the plan index of its first slot's predecessor or
+  -1; per tombstone: start, length) into a staging of a pinned ring reused across commits (on CUDA the kernel reads
+  it in place; an event every :data:`~kvcanary.runtime.token_table.EVENT_EVERY` launches says when a staging may
+  be rewritten: :class:`kvcanary.runtime.token_table.StagingRing`). A commit of more than :data:`MAX_SPANS` spans
+  or :data:`MAX_TOMBSTONES` tombstone ranges takes several launches. The results are bit-identical to the torch
+  commit this replaced (issue 25: an upload, a ``cumsum`` or ``repeat_interleave``, ``cat``, ``copy_``,
+  ``index_select``, ``index_fill_`` and the count's fill, ~27 torch calls of host time per commit on the H200 with
+  the stream wrapper; ``kvcanary.kernels.sweep_plan_ref`` keeps it as the reference): a predecessor removed in the
+  same commit is read as the slot it held, and a chain head's predecessor is -1 (the plan buffer still keeps a -1
+  in its last entry, outside the verified range, which that commit read for it).
 * **Compaction** (:meth:`SweepIndex.compact`): tombstones are dropped by gathering the live ranges, which the index
   knows, into a second plan buffer (one expansion, three ``index_select``): no walk of the cache. Wanted when
   tombstones are at least half the plan (:meth:`SweepIndex.wants_compaction`). A serving engine's pool turns its
