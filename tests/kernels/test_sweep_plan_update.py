@@ -431,6 +431,7 @@ def test_cuda_commit_past_the_block_cap_is_grid_strided() -> None:
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_refuses_a_staging_that_is_not_pinned() -> None:
+    """(and tensors on another device than the plan's: a ValueError naming them, nothing written)"""
     args = {k: v.cuda() if k != "meta" else v for k, v in op_args().items()}
     with pytest.raises(ValueError, match=arg_error("meta", "expected pinned host memory")):
         canary_sweep_plan_update(**args)
@@ -438,6 +439,11 @@ def test_cuda_refuses_a_staging_that_is_not_pinned() -> None:
         canary_sweep_plan_update(**{**args, "meta": args["meta"].cuda()})
     assert args["verify_slot_indices"].tolist() == [11, 12, 13, 7, 7, 7, 7, 7]
     pinned = args["meta"].pin_memory()  # kept until the launch has run (tolist synchronises)
+    with pytest.raises(ValueError, match=arg_error("new_slots", "expected device cuda")):
+        canary_sweep_plan_update(**{**args, "meta": pinned, "new_slots": args["new_slots"].cpu()})
+    with pytest.raises(ValueError, match=arg_error("verify_num_valid", "expected device cuda")):
+        canary_sweep_plan_update(**{**args, "meta": pinned, "verify_num_valid": args["verify_num_valid"].cpu()})
+    assert args["verify_slot_indices"].tolist() == [11, 12, 13, 7, 7, 7, 7, 7]
     canary_sweep_plan_update(**{**args, "meta": pinned})
     assert args["verify_slot_indices"].tolist() == [0, 12, 13, 21, 22, 7, 7, 7]
 

@@ -20,8 +20,8 @@ launch), whatever the size of the cache and of the change:
   ``skipped``): "entries swept" stays the number of cached entries checked.
 * **Splits** (:meth:`SweepIndex.split`): a span cut in two keeps its entries where they are; only the host ranges
   change (a split keeps every slot, predecessor and position).
-* **Commit** (:meth:`SweepIndex.commit`): the appended spans' slot tensors joined by one ``cat`` (none for a single
-  span; they stay device tensors, never read on the host), and one launch of ``canary_sweep_plan_update``
+* **Commit** (:meth:`SweepIndex.commit`): the appended spans' slot tensors joined by one ``cat`` (they stay device
+  tensors, never read on the host), and one launch of ``canary_sweep_plan_update``
   (csrc/canary_sweep_plan.cuh) that writes every new entry's slot, position and predecessor slot, sets the
   tombstones to the padding slot and writes the entry count. What it reads of the change is a small int64 block
   the host packs (per span: plan start, length, first position, the plan index of its first slot's predecessor or
@@ -249,9 +249,8 @@ class SweepIndex:
             start += n
         ranges.update(batch)
         self._appended += appended
-        # (the kernel reads one contiguous int64 tensor: a span's own when it is the commit's only one, else the cat)
-        self._parts += [span.slots if span.slots.dtype is torch.int64 and span.slots.is_contiguous()
-                        else span.slots.to(torch.int64, memory_format=torch.contiguous_format) for span in spans]
+        self._parts += [span.slots if span.slots.dtype is torch.int64 else span.slots.to(torch.int64)
+                        for span in spans]
         self._used = start
         self._planned = None
 
@@ -311,7 +310,7 @@ class SweepIndex:
     def commit(self) -> SweepPlan:
         """Write the appended entries, set the pending tombstones and the entry count on the device; the plan to
         sweep (the same object while nothing changed: no device work then). Device work: the ``cat`` of the appended
-        spans' slot tensors (none for one span or none), and one ``canary_sweep_plan_update`` launch (more only for
+        spans' slot tensors (none without appends), and one ``canary_sweep_plan_update`` launch (more only for
         a commit of over :data:`MAX_SPANS` spans or :data:`MAX_TOMBSTONES` tombstone ranges)."""
         planned = self._planned
         if planned is not None and not self._tombstones and not self._appended:
@@ -319,7 +318,9 @@ class SweepIndex:
         self.reserve(0)
         plan = self._plan
         parts = self._parts
-        new_slots = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else self._no_slots
+        # One cat, also of a single span: the kernel reads one contiguous tensor the index owns (a span's own may be a
+        # strided view), and the adapter's stream test sees every node value the commit reads go through it.
+        new_slots = torch.cat(parts) if parts else self._no_slots
         self._write(plan, new_slots, self._appended, self._tombstones)
         self._tombstones.clear()
         self._appended.clear()
