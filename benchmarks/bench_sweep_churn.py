@@ -22,8 +22,9 @@ Sources, side by side on the same seeded workload:
   the tree, ~20 device operations per update), its two modules loaded from ``git show``;
 * ``walk``: a walk of the tree on every sweep (the source before issue 25, and a HiRadixCache's today).
 
-Per source and interval: host µs per sweep and per forward (the round with the least), the aten operations per
-sweep that do device work (what a GPU pays ~6-10 µs of host time for each; counted in one more run), the walks and
+Per source and interval: host µs per sweep and per forward (the round with the least), the device operations per
+sweep (aten operations that do device work and kvcanary kernel launches: what a GPU pays ~6-10 µs of host time for
+each; counted in one more run), the walks and
 why, the compactions, the plan's entries; with ``--pieces``, host µs per piece of an incremental source (its index's
 methods, the pending spans, the walk, and ``_TreeWatch.emit`` per tree event: sglang's own tree operations pay that,
 outside ``sweep_us``). The last plan of each incremental source is checked against a walk of the tree.
@@ -285,6 +286,12 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _kernel_launches(source) -> int:
+    """The kvcanary kernel launches an incremental source's index has made (``SweepIndex.launches``: the commit's
+    ``canary_sweep_plan_update``, a tvm-ffi call the aten counter does not see); 0 for a source without them."""
+    return getattr(getattr(source, "_index", None), "launches", 0)
+
+
 _NO_WORK = {"detach", "alias", "lift_fresh", "sym_size", "sym_numel", "sym_stride", "sym_storage_offset",
             "is_same_size", "resolve_conj", "resolve_neg", "_local_scalar_dense", "empty", "empty_strided"}
 
@@ -338,8 +345,10 @@ def run(source_name: str, interval: int, args, count_ops: bool, pieces: bool = F
         if forwards % interval:
             continue
         if counter is not None:
+            launches = _kernel_launches(source)
             with counter:
                 found = source()
+            counter.calls += _kernel_launches(source) - launches  # (a kernel launch is a device operation too)
         else:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # (the engine's work drained first: the sweep's host time alone)
@@ -421,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
 def line(r: dict) -> str:
     s = (f"{r['source']:<24} every {r['interval']:>2}: {r['sweeps']} sweeps of {r['entries_per_sweep']:.0f} entries "
          f"over {r['forwards']} forwards: {r['sweep_us']:.0f} µs/sweep, {r['sweep_us_per_forward']:.1f} µs/forward, "
-         f"{r['ops_per_sweep']:.1f} torch ops/sweep; tree ops {r['tree_ms']:.0f} ms")
+         f"{r['ops_per_sweep']:.1f} device ops/sweep; tree ops {r['tree_ms']:.0f} ms")
     if "walks" in r:
         reasons = ", ".join(f"{k} {v}" for k, v in r["walk_reasons"].items() if v)
         s += f"; walks {r['walks']}" + (f" ({reasons})" if reasons else "")

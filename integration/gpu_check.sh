@@ -11,7 +11,8 @@
 #   memcheck  compute-sanitizer memcheck over the CUDA out-of-range tests + 2 differential chunks + 2 chunks of
 #             the attribution tests (violation metadata, writer attribution) + 2 chunks of the fused check + the
 #             token upload from pinned memory (not its busy-device test: under the sanitizer launches serialise, so
-#             the device is never behind the host and the staging ring never has to wait)
+#             the device is never behind the host and the staging ring never has to wait) + the sweep-plan commit
+#             (2 differential chunks, a grid-strided launch at the metadata block's bounds, SweepIndex on CUDA)
 #             (override the -k expression with GPU_CHECK_MEMCHECK_K)
 #             (reported as UNAVAILABLE, not FAIL, when the sanitizer cannot run on this machine)
 #   bench     benchmarks/bench_kernels.py (--quick when little time is left)
@@ -209,14 +210,14 @@ record kernels "$(status_of $STEP_RC)" "$STEP_S" "$(pytest_result "$OUT_DIR/kern
 
 # ------------------------------------------------------------------------------------------------ memcheck
 SANITIZER=""
-MEMCHECK_K="${GPU_CHECK_MEMCHECK_K:-cuda and (out_of_range or 0-cuda or 1-cuda or refuses_a_staging)}"
+MEMCHECK_K="${GPU_CHECK_MEMCHECK_K:-cuda and (out_of_range or 0-cuda or 1-cuda or refuses_a_staging or commit_past_the_block_cap or index_plans_equal_the_cpu_index)}"
 for cand in "$(command -v compute-sanitizer 2>/dev/null)" "$CUDA_HOME/bin/compute-sanitizer" \
             "$CUDA_HOME/compute-sanitizer/compute-sanitizer"; do
   if [[ -n "$cand" && -x "$cand" ]]; then SANITIZER="$cand"; break; fi
 done
 MEMCHECK_TESTS=()
 for f in tests/kernels/test_differential.py tests/kernels/test_out_of_range.py tests/kernels/test_kernel_attribution.py \
-         tests/kernels/test_check.py tests/kernels/test_token_update.py; do
+         tests/kernels/test_check.py tests/kernels/test_token_update.py tests/kernels/test_sweep_plan_update.py; do
   [[ -f "$f" ]] && MEMCHECK_TESTS+=("$f")
 done
 if [[ -z "$SANITIZER" ]]; then

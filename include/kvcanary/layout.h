@@ -149,6 +149,31 @@ constexpr int32_t kTokenAppendFieldStart = 1;  // the position written
 constexpr int32_t kTokenAppendFieldToken = 2;  // the token
 constexpr int32_t kTokenAppendFields = 3;
 
+// ---------------------------------------------------------------- sweep-plan commit metadata (kvcanary+)
+// canary_sweep_plan_update reads one int64 metadata block per launch (pinned host memory on CUDA, read by the kernel
+// in place): a header of kSweepPlanMetaHeaderFields values, then num_spans spans of kSweepPlanSpanFields values each
+// (record-major: span k's field f at header + k * kSweepPlanSpanFields + f), then num_tombstones ranges of
+// kSweepPlanTombstoneFields values right after the spans. A launch holds at most kSweepPlanMaxSpans spans and
+// kSweepPlanMaxTombstones ranges (every block copies them into shared memory and each entry scans the ranges), so a
+// block is at most kSweepPlanMetaValues values; a larger commit is split into several launches (runtime/sweep_index).
+constexpr int32_t kSweepPlanMetaNumSpans = 0;       // spans in this launch
+constexpr int32_t kSweepPlanMetaNumTombstones = 1;  // tombstone ranges in this launch
+constexpr int32_t kSweepPlanMetaSlotsBase = 2;      // the plan index of new_slots[0]
+constexpr int32_t kSweepPlanMetaNumValid = 3;       // the entry count written to verify_num_valid
+constexpr int32_t kSweepPlanMetaHeaderFields = 4;
+constexpr int32_t kSweepPlanSpanFieldStart = 0;          // plan index of the span's first entry
+constexpr int32_t kSweepPlanSpanFieldLength = 1;         // entries (>= 1)
+constexpr int32_t kSweepPlanSpanFieldFirstPosition = 2;  // expected position of the first entry
+constexpr int32_t kSweepPlanSpanFieldBefore = 3;  // plan index of the first entry's predecessor; -1: a chain head
+constexpr int32_t kSweepPlanSpanFields = 4;
+constexpr int32_t kSweepPlanTombstoneFieldStart = 0;
+constexpr int32_t kSweepPlanTombstoneFieldLength = 1;
+constexpr int32_t kSweepPlanTombstoneFields = 2;
+constexpr int32_t kSweepPlanMaxSpans = 128;
+constexpr int32_t kSweepPlanMaxTombstones = 128;
+constexpr int32_t kSweepPlanMetaValues = kSweepPlanMetaHeaderFields + kSweepPlanMaxSpans * kSweepPlanSpanFields +
+                                         kSweepPlanMaxTombstones * kSweepPlanTombstoneFields;
+
 /*! \brief (name, value) pairs exported to Python by canary_layout_constants(). */
 struct LayoutConstant {
   const char* name;
@@ -241,6 +266,22 @@ constexpr LayoutConstant kLayoutConstantTable[] = {
     {"TOKEN_APPEND_FIELD_START", kTokenAppendFieldStart},
     {"TOKEN_APPEND_FIELD_TOKEN", kTokenAppendFieldToken},
     {"TOKEN_APPEND_FIELDS", kTokenAppendFields},
+    {"SWEEP_PLAN_META_NUM_SPANS", kSweepPlanMetaNumSpans},
+    {"SWEEP_PLAN_META_NUM_TOMBSTONES", kSweepPlanMetaNumTombstones},
+    {"SWEEP_PLAN_META_SLOTS_BASE", kSweepPlanMetaSlotsBase},
+    {"SWEEP_PLAN_META_NUM_VALID", kSweepPlanMetaNumValid},
+    {"SWEEP_PLAN_META_HEADER_FIELDS", kSweepPlanMetaHeaderFields},
+    {"SWEEP_PLAN_SPAN_FIELD_START", kSweepPlanSpanFieldStart},
+    {"SWEEP_PLAN_SPAN_FIELD_LENGTH", kSweepPlanSpanFieldLength},
+    {"SWEEP_PLAN_SPAN_FIELD_FIRST_POSITION", kSweepPlanSpanFieldFirstPosition},
+    {"SWEEP_PLAN_SPAN_FIELD_BEFORE", kSweepPlanSpanFieldBefore},
+    {"SWEEP_PLAN_SPAN_FIELDS", kSweepPlanSpanFields},
+    {"SWEEP_PLAN_TOMBSTONE_FIELD_START", kSweepPlanTombstoneFieldStart},
+    {"SWEEP_PLAN_TOMBSTONE_FIELD_LENGTH", kSweepPlanTombstoneFieldLength},
+    {"SWEEP_PLAN_TOMBSTONE_FIELDS", kSweepPlanTombstoneFields},
+    {"SWEEP_PLAN_MAX_SPANS", kSweepPlanMaxSpans},
+    {"SWEEP_PLAN_MAX_TOMBSTONES", kSweepPlanMaxTombstones},
+    {"SWEEP_PLAN_META_VALUES", kSweepPlanMetaValues},
 };
 
 }  // namespace kvcanary

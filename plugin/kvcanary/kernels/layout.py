@@ -131,6 +131,28 @@ TOKEN_APPEND_FIELD_START = 1  # the position written (the row's valid length so 
 TOKEN_APPEND_FIELD_TOKEN = 2  # the token
 TOKEN_APPEND_FIELDS = 3
 
+# canary_sweep_plan_update (a sweep-plan commit: runtime/sweep_index.py): int64, a header of
+# SWEEP_PLAN_META_HEADER_FIELDS values, then the spans (SWEEP_PLAN_SPAN_FIELDS values each, record-major), then the
+# tombstone ranges (SWEEP_PLAN_TOMBSTONE_FIELDS each); at most SWEEP_PLAN_MAX_SPANS spans and SWEEP_PLAN_MAX_TOMBSTONES
+# ranges a launch
+SWEEP_PLAN_META_NUM_SPANS = 0
+SWEEP_PLAN_META_NUM_TOMBSTONES = 1
+SWEEP_PLAN_META_SLOTS_BASE = 2  # the plan index of new_slots[0]
+SWEEP_PLAN_META_NUM_VALID = 3  # written to verify_num_valid
+SWEEP_PLAN_META_HEADER_FIELDS = 4
+SWEEP_PLAN_SPAN_FIELD_START = 0
+SWEEP_PLAN_SPAN_FIELD_LENGTH = 1
+SWEEP_PLAN_SPAN_FIELD_FIRST_POSITION = 2
+SWEEP_PLAN_SPAN_FIELD_BEFORE = 3  # plan index of the first entry's predecessor, -1 for a chain head
+SWEEP_PLAN_SPAN_FIELDS = 4
+SWEEP_PLAN_TOMBSTONE_FIELD_START = 0
+SWEEP_PLAN_TOMBSTONE_FIELD_LENGTH = 1
+SWEEP_PLAN_TOMBSTONE_FIELDS = 2
+SWEEP_PLAN_MAX_SPANS = 128
+SWEEP_PLAN_MAX_TOMBSTONES = 128
+SWEEP_PLAN_META_VALUES = (SWEEP_PLAN_META_HEADER_FIELDS + SWEEP_PLAN_MAX_SPANS * SWEEP_PLAN_SPAN_FIELDS
+                          + SWEEP_PLAN_MAX_TOMBSTONES * SWEEP_PLAN_TOMBSTONE_FIELDS)
+
 
 class FailReason(enum.IntFlag):
     """Bits of a violation row's fail_reason_bits column."""

@@ -4,8 +4,8 @@ Why. A sweep verifies every (slot, predecessor, position) the prefix cache holds
 cache costs host time in proportion to its nodes (~1-2 ms per sweep of a few hundred nodes on the H200 host), and a
 serving engine's cache changes between nearly every two sweeps (requests finish and are inserted, the pool
 evicts), so a walk-per-sweep source pays that walk almost every time. :class:`SweepIndex` instead follows the
-cache's changes as they happen and turns them into one batch of ~7 device operations at the next sweep, whatever
-the size of the cache and of the change:
+cache's changes as they happen and turns them into 2 device operations at the next sweep (a ``cat`` and one kernel
+launch), whatever the size of the cache and of the change:
 
 * **Spans.** The cache tells the index about *spans*: a run of slots at consecutive positions, owned by a key (a
   cache node), continuing the chain of another span (``after``: the span whose last slot precedes its first) or
@@ -20,13 +20,20 @@ the size of the cache and of the change:
   ``skipped``): "entries swept" stays the number of cached entries checked.
 * **Splits** (:meth:`SweepIndex.split`): a span cut in two keeps its entries where they are; only the host ranges
   change (a split keeps every slot, predecessor and position).
-* **Commit** (:meth:`SweepIndex.commit`): the pending changes as segments of consecutive plan indices, expanded on
-  the device from one upload into every new entry's position, every new entry's predecessor's plan index and every
-  tombstoned entry's plan index (a ``cumsum`` of uploaded differences; ``repeat_interleave`` beyond
-  :data:`SCAN_ENTRIES`); the new slots land in the plan by one ``cat``, the predecessors are read from the plan by
-  one ``index_select`` (a held span's last slot, a new span's previous entry, or the -1 every plan buffer keeps in
-  its last entry, outside the verified range, for a chain head), the tombstones by one ``index_fill_``: ~7 device
-  operations (1-5 for a few tombstones alone), where appends and commits used to take ~20.
+* **Commit** (:meth:`SweepIndex.commit`): the appended spans' slot tensors joined by one ``cat`` (they stay device
+  tensors, never read on the host), and one launch of ``canary_sweep_plan_update``
+  (csrc/canary_sweep_plan.cuh) that writes every new entry's slot, position and predecessor slot, sets the
+  tombstones to the padding slot and writes the entry count. What it reads of the change is a small int64 block
+  the host packs (per span: plan start, length, first position, the plan index of its first slot's predecessor or
+  -1; per tombstone: start, length) into a staging of a pinned ring reused across commits (on CUDA the kernel reads
+  it in place; an event every :data:`~kvcanary.runtime.token_table.EVENT_EVERY` launches says when a staging may
+  be rewritten: :class:`kvcanary.runtime.token_table.StagingRing`). A commit of more than :data:`MAX_SPANS` spans
+  or :data:`MAX_TOMBSTONES` tombstone ranges takes several launches. The results are bit-identical to the torch
+  commit this replaced (issue 25: an upload, a ``cumsum`` or ``repeat_interleave``, ``cat``, ``copy_``,
+  ``index_select``, ``index_fill_`` and the count's fill, ~27 torch calls of host time per commit on the H200 with
+  the stream wrapper; ``kvcanary.kernels.sweep_plan_ref`` keeps it as the reference): a predecessor removed in the
+  same commit is read as the slot it held, and a chain head's predecessor is -1 (the plan buffer still keeps a -1
+  in its last entry, outside the verified range, which that commit read for it).
 * **Compaction** (:meth:`SweepIndex.compact`): tombstones are dropped by gathering the live ranges, which the index
   knows, into a second plan buffer (one expansion, three ``index_select``): no walk of the cache. Wanted when
   tombstones are at least half the plan (:meth:`SweepIndex.wants_compaction`). A serving engine's pool turns its
@@ -44,14 +51,19 @@ which also allocates the compaction's buffer when one is wanted).
 from __future__ import annotations
 
 import array
-from collections.abc import Hashable, Sequence
+import functools
+import struct
+from collections.abc import Callable, Hashable, Sequence
 from typing import NamedTuple
 
 import torch
 
 from kvcanary.kernels import layout
+from kvcanary.kernels.jit import load_module
 from kvcanary.kernels.plan import VerifyPlan
+from kvcanary.kernels.sweep_plan import canary_sweep_plan_update
 from kvcanary.runtime.sweep import MIN_SWEEP_PLAN, SweepPlan, allocate_sweep_plan
+from kvcanary.runtime.token_table import EVENT_EVERY, CudaStagingEvent, StagingEvent, StagingRing, launch_stream_of
 
 # Tombstones below this many entries never ask for a compaction: verifying a few thousand padding entries costs the
 # device nothing measurable, a rebuild costs a walk of the cache.
@@ -78,13 +90,25 @@ class UnplacedSpan(KeyError):
     """A span's ``after`` is neither held by the index nor earlier in the same append (the caller rebuilds)."""
 
 
-# Tombstone ranges a commit without appends sets one fill each (below: one batch of 3-4 operations).
-FILL_TOMBSTONES = 4
-# Expansions of at most this many entries (an update's new entries twice and its tombstones, or a compaction's live
-# entries) upload their differences and scan them on the device (2 operations, a 64 KiB host buffer at most);
-# larger ones upload their segments and expand them with repeat_interleave (~5 operations).
+# Stagings of commit metadata on CUDA (pinned, SWEEP_PLAN_META_VALUES int64 each: 6 KiB), reused in turn; one event
+# is recorded per EVENT_EVERY launches (kvcanary.runtime.token_table: the same ring as the token check's uploads). A
+# staging is rewritten RING_SIZE launches later, by when the device has long run the (microsecond) launch that read it
+# unless it is that many commits behind (then the host waits on the event, never overwriting what it still reads).
+RING_SIZE = 16
+# Spans and tombstone ranges per launch (the metadata block's bound, csrc/canary_sweep_plan.cuh). A commit with more
+# is SPLIT into several launches, never sent to a torch path: the spans in chunks of MAX_SPANS, in plan order, every
+# chunk before any tombstone (a chunk reads predecessors from the plan, which no tombstone of this commit may have
+# padded yet); the tombstones with the last chunk of spans, and any left over in launches of their own after it.
+MAX_SPANS = layout.SWEEP_PLAN_MAX_SPANS
+MAX_TOMBSTONES = layout.SWEEP_PLAN_MAX_TOMBSTONES
+# Expansions of at most this many entries (a compaction's live entries) upload their differences and scan them on the
+# device (2 operations, a 64 KiB host buffer at most); larger ones upload their segments and expand them with
+# repeat_interleave (~5 operations).
 SCAN_ENTRIES = 8192
 _ONES = array.array("q", [1]) * SCAN_ENTRIES
+
+
+_pack_into = struct.pack_into
 
 
 def _ones(n: int) -> array.array:
@@ -95,21 +119,35 @@ def _ones(n: int) -> array.array:
 class SweepIndex:
     """The sweep plan of a prefix cache, kept up to date span by span (see the module docstring)."""
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, *,
+                 event_factory: Callable[[], StagingEvent] | None = None) -> None:
         self.device = torch.device(device)
         self._plan: VerifyPlan | None = None
         self._spare: VerifyPlan | None = None  # the compaction's target (same capacity), swapped with the plan
         self._ranges: dict[Hashable, tuple[int, int, int]] = {}  # key -> (plan start, length, first position)
         self._used = 0  # plan entries in use, tombstones included (and appended ones not written yet)
         self._dead = 0  # tombstoned entries among them
-        self._tombstones: list[tuple[int, int]] = []  # (start, length) not yet set to the padding slot
+        # not yet set to the padding slot: (start, length) per range, flat (the metadata block's layout)
+        self._tombstones: list[int] = []
         # appended, not written yet: their slot tensors, and per span (plan start, length, first position, plan
-        # index of its first slot's predecessor, -1: a chain head) from _written on
+        # index of its first slot's predecessor, -1: a chain head) from _written on, flat (the metadata's layout)
         self._parts: list[torch.Tensor] = []
-        self._appended: list[tuple[int, int, int, int]] = []
+        self._appended: list[int] = []
         self._written = 0  # plan entries written (the appended ones start here)
         self._planned: SweepPlan | None = None  # what the last commit handed out (None: changed since)
         self.compactions = 0
+        self.launches = 0  # canary_sweep_plan_update launches (benchmarks count them as device operations)
+        # The commit's metadata stagings (see RING_SIZE; on the CPU the launch has read its staging when it returns:
+        # one staging, no events, unless tests inject theirs) and the export, bound once.
+        stream = None
+        if event_factory is None and self.device.type == "cuda":
+            event_factory = functools.partial(CudaStagingEvent, self.device)
+            stream = launch_stream_of(self.device)
+        self._staging = StagingRing(RING_SIZE if event_factory is not None else 1, pinned=self.device.type == "cuda",
+                                    event_factory=event_factory, event_every=EVENT_EVERY, launch_stream=stream,
+                                    min_values=layout.SWEEP_PLAN_META_VALUES)
+        self._launch = load_module("cuda" if self.device.type == "cuda" else "cpu").canary_sweep_plan_update
+        self._no_slots = torch.zeros(0, dtype=torch.int64, device=self.device)  # new_slots of a commit without appends
 
     # ------------------------------------------------------------------------------------------ host facts
     def __len__(self) -> int:
@@ -147,7 +185,7 @@ class SweepIndex:
     def remove(self, key: Hashable) -> None:
         """The span ``key`` left the cache: its entries become tombstones at the next :meth:`commit`."""
         start, length, _ = self._ranges.pop(key)
-        self._tombstones.append((start, length))
+        self._tombstones += start, length
         self._dead += length
         self._planned = None
 
@@ -190,7 +228,7 @@ class SweepIndex:
         ``ValueError`` for a key held already or an empty span."""
         ranges = self._ranges
         batch: dict[Hashable, tuple[int, int, int]] = {}
-        appended: list[tuple[int, int, int, int]] = []
+        appended: list[int] = []
         start = self._used
         for key, slots, after in spans:
             if key in ranges or key in batch:
@@ -207,7 +245,7 @@ class SweepIndex:
                 a_start, a_length, a_position = found
                 before, first_position = a_start + a_length - 1, a_position + a_length
             batch[key] = (start, n, first_position)
-            appended.append((start, n, first_position, before))
+            appended += start, n, first_position, before
             start += n
         ranges.update(batch)
         self._appended += appended
@@ -271,57 +309,62 @@ class SweepIndex:
 
     def commit(self) -> SweepPlan:
         """Write the appended entries, set the pending tombstones and the entry count on the device; the plan to
-        sweep (the same object while nothing changed: no device work then)."""
+        sweep (the same object while nothing changed: no device work then). Device work: the ``cat`` of the appended
+        spans' slot tensors (none without appends), and one ``canary_sweep_plan_update`` launch (more only for
+        a commit of over :data:`MAX_SPANS` spans or :data:`MAX_TOMBSTONES` tombstone ranges)."""
         planned = self._planned
         if planned is not None and not self._tombstones and not self._appended:
             return planned
         self.reserve(0)
         plan = self._plan
-        tombstones, appended = self._tombstones, self._appended
-        if appended or len(tombstones) > FILL_TOMBSTONES:
-            self._write(plan, appended, tombstones)
-        else:
-            for start, length in tombstones:
-                plan.verify_slot_indices[start:start + length].fill_(layout.PADDING_SLOT)
-        tombstones.clear()
-        appended.clear()
-        self._parts.clear()
+        parts = self._parts
+        # One cat, also of a single span: the kernel reads one contiguous tensor the index owns (a span's own may be a
+        # strided view), and the adapter's stream test sees every node value the commit reads go through it.
+        new_slots = torch.cat(parts) if parts else self._no_slots
+        self._write(plan, new_slots, self._appended, self._tombstones)
+        self._tombstones.clear()
+        self._appended.clear()
+        parts.clear()
         self._written = self._used
-        plan.verify_num_valid.fill_(self._used)
         planned = self._planned = SweepPlan(plan, self._dead)
         return planned
 
-    def _write(self, plan: VerifyPlan, appended: list[tuple[int, int, int, int]],
-               tombstones: list[tuple[int, int]]) -> None:
-        """One expansion of the pending segments (see the module docstring): the appended entries' positions, their
-        predecessors' plan indices, then the tombstoned entries' plan indices."""
-        written, end = self._written, self._used
-        total = end - written
-        head = plan.capacity - 1  # (its -1: a chain head's predecessor)
-        offsets: list[int] = []
-        lengths: list[int] = []
-        for start, n, first_position, _ in appended:  # positions: first position + i
-            offsets.append(first_position - (start - written))
-            lengths.append(n)
-        for start, n, _, before in appended:  # predecessors: the plan index before, but at a span's first
-            at = total + start - written
-            offsets += (head if before < 0 else before) - at, written - total - 1
-            lengths += 1, n - 1
-        at = 2 * total
-        dead = 0
-        for start, length in tombstones:
-            offsets.append(start - at)
-            lengths.append(length)
-            at += length
-            dead += length
-        index = self._expand(offsets, lengths, 2 * total + dead)
-        if total:
-            slots = plan.verify_slot_indices
-            torch.cat(self._parts, out=slots[written:end])
-            plan.verify_expected_positions[written:end].copy_(index[:total])
-            torch.index_select(slots, 0, index[total:2 * total], out=plan.verify_prev_slot_indices[written:end])
-        if dead:
-            plan.verify_slot_indices.index_fill_(0, index[2 * total:], layout.PADDING_SLOT)
+    def _write(self, plan: VerifyPlan, new_slots: torch.Tensor, appended: list[int], tombstones: list[int]) -> None:
+        """The pending changes by ``canary_sweep_plan_update`` (csrc/canary_sweep_plan.cuh): per launch, its
+        metadata packed into the ring's next staging (the header, the spans, the tombstone ranges), one call, and the
+        staging handed back to the ring (which records an event after every EVENT_EVERY-th launch). A commit over
+        the block's bound takes several launches in the order of :data:`MAX_SPANS`' comment."""
+        span_values = MAX_SPANS * layout.SWEEP_PLAN_SPAN_FIELDS
+        tombstone_values = MAX_TOMBSTONES * layout.SWEEP_PLAN_TOMBSTONE_FIELDS
+        base, used = self._written, self._used
+        s = t = 0
+        while True:
+            spans = appended[s:s + span_values]
+            s += len(spans)
+            # tombstones only with (or after) the last chunk of spans
+            ranges = tombstones[t:t + tombstone_values] if s == len(appended) else []
+            t += len(ranges)
+            values = layout.SWEEP_PLAN_META_HEADER_FIELDS + len(spans) + len(ranges)
+            staging = self._staging.acquire(values)
+            _pack_into(f"{values}q", staging.view, 0, len(spans) // layout.SWEEP_PLAN_SPAN_FIELDS,
+                       len(ranges) // layout.SWEEP_PLAN_TOMBSTONE_FIELDS, base, used, *spans, *ranges)
+            try:
+                self._launch(plan.verify_slot_indices, plan.verify_prev_slot_indices, plan.verify_expected_positions,
+                             plan.verify_num_valid, new_slots, staging.buffer)
+            except Exception:
+                # Refused before anything was written (the export checks every argument and the metadata first): the
+                # keyword wrapper names the argument (or re-raises).
+                canary_sweep_plan_update(verify_slot_indices=plan.verify_slot_indices,
+                                         verify_prev_slot_indices=plan.verify_prev_slot_indices,
+                                         verify_expected_positions=plan.verify_expected_positions,
+                                         verify_num_valid=plan.verify_num_valid, new_slots=new_slots,
+                                         meta=staging.buffer)
+                raise
+            self._staging.launched(staging)  # (after the launch that reads the staging)
+            self.launches += 1
+            if s == len(appended) and t == len(tombstones):
+                return
 
 
-__all__ = ["FILL_TOMBSTONES", "MIN_COMPACTION_ENTRIES", "SCAN_ENTRIES", "Span", "SweepIndex", "UnplacedSpan"]
+__all__ = ["MAX_SPANS", "MAX_TOMBSTONES", "MIN_COMPACTION_ENTRIES", "RING_SIZE", "SCAN_ENTRIES", "Span", "SweepIndex",
+           "UnplacedSpan"]

@@ -224,25 +224,28 @@ class StagingRing:
     ``launch_stream``: reads the stream a launch went on (the Stream object to record on; the same object for the
     same stream); None means every launch on the current stream of one device (the tests' simulated events).
 
-    Every staging is allocated here, at :data:`MIN_STAGING_VALUES`, before serving: a page-locked allocation is one
-    of CUDA's implicit synchronisations, so one made on a staging's first use would wait for the device mid-serving.
-    Only a batch larger than a staging still allocates then (once per size, capacities doubling).
+    Every staging is allocated here, at ``min_values`` int64 (default :data:`MIN_STAGING_VALUES`; a user whose batches
+    are bounded passes its bound), before serving: a page-locked allocation is one of CUDA's implicit
+    synchronisations, so one made on a staging's first use would wait for the device mid-serving. Only a batch larger
+    than a staging still allocates then (once per size, capacities doubling).
     """
 
     def __init__(self, size: int, *, pinned: bool, event_factory: Callable[[], StagingEvent] | None,
-                 event_every: int = 1, launch_stream: Callable[[], Any] | None = None) -> None:
+                 event_every: int = 1, launch_stream: Callable[[], Any] | None = None,
+                 min_values: int = MIN_STAGING_VALUES) -> None:
         if size < 1:
             raise ValueError(f"StagingRing: size must be >= 1, got {size}")
         if event_every < 1:
             raise ValueError(f"StagingRing: event_every must be >= 1, got {event_every}")
         self._next = 0
+        self._min_values = min_values
         self._pinned = pinned
         self._event_factory = event_factory
         self._event_every = min(event_every, size)
         self._launch_stream = launch_stream
         self._stream: Any = None  # the open group's stream (launch_stream's), None without launch_stream
         self._group: list[Staging] = []  # the open group: stagings launched since the last record, in launch order
-        self._slots: list[Staging] = [self._new(MIN_STAGING_VALUES, None) for _ in range(size)]
+        self._slots: list[Staging] = [self._new(min_values, None) for _ in range(size)]
         self.waits = 0  # stagings still read by the device when their turn came (the host waited)
         self.grows = 0  # stagings replaced by a larger one
 
@@ -311,7 +314,7 @@ class StagingRing:
         return event
 
     def _new(self, values: int, event: StagingEvent | None) -> Staging:
-        capacity = max(MIN_STAGING_VALUES, 1 << (values - 1).bit_length())
+        capacity = max(self._min_values, 1 << (values - 1).bit_length())
         buffer = torch.empty(capacity, dtype=torch.int64, pin_memory=self._pinned)
         view = (ctypes.c_char * (capacity * buffer.element_size())).from_address(buffer.data_ptr())
         if event is None and self._event_factory is not None:

@@ -23,7 +23,8 @@ source existed). A plan whose tombstones reach half its entries is compacted on 
 (:meth:`kvcanary.runtime.sweep_index.SweepIndex.compact`): the engine's pool turns over every few sweeps, and a
 walk per compaction was ~1 sweep in 4 (issue 25). So every sweep verifies exactly the entries the tree holds at that
 moment; a sweep of an unchanged tree launches verify on the plan as it is (no device work before it), a sweep after
-changes costs one batch of ~7 device operations for what changed. ``walks`` counts the walks, ``walk_reasons``
+changes costs 2 device operations for what changed (a cat and one kernel launch:
+:meth:`kvcanary.runtime.sweep_index.SweepIndex.commit`). ``walks`` counts the walks, ``walk_reasons``
 says why (:data:`WALK_REASONS`), ``compactions`` counts the gathers, ``events`` the tree events followed.
 
 Streams: the appends read node values, which sglang's scheduler stream produces and frees. The plan is the forward
