@@ -47,7 +47,7 @@ from kvcanary.runtime.installation import HostTime, Installation, WrapperCall
 from kvcanary.sglang import base, piecewise, pools, v0_5_12
 from kvcanary.sglang import hooks as hooks_module
 from kvcanary.sglang.hooks import AdapterHooks, installation_of
-from kvcanary.sglang.installed import runner_state_of
+from kvcanary.sglang.installed import RunnerState, runner_state_of
 from kvcanary.sglang.radix import radix_sweep_source
 from kvcanary.sglang.radix_index import RadixSweepIndex
 
@@ -467,8 +467,9 @@ def patch_kernels(pieces: Pieces, null: bool) -> Callable[[], None]:
     return undo
 
 
-def instrument(inst: Installation, pieces: Pieces) -> Callable[[], None]:
-    """Wrap the Installation's pieces (instance attributes only; the undo restores them)."""
+def instrument(inst: Installation, state: RunnerState, pieces: Pieces) -> Callable[[], None]:
+    """Wrap the Installation's pieces and the batch hook's token upload (instance attributes only; the undo restores
+    them)."""
     undo: list[Callable[[], None]] = []
 
     def patch(obj, attr: str, name: str) -> None:
@@ -483,16 +484,17 @@ def instrument(inst: Installation, pieces: Pieces) -> Callable[[], None]:
     for g in inst.groups:
         m = g.manager
         for attr, name in (("before_forward", "before_forward"), ("after_forward", "after_forward"),
-                           ("step", "step"), ("assign_requests", "assign_requests"),
-                           ("update_expected_tokens", "token table upload")):
+                           ("step", "step"), ("assign_requests", "assign_requests")):
             patch(m, attr, name)
         patch(m.sweeper, "run_source", "sweep (in step)")
     if inst.metrics is not None:
         patch(inst.metrics, "observe", "metrics")
     patch(inst, "account_forward", "account_forward")
-    old = hooks_module.expected_token_updates
-    hooks_module.expected_token_updates = pieces.wrap("expected_token_updates", old)
-    undo.append(lambda: setattr(hooks_module, "expected_token_updates", old))
+    if state.token_upload is not None:  # (the batch hook's upload: the token table's, called directly)
+        patch(state, "token_upload", "token table upload")
+    old = hooks_module.expected_token_columns
+    hooks_module.expected_token_columns = pieces.wrap("expected_token_updates", old)
+    undo.append(lambda: setattr(hooks_module, "expected_token_columns", old))
     return lambda: [u() for u in reversed(undo)]
 
 
@@ -623,7 +625,7 @@ def _run_case(case: Case, args, device: torch.device, pieces: Pieces) -> dict:
 
     measure(False)  # warm: allocator, channels, the first sweep
     per_round = measure(False)
-    undo = instrument(inst, pieces)
+    undo = instrument(inst, runner_state_of(runner), pieces)
     try:
         measure(True)
     finally:

@@ -630,7 +630,7 @@ def test_with_an_eagle_pool_every_replays_whole_padding_is_zeroed() -> None:
 
 def _runner(inst) -> types.SimpleNamespace:
     """A stand-in ModelRunner with ``inst`` installed (and a RunnerState over it, as AdapterHooks.install keeps)."""
-    state = installed.RunnerState(inst)
+    state = installed.RunnerState(inst, token_upload=getattr(inst, "expected_token_upload", lambda: None)())
     return types.SimpleNamespace(**{installed.INSTALL_ATTR: inst, installed.RUNNER_STATE_ATTR: state})
 
 

@@ -142,12 +142,30 @@ def test_device_timing_of_kvcanarys_eager_launches(probe, monkeypatch) -> None:
 def test_device_timing_is_off_by_default(probe, monkeypatch) -> None:
     monkeypatch.delenv(probe.DEVICE_ENV, raising=False)
     monkeypatch.setattr(probe, "KVCANARY_PIECES", ())  # (patch no kvcanary class in this process)
+    monkeypatch.setattr(probe, "KVCANARY_REPORTED_PIECES", ())
     calls = []
     monkeypatch.setattr(probe, "_patch", lambda module, cls_name, name, wrap, marker: calls.append((name, wrap)) or 1)
     assert probe.install_kvcanary_pieces() == 0 and calls == []
     monkeypatch.setenv(probe.DEVICE_ENV, "1")
     assert probe.install_kvcanary_pieces() == 2
     assert calls == [("before_forward", probe._device_timed), ("after_forward", probe._device_timed)]
+
+
+def test_a_reported_piece_adds_the_host_time_kvcanary_measured(probe, monkeypatch) -> None:
+    """The batch hook's time comes from what it hands Installation.account_batch_init (one frame bound into sglang's
+    hook registry: no class patch could time it), added once per call, the method still called."""
+    seen = []
+
+    class Installation:
+        def account_batch_init(self, ns: int) -> None:
+            seen.append(ns)
+
+    wrapped = probe._reported(Installation.account_batch_init, "kvc_batch_ns")
+    before = probe.PROBE.c["kvc_batch_ns"]
+    wrapped(Installation(), 7_000)
+    wrapped(Installation(), 5_000)
+    assert probe.PROBE.c["kvc_batch_ns"] - before == 12_000 and seen == [7_000, 5_000]
+    assert wrapped.e2e_probe == "kvc_batch_ns"
 
 
 def test_patch_wraps_a_method_once_and_skips_what_is_missing(probe, monkeypatch) -> None:

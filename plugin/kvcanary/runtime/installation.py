@@ -28,6 +28,10 @@ from kvcanary.report.metrics import CanaryMetrics, NoMetrics, metrics_for
 from kvcanary.runtime.config import Config
 from kvcanary.runtime.manager import CanaryManager, SweepSource
 from kvcanary.runtime.sweep import SweepTally
+from kvcanary.runtime.token_table import TokenColumns
+
+# (rows, starts, counts, token_runs) -> None: one batch's expected-token updates as columns, sent to every group's table
+TokenColumnsUpload = Callable[[Sequence[int], Sequence[int], Sequence[int], Sequence[Sequence[int]]], None]
 
 logger = logging.getLogger(__name__)
 
@@ -337,6 +341,24 @@ class Installation:
         every group's table (:class:`~kvcanary.runtime.token_table.TokenColumns` are read, never changed)."""
         for group in self.groups:
             group.manager.update_expected_tokens(updates)
+
+    def expected_token_upload(self) -> TokenColumnsUpload | None:
+        """What sends one batch's token-check updates, as columns (rows, starts, counts, token runs: see
+        :meth:`~kvcanary.runtime.token_table.TokenTable.update_columns`), to every group's table: with one group the
+        table's own ``update_columns`` (what :meth:`update_expected_tokens` reaches through two more Python calls, each
+        several µs of a batch's host time from the engine's cold caches). None without the token check. Asked once
+        (the adapter keeps it): the groups and their tables never change."""
+        if not self.verify_tokens:
+            return None
+        tables = [group.manager.token_table for group in self.groups]
+        if len(tables) == 1 and tables[0] is not None:
+            return tables[0].update_columns
+
+        def upload(rows: Sequence[int], starts: Sequence[int], counts: Sequence[int],
+                   token_runs: Sequence[Sequence[int]]) -> None:
+            self.update_expected_tokens(TokenColumns(rows, starts, counts, token_runs))
+
+        return upload
 
     @property
     def verify_tokens(self) -> bool:

@@ -361,21 +361,40 @@ class TokenTable:
         update leaves it. Non-blocking; call outside graph capture. Raises ``ValueError`` for a row outside the
         table or a negative start (nothing is written to the table).
 
-        ``updates`` may be :class:`TokenColumns` (staged as they are: the serving loop's form, and the call that
-        stages them: no further Python call before the pack) or any sequence of tuples (turned into columns first).
-        The columns' rules and errors are :meth:`update_columns`'."""
+        ``updates`` may be :class:`TokenColumns` (staged as they are) or any sequence of tuples (turned into columns
+        first). The columns' rules and errors are :meth:`update_columns`'."""
         columns = updates if updates.__class__ is TokenColumns else TokenColumns.of(updates)
-        rows, starts, counts, token_runs = columns.rows, columns.starts, columns.counts, columns.token_runs
+        self.update_columns(columns.rows, columns.starts, columns.counts, columns.token_runs)
+
+    def update_columns(self, rows: Sequence[int], starts: Sequence[int], counts: Sequence[int],
+                       token_runs: Sequence[Sequence[int]]) -> None:
+        """:meth:`update` of the updates in columns (see :class:`TokenColumns`): update ``i`` writes its ``counts[i]``
+        tokens (the next ones of ``token_runs``, joined) into row ``rows[i]`` from position ``starts[i]``. One
+        launch; the staging is written by one pack of all the columns, plus one per further run (one token per
+        update in list or tuple columns, every start inside the width: the rows, starts and tokens alone, for
+        ``canary_token_append``). Raises ``ValueError`` naming the column (and the update) for a row outside the
+        table, a negative start or count, columns of different lengths, or runs of another length than ``counts``
+        add up to (nothing is written to the table).
+
+        The serving loop's call (:func:`kvcanary.sglang.tokens.expected_token_columns` builds its arguments): the
+        columns are staged here with no further Python call before the pack (no :class:`TokenColumns` built)."""
         n = len(rows)
         if len(starts) != n or len(counts) != n:
             raise ValueError(f"{_ERROR_PREFIX}: rows, starts and counts have {n}, {len(starts)} and {len(counts)} "
                              "values (one per update each)")
         if not n and not any(token_runs):
             return
-        # one token per update (a decode forward): list.count over the counts, no Python loop
+        # One token per update (a decode forward): list.count over the counts, no Python loop. Staged as the runs of
+        # layout.TOKEN_APPEND_FIELD_* (rows, starts, tokens: one pack of 3 values a row, no valid lengths or offsets
+        # to build) for canary_token_append, here rather than in a method of its own: every decode batch takes this
+        # branch, and a Python call from the engine's cold caches costs several µs of its host time.
         if len(token_runs) == 1 and counts.__class__ in _COUNTED and counts.count(1) == n and len(token_runs[0]) == n:
             try:
-                self._append(rows, starts, token_runs[0])
+                staged_len = _APPEND_FIELDS * n
+                staging = self.staging.acquire(staged_len)
+                _pack_into(f"{staged_len}q", staging.view, 0, *rows, *starts, *token_runs[0])
+                self._launch_append(self.expected_tokens, self.valid_lens_by_row, staging.buffer, n)
+                self.staging.launched(staging)
                 return
             except Exception:
                 # Refused before anything was written (the pack, or the export's host-side check of every update):
@@ -393,30 +412,6 @@ class TokenTable:
             if clipped is None:  # the columns are fine: the launch refused something else, its error stands
                 raise
             self._stage_and_launch(*clipped)
-
-    def update_columns(self, rows: Sequence[int], starts: Sequence[int], counts: Sequence[int],
-                       token_runs: Sequence[Sequence[int]]) -> None:
-        """:meth:`update` of the updates in columns (see :class:`TokenColumns`): update ``i`` writes its ``counts[i]``
-        tokens (the next ones of ``token_runs``, joined) into row ``rows[i]`` from position ``starts[i]``. One
-        launch; the staging is written by one pack of all the columns, plus one per further run (one token per
-        update in list or tuple columns, every start inside the width: the rows, starts and tokens alone, for
-        ``canary_token_append``). Raises
-        ``ValueError`` naming the column (and the update) for a row outside the table, a negative start or count,
-        columns of different lengths, or runs of another length than ``counts`` add up to (nothing is written to
-        the table)."""
-        self.update(TokenColumns(rows, starts, counts, token_runs))
-
-    def _append(self, rows: Sequence[int], starts: Sequence[int], tokens: Sequence[int]) -> None:
-        """Stage one token per update (a decode forward's batch) as the runs of layout.TOKEN_APPEND_FIELD_*: rows,
-        starts, tokens, in one pack of 3 values a row (the general header's 5 and an offset accumulation not built)
-        and launch ``canary_token_append``. Raises (before the launch) for a row outside the table, a start outside
-        ``[0, width)`` or a value the pack refuses."""
-        n = len(rows)
-        staged_len = _APPEND_FIELDS * n
-        staging = self.staging.acquire(staged_len)
-        _pack_into(f"{staged_len}q", staging.view, 0, *rows, *starts, *tokens)
-        self._launch_append(self.expected_tokens, self.valid_lens_by_row, staging.buffer, n)
-        self.staging.launched(staging)
 
     def _stage_and_launch(self, rows: Sequence[int], starts: Sequence[int], counts: Sequence[int],
                           ends: Iterable[int], token_runs: Sequence[Sequence[int]]) -> None:

@@ -18,6 +18,7 @@ version's targets with the bound hook (built once, so ``HookRegistry`` sees the 
 
 from __future__ import annotations
 
+import enum
 import logging
 import operator
 import time
@@ -33,11 +34,11 @@ from kvcanary.runtime.identity_cache import IdentityCache
 from kvcanary.runtime.installation import Group, Installation
 from kvcanary.runtime.manager import CanaryManager
 from kvcanary.sglang import hicache, pools, speculative
-from kvcanary.sglang.batches import BatchConverter, mode_name, unsupported_mode
+from kvcanary.sglang.batches import BatchConverter, mode_name, mode_name_of, unsupported_mode
 from kvcanary.sglang.contract import VersionModule
 from kvcanary.sglang.installed import RUNNER_STATE_ATTR, RunnerState, installation_of, keep, runner_states
 from kvcanary.sglang.targets import Target
-from kvcanary.sglang.tokens import expected_token_updates
+from kvcanary.sglang.tokens import expected_token_columns
 
 if TYPE_CHECKING:  # (the fault-injection layer's: the serving path imports none of it)
     from kvcanary.sglang.fault_injection import SglangFaultInjection
@@ -66,6 +67,8 @@ class AdapterHooks:
         # Whether this kind of hooks has per-batch request facts to gather (a layer overriding batch_facts): the plain
         # hooks then skip the call on every batch
         self._has_batch_facts = type(self).batch_facts is not AdapterHooks.batch_facts
+        # id(ForwardMode member) -> (the member, whether its batches get writer attribution): read by the batch hook
+        self._attributes_by_mode: dict[int, tuple[object, bool]] = {}
         # Bound once: HookRegistry's duplicate check (targets.register_hooks) compares hooks by identity.
         self.table: tuple[tuple[Target, Callable], ...] = tuple(
             (target, getattr(self, name)) for name, target in version.HOOK_TARGETS.items()
@@ -125,7 +128,8 @@ class AdapterHooks:
             req_to_token=r2t,
             model_name=getattr(v.server_args_of(runner), "served_model_name", None),  # the metrics' model_name label
         )
-        state = RunnerState(inst, faults=self.fault_injection(inst, report_rank, role))
+        state = RunnerState(inst, faults=self.fault_injection(inst, report_rank, role),
+                            token_upload=inst.expected_token_upload())
         inst.step_hooks = state.faults  # an injection's undo actions run around the managers' step
         # set before piecewise graphs capture (they call the wrapper); each version classifies calls its own way
         inst.wrapper_call = v.wrapper_gate(inst)
@@ -157,6 +161,16 @@ class AdapterHooks:
         """After the model ran: drain, health, stats, sweep (``Installation.host_after``)."""
         del forward_batch
         state.inst.host_after()
+
+    def _remember_attribution(self, mode: object) -> tuple[object, bool]:
+        """(``mode``, whether a batch of that forward mode may give a row a new request), remembered for an enum
+        member (IdentityCache's scheme: keyed by id, the entry holding its member; a member's name never changes)."""
+        entry = (mode, mode_name_of(mode) not in _NO_NEW_REQUESTS)
+        if isinstance(mode, enum.Enum):
+            if len(self._attributes_by_mode) >= 256:
+                self._attributes_by_mode.clear()
+            self._attributes_by_mode[id(mode)] = entry
+        return entry
 
     def batch_facts(self, state: RunnerState, reqs) -> None:
         """Per batch, what else needs the batch's requests: nothing (the fault injector's request facts)."""
@@ -328,6 +342,10 @@ class AdapterHooks:
                 inst.account_host_tier(ns)
 
     def after_forward_batch_init(self, result, cls, batch, model_runner, *args, **kwargs):
+        """The per-batch host work: writer attribution for new requests, :meth:`batch_facts`, token-table uploads.
+
+        One Python frame for all of it (what a ``_batch_init`` method did is written out in the ``try``): from the
+        engine's cold caches a call costs several µs, and every batch the scheduler builds pays them."""
         t0 = time.perf_counter_ns()
         state = getattr(model_runner, RUNNER_STATE_ATTR, None)  # (runner_state_of written out: see around_forward)
         if state is None:
@@ -336,26 +354,28 @@ class AdapterHooks:
         if inst.stopped is not None:
             return result
         try:
-            self._batch_init(state, batch)
+            reqs = self.version.batch_requests(batch)
+            # writer attribution: a row gets a new request in a prefill (the mode's verdict remembered per ForwardMode
+            # member, read here: mode_name's call would be one more frame per batch)
+            mode = batch.forward_mode
+            attributes = self._attributes_by_mode.get(id(mode))
+            if attributes is None or attributes[0] is not mode:
+                attributes = self._remember_attribution(mode)
+            if attributes[1]:
+                rows, rids = request_rows(reqs)
+                for group in inst.groups:
+                    group.manager.assign_requests(rows, rids)
+            if self._has_batch_facts:  # (the fault layer's; the plain hooks make no call for it)
+                self.batch_facts(state, reqs)
+            upload = state.token_upload  # (None without the token check)
+            if upload is not None:
+                upload(*expected_token_columns(state.token_mirror, reqs))
         except Exception as exc:
             if not inst.keeps_serving(exc, "in the batch hook (writer attribution, token uploads)"):
                 raise
         finally:
             inst.account_batch_init(time.perf_counter_ns() - t0)  # per batch, in the scheduler: HostTime
         return result
-
-    def _batch_init(self, state: RunnerState, batch) -> None:
-        """The per-batch host work: writer attribution for new requests, :meth:`batch_facts`, token-table uploads."""
-        inst = state.inst
-        reqs = self.version.batch_requests(batch)
-        if mode_name(batch) not in _NO_NEW_REQUESTS:  # writer attribution: a row gets a new request in a prefill
-            rows, rids = request_rows(reqs)
-            for group in inst.groups:
-                group.manager.assign_requests(rows, rids)
-        if self._has_batch_facts:  # (the fault layer's; the plain hooks make no call for it)
-            self.batch_facts(state, reqs)
-        if inst.verify_tokens:
-            inst.update_expected_tokens(expected_token_updates(state.token_mirror, reqs))
 
 
 _ROW_OF = operator.attrgetter("req_pool_idx")

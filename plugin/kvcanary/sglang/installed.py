@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvcanary.runtime.faults import FaultInjectionState
-from kvcanary.runtime.installation import Installation
+from kvcanary.runtime.installation import Installation, TokenColumnsUpload
 
 if TYPE_CHECKING:  # (leaf modules: neither imports this one)
     from kvcanary.sglang.hicache import HostTierFollower
@@ -37,6 +37,9 @@ class RunnerState:
     faults: FaultInjectionState | None = None
     # The token check (KVCANARY_VERIFY_TOKENS): what each req_to_token row was sent (kvcanary.sglang.tokens)
     token_mirror: TokenMirror = field(default_factory=dict)
+    # ... and what sends a batch's updates to every group's table (Installation.expected_token_upload; None: the token
+    # check is off)
+    token_upload: TokenColumnsUpload | None = None
     # The prefix cache the sweep reads (set with the sweep source in after_init_cache; the fault injector's
     # cached_idle_corruption picks its idle slots there)
     prefix_cache: object | None = None

@@ -5,7 +5,7 @@ last upload, from sglang's ``Req`` (``req_pool_idx``, ``origin_input_ids``, ``ou
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvcanary.runtime.token_table import TokenColumns, TokenRuns
 
@@ -30,7 +30,15 @@ def _ref_of(req: object) -> Callable[[], object]:
 def expected_token_updates(mirror: TokenMirror, reqs) -> TokenColumns:
     """What each request's row gained since its last upload, as :class:`~kvcanary.runtime.token_table.TokenColumns` (its
     updates are ``(row, start, tokens)``; ``mirror`` is updated: row -> [a weak reference to the request, tokens sent,
-    the last token sent]).
+    the last token sent]): :func:`expected_token_columns`' columns."""
+    return TokenColumns(*expected_token_columns(mirror, reqs))
+
+
+def expected_token_columns(mirror: TokenMirror, reqs) -> tuple[list[int], list[int], list[int], list[Sequence[int]]]:
+    """What each request's row gained since its last upload, as the columns of
+    :class:`~kvcanary.runtime.token_table.TokenColumns` (rows, starts, counts, token runs: the arguments of
+    :meth:`~kvcanary.runtime.token_table.TokenTable.update_columns`, which the batch hook calls with no TokenColumns
+    built); ``mirror`` is updated: row -> [a weak reference to the request, tokens sent, the last token sent].
 
     A row's expected tokens are the request's ``origin_input_ids + output_ids``; a decode row gains one token
     per forward, a chunked prefill none. The whole row is sent again when the row holds another request, or
@@ -83,7 +91,7 @@ def expected_token_updates(mirror: TokenMirror, reqs) -> TokenColumns:
     counts = [1] * len(rows)
     for index, count in not_one:
         counts[index] = count
-    return TokenColumns(rows, starts, counts, [run] if runs is None else runs.done())
+    return rows, starts, counts, [run] if runs is None else runs.done()
 
 
 def _row_update(mirror: TokenMirror, req) -> tuple[int, int, list[int]] | None:

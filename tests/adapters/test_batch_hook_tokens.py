@@ -1,0 +1,140 @@
+"""The batch hook's token uploads through a real Installation (issue 25: the hook calls the token table's
+``update_columns`` directly, with no TokenColumns, Installation or manager call in between, and remembers each
+forward mode's writer-attribution verdict): after every batch each group's table holds every request's tokens,
+whatever the batch did to its rows (decode, retraction, abort and reuse of the row, chunked prefill, a token
+rewritten in place); writer attribution still runs exactly for the batches that can bring new requests."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import types
+
+import pytest
+import torch
+
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip("sglang is not installed (pip install --no-deps -r requirements-sglang-cpu.txt)",
+                allow_module_level=True)
+import sglang  # noqa: E402,F401  (installed but broken must fail, not skip)
+
+from kvcanary.runtime.config import Config  # noqa: E402
+from kvcanary.runtime.installation import Group, GroupSpec, Installation  # noqa: E402
+from kvcanary.runtime.manager import CanaryManager  # noqa: E402
+from kvcanary.settings import Mode  # noqa: E402
+from kvcanary.sglang import hooks as adapter_hooks  # noqa: E402
+from kvcanary.sglang import installed, v0_5_12  # noqa: E402
+
+ROWS, WIDTH = 12, 400
+
+
+class Req:
+    """sglang's Req: the fields the batch hook reads (a plain class: weak references work as on sglang's)."""
+
+    def __init__(self, rid: str, row: int | None, origin: list[int], output: list[int]) -> None:
+        self.rid, self.req_pool_idx, self.origin_input_ids, self.output_ids = rid, row, origin, output
+
+
+def _installation(groups: int, verify_tokens: bool = True) -> Installation:
+    cfg = Config(mode=Mode.RAISE, stats_every=0, verify_tokens=verify_tokens)
+    r2t = torch.zeros((ROWS, WIDTH), dtype=torch.int32)
+    specs = [GroupSpec(f"g{i}", 64, ()) for i in range(groups)]
+    return Installation(config=cfg, groups=[
+        Group(spec, CanaryManager(cfg, num_slots=64, req_to_token=r2t, device="cpu", max_batch_size=ROWS,
+                                  max_tokens_per_forward=64)) for spec in specs],
+        to_views=lambda *a: [], req_to_token=r2t)
+
+
+def _runner(inst: Installation) -> types.SimpleNamespace:
+    """A ModelRunner with ``inst`` installed, its RunnerState as AdapterHooks.install builds it."""
+    state = installed.RunnerState(inst, token_upload=inst.expected_token_upload())
+    return types.SimpleNamespace(**{installed.INSTALL_ATTR: inst, installed.RUNNER_STATE_ATTR: state})
+
+
+def test_one_group_uploads_through_its_tables_own_call() -> None:
+    """One group: the hook's upload is the table's update_columns itself (no installation or manager frame per
+    batch); no token check: nothing to call."""
+    inst = _installation(1)
+    table = inst.groups[0].manager.token_table
+    assert table is not None and inst.expected_token_upload() == table.update_columns
+    assert _installation(1, verify_tokens=False).expected_token_upload() is None
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_every_batch_leaves_every_request_s_tokens_in_every_table(groups: int) -> None:
+    """Random serving through the batch hook: decode steps (the one-token path), retractions (rolled back and
+    decoded again), aborted requests whose row is reused by a new request (now and then with the same tokens),
+    chunked prefills and lagging rows (nothing new), a sent token rewritten in place (the row is sent whole
+    again: the token check must never keep the old token), a request twice in a batch. After every batch, each
+    group's table holds each batch request's tokens up to its length."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    rng = random.Random(11)
+    inst = _installation(groups)
+    runner = _runner(inst)
+    hooks = adapter_hooks.AdapterHooks(v0_5_12)
+    serial = 0
+    # Every token decoded, re-decoded or rewritten is one not seen before: the rule re-sends a row when the last
+    # token sent no longer matches, so a rewrite that lands on the very token it replaced is no rewrite to it
+    fresh_tokens = iter(range(100, 1 << 30))
+
+    def new_request(row: int, tokens: list[int] | None = None) -> Req:
+        nonlocal serial
+        serial += 1
+        return Req(f"r{serial}", row, tokens or [next(fresh_tokens) for _ in range(rng.randint(1, 40))], [])
+
+    reqs = {r: new_request(r) for r in range(1, ROWS)}
+    decoded = rewritten = 0
+    for _ in range(300):
+        fresh = False
+        for r, req in reqs.items():
+            roll = rng.random()
+            if roll < 0.65:
+                req.output_ids.append(next(fresh_tokens))  # decode
+                decoded += 1
+            elif roll < 0.72 and req.output_ids:
+                del req.output_ids[rng.randrange(len(req.output_ids)):]  # retraction, then decoded again
+                req.output_ids += [next(fresh_tokens) for _ in range(rng.randint(0, 3))]
+            elif roll < 0.76 and req.output_ids:
+                req.output_ids[-1] = next(fresh_tokens)  # the last token (maybe sent already), rewritten in place
+                rewritten += 1
+            elif roll < 0.82:  # finished or aborted: the row's next request (now and then the same tokens)
+                same = rng.random() < 0.3
+                reqs[r] = new_request(r, req.origin_input_ids + req.output_ids if same else None)
+                fresh = True
+            # else: a chunked prefill or a lagging row, nothing new
+        batch = rng.sample(list(reqs.values()), rng.randint(1, ROWS - 1))
+        batch += rng.sample(batch, min(len(batch), rng.randint(0, 1)))  # a request twice in a batch
+        mode = (ForwardMode.MIXED if rng.random() < 0.5 else ForwardMode.EXTEND) if fresh else ForwardMode.DECODE
+        fb = types.SimpleNamespace(forward_mode=mode, reqs=batch)
+        assert hooks.after_forward_batch_init("result", None, fb, runner) == "result"
+        for group in inst.groups:
+            table = group.manager.token_table
+            for req in batch:
+                tokens = req.origin_input_ids + req.output_ids
+                assert int(table.valid_lens_by_row[req.req_pool_idx]) == len(tokens)
+                assert table.expected_tokens[req.req_pool_idx, : len(tokens)].tolist() == tokens
+    assert inst.stopped is None and inst.host_time.batch_inits == 300
+    assert decoded > 1000 and rewritten > 50
+
+
+def test_writer_attribution_follows_each_batch_s_mode_on_one_hooks_object() -> None:
+    """The hook remembers each ForwardMode member's verdict: alternating modes on one AdapterHooks attribute
+    exactly the prefill batches (EXTEND, MIXED), and a mode that is not an enum member (not remembered) is asked
+    by its name every time."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    calls = []
+    manager = types.SimpleNamespace(assign_requests=lambda rows, rids: calls.append(rows))
+    inst = types.SimpleNamespace(stopped=None, groups=[types.SimpleNamespace(manager=manager)],
+                                 account_batch_init=lambda ns: None)
+    state = installed.RunnerState(inst)  # (no token check)
+    runner = types.SimpleNamespace(**{installed.INSTALL_ATTR: inst, installed.RUNNER_STATE_ATTR: state})
+    hooks = adapter_hooks.AdapterHooks(v0_5_12)
+    named = [types.SimpleNamespace(name="EXTEND"), types.SimpleNamespace(name="DECODE")]
+    modes = [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.IDLE,
+             named[0], named[1], ForwardMode.EXTEND, named[1], named[0]]
+    for i, mode in enumerate(modes):
+        batch = types.SimpleNamespace(forward_mode=mode, reqs=[types.SimpleNamespace(req_pool_idx=i, rid=f"r{i}")])
+        assert hooks.after_forward_batch_init("result", None, batch, runner) == "result"
+    assert calls == [[0], [3], [5], [7], [9]]
