@@ -271,7 +271,8 @@ class Case:
 
 def all_cases() -> list[Case]:
     out = []
-    for kind in ("decode", "extend", "mixed"):
+    # (a mixed batch holds extend rows and at least one decode row: none at batch size 1)
+    for kind in ("decode", "extend", "mixed") if BS >= 2 else ("decode", "extend"):
         out += [Case(kind, "none", False, 0), Case(kind, "partial", False, 0), Case(kind, "partial", True, 0),
                 Case(kind, "partial", False, 10), Case(kind, "partial", True, 10)]
     # what a serving engine pays for the sweep: its tree changes between two sweeps; followed (the engine's source
@@ -294,7 +295,7 @@ class Workload:
         self.decode_base = 1 + SHARED_PREFIX
         self.extend_base = self.decode_base + BS * self.context
         self.slots = self.extend_base + BS * EXTEND + 16
-        n_ext = {"decode": 0, "extend": BS, "mixed": MIXED_EXTEND_ROWS}[case.kind]
+        n_ext = {"decode": 0, "extend": BS, "mixed": min(MIXED_EXTEND_ROWS, BS - 1)}[case.kind]
         self.extend_rows = list(range(1, 1 + n_ext))
         self.decode_rows = list(range(1 + n_ext, 1 + BS))
         self.serial = 0

@@ -66,6 +66,9 @@ HOST_RE = re.compile(
 )
 RETRACT_RE = re.compile(r"KV cache pool is full\. Retract requests")
 SWEEP_OFF_RE = re.compile(r"kvcanary: prefix cache (?P<cls>\w+) cannot be swept")
+# The manager's start-up line states its settings (Config.describe): a sweep interval of 0 means the sweep is off by
+# the setting (e.g. ``--kvcanary-env KVCANARY_SWEEP_INTERVAL=0`` to measure the eager path without it)
+SWEEP_INTERVAL_RE = re.compile(r"kvcanary config: .*?\bsweep_interval=(?P<n>\d+)")
 # the lines of integration/pool_phases.py's test-only observers and switches (any phase: --test-pool-switch)
 POOL_LINE_RE = re.compile(r"\[e2e-pool\] (?P<kind>[\w-]+): (?P<fields>[^\n]*)")
 # prefill forwards served by sglang's piecewise CUDA graphs (--piecewise), and sglang's time to build them
@@ -257,9 +260,13 @@ def piecewise_capture_seconds(log_text: str) -> list[float]:
 
 
 def sweep_off(log_text: str) -> str | None:
-    """The prefix cache kvcanary said it cannot sweep (e.g. SWARadixCache), or None."""
+    """Why kvcanary does not sweep, as it said so in the log, or None: the prefix cache it cannot sweep (e.g.
+    SWARadixCache), or ``"sweep_interval=0"`` when every manager started with the sweep off by the setting."""
     m = SWEEP_OFF_RE.search(log_text)
-    return m["cls"] if m else None
+    if m:
+        return m["cls"]
+    intervals = {int(m["n"]) for m in SWEEP_INTERVAL_RE.finditer(log_text)}
+    return "sweep_interval=0" if intervals == {0} else None
 
 
 def switch_tallies(log_text: str) -> dict[str, dict]:
@@ -421,7 +428,7 @@ def summarize_phase(phase: Phase, result: dict, log_text: str, report_rows: list
         "piecewise": parse_piecewise(log_text),  # prefill forwards the piecewise runner served (None: no line)
         "pcg_capture_s": piecewise_capture_seconds(log_text),  # sglang's piecewise graph capture, per Engine
         "piecewise_requested": bool(result.get("piecewise")),
-        "sweep_off": sweep_off(log_text),  # kvcanary cannot sweep this prefix cache (SWARadixCache)
+        "sweep_off": sweep_off(log_text),  # why kvcanary does not sweep (SWARadixCache; sweep_interval=0)
         "pool_switches": switch_tallies(log_text),  # test-only switches' tallies (--test-pool-switch)
     }
     return s

@@ -142,3 +142,16 @@ def test_the_bench_version_installs_without_sglang(bench, monkeypatch) -> None:
     bench.AdapterHooks(v).after_init_memory_pool(None, runner)
     assert bench.installation_of(runner) is not None
     assert imported and not [name for name in imported if name.startswith("sglang")]
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_small_batch_sizes_run_every_case_they_can_hold(bench, tmp_path, monkeypatch, batch_size) -> None:
+    """``--batch-size 1`` crashed in the first mixed case (its 8 extend rows written past the table); a mixed batch
+    needs an extend and a decode row, so batch size 1 has no mixed case and 2 has one extend row."""
+    monkeypatch.setattr(bench, "BS", bench.BS)  # main sets the module-wide batch size: restored after the test
+    out = tmp_path / "bench.json"
+    assert bench.main(["--quick", "--forwards", "2", "--rounds", "1", "--batch-size", str(batch_size),
+                       "--cases", "PARTIAL + tokens", "--json", str(out)]) == 0
+    names = [c["case"] for c in json.loads(out.read_text())["cases"]]
+    kinds = ["decode", "extend"] + (["mixed"] if batch_size >= 2 else [])
+    assert [n.split()[0] for n in names if "sweep" not in n] == kinds, names

@@ -97,6 +97,27 @@ def test_fault_classes_follow_the_kvcanary_env_override_and_sweep_off_is_allowed
     assert s["sweep_off"] == "ChunkCache" and d.verdict_clean(s) == (True, [])
 
 
+def test_a_sweep_off_by_the_setting_is_not_judged_one_that_never_ran_is(e2e) -> None:
+    """The eager setups of issue 25 run with KVCANARY_SWEEP_INTERVAL=0: their clean phase failed on "sweep never
+    ran" although every manager said it was started with the sweep off."""
+    d = e2e
+    stats = ("kvcanary stats: step=9 forwards=9 tokens_written=9 entries_verified=2000000 entries_swept=0 "
+             "violations=0 lost=0\n")
+
+    def manager_line(interval: int) -> str:
+        return (f"kvcanary: manager on cuda:0: 8193 slots; kvcanary config: mode=raise real_kv=partial "
+                f"sweep_interval={interval} ring_capacity=1024 stats_every=1000\n")
+
+    ok = {"status": "OK", "requests_sent": 1, "requests_ok": 1}
+    off = d.summarize_phase(d.PHASES["1"], ok, manager_line(0) + stats, [])
+    assert off["sweep_off"] == "sweep_interval=0" and d.verdict_clean(off) == (True, [])
+    on = d.summarize_phase(d.PHASES["1"], ok, manager_line(10) + stats, [])
+    assert on["sweep_off"] is None and d.verdict_clean(on) == (False, ["sweep never ran"])
+    # an EAGLE pool's two managers: one with the sweep on is enough to judge it
+    both = d.summarize_phase(d.PHASES["1"], ok, manager_line(0) + manager_line(10) + stats, [])
+    assert d.verdict_clean(both) == (False, ["sweep never ran"])
+
+
 def test_lift_switch_drops_only_the_kv_dtype_refusal() -> None:
     import pool_phases
 
