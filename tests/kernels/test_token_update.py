@@ -28,16 +28,16 @@ import torch
 
 from kvcanary.kernels import layout
 from kvcanary.kernels.tokens import canary_token_append, canary_token_update
-from kvcanary.runtime import token_table
-from kvcanary.runtime.token_table import (
+from kvcanary.runtime import staging as staging_module
+from kvcanary.runtime.staging import (
     EVENT_EVERY,
     MIN_STAGING_VALUES,
-    RING_SIZE,
     CudaStagingEvent,
     StagingRing,
-    TokenTable,
+    device_events,
     launch_stream_of,
 )
+from kvcanary.runtime.token_table import RING_SIZE, TokenTable
 
 CPU = torch.device("cpu")
 FIELDS = layout.TOKEN_UPDATE_FIELDS
@@ -656,7 +656,7 @@ def test_cuda_staging_event_records_on_the_given_stream_or_the_current_one(monke
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    monkeypatch.setattr(token_table, "current_stream", lambda index: f"stream of {index}")
+    monkeypatch.setattr(staging_module, "current_stream", lambda index: f"stream of {index}")
     event = CudaStagingEvent(torch.device("cuda", 1))
     event.record()
     event.record("the group's stream")
@@ -664,6 +664,18 @@ def test_cuda_staging_event_records_on_the_given_stream_or_the_current_one(monke
     assert recorded == ["stream of 1", "the group's stream", "stream of 3"]
     assert launch_stream_of(torch.device("cuda", 1))() == "stream of 1"
     assert launch_stream_of(torch.device("cuda"))() == "stream of 3"
+
+
+def test_device_events_are_cuda_events_on_the_launch_stream_or_the_ones_given(monkeypatch) -> None:
+    """The ring's events every upload takes (token table, writer serials, sweep plan): on CUDA CudaStagingEvents
+    recorded on the device's current stream, none on the CPU, and a test's own factory as given (on one stream)."""
+    monkeypatch.setattr(torch.cuda, "Event", lambda: "a cuda event")
+    monkeypatch.setattr(staging_module, "current_stream", lambda index: f"stream of {index}")
+    factory, stream = device_events(torch.device("cuda", 2))
+    assert isinstance(factory(), CudaStagingEvent) and stream() == "stream of 2"
+    assert device_events(CPU) == (None, None)
+    own = object
+    assert device_events(torch.device("cuda", 2), own) == (own, None) and device_events(CPU, own) == (own, None)
 
 
 class SimulatedDevice:

@@ -9,7 +9,7 @@ import torch
 
 from kvcanary.runtime import writers
 from kvcanary.runtime.serial_upload import RowSerialUpload
-from kvcanary.runtime.token_table import MIN_STAGING_VALUES
+from kvcanary.runtime.staging import MIN_STAGING_VALUES
 from kvcanary.runtime.writers import WriterTable
 
 

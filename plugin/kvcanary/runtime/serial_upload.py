@@ -2,7 +2,7 @@
 
 :meth:`kvcanary.runtime.device_state.DeviceState.upload_row_serials` runs it whenever rows get new requests (the batch
 hook of every prefill). Per call: the rows and serials are packed by one ``struct.pack_into`` into a host staging of the
-token table's :class:`~kvcanary.runtime.token_table.StagingRing` (pinned on CUDA), and one launch of
+:class:`~kvcanary.runtime.staging.StagingRing` (pinned on CUDA), and one launch of
 ``canary_row_serial_update`` (csrc/canary_row_serials.cuh) writes them: on CUDA the kernel reads the pinned staging
 in place (zero-copy: no H2D copy, no device buffer, no scatter op). A staging is rewritten only when the ring hands
 it out again, i.e. after the event recorded behind the launch that read it has completed, whichever stream the next
@@ -16,7 +16,6 @@ call gets its later serial on both backends (the ``index_put_`` left that undefi
 
 from __future__ import annotations
 
-import functools
 import struct
 from collections.abc import Callable, Sequence
 
@@ -24,7 +23,7 @@ import torch
 
 from kvcanary.kernels.jit import load_module
 from kvcanary.kernels.row_serials import canary_row_serial_update
-from kvcanary.runtime.token_table import CudaStagingEvent, StagingEvent, StagingRing
+from kvcanary.runtime.staging import StagingEvent, StagingRing, device_events
 
 # Stagings in the ring on CUDA: a staging is rewritten RING_SIZE prefills later (see
 # kvcanary.runtime.token_table.RING_SIZE).
@@ -44,11 +43,10 @@ class RowSerialUpload:
     def __init__(self, row_serials: torch.Tensor, *,
                  event_factory: Callable[[], StagingEvent] | None = None) -> None:
         device = row_serials.device
-        if event_factory is None and device.type == "cuda":
-            event_factory = functools.partial(CudaStagingEvent, device)
+        event_factory, stream = device_events(device, event_factory)
         self._row_serials = row_serials
         self.staging = StagingRing(RING_SIZE if event_factory is not None else 1, pinned=device.type == "cuda",
-                                   event_factory=event_factory)
+                                   event_factory=event_factory, launch_stream=stream)
         # the export, bound once: an upload is one call of it (canary_row_serial_update only names a failure)
         self._launch = load_module("cuda" if device.type == "cuda" else "cpu").canary_row_serial_update
 

@@ -26,8 +26,8 @@ launch), whatever the size of the cache and of the change:
   tombstones to the padding slot and writes the entry count. What it reads of the change is a small int64 block
   the host packs (per span: plan start, length, first position, the plan index of its first slot's predecessor or
   -1; per tombstone: start, length) into a staging of a pinned ring reused across commits (on CUDA the kernel reads
-  it in place; an event every :data:`~kvcanary.runtime.token_table.EVENT_EVERY` launches says when a staging may
-  be rewritten: :class:`kvcanary.runtime.token_table.StagingRing`). A commit of more than :data:`MAX_SPANS` spans
+  it in place; an event every :data:`~kvcanary.runtime.staging.EVENT_EVERY` launches says when a staging may
+  be rewritten: :class:`kvcanary.runtime.staging.StagingRing`). A commit of more than :data:`MAX_SPANS` spans
   or :data:`MAX_TOMBSTONES` tombstone ranges takes several launches. The results are bit-identical to the torch
   commit this replaced (issue 25: an upload, a ``cumsum`` or ``repeat_interleave``, ``cat``, ``copy_``,
   ``index_select``, ``index_fill_`` and the count's fill, ~27 torch calls of host time per commit on the H200 with
@@ -51,7 +51,6 @@ which also allocates the compaction's buffer when one is wanted).
 from __future__ import annotations
 
 import array
-import functools
 import struct
 from collections.abc import Callable, Hashable, Sequence
 from typing import NamedTuple
@@ -62,8 +61,8 @@ from kvcanary.kernels import layout
 from kvcanary.kernels.jit import load_module
 from kvcanary.kernels.plan import VerifyPlan
 from kvcanary.kernels.sweep_plan import canary_sweep_plan_update
+from kvcanary.runtime.staging import EVENT_EVERY, StagingEvent, StagingRing, device_events
 from kvcanary.runtime.sweep import MIN_SWEEP_PLAN, SweepPlan, allocate_sweep_plan
-from kvcanary.runtime.token_table import EVENT_EVERY, CudaStagingEvent, StagingEvent, StagingRing, launch_stream_of
 
 # Tombstones below this many entries never ask for a compaction: verifying a few thousand padding entries costs the
 # device nothing measurable, a rebuild costs a walk of the cache.
@@ -91,7 +90,7 @@ class UnplacedSpan(KeyError):
 
 
 # Stagings of commit metadata on CUDA (pinned, SWEEP_PLAN_META_VALUES int64 each: 6 KiB), reused in turn; one event
-# is recorded per EVENT_EVERY launches (kvcanary.runtime.token_table: the same ring as the token check's uploads). A
+# is recorded per EVENT_EVERY launches (kvcanary.runtime.staging: the same ring as the token check's uploads). A
 # staging is rewritten RING_SIZE launches later, by when the device has long run the (microsecond) launch that read it
 # unless it is that many commits behind (then the host waits on the event, never overwriting what it still reads).
 RING_SIZE = 16
@@ -139,10 +138,7 @@ class SweepIndex:
         self.launches = 0  # canary_sweep_plan_update launches (benchmarks count them as device operations)
         # The commit's metadata stagings (see RING_SIZE; on the CPU the launch has read its staging when it returns:
         # one staging, no events, unless tests inject theirs) and the export, bound once.
-        stream = None
-        if event_factory is None and self.device.type == "cuda":
-            event_factory = functools.partial(CudaStagingEvent, self.device)
-            stream = launch_stream_of(self.device)
+        event_factory, stream = device_events(self.device, event_factory)
         self._staging = StagingRing(RING_SIZE if event_factory is not None else 1, pinned=self.device.type == "cuda",
                                     event_factory=event_factory, event_every=EVENT_EVERY, launch_stream=stream,
                                     min_values=layout.SWEEP_PLAN_META_VALUES)
