@@ -43,7 +43,8 @@
  * Reads:  batch arrays, req_to_token, LUT, expected tokens and valid lengths, records, real-KV bytes, the
  *         snapshot sources, the state header (forward counter, write index, drained_to).
  * Writes: write plan, snapshots, violation (+ metadata) rows, the header (counters, forward counter, write
- *         index / epoch / drained_to on reuse, the done / arrival / gate scratch). Never the records.
+ *         index / epoch / drained_to on reuse, the done / arrival / gate scratch); optionally the status mirror
+ *         (the last block copies the finished header to pinned host memory in place: CheckParams). Never records.
  */
 #pragma once
 
@@ -78,6 +79,9 @@ struct CheckParams {
   PlanParams plan;    // batch rows, tables and the write plan (the verify-plan pointers stay nullptr)
   RecordCheck check;  // records, real-KV sources, check_tokens, slot attribution
   int64_t* state;     // [kStateHeaderFields + ring_capacity * kViolationFields]
+  // [kStateHeaderFields] host memory the last block copies the finished header to (CUDA: the device's address of
+  // pinned memory), nullptr: none. The host reads it with no copy and no event (runtime/drain.py).
+  int64_t* status_mirror;
   int32_t ring_capacity;
   int64_t* violation_meta;  // [ring_capacity, kViolationMetaFields], nullptr: no metadata
   IntArray input_ids;
@@ -382,12 +386,21 @@ KVCANARY_KERNEL void __launch_bounds__(kCheckThreads, kCheckMinBlocksPerSm)
     s_last = atomicAdd(done, 1) == static_cast<int32_t>(gridDim.x) - 1;
   }
   __syncthreads();
-  if (s_last && threadIdx.x == 0) {
-    check_finish(p, s_step);
-    // Ready for the next launch (and for a graph replay): every block has passed the gate and counted itself done.
-    *reinterpret_cast<int32_t*>(p.state + kStateArrivals) = 0;
-    *reinterpret_cast<int32_t*>(p.state + kStateReuseGate) = 0;
-    *done = 0;
+  if (s_last) {  // (block-uniform: shared)
+    if (threadIdx.x == 0) {
+      check_finish(p, s_step);
+      // Ready for the next launch (and for a graph replay): every block has passed the gate and counted itself done.
+      *reinterpret_cast<int32_t*>(p.state + kStateArrivals) = 0;
+      *reinterpret_cast<int32_t*>(p.state + kStateReuseGate) = 0;
+      *done = 0;
+    }
+    __syncthreads();  // thread 0's stores, before the block reads the header back
+    if (p.status_mirror != nullptr && threadIdx.x < static_cast<uint32_t>(kStateHeaderFields)) {
+      // One coalesced write of the finished header to pinned host memory. No system fence: the host reads the
+      // mirror only to learn whether anything moved, and a read torn between two launches' headers is a mix of
+      // older values that the next read corrects (runtime/drain.py); a fence would lengthen every launch.
+      p.status_mirror[threadIdx.x] = check_load_fresh(p.state + threadIdx.x);
+    }
   }
 }
 
@@ -438,6 +451,11 @@ inline void canary_check_cpu(const CheckParams& p) {
   *q.write_num_valid = static_cast<int32_t>(q.batch_rows);
   check_bump_counters(p, entries);
   check_finish(p, step);
+  if (p.status_mirror != nullptr) {
+    for (int32_t f = 0; f < kStateHeaderFields; ++f) {
+      p.status_mirror[f] = p.state[f];
+    }
+  }
 }
 
 #endif  // KVCANARY_DEVICE_BUILD
@@ -457,7 +475,7 @@ inline int64_t* snapshot_out(const char* fn, const SymbolicSize& num_tokens, Sym
 
 /*! \brief See the file comment. */
 inline void canary_check_step(
-    TensorView state, tvm::ffi::Optional<TensorView> violation_meta, tvm::ffi::Optional<TensorView> slot_attribution,
+    TensorView state, tvm::ffi::Optional<TensorView> status_mirror, tvm::ffi::Optional<TensorView> violation_meta, tvm::ffi::Optional<TensorView> slot_attribution,
     TensorView canary_buf, TensorView write_offsets, TensorView write_seed_slot_indices,
     TensorView write_num_valid_reqs, tvm::ffi::Optional<TensorView> write_request_rows, TensorView req_pool_indices,
     TensorView prefix_lens, TensorView extend_lens, TensorView req_to_token, int64_t swa_window_size,
@@ -480,6 +498,12 @@ inline void canary_check_step(
       << "ring_capacity must be <= 2^31-1, got " << ring_numel / kViolationFields;
   SymbolicSize ring_capacity("ring_capacity");
   ring_capacity.bind(ring_numel / kViolationFields, "state");
+  int64_t* mirror = nullptr;
+  if (status_mirror.has_value()) {
+    TensorMatcher(kFn, {kStateHeaderFields}).dtype<int64_t>().verify(status_mirror.value(), "status_mirror");
+    check_host_memory(kFn, "status_mirror", status_mirror.value());
+    mirror = data_of<int64_t>(status_mirror.value());
+  }
 
   SymbolicSize num_slots("num_slots");
   SymbolicSize slot_stride("slot_stride_bytes");
@@ -530,6 +554,7 @@ inline void canary_check_step(
   p.check.sources = sources;
   p.check.slot_attribution = attribution;
   p.state = data_of<int64_t>(state);
+  p.status_mirror = mirror;  // (CUDA: replaced by the device's address below)
   p.ring_capacity = static_cast<int32_t>(ring_capacity.value());
   p.violation_meta = meta_sink.meta;
   p.input_ids = ids;
@@ -548,6 +573,9 @@ inline void canary_check_step(
   // 3. device guard + stream
   const DLDevice dev = device.value();
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
+  if (mirror != nullptr) {
+    p.status_mirror = pinned_device_address(kFn, "status_mirror", mirror);
+  }
   const cudaStream_t stream = current_stream(dev);
   // 4. launch: one wave at most, fewer blocks when the batch's rows bound the entries (a shape, never data: a
   // graph captured at batch size bs replays with the grid of bs).
@@ -565,6 +593,7 @@ inline void canary_check_step(
 /*! \brief canary_check_step's arguments that stay fixed for a runtime's life, owned by canary_check_bind's function. */
 struct CheckFixedArgs {
   BoundTensor state;
+  BoundOptionalTensor status_mirror;
   BoundOptionalTensor violation_meta;
   BoundOptionalTensor slot_attribution;
   BoundTensor canary_buf;
@@ -598,7 +627,8 @@ struct CheckFixedArgs {
  * on another stream would silently drop out of the graph).
  */
 inline tvm::ffi::Function canary_check_bind(
-    tvm::ffi::Tensor state, tvm::ffi::Optional<tvm::ffi::Tensor> violation_meta,
+    tvm::ffi::Tensor state, tvm::ffi::Optional<tvm::ffi::Tensor> status_mirror,
+    tvm::ffi::Optional<tvm::ffi::Tensor> violation_meta,
     tvm::ffi::Optional<tvm::ffi::Tensor> slot_attribution, tvm::ffi::Tensor canary_buf, tvm::ffi::Tensor write_offsets,
     tvm::ffi::Tensor write_seed_slot_indices, tvm::ffi::Tensor write_num_valid_reqs,
     tvm::ffi::Optional<tvm::ffi::Tensor> write_request_rows, tvm::ffi::Tensor req_to_token, int64_t swa_window_size,
@@ -609,6 +639,7 @@ inline tvm::ffi::Function canary_check_bind(
     tvm::ffi::Tensor real_kv_buf_3, tvm::ffi::Tensor real_kv_source_params, int64_t num_sources,
     int64_t real_kv_hash_mode, int64_t check_tokens) {
   CheckFixedArgs fixed{BoundTensor(std::move(state)),
+                       BoundOptionalTensor(std::move(status_mirror)),
                        BoundOptionalTensor(std::move(violation_meta)),
                        BoundOptionalTensor(std::move(slot_attribution)),
                        BoundTensor(std::move(canary_buf)),
@@ -633,7 +664,7 @@ inline tvm::ffi::Function canary_check_bind(
       [f = std::move(fixed)](TensorView req_pool_indices, TensorView prefix_lens, TensorView extend_lens,
                              TensorView input_ids, TensorView positions, TensorView out_cache_loc, int64_t new_forward,
                              int64_t forward_step_value) {
-        canary_check_step(f.state.view, f.violation_meta.view, f.slot_attribution.view, f.canary_buf.view,
+        canary_check_step(f.state.view, f.status_mirror.view, f.violation_meta.view, f.slot_attribution.view, f.canary_buf.view,
                           f.write_offsets.view, f.write_seed_slot_indices.view, f.write_num_valid_reqs.view,
                           f.write_request_rows.view, req_pool_indices, prefix_lens, extend_lens, f.req_to_token.view,
                           f.swa_window_size, f.full_to_swa_index_mapping.view, f.expected_tokens.view,

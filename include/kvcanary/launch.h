@@ -50,11 +50,12 @@ inline int32_t sm_count(int32_t device_id) {
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 /*!
- * \brief The device address of the pinned host memory at `host` (zero-copy: a kernel reads it in place, no H2D copy);
+ * \brief The device address of the pinned host memory at `host` (zero-copy: a kernel reads or writes it in place, no
+ *   copy);
  *   a ValueError naming `arg` for anything else (pageable, device or managed memory, or memory CUDA does not know).
  */
 template <typename T>
-inline const T* pinned_device_address(const char* fn, const char* arg, const T* host) {
+inline T* pinned_device_address(const char* fn, const char* arg, T* host) {
   cudaPointerAttributes attributes{};
   const cudaError_t status = cudaPointerGetAttributes(&attributes, host);
   if (status != cudaSuccess) {
@@ -69,7 +70,7 @@ inline const T* pinned_device_address(const char* fn, const char* arg, const T* 
           : attributes.type == cudaMemoryTypeManaged ? "managed memory"
           : attributes.type == cudaMemoryTypeHost    ? "pinned memory without a device mapping"
                                                      : "pageable host memory (not pinned)");
-  return static_cast<const T*>(attributes.devicePointer);
+  return static_cast<T*>(attributes.devicePointer);
 }
 
 /*! \brief Launch `kernel<<<grid, block, 0, stream>>>(params)` and turn launch errors into exceptions. */

@@ -270,7 +270,8 @@ def _check_bind_args(kw: dict[str, Any]) -> tuple:
     bufs, params, num_sources = real_kv_launch_args(kw.pop("real_kv_sources"), torch.device("cpu"))
     plan = kw["write_plan"]
     # canary_buf: a copy only the bind owns (the results read the case's, which the check never writes)
-    return (kw["state"], kw["violation_meta"], kw["slot_attribution"], kw["canary_buf"].clone(), plan.write_offsets,
+    return (kw["state"], kw.get("status_mirror"), kw["violation_meta"], kw["slot_attribution"],
+            kw["canary_buf"].clone(), plan.write_offsets,
             plan.write_seed_slot_indices, plan.write_num_valid_reqs, plan.write_request_rows, kw.pop("req_to_token"),
             kw["swa_window_size"], kw.pop("full_to_swa_index_mapping"), kw.pop("expected_tokens"),
             kw.pop("expected_valid_lens_by_row"), kw["kv_token_id_vs_position_offset"], kw["input_ids_out"],

@@ -9,11 +9,13 @@
 * The forward counter, the drained-ring reuse (before the launch's appends) and the many-row / many-entry grid paths,
   by hand; on CUDA, a many-block launch whose blocks all append after the reuse.
 * A CUDA graph of check + write replays with the counter +1 per replay.
+* The status mirror gets the finished header (also from a replayed graph's check node).
 * Argument errors name the argument.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 from collections import Counter
 from typing import Any
@@ -362,6 +364,28 @@ def test_reference_equals_the_cpu_kernel() -> None:
         assert_same(got, want, f"seed={seed}", ordered=True)
 
 
+def _mirror(device: str) -> torch.Tensor:
+    """A status mirror as the runtime allocates it: host memory, pinned for a CUDA launch; sentinels until written."""
+    return torch.full((H,), SENTINEL, dtype=torch.int64, pin_memory=device == "cuda")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_status_mirror_gets_the_finished_header(backend: str) -> None:
+    """The launch's end writes its finished header (reuse, counters, forward counter, scratch at rest) to the host
+    mirror in place; everything else the launch leaves is the same with and without a mirror."""
+    _skip_unavailable(backend)
+    for seed in range(40):
+        case = random_check_case(random.Random(2 * 10**6 + seed))
+        mirror = _mirror(backend)
+        with_mirror = run_fused(functools.partial(check.canary_check_step, status_mirror=mirror), case, backend)
+        assert mirror.tolist() == with_mirror["header"].tolist(), f"seed={seed}"
+        assert_same(with_mirror, run_fused(check.canary_check_step, case, backend), f"seed={seed}",
+                    ordered=backend == "cpu")
+        ref_mirror = _mirror("cpu")
+        run_fused(functools.partial(check_ref.canary_check_step, status_mirror=ref_mirror), case, "cpu")
+        assert torch.equal(ref_mirror, mirror.cpu()), f"reference, seed={seed}"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_many_rows_and_many_entries(backend: str) -> None:
     """Rows in several chunks of the block (bs 700), and more entries than the grid has threads."""
@@ -627,8 +651,10 @@ def test_graph_replays_count_forwards() -> None:
     write_index = state[0:1].view(torch.int32)[0:1]
     write_tag = layout.LAUNCH_TAG_WRITE
 
+    mirror = _mirror(dev)
+
     def forward() -> None:
-        check.canary_check_step(**{**kw, "new_forward": True, "forward_step_value": -1})
+        check.canary_check_step(**{**kw, "new_forward": True, "forward_step_value": -1, "status_mirror": mirror})
         write.canary_write_step(
             canary_buf=kw["canary_buf"], **kw["write_plan"].kernel_args(), input_ids=kw["input_ids_out"][:1],
             positions=kw["positions_out"][:1], out_cache_loc=kw["out_cache_loc_out"][:1], kernel_kind=write_tag,
@@ -647,6 +673,11 @@ def test_graph_replays_count_forwards() -> None:
         graph.replay()
         torch.cuda.synchronize()
         header = state[:H].cpu().tolist()
+        # each replay's check node wrote the pinned mirror: the header as the check left it (before the write node)
+        assert mirror[layout.STATE_FORWARD].item() == header[layout.STATE_FORWARD]
+        assert mirror[layout.STATE_KERNEL_RUNS + V].item() == header[layout.STATE_KERNEL_RUNS + V]
+        assert mirror[layout.STATE_KERNEL_RUNS + layout.LAUNCH_TAG_WRITE].item() == header[
+            layout.STATE_KERNEL_RUNS + layout.LAUNCH_TAG_WRITE] - 1
         assert header[layout.STATE_FORWARD] == before[layout.STATE_FORWARD] + replay
         assert header[layout.STATE_KERNEL_RUNS + V] == before[layout.STATE_KERNEL_RUNS + V] + replay
         assert header[layout.STATE_KERNEL_RUNS + write_tag] == before[layout.STATE_KERNEL_RUNS + write_tag] + replay
@@ -662,7 +693,20 @@ def test_graph_replays_count_forwards() -> None:
 
 def _valid_kwargs() -> dict[str, Any]:
     case, _ = _hand("cpu", index=0, drained_to=-1, corrupt=False)
-    return _on(case, "cpu")
+    return {**_on(case, "cpu"), "status_mirror": _mirror("cpu")}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("where", "pattern"), [
+    ("cuda", r"status_mirror: expected host memory \(pinned"),
+    ("pageable", r"status_mirror: expected pinned host memory the device can read.*pageable host memory"),
+])
+def test_a_cuda_launch_needs_a_pinned_status_mirror(where: str, pattern: str) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    case, _ = _hand("cpu", index=0, drained_to=-1, corrupt=False)
+    mirror = torch.zeros(H, dtype=torch.int64, device="cuda") if where == "cuda" else torch.zeros(H, dtype=torch.int64)
+    _expect({**_on(case, "cuda"), "status_mirror": mirror}, ValueError, "^canary_check_step: " + pattern)
 
 
 def test_valid_call_runs() -> None:
@@ -671,7 +715,7 @@ def test_valid_call_runs() -> None:
 
 TENSORS = ("state", "canary_buf", "req_pool_indices", "prefix_lens", "extend_lens", "req_to_token", "input_ids",
            "positions", "out_cache_loc", "input_ids_out", "positions_out", "out_cache_loc_out")
-OPTIONAL = ("violation_meta", "slot_attribution")
+OPTIONAL = ("violation_meta", "slot_attribution", "status_mirror")
 
 
 def _expect(kwargs: dict[str, Any], exc: type[Exception], pattern: str) -> None:
@@ -733,6 +777,8 @@ def test_write_plan_is_named() -> None:
      r"expected_valid_lens_by_row: expected_tokens and expected_valid_lens_by_row must be given together"),
     ("expected_valid_lens_by_row", torch.zeros(2, dtype=torch.int64), ValueError,
      r"expected_tokens: expected_tokens and expected_valid_lens_by_row must be given together"),
+    ("status_mirror", torch.zeros(H - 1, dtype=torch.int64), ValueError, r"status_mirror: expected shape \[16\]"),
+    ("status_mirror", torch.zeros(H, dtype=torch.int32), TypeError, r"status_mirror: expected dtype int64"),
     ("swa_window_size", -1, ValueError, r"swa_window_size: must be >= 0"),
     ("check_tokens", 2, ValueError, r"check_tokens: must be 0 or 1"),
     ("new_forward", 2, ValueError, r"new_forward: must be 0 or 1"),

@@ -276,6 +276,31 @@ def test_drain_every_reports_within_that_many_forwards_and_reads_nothing_in_betw
     assert reads and set(reads) <= {3, 4, 7, 8}, reads
 
 
+def test_drain_every_copies_nothing_while_the_status_mirror_shows_no_new_row() -> None:
+    """The check launches publish the header to the status mirror: a clean run's drains read it and start no status
+    copy (its counters still feed stats and health); a violation starts the copy on the cadence step after the
+    launch that found it."""
+    eng = TinyEngine(mode=Mode.LOG, drain_every=4)
+    eng.mgr.mark_init_finished()
+    eng.forward([1, 2], [4, 4])
+    for _ in range(7):
+        eng.forward([1, 2], [1, 1])
+    drain = eng.mgr.violation_drain
+    assert drain.status_reads == 0 and drain.mirror_reads == 2 and eng.mgr.violations == []
+    # the mirror of forward 7's check: 7 check launches, and the writes of forwards 1..6
+    assert eng.mgr.stats.kernel_runs[LaunchTag.VERIFY] == 7 and eng.mgr.stats.kernel_runs[LaunchTag.WRITE] == 6
+    eng.kv[int(eng.req_to_token[1, 1]), 0] ^= 0xFF
+    eng.forward([1, 2], [1, 1])  # step 9: verify finds the flip
+    assert eng.mgr.violations == []
+    eng.forward([1, 2], [1, 1])  # step 10
+    eng.forward([1, 2], [1, 1])  # step 11: the mirror shows the row: one status copy, read at once on the CPU
+    # (every verify of row 1 finds the flipped slot again)
+    assert [(v.step, v.reasons) for v in eng.mgr.violations] == [(s, ("verify_real_kv_hash",)) for s in (9, 10, 11)]
+    assert drain.status_reads == 1
+    eng.mgr.flush()
+    assert eng.mgr.stats.kernel_runs[LaunchTag.WRITE] == 11, "a flush reads the state itself"
+
+
 def test_drain_every_must_be_positive() -> None:
     with pytest.raises(ValueError, match="drain_every"):
         Config(drain_every=0)

@@ -12,6 +12,7 @@ from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.tags import NUM_LAUNCH_TAGS, LaunchTag
 from kvcanary.report import Reporter
 from kvcanary.runtime import writers
+from kvcanary.runtime.config import Config
 from kvcanary.runtime.device_state import (
     STATE_FORWARD,
     STATE_HEADER,
@@ -22,6 +23,7 @@ from kvcanary.runtime.device_state import (
     parse_header,
 )
 from kvcanary.runtime.drain import ROW_PEEK, CanaryStats, ViolationDrain
+from kvcanary.runtime.manager import CanaryManager
 from kvcanary.runtime.sweep import Sweeper
 from kvcanary.runtime.token_table import TokenTable
 from kvcanary.runtime.writers import WriterTable
@@ -75,14 +77,17 @@ def test_state_views_share_the_flat_buffer() -> None:
 class HandDrain:
     """A ViolationDrain over a CPU DeviceState whose ring the test writes by hand (as the kernels would)."""
 
-    def __init__(self, ring_capacity: int = 8, drain_every: int = 1) -> None:
+    def __init__(self, ring_capacity: int = 8, drain_every: int = 1, *, use_mirror: bool = False) -> None:
+        """``use_mirror``: the drain reads the status mirror first (the runtime's default); the mirror then shows
+        the hand-written state only after :meth:`publish` (what a check launch's end does)."""
         self.state = device_state(ring_capacity)
         self.reporter = Reporter(Mode.LOG)
         self.stats = CanaryStats()
         self.counters: list[tuple[int, tuple[int, ...]]] = []
         self.drain = ViolationDrain(self.state, drain_every=drain_every, reporter=self.reporter, rank=None,
                                     writer_id={7: "rid-7"}.get, stats=self.stats,
-                                    on_counters=lambda step, runs: self.counters.append((step, runs)))
+                                    on_counters=lambda step, runs: self.counters.append((step, runs)),
+                                    use_mirror=use_mirror)
         self.index = 0
 
     def append(self, slot: int, *, found_at: int, serial: int = 0) -> None:
@@ -99,6 +104,10 @@ class HandDrain:
             self.state.violation_meta[i] = torch.tensor(meta)
         self.index += 1
         self.state.violation_write_index.fill_(self.index)
+
+    def publish(self) -> None:
+        """The status mirror gets the header as it is now (a check launch's last block)."""
+        self.state.status_mirror.copy_(self.state.state[: layout.STATE_HEADER_FIELDS])
 
     def empty_ring(self) -> None:
         """What the next forward's check launch does after an acknowledgement (nothing appended since): index back
@@ -220,6 +229,100 @@ def test_drain_cadence_reports_each_violation_at_the_first_read_after_it() -> No
         for v in h.drain.violations:
             reported_at.setdefault(v.slot, step)
     assert reported_at == {s: s + (3 - s % 4) % 4 for s in range(1, 12)}
+
+
+def _launch(h: HandDrain, *, rows: tuple[int, ...] = (), step: int = 0, publish: bool = True) -> None:
+    """Forward ``step``'s check launch by hand: the forward counter, its rows, kernel_runs[VERIFY] + 1, and
+    (``publish``) the status mirror at its end."""
+    h.state.forward_counter.fill_(step)
+    for slot in rows:
+        h.append(slot, found_at=step)
+    h.state.kernel_run_counters[LaunchTag.VERIFY] += 1
+    if publish:
+        h.publish()
+
+
+def test_drain_with_the_mirror_copies_nothing_while_nothing_moves() -> None:
+    """The cadence's drains read the status mirror: no new row, so no status copy at all (each costs ~60 µs of the
+    engine's host time per period), and the mirror's counters feed the stats and the health check as a status read
+    would, on the same steps."""
+    h = HandDrain(drain_every=4, use_mirror=True)
+    log = CopyLog(h)
+    for step in range(1, 13):
+        _launch(h, step=step)
+        log.run(range(step, step + 1))
+    assert log.starts == [] and h.drain.status_reads == 0 and h.drain.mirror_reads == 3
+    assert [(step, runs[LaunchTag.VERIFY]) for step, runs in h.counters] == [(3, 3), (7, 7), (11, 11)]
+    assert h.stats.kernel_runs[LaunchTag.VERIFY] == 11 and h.drain.reads == 3  # (metrics are fed when reads move)
+
+
+def test_drain_with_the_mirror_reports_a_published_row_when_the_status_copy_would() -> None:
+    """A row the mirror shows starts the status copy on the same step the cadence would have (ready at once on the
+    CPU: read on that step), so reporting is not delayed; quiet periods copy nothing."""
+    h = HandDrain(ring_capacity=32, drain_every=4, use_mirror=True)
+    log = CopyLog(h)
+    reported_at: dict[int, int] = {}
+    for step in range(1, 13):
+        _launch(h, rows=(step,) if step in (2, 9) else (), step=step)
+        log.run(range(step, step + 1))
+        for v in h.drain.violations:
+            reported_at.setdefault(v.slot, step)
+    assert reported_at == {2: 3, 9: 11}
+    assert log.starts == [3, 11] and h.drain.mirror_reads == 1
+
+
+def test_drain_with_the_mirror_sees_unpublished_rows_from_the_next_check_launch_on() -> None:
+    """Rows a later launch appended (a write, a sweep) are in the mirror only once a check launch publishes it: the
+    drain reports them at the first cadence step after that, never loses them, and labels them with the forward
+    their launch read."""
+    h = HandDrain(ring_capacity=32, drain_every=4, use_mirror=True)
+    for step in range(1, 4):
+        _launch(h, step=step)
+    h.append(40, found_at=3)  # the write after forward 3 (no check launch publishes it yet)
+    assert h.drain.on_step(3) == [] and h.drain.violations == []
+    for step in range(4, 8):
+        _launch(h, step=step)  # forward 4's check publishes the row
+        h.drain.on_step(step)
+    assert [(v.slot, v.step) for v in h.drain.violations] == [(40, 3)]
+
+
+def test_drain_with_the_mirror_follows_a_ring_reuse() -> None:
+    """After the host's acknowledgement a check launch empties the ring (a new epoch, index 0): the mirror differs
+    from the last status read, so one status copy takes the new epoch; then quiet periods copy nothing again."""
+    h = HandDrain(ring_capacity=8, drain_every=4, use_mirror=True)
+    log = CopyLog(h)
+    _launch(h, rows=(5,), step=1)
+    log.run(range(3, 4))
+    assert [v.slot for v in h.drain.violations] == [5] and h.drain.acknowledged_index == 1
+    h.empty_ring()  # the next check launch: reuse, then its end publishes
+    _launch(h, step=4)
+    log.run(range(4, 16))
+    assert log.starts == [3, 7] and h.drain.acknowledged_index is None
+    assert h.stats.violations_seen == 1 and h.reporter.total_lost == 0
+
+
+def test_drain_with_the_mirror_ignores_a_mirror_older_than_the_last_status_read() -> None:
+    """The GPU has not finished a launch the last status copy already saw: that mirror shows nothing new, and its
+    older counters must not move the stats (or the health check's baseline) backwards."""
+    h = HandDrain(ring_capacity=8, drain_every=4, use_mirror=True)
+    _launch(h, rows=(5,), step=1)
+    h.drain.on_step(3)  # a status read: kernel_runs[VERIFY] 1
+    h.state.status_mirror[layout.STATE_KERNEL_RUNS + LaunchTag.VERIFY] = 0  # an older launch's mirror
+    observed = len(h.counters)
+    h.drain.on_step(7)
+    assert h.stats.kernel_runs[LaunchTag.VERIFY] == 1 and len(h.counters) == observed
+    assert h.drain.next_due == 11  # the cadence moves on all the same
+
+
+def test_protect_and_drain_every_one_keep_a_status_copy_per_drain() -> None:
+    """Protect mode's detection window counts on a copy ordered after the drain's step; ``drain_every`` 1 asks for
+    a copy after every forward: neither reads the mirror."""
+    config = Config(mode=Mode.PROTECT, drain_every=4)
+    manager = CanaryManager(config, num_slots=64, req_to_token=torch.zeros((4, 16), dtype=torch.int32), device=CPU,
+                            max_batch_size=4, max_tokens_per_forward=16)
+    assert not manager.violation_drain.uses_mirror
+    assert not HandDrain(drain_every=1, use_mirror=True).drain.uses_mirror
+    assert HandDrain(drain_every=4, use_mirror=True).drain.uses_mirror
 
 
 @pytest.mark.parametrize("every", [1, 4])

@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 SPEC = KernelSpec(
     fn="canary_check_step", device="canary_buf",
     args=(
-        Arg("state"), Arg("violation_meta", OPTIONAL), Arg("slot_attribution", OPTIONAL), Arg("canary_buf"),
+        Arg("state"), Arg("status_mirror", OPTIONAL), Arg("violation_meta", OPTIONAL),
+        Arg("slot_attribution", OPTIONAL), Arg("canary_buf"),
         *plan_args("write_plan", WritePlan, skip=("verify_row_offsets",)),
         Arg("req_pool_indices"), Arg("prefix_lens"), Arg("extend_lens"),
         Arg("req_to_token"), Arg("swa_window_size", INT), Arg("full_to_swa_index_mapping", OPTIONAL),
@@ -54,6 +55,7 @@ def canary_check_step(
     input_ids_out: torch.Tensor,
     positions_out: torch.Tensor,
     out_cache_loc_out: torch.Tensor,
+    status_mirror: torch.Tensor | None = None,
     violation_meta: torch.Tensor | None = None,
     slot_attribution: torch.Tensor | None = None,
     swa_window_size: int = 0,
@@ -78,6 +80,9 @@ def canary_check_step(
     lengths; ``check_tokens`` compares them. ``new_forward``: set ``state[STATE_FORWARD]`` to
     ``forward_step_value`` (>= 0) or the counter + 1 (< 0: a captured launch, every replay counts one forward);
     else only read it. Rows carry the forward number in ``violation_meta`` and the slot's ``slot_attribution``.
+    ``status_mirror``: int64 ``[layout.STATE_HEADER_FIELDS]`` host memory (pinned for a CUDA launch) that gets the
+    finished header at the launch's end, written in place (no copy for the host to start; a read may be torn between
+    two launches' headers).
     """
     if not isinstance(write_plan, WritePlan):  # (its fields are named in errors: not to be read from anything else)
         raise TypeError(f"canary_check_step: write_plan: expected WritePlan, got {type(write_plan).__name__}")
@@ -96,7 +101,8 @@ class CheckLaunch:
 
     def __init__(self, *, state: torch.Tensor, canary_buf: torch.Tensor, write_plan: WritePlan,
                  req_to_token: torch.Tensor, input_ids_out: torch.Tensor, positions_out: torch.Tensor,
-                 out_cache_loc_out: torch.Tensor, violation_meta: torch.Tensor | None = None,
+                 out_cache_loc_out: torch.Tensor, status_mirror: torch.Tensor | None = None,
+                 violation_meta: torch.Tensor | None = None,
                  slot_attribution: torch.Tensor | None = None, swa_window_size: int = 0,
                  full_to_swa_index_mapping: torch.Tensor | None = None, expected_tokens: torch.Tensor | None = None,
                  expected_valid_lens_by_row: torch.Tensor | None = None, kv_token_id_vs_position_offset: int = 0,
@@ -107,7 +113,8 @@ class CheckLaunch:
         self._fixed = dict(
             state=state, canary_buf=canary_buf, write_plan=write_plan, req_to_token=req_to_token,
             input_ids_out=input_ids_out, positions_out=positions_out, out_cache_loc_out=out_cache_loc_out,
-            violation_meta=violation_meta, slot_attribution=slot_attribution, swa_window_size=swa_window_size,
+            status_mirror=status_mirror, violation_meta=violation_meta, slot_attribution=slot_attribution,
+            swa_window_size=swa_window_size,
             full_to_swa_index_mapping=full_to_swa_index_mapping, expected_tokens=expected_tokens,
             expected_valid_lens_by_row=expected_valid_lens_by_row,
             kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,

@@ -67,6 +67,7 @@ def canary_check_step(
     input_ids_out: torch.Tensor,
     positions_out: torch.Tensor,
     out_cache_loc_out: torch.Tensor,
+    status_mirror: torch.Tensor | None = None,
     violation_meta: torch.Tensor | None = None,
     slot_attribution: torch.Tensor | None = None,
     swa_window_size: int = 0,
@@ -133,3 +134,5 @@ def canary_check_step(
     )
     if new_forward:
         state[layout.STATE_FORWARD] = step
+    if status_mirror is not None:  # the finished header, as the launch's last block publishes it
+        status_mirror.copy_(state[: layout.STATE_HEADER_FIELDS])

@@ -31,12 +31,13 @@ forward counter and the writer serial of every record it stores; the writer seri
 row]`` (:meth:`upload_row_serials`; serials are handed out by :mod:`kvcanary.runtime.writers`). Verify and sweep read it
 for failing entries only.
 
-The drain reads this state only through :meth:`status_copy`, :meth:`ring_segments`, :func:`parse_header` and
-:meth:`acknowledge_ring`.
+The drain reads this state only through :meth:`mirrored_header`, :meth:`status_copy`, :meth:`ring_segments`,
+:func:`parse_header` and :meth:`acknowledge_ring`.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -196,9 +197,16 @@ class DeviceState:
                                   real_kv_sources=self._real_kv_launch, real_kv_hash_mode=self.real_kv_mode,
                                   check_tokens=False)
         self._status_copies: dict[tuple[int, int], StatusCopy] = {}
+        # The status mirror: every check launch's last block writes the finished header here (host memory, pinned on
+        # CUDA, written by the kernel in place), so the drain learns whether anything moved with no device -> host
+        # copy and no event (each costs tens of µs of host time from the engine's cold caches). Read through a ctypes
+        # array over the same memory: one C-level copy to a list, no torch op.
+        self.status_mirror = torch.zeros(STATE_HEADER, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self._mirror_values = (ctypes.c_int64 * STATE_HEADER).from_address(self.status_mirror.data_ptr())
         # The two per-forward launches, their fixed arguments bound once (a forward's host time is the product's cost)
         self._check = CheckLaunch(
-            state=self.state, canary_buf=self.canary_buf, write_plan=self.write_plan, req_to_token=req_to_token,
+            state=self.state, status_mirror=self.status_mirror, canary_buf=self.canary_buf, write_plan=self.write_plan,
+            req_to_token=req_to_token,
             input_ids_out=self.input_ids_snapshot, positions_out=self.positions_snapshot,
             out_cache_loc_out=self.out_cache_loc_snapshot, violation_meta=self.violation_meta,
             slot_attribution=self.slot_attribution, swa_window_size=swa_window_size,
@@ -290,6 +298,14 @@ class DeviceState:
                               meta_at=0)
         return StatusCopy((self.state[:numel], self.violation_meta[first:peek_end].view(-1)), state_at=0,
                           meta_at=numel)
+
+    def mirrored_header(self) -> list[int]:
+        """The status mirror's values (the header as the last finished check launch left it; ``parse_header`` reads
+        them). No device call and no sync: on CUDA the launch may still be writing it, so a read can be torn between
+        two launches' headers, each field holding one of the two values; every field only moves forward within a
+        ring epoch, so a torn read is an older view that the next read corrects. Records of a later launch (a write,
+        a sweep) show from the next check launch on."""
+        return self._mirror_values[:]
 
     def ring_segments(self, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Ring rows ``first..end`` and their metadata rows, both flat."""

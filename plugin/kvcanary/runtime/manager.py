@@ -149,6 +149,7 @@ class CanaryManager:
         self.violation_drain = ViolationDrain(
             self.device_state, drain_every=config.drain_every, reporter=self.reporter, rank=self.rank,
             writer_id=self.writers.writer_id, stats=self.stats, on_counters=self._observe_health,
+            use_mirror=config.mode is not Mode.PROTECT,  # (protect's detection window counts on a copy per drain)
         )
         self.violations: list[Violation] = self.violation_drain.violations  # the same list, appended by the drain
 
