@@ -478,8 +478,13 @@ class CanaryManager:
 
     def flush(self) -> list[Violation]:
         """Launch a pending deferred write, synchronise and drain everything (shutdown / tests only: this
-        blocks)."""
-        self.device_state.flush_pending_write()
+        blocks). Callable from any stream: a pending write is launched only once the device is idle (its forward's
+        K/V, which it fingerprints, may have been written on another stream: an engine's forward stream), and the
+        drain's synchronisation completes it before the next check launch can overwrite what it reads."""
+        state = self.device_state
+        if state.pending_write >= 0:
+            state.synchronize()
+            state.flush_pending_write()
         return self.violation_drain.flush(self._steps)
 
     def close(self) -> None:
