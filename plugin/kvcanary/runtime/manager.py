@@ -365,8 +365,12 @@ class CanaryManager:
         """The engine is loading host slot ``host_slots[i]`` into device slot ``device_slots[i]``: their records
         follow, marked as loaded from the host tier (``via=host_tier`` on a violation). Enqueue it before the
         forward that verifies those slots, on that forward's stream; the K/V itself must have landed before that
-        forward's verify reads it (the adapter waits for the engine's load). Needs :meth:`attach_host_tier`."""
-        self._host_tier().load(host_slots, device_slots)
+        forward's verify reads it (the adapter waits for the engine's load). Needs :meth:`attach_host_tier`. A
+        pending deferred write goes first: it may write records of slots the load then takes over (a freed slot
+        reused), which must not land on top of the loaded ones."""
+        tier = self._host_tier()
+        self.device_state.flush_pending_write()
+        tier.load(host_slots, device_slots)
 
     def _host_tier(self) -> HostTierRecords:
         if self.host_tier is None:
@@ -528,11 +532,19 @@ class CanaryManager:
         in the snapshot: stream-ordered after everything already enqueued, no host sync. ``batch`` is that
         forward's batch (only its token count is read). Valid until the next ``before_forward`` replaces plan and
         snapshot; host-called, outside graph capture. Fault injection uses it to undo a position skew, so the
-        successor written next is not reported too.
+        successor written next is not reported too. A deferred write of that forward is launched first, with the
+        snapshot as its check stored it (the forward's own write, as without deferral); the rewrite is launched at
+        once, never deferred.
         """
         n = batch.num_tokens
-        for index, position in positions_fix.items():
+        for index in positions_fix:
             if not 0 <= index < n:
                 raise ValueError(f"CanaryManager.rewrite_last_forward: token index {index} outside [0, {n})")
+        self.device_state.flush_pending_write()
+        for index, position in positions_fix.items():
             self.device_state.set_snapshot_position(index, position)
-        self.after_forward(batch)
+        defer, self._defer_this_write = self._defer_this_write, False
+        try:
+            self.after_forward(batch)
+        finally:
+            self._defer_this_write = defer
