@@ -6,6 +6,8 @@ first n snapshot tokens, then the check.
   what the same forwards with each write launched on its own leave (records, attribution, state header with its
   counters and forward counter, ring rows and their metadata, write plan, snapshots).
 * A batch the check refuses does not lose the pending write: it ran before the check validated the batch.
+* CUDA: the nested write is enqueued on the stream of the check call (a side stream kept busy first: a write on any
+  other stream would read the plan and snapshot before the previous check stored them).
 * Errors: a pending count with no deferred write bound, one larger than the snapshot buffers, a count that is not
   an int, and a deferred write that is not a function are named (``pending_write_tokens`` / ``deferred_write``).
 """
@@ -41,7 +43,8 @@ def _launches(kw: dict[str, Any], *, bind_write: bool = True) -> tuple[CheckLaun
         violation_write_index=state[layout.STATE_WRITE_INDEX : layout.STATE_WRITE_INDEX + 1].view(torch.int32)[0:1],
         slot_run_counter=state[layout.STATE_SLOT_RUNS + W : layout.STATE_SLOT_RUNS + W + 1],
         kernel_run_counter=state[layout.STATE_KERNEL_RUNS + W : layout.STATE_KERNEL_RUNS + W + 1],
-        enable_chain_position_assert=torch.ones(1, dtype=torch.int32),  # (the write's own asserts reach rows too)
+        # (the write's own asserts reach rows too)
+        enable_chain_position_assert=torch.ones(1, dtype=torch.int32, device=kw["canary_buf"].device),
         real_kv_sources=kw["real_kv_sources"], real_kv_hash_mode=kw["real_kv_hash_mode"],
         violation_meta=kw["violation_meta"], forward_step=state[layout.STATE_FORWARD : layout.STATE_FORWARD + 1],
         slot_attribution=kw["slot_attribution"], row_serials=kw["row_serials"],
@@ -85,9 +88,9 @@ def _case(seed: int) -> dict[str, Any]:
     return case
 
 
-def _on_cpu(case: dict[str, Any]) -> dict[str, Any]:
-    kw = _on(case, "cpu")  # (fresh copies: the two runs never share a buffer)
-    kw["row_serials"] = case["row_serials"].clone()
+def _on_cpu(case: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
+    kw = _on(case, device)  # (fresh copies: the two runs never share a buffer)
+    kw["row_serials"] = case["row_serials"].clone().to(device)
     return kw
 
 
@@ -175,3 +178,24 @@ def test_a_deferred_write_that_is_not_a_function_is_named_at_binding() -> None:
     got = _raised(lambda: CheckLaunch(**fixed, deferred_write=5))
     assert type(got) is TypeError
     assert str(got).startswith("canary_check_step: deferred_write: expected a tvm_ffi.Function"), got
+
+
+@pytest.mark.gpu
+def test_deferred_write_runs_on_the_calls_stream_on_cuda() -> None:
+    """On a side stream kept busy before each sequence: the nested write must wait for that stream's earlier check
+    (it reads the plan and snapshot that check stores), i.e. be enqueued on it; the results equal the CPU's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    side = torch.cuda.Stream()
+    for scenario in range(12):
+        case = _case(9000 + scenario)
+        want = _on_cpu(case)
+        _run(want, deferred=False)
+        got = _on_cpu(case, "cuda")
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)  # (~tens of ms: any launch on another stream would run first)
+            _run(got, deferred=True)
+        torch.cuda.synchronize()
+        # (ring rows as a multiset: on CUDA the order of one launch's appends depends on which atomics won)
+        assert_same(_results(got), _results(want), f"scenario {scenario}", ordered=False)

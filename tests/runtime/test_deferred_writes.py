@@ -211,3 +211,42 @@ def test_a_refused_batch_does_not_lose_the_pending_write() -> None:
     assert one.mgr.pending_write == 1 and _written(one) == 1
     one.mgr.flush()
     assert _written(one) == 2 and one.mgr.violations == []
+
+
+# ---------------------------------------------------------------------------------------------- CUDA
+@pytest.mark.gpu
+def test_deferral_on_cuda_gives_the_same_records_and_refuses_a_capture() -> None:
+    """The simulator run above on CUDA, on a side stream (every launch, the nested deferred write and the flushes
+    included, on the current stream), with deferral on and off: the same outcome. Then a real graph capture that
+    begins with a write pending is refused before anything is captured."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    runs = {}
+    for defer in (False, True):
+        events = Events()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            sim = build_sim(SimConfig(seed=12, page_size=16, num_pages=128, host_pages=256), mode="log",
+                            sweep_interval=4, hook=events, defer_writes=defer, device="cuda")
+            for _ in range(120):
+                sim.step()
+            sim.mgr.flush()
+        runs[defer] = sim
+    off, on = runs[False], runs[True]
+    assert on.stats == off.stats and on.stats["host_backups"] > 0
+    for name in ("canary_buf", "slot_attribution", "kernel_run_counters", "slot_run_counters"):
+        assert torch.equal(getattr(on.mgr, name), getattr(off.mgr, name)), name
+    assert sorted(_violations(on)) == sorted(_violations(off))
+
+    mgr = on.mgr
+    batch = on.batch
+    mgr.before_forward(batch)
+    mgr.after_forward(batch)
+    assert mgr.pending_write == batch.num_tokens
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="pending while a CUDA graph is being captured"):
+        with torch.cuda.graph(graph):
+            mgr.before_forward(batch)  # (asks the device: capturing)
+    assert mgr.pending_write == batch.num_tokens
+    mgr.flush()
+    assert mgr.pending_write == -1
