@@ -17,8 +17,8 @@ from one_request import OneRequest
 
 from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.kernels.tags import LaunchTag
-from kvcanary.sim.engine import SimConfig, Simulator, build_sim
 from kvcanary.settings import Mode
+from kvcanary.sim.engine import SimConfig, Simulator, build_sim
 
 W = LaunchTag.WRITE
 
@@ -162,10 +162,11 @@ def test_a_new_writer_serial_waits_for_the_pending_write() -> None:
 def test_rewrite_last_forward_writes_the_forward_first_then_again() -> None:
     one = _deferring()
     one.forward(3)
-    batch = BatchView(ForwardKind.DECODE, *(torch.tensor(v, dtype=torch.int64) for v in ([502], [2], [3], [1],
-                                                                                           [2], [1])))
+    t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    batch = BatchView(ForwardKind.EXTEND, t([500, 501, 502]), t([0, 1, 2]), t([1, 2, 3]), t([1]), t([0]), t([3]))
     one.mgr.rewrite_last_forward(batch, {})
-    assert one.mgr.pending_write == -1 and _written(one) == 2  # the forward's own write, then the rewrite (not deferred)
+    # the forward's own write, then the rewrite (launched at once, not deferred)
+    assert one.mgr.pending_write == -1 and _written(one) == 2
 
 
 def test_a_capture_with_a_write_pending_is_refused() -> None:
