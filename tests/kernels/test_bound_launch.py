@@ -276,7 +276,7 @@ def _check_bind_args(kw: dict[str, Any]) -> tuple:
             kw["swa_window_size"], kw.pop("full_to_swa_index_mapping"), kw.pop("expected_tokens"),
             kw.pop("expected_valid_lens_by_row"), kw["kv_token_id_vs_position_offset"], kw["input_ids_out"],
             kw["positions_out"], kw["out_cache_loc_out"], *bufs, params, num_sources, kw["real_kv_hash_mode"],
-            int(kw["check_tokens"]))
+            int(kw["check_tokens"]), None)  # (no deferred write)
 
 
 def _check_through_the_raw_bind(**kw: Any) -> None:
@@ -285,7 +285,7 @@ def _check_through_the_raw_bind(**kw: Any) -> None:
     gc.collect()
     garbage = _overwrite_freed_memory()
     for batch, new_forward, step in forwards:
-        bound(*(batch[k] for k in CHECK_PER_FORWARD), int(new_forward), step)
+        bound(*(batch[k] for k in CHECK_PER_FORWARD), int(new_forward), step, -1)  # (-1: no pending write)
     del garbage
 
 
