@@ -6,7 +6,8 @@
 # Steps (each timed, logged, and kept going after a failure):
 #   setup     install the carried wheels from .whl/ (apache-tvm-ffi, ninja) into /tmp/site, set the env
 #   build     JIT-build the CPU and CUDA kernels (kvcanary.kernels.jit.build) and load both
-#   gpu-tests pytest tests/gpu (CUDA graph capture + replay vs the CPU backend)
+#   gpu-tests pytest tests/gpu and the runtime's gpu-marked tests (CUDA graph capture + replay vs the CPU backend,
+#             deferred writes on CUDA)
 #   kernels   pytest tests/kernels -m "not slow" (differential CPU / ref / CUDA, out-of-range, ...)
 #   memcheck  compute-sanitizer memcheck over the CUDA out-of-range tests + 2 differential chunks + 2 chunks of
 #             the attribution tests (violation metadata, writer attribution) + 2 chunks of the fused check + the
@@ -197,7 +198,7 @@ build_note="$(grep -E '^build ' "$OUT_DIR/build.log" | sed -E 's/^build ([a-z]+)
 record build "$(status_of $STEP_RC)" "$STEP_S" "${build_note:-see build.log}"
 
 # ------------------------------------------------------------------------------------------------ pytest
-run_step gpu-tests 150 "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu
+run_step gpu-tests 150 "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu tests/runtime -m gpu
 gpu_result="$(pytest_result "$OUT_DIR/gpu-tests.log")"
 if [[ "$STEP_RC" == 0 ]] && ! grep -qE '[0-9]+ passed' <<<"$gpu_result"; then
   record gpu-tests FAIL "$STEP_S" "no GPU test ran: ${gpu_result:-no pytest summary}"
