@@ -20,7 +20,14 @@ from typing import Any
 
 import pytest
 import torch
-from canary_cases import RESULT_KEYS, capture_after_warmup, random_sources, random_verify_launch, random_write_launch
+from canary_cases import (
+    RESULT_KEYS,
+    capture_after_warmup,
+    random_sources,
+    random_verify_launch,
+    random_write_launch,
+    write_state_args,
+)
 from test_check import assert_same, random_check_case, run_fused
 
 from kvcanary.kernels import layout
@@ -352,11 +359,7 @@ def test_bound_launches_capture_on_the_current_stream() -> None:
     write = WriteLaunch(
         canary_buf=kw["canary_buf"], write_plan=kw["write_plan"], input_ids=kw["input_ids_out"],
         positions=kw["positions_out"], out_cache_loc=kw["out_cache_loc_out"], kernel_kind=write_tag,
-        violation_ring=state[H:].view(-1, layout.VIOLATION_FIELDS),
-        violation_write_index=state[layout.STATE_WRITE_INDEX : layout.STATE_WRITE_INDEX + 1].view(torch.int32)[0:1],
-        slot_run_counter=state[layout.STATE_SLOT_RUNS + write_tag : layout.STATE_SLOT_RUNS + write_tag + 1],
-        kernel_run_counter=state[layout.STATE_KERNEL_RUNS + write_tag : layout.STATE_KERNEL_RUNS + write_tag + 1],
-        enable_chain_position_assert=torch.zeros(1, dtype=torch.int32, device=dev),
+        **write_state_args(state, chain_position_assert=False),
     )
     n = kw["input_ids"].shape[0]
 

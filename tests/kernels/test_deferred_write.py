@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from canary_cases import write_state_args
 from test_bound_launch import CHECK_FLAGS, CHECK_PER_FORWARD, _decode_batch, _raised, _small_check_case
 from test_check import _on, _results, assert_same, random_check_case
 
@@ -39,12 +40,7 @@ def _launches(kw: dict[str, Any], *, bind_write: bool = True) -> tuple[CheckLaun
     write = WriteLaunch(
         canary_buf=kw["canary_buf"], write_plan=kw["write_plan"], input_ids=kw["input_ids_out"],
         positions=kw["positions_out"], out_cache_loc=kw["out_cache_loc_out"], kernel_kind=W,
-        violation_ring=state[H:].view(-1, layout.VIOLATION_FIELDS),
-        violation_write_index=state[layout.STATE_WRITE_INDEX : layout.STATE_WRITE_INDEX + 1].view(torch.int32)[0:1],
-        slot_run_counter=state[layout.STATE_SLOT_RUNS + W : layout.STATE_SLOT_RUNS + W + 1],
-        kernel_run_counter=state[layout.STATE_KERNEL_RUNS + W : layout.STATE_KERNEL_RUNS + W + 1],
-        # (the write's own asserts reach rows too)
-        enable_chain_position_assert=torch.ones(1, dtype=torch.int32, device=kw["canary_buf"].device),
+        **write_state_args(state, chain_position_assert=True),  # (the write's own asserts reach rows too)
         real_kv_sources=kw["real_kv_sources"], real_kv_hash_mode=kw["real_kv_hash_mode"],
         violation_meta=kw["violation_meta"], forward_step=state[layout.STATE_FORWARD : layout.STATE_FORWARD + 1],
         slot_attribution=kw["slot_attribution"], row_serials=kw["row_serials"],
