@@ -615,71 +615,16 @@ struct CheckFixedArgs {
 };
 
 /*!
- * \brief A view of the first `n` elements of a bound 1-d snapshot buffer, in `narrowed`: the buffer's DLTensor
- * copied field by field (a TensorView hands out no DLTensor of its own), its shape pointed at `n` and its stride at
- * `stride`, both of which must outlive the view. Data, device, dtype and offset stay the buffer's: the view is its
- * prefix.
- */
-inline TensorView snapshot_prefix(const TensorView& buffer, const int64_t& n, int64_t& stride, DLTensor& narrowed) {
-  stride = stride_of(buffer, 0);
-  narrowed.data = buffer.data_ptr();
-  narrowed.device = buffer.device();
-  narrowed.ndim = 1;
-  narrowed.dtype = buffer.dtype();
-  narrowed.shape = const_cast<int64_t*>(&n);
-  narrowed.strides = &stride;
-  narrowed.byte_offset = buffer.byte_offset();
-  return TensorView(&narrowed);
-}
-
-/*!
- * \brief The deferred write a bound check call runs first (issue 25): `deferred_write` (the function
- * canary_write_bind returned for the same runtime) over the first `pending_write_tokens` elements of the check's own
- * snapshot buffers, which hold the previous check's snapshot (canary_write_bind's function takes exactly these three,
- * as the runtime's standalone write does). Checked here, before anything is enqueued: a count with no function to run
- * it, or one the buffers cannot hold, would otherwise fail inside the write under its argument names, or not at all.
- */
-inline void run_deferred_write(const tvm::ffi::Optional<tvm::ffi::Function>& deferred_write, const TensorView& ids_out,
-                               const TensorView& pos_out, const TensorView& locs_out, int64_t pending_write_tokens) {
-  constexpr const char* kFn = "canary_check_step";
-  KVCANARY_CHECK_ARG(deferred_write.has_value(), ValueError, kFn, "pending_write_tokens")
-      << "is " << pending_write_tokens << " but the check was bound without deferred_write (-1: no pending write)";
-  for (const TensorView* buffer : {&ids_out, &pos_out, &locs_out}) {
-    const bool one_d = buffer->ndim() == 1;
-    KVCANARY_CHECK_ARG(one_d && pending_write_tokens <= buffer->size(0), ValueError, kFn, "pending_write_tokens")
-        << "is " << pending_write_tokens << ", more than the snapshot buffers hold ("
-        << (one_d ? buffer->size(0) : buffer->numel()) << " elements" << (one_d ? "" : ", not 1-d") << ")";
-  }
-  const int64_t n = pending_write_tokens;
-  int64_t strides[3];
-  DLTensor narrowed[3]{};
-  deferred_write.value()(snapshot_prefix(ids_out, n, strides[0], narrowed[0]),
-                         snapshot_prefix(pos_out, n, strides[1], narrowed[1]),
-                         snapshot_prefix(locs_out, n, strides[2], narrowed[2]));
-}
-
-/*!
  * \brief canary_check_step with every argument but the forward's own bound once: returns a function of
- * (req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc, new_forward, forward_step_value,
- * pending_write_tokens) that runs canary_check_step (same checks, same errors, same launch) with the bound tensors in
- * their places. Binding checks nothing (the call does, every time); it only takes ownership, so the bound storage
- * lives as long as the function.
- * Deferred write (issue 25): `deferred_write` (optional) is canary_write_bind's function of the same runtime. A call
- * with pending_write_tokens = n >= 0 first runs it over the first n tokens of this check's own snapshot buffers, i.e.
- * the write of the forward the previous check planned, then the check: an eager forward then crosses from Python into
- * C++ once instead of twice (each crossing is ~10-20 us of host time from the engine's cold caches). Stream order
- * keeps the write's meaning: it reads the write plan and snapshot the previous check stored and runs before this
- * check overwrites them or verifies prefixes holding the slots it writes, and the device forward counter it labels
- * its rows and attribution with still holds the previous forward's number (this check sets the new one). The write
- * runs before this check validates its batch, so a batch the check refuses does not lose it. -1: no write. A graph
- * replay runs the captured check with no call at all, so only an eager caller (no CUDA graph replays the model)
- * defers its writes.
+ * (req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc, new_forward, forward_step_value)
+ * that runs canary_check_step (same checks, same errors, same launch) with the bound tensors in their places.
+ * Binding checks nothing (the call does, every time); it only takes ownership, so the bound storage lives as long as
+ * the function.
  * Stream: tvm-ffi sets the env stream a launch reads (launch.h current_stream) from the first CUDA torch tensor of a
  * call, and the bound ones are no longer passed. The call's first argument, req_pool_indices, is the forward's own
  * CUDA tensor, and a CUDA launch only runs once canary_check_step has checked that it and the other batch arrays are
  * on the device, so every launch is on torch's current stream (inside graph capture, the capturing stream: a launch
- * on another stream would silently drop out of the graph). The nested write call passes through no Python, so the env
- * stream is still the one the outer call set: the write is enqueued on the same stream, just before the check.
+ * on another stream would silently drop out of the graph).
  */
 inline tvm::ffi::Function canary_check_bind(
     tvm::ffi::Tensor state, tvm::ffi::Optional<tvm::ffi::Tensor> status_mirror,
@@ -692,7 +637,7 @@ inline tvm::ffi::Function canary_check_bind(
     tvm::ffi::Tensor input_ids_out, tvm::ffi::Tensor positions_out, tvm::ffi::Tensor out_cache_loc_out,
     tvm::ffi::Tensor real_kv_buf_0, tvm::ffi::Tensor real_kv_buf_1, tvm::ffi::Tensor real_kv_buf_2,
     tvm::ffi::Tensor real_kv_buf_3, tvm::ffi::Tensor real_kv_source_params, int64_t num_sources,
-    int64_t real_kv_hash_mode, int64_t check_tokens, tvm::ffi::Optional<tvm::ffi::Function> deferred_write) {
+    int64_t real_kv_hash_mode, int64_t check_tokens) {
   CheckFixedArgs fixed{BoundTensor(std::move(state)),
                        BoundOptionalTensor(std::move(status_mirror)),
                        BoundOptionalTensor(std::move(violation_meta)),
@@ -716,16 +661,10 @@ inline tvm::ffi::Function canary_check_bind(
                                           std::move(real_kv_source_params), num_sources, real_kv_hash_mode),
                        check_tokens};
   return tvm::ffi::Function::FromTyped(
-      [f = std::move(fixed), deferred_write = std::move(deferred_write)](
-          TensorView req_pool_indices, TensorView prefix_lens, TensorView extend_lens, TensorView input_ids,
-          TensorView positions, TensorView out_cache_loc, int64_t new_forward, int64_t forward_step_value,
-          int64_t pending_write_tokens) {
-        if (pending_write_tokens >= 0) {  // first: a batch the check refuses must not lose the write
-          run_deferred_write(deferred_write, f.input_ids_out.view, f.positions_out.view, f.out_cache_loc_out.view,
-                             pending_write_tokens);
-        }
-        canary_check_step(f.state.view, f.status_mirror.view, f.violation_meta.view, f.slot_attribution.view,
-                          f.canary_buf.view,
+      [f = std::move(fixed)](TensorView req_pool_indices, TensorView prefix_lens, TensorView extend_lens,
+                             TensorView input_ids, TensorView positions, TensorView out_cache_loc, int64_t new_forward,
+                             int64_t forward_step_value) {
+        canary_check_step(f.state.view, f.status_mirror.view, f.violation_meta.view, f.slot_attribution.view, f.canary_buf.view,
                           f.write_offsets.view, f.write_seed_slot_indices.view, f.write_num_valid_reqs.view,
                           f.write_request_rows.view, req_pool_indices, prefix_lens, extend_lens, f.req_to_token.view,
                           f.swa_window_size, f.full_to_swa_index_mapping.view, f.expected_tokens.view,

@@ -7,7 +7,7 @@
 #   setup     install the carried wheels from .whl/ (apache-tvm-ffi, ninja) into /tmp/site, set the env
 #   build     JIT-build the CPU and CUDA kernels (kvcanary.kernels.jit.build) and load both
 #   gpu-tests pytest tests/gpu and the runtime's gpu-marked tests (CUDA graph capture + replay vs the CPU backend,
-#             deferred writes on CUDA)
+#             CUDA runs of the runtime)
 #   kernels   pytest tests/kernels -m "not slow" (differential CPU / ref / CUDA, out-of-range, ...)
 #   memcheck  compute-sanitizer memcheck over the CUDA out-of-range tests + 2 differential chunks + 2 chunks of
 #             the attribution tests (violation metadata, writer attribution) + 2 chunks of the fused check + the

@@ -248,9 +248,7 @@ def test_piecewise_forwards_are_counted_apart_in_the_host_time(piecewise_run, ea
 # --------------------------------------------------------------------------------------------- order, capture, trace
 def test_canary_launches_run_before_and_after_the_replayed_layer_stack(piecewise_run, monkeypatch) -> None:
     """Stream order on the forward's stream: the replay's copies into the static buffers, then the check launch
-    (plan + verify + the snapshot of ids/positions/slots), then the layer stack (the pieces), then write; with
-    deferred writes (--disable-cuda-graph: issue 25) the write's token count is recorded there and the next forward's
-    check launch runs it first (tests/kernels/test_deferred_write.py: the same records as a write launched here)."""
+    (plan + verify + the snapshot of ids/positions/slots), then the layer stack (the pieces), then write."""
     run, events = piecewise_run, []
 
     def record(name, fn):
@@ -262,7 +260,6 @@ def test_canary_launches_run_before_and_after_the_replayed_layer_stack(piecewise
     device_state = run.inst.manager.device_state  # every launch of a forward goes through its two launch calls
     monkeypatch.setattr(device_state, "check_batch", record("check", device_state.check_batch))
     monkeypatch.setattr(device_state, "write_tokens", record("write", device_state.write_tokens))
-    monkeypatch.setattr(device_state, "defer_write", record("write (deferred)", device_state.defer_write))
     monkeypatch.setattr(run.pcg, "replay_prepare", record("replay_prepare", run.pcg.replay_prepare))
     layers = run.mr.model.model
     monkeypatch.setattr(layers, "forward", record("layers", layers.forward))
@@ -270,11 +267,8 @@ def test_canary_launches_run_before_and_after_the_replayed_layer_stack(piecewise
     sched.add([random.Random(9).randrange(3, 2000) for _ in range(21)], 3)
     mode = sched.step()
     assert mode == "EXTEND" and run.replays[-1] == (21, "EXTEND")
+    assert events == ["replay_prepare", "check", "layers", "write"], events
     manager = run.inst.manager
-    assert manager.defer_writes  # (the fixture's engine runs with --disable-cuda-graph)
-    assert events == ["replay_prepare", "check", "layers", "write (deferred)"], events
-    # the padded batch's token count (the write plan covers the 21 real tokens: test_padded_tokens_are_never_written)
-    assert manager.pending_write == min(s for s in CAPTURE_SIZES if s >= 21)
     snapshot = manager.device_state.positions_snapshot
     assert torch.equal(snapshot[:32], run.pcg.buffers.positions[:32])  # the snapshot is the static batch
     while not sched.idle:

@@ -111,11 +111,10 @@ CALL_ERRORS = (TypeError, ValueError, RuntimeError, AttributeError, BufferError)
 
 
 def named_error(fn: str, tensors: Mapping[str, tuple[Any, bool]], ints: Mapping[str, Any],
-                real_kv_sources: Any = (), functions: Mapping[str, Any] | None = None) -> Exception | None:
+                real_kv_sources: Any = ()) -> Exception | None:
     """The first argument Python can name as wrong, as the exception to raise (None: nothing found).
 
-    ``tensors``: name -> (value, optional); ``ints``: name -> value; ``functions``: name -> a tvm-ffi Function or
-    None.
+    ``tensors``: name -> (value, optional); ``ints``: name -> value.
     """
     for name, (value, optional) in tensors.items():
         if value is None:
@@ -139,19 +138,13 @@ def named_error(fn: str, tensors: Mapping[str, tuple[Any, bool]], ints: Mapping[
             f"{fn}: real_kv_sources: expected a sequence of RealKvSource or a RealKvLaunch, "
             f"got {type(real_kv_sources).__name__}"
         )
-    for name, value in (functions or {}).items():
-        import tvm_ffi  # (the failure path only: importing kvcanary does not load tvm-ffi; jit.py does, lazily)
-
-        if value is not None and not isinstance(value, tvm_ffi.Function):
-            return TypeError(f"{fn}: {name}: expected a tvm_ffi.Function (a bound launch) or None, got "
-                             f"{type(value).__name__}")
     return None
 
 
 def reraise_named(exc: Exception, fn: str, tensors: Mapping[str, tuple[Any, bool]], ints: Mapping[str, Any],
-                  real_kv_sources: Any = (), functions: Mapping[str, Any] | None = None) -> NoReturn:
+                  real_kv_sources: Any = ()) -> NoReturn:
     """Raise the named error for a failed call, or ``exc`` itself when no argument is to blame in Python."""
-    named = named_error(fn, tensors, ints, real_kv_sources, functions)
+    named = named_error(fn, tensors, ints, real_kv_sources)
     if named is None:
         raise exc
     raise named from None
@@ -163,20 +156,16 @@ OPTIONAL = "optional"  # a tensor or None
 INT = "int"  # an int flag or value, passed as ``int(value)``
 INDEX = "index"  # an int count, passed as ``operator.index(value)`` (a float is refused, not truncated)
 REAL_KV = "real_kv"  # ``real_kv_sources``: the four byte buffers, the param table and the source count
-FUNCTION = "function"  # a tvm-ffi Function (another bound launch's) or None, passed as is
 
 
 @dataclass(frozen=True)
 class Arg:
     """One argument of a kernel export. ``name`` is the wrapper's keyword, or ``<keyword>.<field>`` for a tensor a
-    plan argument holds (named so in errors); ``attributed``: passed only to the ``*_attributed`` export;
-    ``bound_only``: taken by the bound launch alone (``bind_export`` when fixed, its function when per-forward), after
-    every argument of the export, never by the export itself."""
+    plan argument holds (named so in errors); ``attributed``: passed only to the ``*_attributed`` export."""
 
     name: str
     kind: str = TENSOR
     attributed: bool = False
-    bound_only: bool = False
     keyword: str = field(init=False, repr=False, compare=False)
     plan_field: str = field(init=False, repr=False, compare=False)  # "" for a plain keyword
 
@@ -206,9 +195,7 @@ class KernelSpec:
     ``args`` are in the export's positional order, but for the ``attributed`` ones: the ``*_attributed`` export takes
     them after the seed export's arguments, in their order here (an order that is also the one errors name them in:
     tensors first, then ints, each in ``args`` order); ``per_forward`` are the ones a bound launch
-    (``bind_export``) takes per call, so the bind takes every other argument in this order. ``bound_only`` arguments
-    come last in ``args``: the export never takes them, the bind (or, per-forward, its function) takes them after
-    the others.
+    (``bind_export``) takes per call, so the bind takes every other argument in this order.
     """
 
     fn: str  # the wrapper's name, which starts its errors
@@ -219,24 +206,22 @@ class KernelSpec:
     _device_arg: Arg = field(init=False, repr=False, compare=False)
     _seed_args: tuple[Arg, ...] = field(init=False, repr=False, compare=False)
     _attributed_args: tuple[Arg, ...] = field(init=False, repr=False, compare=False)
-    _bound_args: tuple[Arg, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_device_arg", Arg(self.device))
-        object.__setattr__(self, "_seed_args", tuple(a for a in self.args if not a.attributed and not a.bound_only))
+        object.__setattr__(self, "_seed_args", tuple(a for a in self.args if not a.attributed))
         object.__setattr__(self, "_attributed_args", tuple(a for a in self.args if a.attributed))
-        object.__setattr__(self, "_bound_args", tuple(a for a in self.args if a.bound_only))
 
     @property
     def attributed_export(self) -> str:
         return f"{self.fn}_attributed"
 
     def positional(self, args: Mapping[str, Any], device: torch.device, *, skip: Sequence[str] = (),
-                   attributed: bool = True, bound: bool = False) -> tuple:
+                   attributed: bool = True) -> tuple:
         """The export's positional arguments from the wrapper's keyword ``args`` (``skip``: arguments left out;
-        ``attributed``: with the attributed ones; ``bound``: with the bound-only ones, last)."""
+        ``attributed``: with the attributed ones)."""
         out: list[Any] = []
-        for a in self._seed_args + (self._attributed_args if attributed else ()) + (self._bound_args if bound else ()):
+        for a in self._seed_args + (self._attributed_args if attributed else ()):
             if a.name in skip:
                 continue
             value = a.value(args)
@@ -279,17 +264,14 @@ class KernelSpec:
         device = self._device_arg.value(fixed).device
         module = module_for(device)
         try:
-            return getattr(module, str(self.bind_export))(*self.positional(fixed, device, skip=self.per_forward,
-                                                                            bound=True))
+            return getattr(module, str(self.bind_export))(*self.positional(fixed, device, skip=self.per_forward))
         except CALL_ERRORS as exc:
             self.reraise(exc, fixed, skip=self.per_forward)
 
     def reraise(self, exc: Exception, args: Mapping[str, Any], *, skip: Sequence[str] = ()) -> NoReturn:
         """The named error of a failed call with keyword ``args`` (or ``exc`` when Python cannot name an argument):
-        tensors first, then ints, each in the export's order, then ``real_kv_sources``, then a function argument
-        (bound-only arguments ``args`` lacks, as an export call's do, are not named)."""
-        named = [a for a in self.args if a.name not in skip and (not a.bound_only or a.keyword in args)]
-        tensors = {a.name: (a.value(args), a.kind == OPTIONAL) for a in named if a.kind in (TENSOR, OPTIONAL)}
-        ints = {a.name: a.value(args) for a in named if a.kind in (INT, INDEX)}
-        functions = {a.name: a.value(args) for a in named if a.kind == FUNCTION}
-        reraise_named(exc, self.fn, tensors, ints, args.get("real_kv_sources", ()), functions)
+        tensors first, then ints, each in the export's order, then ``real_kv_sources``."""
+        tensors = {a.name: (a.value(args), a.kind == OPTIONAL) for a in self.args
+                   if a.kind in (TENSOR, OPTIONAL) and a.name not in skip}
+        ints = {a.name: a.value(args) for a in self.args if a.kind in (INT, INDEX) and a.name not in skip}
+        reraise_named(exc, self.fn, tensors, ints, args.get("real_kv_sources", ()))

@@ -12,25 +12,13 @@ import torch
 
 from kvcanary.kernels import call, layout
 from kvcanary.kernels.batch import BatchView
-from kvcanary.kernels.call import (
-    FUNCTION,
-    INT,
-    OPTIONAL,
-    REAL_KV,
-    Arg,
-    KernelSpec,
-    RealKvLaunch,
-    plan_args,
-    prepare_real_kv,
-)
+from kvcanary.kernels.call import INT, OPTIONAL, REAL_KV, Arg, KernelSpec, RealKvLaunch, plan_args, prepare_real_kv
 from kvcanary.kernels.plan import WritePlan
 from kvcanary.kernels.real_kv import RealKvSource
 
 logger = logging.getLogger(__name__)
 
-# The export's order (one export, no attributed variant); ``canary_check_bind`` takes all but the per-forward ones,
-# then ``deferred_write``, and its function the per-forward ones, then ``pending_write_tokens`` (bound-only: the
-# deferred write of issue 25, csrc/canary_check.cuh).
+# The export's order (one export, no attributed variant); ``canary_check_bind`` takes all but the per-forward ones.
 SPEC = KernelSpec(
     fn="canary_check_step", device="canary_buf",
     args=(
@@ -45,10 +33,9 @@ SPEC = KernelSpec(
         Arg("input_ids_out"), Arg("positions_out"), Arg("out_cache_loc_out"), Arg("real_kv_sources", REAL_KV),
         Arg("real_kv_hash_mode", INT), Arg("check_tokens", INT),
         Arg("new_forward", INT), Arg("forward_step_value", INT),
-        Arg("deferred_write", FUNCTION, bound_only=True), Arg("pending_write_tokens", INT, bound_only=True),
     ),
     per_forward=("req_pool_indices", "prefix_lens", "extend_lens", "input_ids", "positions", "out_cache_loc",
-                 "new_forward", "forward_step_value", "pending_write_tokens"),
+                 "new_forward", "forward_step_value"),
     bind_export="canary_check_bind",
 )
 
@@ -110,12 +97,6 @@ class CheckLaunch:
     on every call, and a forward's host time is the product's cost. The bound call runs the same C++ wrapper, so its
     checks are the export's; a call that fails goes through the same naming as :func:`canary_check_step`, so errors
     still say which argument is wrong (a fixed argument tvm-ffi cannot take at all is named here, at binding).
-
-    Deferred write (issue 25): ``deferred_write`` is the bound function of the same runtime's write
-    (:attr:`kvcanary.kernels.write.WriteLaunch.bound`, over these very snapshot buffers). A call with
-    ``pending_write_tokens`` n >= 0 first runs that write over the snapshot's first n tokens (the forward the previous
-    call planned), from C++ and on the same stream, then the check: one Python -> C++ crossing for both. -1: no write
-    (the count is a plain int argument of the one call, not a method of its own: the per-forward path stays one call).
     """
 
     def __init__(self, *, state: torch.Tensor, canary_buf: torch.Tensor, write_plan: WritePlan,
@@ -126,8 +107,7 @@ class CheckLaunch:
                  full_to_swa_index_mapping: torch.Tensor | None = None, expected_tokens: torch.Tensor | None = None,
                  expected_valid_lens_by_row: torch.Tensor | None = None, kv_token_id_vs_position_offset: int = 0,
                  real_kv_sources: Sequence[RealKvSource] | RealKvLaunch = (),
-                 real_kv_hash_mode: int = layout.REAL_KV_HASH_MODE_NONE, check_tokens: bool = False,
-                 deferred_write: Any | None = None) -> None:
+                 real_kv_hash_mode: int = layout.REAL_KV_HASH_MODE_NONE, check_tokens: bool = False) -> None:
         if not isinstance(write_plan, WritePlan):
             raise TypeError(f"canary_check_step: write_plan: expected WritePlan, got {type(write_plan).__name__}")
         self._fixed = dict(
@@ -139,40 +119,38 @@ class CheckLaunch:
             expected_valid_lens_by_row=expected_valid_lens_by_row,
             kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
             real_kv_sources=prepare_real_kv(real_kv_sources, canary_buf.device), real_kv_hash_mode=real_kv_hash_mode,
-            check_tokens=check_tokens, deferred_write=deferred_write,
+            check_tokens=check_tokens,
         )
         self._fn = SPEC.bind(self._fixed)
 
     def __call__(self, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
                  input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor, *,
-                 new_forward: bool = True, forward_step_value: int = -1, pending_write_tokens: int = -1) -> None:
+                 new_forward: bool = True, forward_step_value: int = -1) -> None:
         try:
             # req_pool_indices first: tvm-ffi takes the launch's stream from the call's first CUDA tensor (the bound
             # ones are not passed), so this must stay a per-forward device tensor (csrc/canary_check.cuh).
             self._fn(req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc, int(new_forward),
-                     int(forward_step_value), int(pending_write_tokens))
+                     int(forward_step_value))
         except call.CALL_ERRORS as exc:
             self._raise(exc, req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc,
-                        new_forward, forward_step_value, pending_write_tokens)
+                        new_forward, forward_step_value)
 
-    def of_batch(self, batch: BatchView, new_forward: int, forward_step_value: int,
-                 pending_write_tokens: int = -1) -> None:
+    def of_batch(self, batch: BatchView, new_forward: int, forward_step_value: int) -> None:
         """The launch of one BatchView's six arrays: ``self(batch.req_pool_indices, ..., batch.out_cache_loc,
-        new_forward=..., forward_step_value=..., pending_write_tokens=...)`` as one call (the per-forward path: a frame
-        and a keyword call fewer). ``new_forward`` 0 or 1, ``forward_step_value`` and ``pending_write_tokens`` (-1:
-        no deferred write) as ints (anything else is named like a failed ``__call__``)."""
+        new_forward=..., forward_step_value=...)`` as one call (the per-forward path: a frame and a keyword call
+        fewer). ``new_forward`` 0 or 1 and ``forward_step_value`` as ints (anything else is named like a failed
+        ``__call__``)."""
         try:
             self._fn(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.input_ids, batch.positions,
-                     batch.out_cache_loc, new_forward, forward_step_value, pending_write_tokens)
+                     batch.out_cache_loc, new_forward, forward_step_value)
         except call.CALL_ERRORS as exc:
             self._raise(exc, batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.input_ids,
-                        batch.positions, batch.out_cache_loc, new_forward, forward_step_value, pending_write_tokens)
+                        batch.positions, batch.out_cache_loc, new_forward, forward_step_value)
 
     def _raise(self, exc: Exception, req_pool_indices: Any, prefix_lens: Any, extend_lens: Any, input_ids: Any,
-               positions: Any, out_cache_loc: Any, new_forward: Any, forward_step_value: Any,
-               pending_write_tokens: Any) -> NoReturn:
+               positions: Any, out_cache_loc: Any, new_forward: Any, forward_step_value: Any) -> NoReturn:
         """The named error of a failed launch, as :func:`canary_check_step` names it."""
         SPEC.reraise(exc, {**self._fixed, "req_pool_indices": req_pool_indices, "prefix_lens": prefix_lens,
                            "extend_lens": extend_lens, "input_ids": input_ids, "positions": positions,
                            "out_cache_loc": out_cache_loc, "new_forward": new_forward,
-                           "forward_step_value": forward_step_value, "pending_write_tokens": pending_write_tokens})
+                           "forward_step_value": forward_step_value})

@@ -110,13 +110,6 @@ class WriteLaunch:
         self._by_count: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._max_cached = max_cached
 
-    @property
-    def bound(self) -> Any:
-        """The bound C++ function itself, of ``(input_ids, positions, out_cache_loc)``: what a bound check launch of
-        the same runtime runs as its deferred write (:class:`kvcanary.kernels.check.CheckLaunch`), over the same
-        snapshot buffers."""
-        return self._fn
-
     def _slices(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The snapshot buffers' first ``n`` tokens (cached per ``n``: slicing costs host time per forward)."""
         ids, pos, loc = self._buffers

@@ -7,22 +7,11 @@ forward's snapshot of token ids, positions and slots. Every buffer keeps its add
 (CUDA-graph capture). Every kernel launch of the runtime (the per-kernel wrappers in ``kvcanary.kernels``) happens here,
 and only here (host → device uploads live with their owners: the token table, the sweep plan):
 
-* :meth:`DeviceState.check_batch`: one ``canary_check_step`` launch (plan + verify of every batch row's prefix, the
-  write plan, the snapshot of token ids, positions and slots, the forward counter, the drained-ring reuse), preceded
-  by the deferred write when one is pending (below);
+* ``DeviceState.check_batch(batch, count_forward, forward_step_value)``: one ``canary_check_step`` launch (plan +
+  verify of every batch row's prefix, the write plan, the snapshot of token ids, positions and slots, the forward
+  counter, the drained-ring reuse);
 * ``DeviceState.write_tokens(num_tokens)``: write;
 * :meth:`DeviceState.sweep`: verify over a sweep plan (tag SWEEP).
-
-Deferred writes (issue 25). Each Python -> C++ call costs ~10-20 us of host time in an engine's loop, and an eager
-forward makes two (check, write). :meth:`DeviceState.defer_write` only records the write's token count; the next
-:meth:`check_batch` passes it to the bound check call, which launches that write from C++ first (same stream, right
-before the check kernel), so an eager forward pays one crossing. The write reads what it always read (the write plan
-and snapshot the previous check stored, the device forward counter still holding that forward's number), in stream
-order before the next check overwrites or verifies anything. What else reads or writes what the write touches, or
-changes what it reads, launches the pending write first (:meth:`flush_pending_write`): the sweep, the snapshot fix-up,
-the forward counter's reset, a row-serial upload; the manager flushes before its other record readers and writers. A
-pending write is never captured in a CUDA graph: the manager refuses a capture with one pending. Status copies may
-show a deferred write's counters and rows one forward late (each row carries its own forward number).
 
 The forward counter (kvcanary+). Forward k is the one after which the manager's ``step()`` has run k times
 (``steps``). The header's forward counter holds the number of the forward whose launches run: the check launch of
@@ -56,7 +45,6 @@ from typing import NamedTuple
 import torch
 
 from kvcanary.kernels import layout
-from kvcanary.kernels.batch import BatchView
 from kvcanary.kernels.call import prepare_real_kv
 from kvcanary.kernels.check import CheckLaunch
 from kvcanary.kernels.plan import VerifyPlan, WritePlan
@@ -118,17 +106,6 @@ def parse_header(values: Sequence[int]) -> StateHeader:
                        values[STATE_FORWARD], values[STATE_RING_LOST_AT_RESET], values[STATE_RING_REUSED_AT])
 
 
-def _reaches_cpp(batch: BatchView) -> bool:
-    """Whether tvm-ffi passes a check call of ``batch`` into C++ (whose bound function launches a pending write before
-    anything else): every array a cpu or cuda tensor. Anything else (None, a list, a meta tensor) fails converting
-    before C++ runs. Asked on the failure path only."""
-    for name in ("req_pool_indices", "prefix_lens", "extend_lens", "input_ids", "positions", "out_cache_loc"):
-        value = getattr(batch, name, None)
-        if not isinstance(value, torch.Tensor) or value.device.type not in ("cpu", "cuda"):
-            return False
-    return True
-
-
 def _staged(values: list[int], device: torch.device) -> torch.Tensor:
     """Host int64 values to copy to ``device`` without blocking (pinned on CUDA: the caching host allocator keeps
     the buffer until the copy has run)."""
@@ -145,7 +122,7 @@ class DeviceState:
     ``slot_run_counters``, ``violation_ring``, ``forward_counter``; ``violation_meta``, ``slot_attribution``,
     ``row_serials``, ``enable_chain_position_assert``, and the snapshot ``input_ids_snapshot``,
     ``positions_snapshot``, ``out_cache_loc_snapshot``. Per-forward launches: ``check_batch`` / ``write_tokens``
-    (bound calls, below), or ``defer_write`` instead of ``write_tokens`` (the next ``check_batch`` launches it).
+    (bound calls, below).
     """
 
     def __init__(
@@ -226,15 +203,7 @@ class DeviceState:
         # array over the same memory: one C-level copy to a list, no torch op.
         self.status_mirror = torch.zeros(STATE_HEADER, dtype=torch.int64, pin_memory=dev.type == "cuda")
         self._mirror_values = (ctypes.c_int64 * STATE_HEADER).from_address(self.status_mirror.data_ptr())
-        # The two per-forward launches, their fixed arguments bound once (a forward's host time is the product's cost).
-        # The write first: the check binds its function as its deferred write (the same snapshot buffers).
-        self._write = WriteLaunch(
-            canary_buf=self.canary_buf, write_plan=self.write_plan, input_ids=self.input_ids_snapshot,
-            positions=self.positions_snapshot, out_cache_loc=self.out_cache_loc_snapshot, kernel_kind=LaunchTag.WRITE,
-            **self._build_counter_views(LaunchTag.WRITE),
-            enable_chain_position_assert=self.enable_chain_position_assert, real_kv_sources=self._real_kv_launch,
-            real_kv_hash_mode=real_kv_mode,
-        )
+        # The two per-forward launches, their fixed arguments bound once (a forward's host time is the product's cost)
         self._check = CheckLaunch(
             state=self.state, status_mirror=self.status_mirror, canary_buf=self.canary_buf, write_plan=self.write_plan,
             req_to_token=req_to_token,
@@ -245,58 +214,27 @@ class DeviceState:
             expected_valid_lens_by_row=self._expected_valid_lens_by_row,
             kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, real_kv_sources=self._real_kv_launch,
             real_kv_hash_mode=real_kv_mode, check_tokens=self._expected_tokens is not None,
-            deferred_write=self._write.bound,
         )
-        self._of_batch = self._check.of_batch
-        # The write's token count recorded by defer_write and not launched yet (-1: none pending).
-        self._pending_write = -1
-        # ``write_tokens(num_tokens)``: write the records of the last planned forward's ``num_tokens`` tokens from the
-        # snapshot (after the model wrote KV): one launch, the bound call itself (a frame fewer than a method: a
-        # forward's host time is the product's cost).
+        self._write = WriteLaunch(
+            canary_buf=self.canary_buf, write_plan=self.write_plan, input_ids=self.input_ids_snapshot,
+            positions=self.positions_snapshot, out_cache_loc=self.out_cache_loc_snapshot, kernel_kind=LaunchTag.WRITE,
+            **self._build_counter_views(LaunchTag.WRITE),
+            enable_chain_position_assert=self.enable_chain_position_assert, real_kv_sources=self._real_kv_launch,
+            real_kv_hash_mode=real_kv_mode,
+        )
+        # The two per-forward launches, their fixed arguments bound once, called positionally (a frame and a keyword
+        # call fewer than methods: a forward's host time is the product's cost):
+        # ``check_batch(batch, count_forward, forward_step_value)``: everything that runs before the model writes KV,
+        # as ONE launch (``canary_check_step``): plan and verify every batch row's prefix, store the write plan,
+        # snapshot the batch's token ids, positions and slots, set the forward counter (``count_forward`` 1: to
+        # ``forward_step_value``, or the counter + 1 when that is -1, i.e. captured) and empty a ring the host
+        # acknowledged in full. The batch was validated and fits the capacities (the manager checks both); its
+        # arrays may be int32 or int64. ``write_tokens(num_tokens)``: write the records of the last planned forward's
+        # ``num_tokens`` tokens from the snapshot (after the model wrote KV): one launch.
+        self.check_batch = self._check.of_batch
         self.write_tokens = self._write
 
     # ------------------------------------------------------------------------------------------ launches
-    def check_batch(self, batch: BatchView, count_forward: int, forward_step_value: int) -> None:
-        """Everything that runs before the model writes KV, as ONE call (``canary_check_step``): the pending deferred
-        write first, if any (launched from C++ on the same stream), then the check: plan and verify every batch row's
-        prefix, store the write plan, snapshot the batch's token ids, positions and slots, set the forward counter
-        (``count_forward`` 1: to ``forward_step_value``, or the counter + 1 when that is -1, i.e. captured) and empty a
-        ring the host acknowledged in full. The batch was validated and fits the capacities (the manager checks both
-        when the launch refuses it); its arrays may be int32 or int64.
-
-        A batch the check refuses keeps the pending write launched (C++ runs it before it validates the batch); one
-        whose arrays tvm-ffi cannot even pass (not tensors) never reached C++, so the write stays pending."""
-        pending = self._pending_write
-        self._pending_write = -1
-        try:
-            self._of_batch(batch, count_forward, forward_step_value, pending)
-        except Exception:
-            if pending >= 0 and not _reaches_cpp(batch):
-                self._pending_write = pending
-            raise
-
-    def defer_write(self, num_tokens: int) -> None:
-        """Record the write of the last planned forward's ``num_tokens`` tokens for the next :meth:`check_batch` to
-        launch (no device work, no C++ call now). A write already pending is launched first: it was planned by the
-        same check (no check ran between), and a write is never dropped."""
-        if self._pending_write >= 0:
-            self.flush_pending_write()
-        self._pending_write = num_tokens
-
-    def flush_pending_write(self) -> None:
-        """Launch the pending deferred write now, on the current stream (nothing when none is pending): for anything
-        that must see the records, counters or attribution it writes, or changes what it reads, before the next check
-        launch."""
-        n = self._pending_write
-        if n >= 0:
-            self._pending_write = -1  # (also when the launch raises: it would fail the same way again)
-            self._write(n)
-
-    @property
-    def pending_write(self) -> int:
-        """The deferred write's token count not launched yet; -1 when none is pending."""
-        return self._pending_write
-
     def _build_counter_views(self, tag: LaunchTag) -> dict[str, torch.Tensor]:
         """The ring, counter and metadata arguments of a ``tag`` launch (built once: slicing costs host time)."""
         views = {
@@ -317,34 +255,24 @@ class DeviceState:
 
         ``skipped``: how many of the entries are tombstones (the padding slot): verify's entry counter counts every
         plan entry, so they are taken off the SWEEP count right after the launch, in stream order (a status copy
-        sees both or neither). A pending deferred write goes first: the sweep verifies records it writes."""
-        if self._pending_write >= 0:
-            self.flush_pending_write()
+        sees both or neither)."""
         self._sweep(plan)
         if skipped:
             self._sweep_views["slot_run_counter"].sub_(skipped)
 
     # ------------------------------------------------------------------------------------------ host-called updates
     def mark_init_finished(self, steps: int) -> None:
-        """Switch the write chain-position assert on and set the forward counter to ``steps`` (a pending deferred
-        write first: it reads both as its forward left them)."""
-        self.flush_pending_write()
+        """Switch the write chain-position assert on and set the forward counter to ``steps``."""
         self.enable_chain_position_assert.fill_(1)
         self.forward_counter.fill_(steps)
 
     def set_snapshot_position(self, index: int, position: int) -> None:
-        """Overwrite the snapshot position of token ``index`` of the last forward (stream-ordered; a pending deferred
-        write first: it reads the snapshot as its check stored it)."""
-        self.flush_pending_write()
+        """Overwrite the snapshot position of token ``index`` of the last forward (stream-ordered)."""
         self.positions_snapshot[index] = position
 
     def upload_row_serials(self, rows: list[int], serials: list[int]) -> None:
         """``row_serials[rows[i]] = serials[i]``: one batched, non-blocking upload (a reused staging, one launch that
-        reads it in place: :class:`kvcanary.runtime.serial_upload.RowSerialUpload`). A pending deferred write goes
-        first: it attributes its records through ``row_serials``, and a row's new request must not take over the
-        previous forward's records (the rows change in prefill batches only: one more launch on those)."""
-        if self._pending_write >= 0:
-            self.flush_pending_write()
+        reads it in place: :class:`kvcanary.runtime.serial_upload.RowSerialUpload`)."""
         self._row_serial_upload(rows, serials)
 
     # ------------------------------------------------------------------------------------------ what the drain reads

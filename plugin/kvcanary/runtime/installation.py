@@ -169,11 +169,6 @@ class Installation:
     # Log mode: why kvcanary stopped on this runner after an error in its part of a forward (None: running). Every
     # per-forward entry point (the model.forward wrapper, the adapter's hooks) then calls straight through.
     stopped: str | None = None
-    # Whether the managers defer each eager forward's write into the next forward's check launch (issue 25: one
-    # Python -> C++ call per forward instead of two; CanaryManager.set_defer_writes), from mark_init_finished on
-    # (warm-up and graph capture are over). The adapter sets it only where every forward runs the wrapper eagerly:
-    # a CUDA-graph replay runs its captured check with no call that could launch a pending write.
-    defer_writes: bool = False
 
     @property
     def manager(self) -> CanaryManager:
@@ -293,19 +288,8 @@ class Installation:
     def mark_init_finished(self) -> None:
         for group in self.groups:
             group.manager.mark_init_finished()
-            if self.defer_writes:
-                group.manager.set_defer_writes(True)
-        if self.defer_writes:
-            logger.info("kvcanary: eager forwards defer their record writes into the next forward's launch")
         self.host_time = HostTime()  # warmup and graph capture are not serving
         self._sweep_at_init = self.sweep_tally()
-
-    def flush_pending_writes(self) -> None:
-        """Launch every group's deferred write now, on the current stream (the forward's, in an adapter's forward
-        hooks): before an adapter concern changes K/V bytes, records or ``req_to_token`` outside the managers (fault
-        injection), so the last forward's write still sees them as that forward left them."""
-        for group in self.groups:
-            group.manager.flush_pending_write()
 
     def sweep_tally(self) -> SweepTally:
         """Every group's sweeps so far (differences of two give a period's)."""

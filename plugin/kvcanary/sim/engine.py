@@ -802,15 +802,11 @@ class Simulator:
 
 def build_sim(sim_cfg: SimConfig, *, mode: str = "raise", sweep_interval: int = 10, real_kv: str = "partial",
               hook: Callable[[str, Simulator], None] | None = None, drain_every: int = 1,
-              device: torch.device | str = "cpu", defer_writes: bool = False) -> Simulator:
+              device: torch.device | str = "cpu") -> Simulator:
     """A simulator driving a fresh ``CanaryManager`` on ``device`` (init finished: the chain-position assert is on).
 
     ``drain_every=1`` (the default here, not the runtime's) reports each violation after the forward that found
-    it, so a fault driver can attribute it to that forward. ``defer_writes``: the manager defers each forward's
-    write into the next forward's check launch (``CanaryManager.set_defer_writes``, as an eager engine adapter runs
-    it; every simulator forward is eager): a violation the write finds is then reported one forward later. A hook
-    that changes K/V bytes, records or ``req_to_token`` outside the manager launches the pending write first
-    (``mgr.flush_pending_write()``; :class:`kvcanary.sim.injector.FaultDriver` does).
+    it, so a fault driver can attribute it to that forward.
     """
     from kvcanary.kernels.layout import RealKvHashMode
     from kvcanary.runtime.config import Config
@@ -821,5 +817,4 @@ def build_sim(sim_cfg: SimConfig, *, mode: str = "raise", sweep_interval: int = 
                     stats_every=0, verify_tokens=sim_cfg.verify_tokens, ring_capacity=4096, drain_every=drain_every)
     sim = Simulator(sim_cfg, mgr_factory=lambda **kw: CanaryManager(config, **kw), hook=hook, device=device)
     sim.mgr.mark_init_finished()
-    sim.mgr.set_defer_writes(defer_writes)  # (after init, as an adapter turns it on)
     return sim
