@@ -243,7 +243,7 @@ def _launch(h: HandDrain, *, rows: tuple[int, ...] = (), step: int = 0, publish:
 
 
 def test_drain_with_the_mirror_copies_nothing_while_nothing_moves() -> None:
-    """The cadence's drains read the status mirror: no new row, so no status copy at all (each costs ~60 µs of the
+    """The cadence's drains read the status mirror: no new row, so no status copy at all (each costs ~100 µs of the
     engine's host time per period), and the mirror's counters feed the stats and the health check as a status read
     would, on the same steps."""
     h = HandDrain(drain_every=4, use_mirror=True)

@@ -5,11 +5,12 @@ The status mirror (kvcanary+). Every check launch ends by writing the finished s
 Most drains find nothing new, and on the ``drain_every`` cadence the drain first reads the mirror: when its ring index,
 epoch and lost-at-reset count equal what the last status read saw, no row can be waiting, and the mirror's counters
 feed the stats and the health check with no copy, no event and no driver call (a status copy's start and read cost
-~60 µs of the engine's host time per drain period from its cold caches). Anything else moved, or a copy is in flight:
-the status copy runs as below. What the mirror cannot see yet is seen by a later drain: a write's or a sweep's rows show
-in it from the next check launch on, a launch still running on the GPU from when it finishes. Rows are only ever read
-and labelled from the ordered copies below. Protect mode keeps the status copy on every drain (``use_mirror=False``):
-its detection window (:mod:`kvcanary.runtime.protect`) counts on a copy ordered after the drain's own step.
+~100 µs of the engine's host time per drain period from its cold caches; the mirror's read ~30). Anything else
+moved, or a copy is in flight: the status copy runs as below. What the mirror cannot see yet is seen by a later
+drain: a write's or a sweep's rows show in it from the next check launch on, a launch still running on the GPU from
+when it finishes. Rows are only ever read and labelled from the ordered copies below. Protect mode keeps the status
+copy on every drain (``use_mirror=False``): its detection window (:mod:`kvcanary.runtime.protect`) counts on a copy
+ordered after the drain's own step.
 
 Two :class:`kvcanary.runtime.pump.PinnedChannel` copies carry everything: the **status** copy (the state header: ring
 index, overflows, counters, forward counter; plus the next few ring rows and their metadata) taken after step T
