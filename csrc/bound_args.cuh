@@ -5,8 +5,9 @@
  * A bind takes the arguments of a per-forward export that never change for a runtime's life once, as owning
  * tvm::ffi::Tensor references, so their storage stays alive as long as the returned function does; each call then
  * hands the existing host wrapper a TensorView of each, made once here, instead of converting the Python tensor
- * again (tvm-ffi's per-tensor DLPack exchange is most of a wide export's call cost). The wrapper still validates
- * every view on every call, so a bound call's checks and errors are the unbound export's.
+ * again (tvm-ffi's per-tensor DLPack exchange is most of a wide export's call cost). The bind validates and extracts
+ * them once (check_prepare, write_prepare: the export's own checks, in its order, so a bad one raises at binding
+ * with the export's error); a call validates only the forward's own arguments against what was prepared.
  */
 #pragma once
 
@@ -54,8 +55,8 @@ struct BoundOptionalTensor {
 
 /*!
  * \brief The real-KV arguments of a bound launch (real_kv_buf_0..3, real_kv_source_params, num_sources,
- * real_kv_hash_mode), held once for both binds: the wrappers still validate and pack them on every call
- * (real_kv_args.cuh pack_real_kv_sources).
+ * real_kv_hash_mode), held once for both binds; validated and packed once, at binding (real_kv_args.cuh
+ * pack_real_kv_sources).
  */
 struct BoundRealKvSources {
   BoundRealKvSources(tvm::ffi::Tensor real_kv_buf_0, tvm::ffi::Tensor real_kv_buf_1, tvm::ffi::Tensor real_kv_buf_2,

@@ -462,32 +462,54 @@ inline void canary_check_cpu(const CheckParams& p) {
 
 namespace host {
 
-/*! \brief Validate an int64 snapshot destination of at least num_tokens elements. */
-inline int64_t* snapshot_out(const char* fn, const SymbolicSize& num_tokens, SymbolicDevice& device,
-                             const TensorView& t, const char* arg) {
+/*! \brief An int64 snapshot destination (input_ids_out, positions_out, out_cache_loc_out), checked once. */
+struct SnapshotOut {
+  int64_t* data;
+  int64_t len;
+  const char* arg;
+};
+
+/*! \brief Validate an int64 snapshot destination on `device` (its length is checked per call: snapshot_fits). */
+inline SnapshotOut snapshot_out(const char* fn, SymbolicDevice& device, const TensorView& t, const char* arg) {
   SymbolicSize len("len");
   TensorMatcher(fn, {len}).dtype<int64_t>().device(device).verify(t, arg);
-  KVCANARY_CHECK_ARG(len.value() >= num_tokens.value(), ValueError, fn, arg)
-      << "holds " << len.value() << " elements, fewer than num_tokens=" << num_tokens.value() << " (bound by "
-      << num_tokens.bound_by() << ")";
-  return data_of<int64_t>(t);
+  return SnapshotOut{data_of<int64_t>(t), len.value(), arg};
 }
 
-/*! \brief See the file comment. */
-inline void canary_check_step(
-    TensorView state, tvm::ffi::Optional<TensorView> status_mirror, tvm::ffi::Optional<TensorView> violation_meta, tvm::ffi::Optional<TensorView> slot_attribution,
-    TensorView canary_buf, TensorView write_offsets, TensorView write_seed_slot_indices,
-    TensorView write_num_valid_reqs, tvm::ffi::Optional<TensorView> write_request_rows, TensorView req_pool_indices,
-    TensorView prefix_lens, TensorView extend_lens, TensorView req_to_token, int64_t swa_window_size,
+/*! \brief A snapshot destination holds at least num_tokens elements. */
+inline void snapshot_fits(const char* fn, const SymbolicSize& num_tokens, const SnapshotOut& out) {
+  KVCANARY_CHECK_ARG(out.len >= num_tokens.value(), ValueError, fn, out.arg)
+      << "holds " << out.len << " elements, fewer than num_tokens=" << num_tokens.value() << " (bound by "
+      << num_tokens.bound_by() << ")";
+}
+
+/*!
+ * \brief canary_check_step's fixed arguments (all but the forward's six arrays and two ints), validated and
+ * extracted once: a bound check (canary_check_bind) prepares at binding, so a forward's call checks only its own
+ * arrays; the export prepares on every call.
+ */
+struct CheckPrepared {
+  CheckParams params;  // every field but the forward's own (check_launch sets those on a copy)
+  SymbolicDevice device{KVCANARY_DEVICE_BUILD ? kDLCUDA : kDLCPU};  // bound by state
+  WritePlanSizes sizes;  // write_offsets_len and write_capacity bound; batch_rows bound per call
+  SnapshotOut snapshots[3];  // input_ids_out, positions_out, out_cache_loc_out
+};
+
+/*! \brief Validate and extract canary_check_step's fixed arguments (this order decides the error a call with several
+ * bad arguments gets; the forward's own arrays are checked after them, by check_launch). */
+inline CheckPrepared check_prepare(
+    TensorView state, tvm::ffi::Optional<TensorView> status_mirror, tvm::ffi::Optional<TensorView> violation_meta,
+    tvm::ffi::Optional<TensorView> slot_attribution, TensorView canary_buf, TensorView write_offsets,
+    TensorView write_seed_slot_indices, TensorView write_num_valid_reqs,
+    tvm::ffi::Optional<TensorView> write_request_rows, TensorView req_to_token, int64_t swa_window_size,
     tvm::ffi::Optional<TensorView> full_to_swa_index_mapping, tvm::ffi::Optional<TensorView> expected_tokens,
     tvm::ffi::Optional<TensorView> expected_valid_lens_by_row, int64_t kv_token_id_vs_position_offset,
-    TensorView input_ids, TensorView positions, TensorView out_cache_loc, TensorView input_ids_out,
-    TensorView positions_out, TensorView out_cache_loc_out, TensorView real_kv_buf_0, TensorView real_kv_buf_1,
-    TensorView real_kv_buf_2, TensorView real_kv_buf_3, TensorView real_kv_source_params, int64_t num_sources,
-    int64_t real_kv_hash_mode, int64_t check_tokens, int64_t new_forward, int64_t forward_step_value) {
+    TensorView input_ids_out, TensorView positions_out, TensorView out_cache_loc_out, TensorView real_kv_buf_0,
+    TensorView real_kv_buf_1, TensorView real_kv_buf_2, TensorView real_kv_buf_3, TensorView real_kv_source_params,
+    int64_t num_sources, int64_t real_kv_hash_mode, int64_t check_tokens) {
   constexpr const char* kFn = "canary_check_step";
-  // 1. validate and extract the plan's parameters (this order decides the error a call with several bad arguments gets)
-  SymbolicDevice device(KVCANARY_DEVICE_BUILD ? kDLCUDA : kDLCPU);
+  CheckPrepared f{};
+  SymbolicDevice& device = f.device;
   SymbolicSize state_len("state_len");
   TensorMatcher(kFn, {state_len}).dtype<int64_t>().device(device).verify(state, "state");
   const int64_t ring_numel = state_len.value() - kStateHeaderFields;
@@ -503,6 +525,9 @@ inline void canary_check_step(
     TensorMatcher(kFn, {kStateHeaderFields}).dtype<int64_t>().verify(status_mirror.value(), "status_mirror");
     check_host_memory(kFn, "status_mirror", status_mirror.value());
     mirror = data_of<int64_t>(status_mirror.value());
+#if KVCANARY_DEVICE_BUILD
+    mirror = pinned_device_address(kFn, "status_mirror", mirror);  // (the kernel stores through the device's address)
+#endif
   }
 
   SymbolicSize num_slots("num_slots");
@@ -514,37 +539,27 @@ inline void canary_check_step(
   const int64_t* attribution = pack_violation_meta(kFn, device, ring_capacity, num_slots, violation_meta,
                                                    std::nullopt, slot_attribution, meta_sink);
 
-  CheckParams p{};
+  CheckParams& p = f.params;
   PlanParams& q = p.plan;  // the write plan and the tables, as canary_plan_step binds them (canary_plan.cuh)
-  WritePlanSizes sizes;
+  WritePlanSizes& sizes = f.sizes;
   bind_write_plan(kFn, device, sizes, write_offsets, std::nullopt, write_seed_slot_indices, write_num_valid_reqs, q);
   bind_write_request_rows(kFn, device, sizes, write_request_rows, q);
   check_write_offsets_len(kFn, sizes);
   check_write_capacity(kFn, sizes);
-  bind_batch_rows(kFn, device, sizes, BatchDtypes::kInt32OrInt64, req_pool_indices, prefix_lens, extend_lens, q);
-  check_batch_fits(kFn, sizes);
   bind_req_to_token(kFn, device, req_to_token, q);
   bind_swa(kFn, device, swa_window_size, full_to_swa_index_mapping, q);
+  // (per req_to_token row: the valid lengths do not bind batch_rows)
   bind_expected_tokens(kFn, device, sizes.batch_rows, expected_tokens, expected_valid_lens_by_row,
                        ValidLensArg{"expected_valid_lens_by_row", true}, kv_token_id_vs_position_offset, q);
-
-  SymbolicSize num_tokens("num_tokens");
-  const IntArray ids = int_array(kFn, num_tokens, device, input_ids, "input_ids");
-  const IntArray pos = int_array(kFn, num_tokens, device, positions, "positions");
-  const IntArray locs = int_array(kFn, num_tokens, device, out_cache_loc, "out_cache_loc");
-  int64_t* ids_out = snapshot_out(kFn, num_tokens, device, input_ids_out, "input_ids_out");
-  int64_t* pos_out = snapshot_out(kFn, num_tokens, device, positions_out, "positions_out");
-  int64_t* locs_out = snapshot_out(kFn, num_tokens, device, out_cache_loc_out, "out_cache_loc_out");
-
+  f.snapshots[0] = snapshot_out(kFn, device, input_ids_out, "input_ids_out");
+  f.snapshots[1] = snapshot_out(kFn, device, positions_out, "positions_out");
+  f.snapshots[2] = snapshot_out(kFn, device, out_cache_loc_out, "out_cache_loc_out");
   const RealKvSources sources =
       pack_real_kv_sources(kFn, device, num_slots.value(), real_kv_buf_0, real_kv_buf_1, real_kv_buf_2,
                            real_kv_buf_3, real_kv_source_params, num_sources, real_kv_hash_mode);
   KVCANARY_CHECK_ARG(check_tokens == 0 || check_tokens == 1, ValueError, kFn, "check_tokens")
       << "must be 0 or 1, got " << check_tokens;
-  KVCANARY_CHECK_ARG(new_forward == 0 || new_forward == 1, ValueError, kFn, "new_forward")
-      << "must be 0 or 1, got " << new_forward;
 
-  // 2. extract the check's own parameters
   p.check.canary_buf = data_of<const uint8_t>(canary_buf);
   p.check.slot_stride_bytes = slot_stride.value();
   p.check.num_slots = num_slots.value();
@@ -554,17 +569,41 @@ inline void canary_check_step(
   p.check.sources = sources;
   p.check.slot_attribution = attribution;
   p.state = data_of<int64_t>(state);
-  p.status_mirror = mirror;  // (CUDA: replaced by the device's address below)
+  p.status_mirror = mirror;
   p.ring_capacity = static_cast<int32_t>(ring_capacity.value());
   p.violation_meta = meta_sink.meta;
-  p.input_ids = ids;
-  p.positions = pos;
-  p.out_cache_loc = locs;
-  q.out_cache_loc = locs;  // the padding rows (canary_plan.cuh)
+  p.input_ids_out = f.snapshots[0].data;
+  p.positions_out = f.snapshots[1].data;
+  p.out_cache_loc_out = f.snapshots[2].data;
+  return f;
+}
+
+/*! \brief One check of a forward's arrays with prepared fixed arguments: validate the forward's own (they must be on
+ * the prepared device, fit the write plan and the snapshots), then launch (CUDA) or run (CPU). */
+inline void check_launch(const CheckPrepared& f, TensorView req_pool_indices, TensorView prefix_lens,
+                         TensorView extend_lens, TensorView input_ids, TensorView positions, TensorView out_cache_loc,
+                         int64_t new_forward, int64_t forward_step_value) {
+  constexpr const char* kFn = "canary_check_step";
+  // 1. validate the forward's arrays
+  SymbolicDevice device = f.device;
+  WritePlanSizes sizes = f.sizes;
+  CheckParams p = f.params;
+  PlanParams& q = p.plan;
+  bind_batch_rows(kFn, device, sizes, BatchDtypes::kInt32OrInt64, req_pool_indices, prefix_lens, extend_lens, q);
+  check_batch_fits(kFn, sizes);
+  SymbolicSize num_tokens("num_tokens");
+  p.input_ids = int_array(kFn, num_tokens, device, input_ids, "input_ids");
+  p.positions = int_array(kFn, num_tokens, device, positions, "positions");
+  p.out_cache_loc = int_array(kFn, num_tokens, device, out_cache_loc, "out_cache_loc");
+  for (const SnapshotOut& out : f.snapshots) {
+    snapshot_fits(kFn, num_tokens, out);
+  }
+  KVCANARY_CHECK_ARG(new_forward == 0 || new_forward == 1, ValueError, kFn, "new_forward")
+      << "must be 0 or 1, got " << new_forward;
+
+  // 2. the forward's own parameters
+  q.out_cache_loc = p.out_cache_loc;  // the padding rows (canary_plan.cuh)
   q.num_tokens = num_tokens.value();
-  p.input_ids_out = ids_out;
-  p.positions_out = pos_out;
-  p.out_cache_loc_out = locs_out;
   p.num_tokens = num_tokens.value();
   p.new_forward = new_forward == 1;
   p.forward_step_value = forward_step_value;
@@ -573,9 +612,6 @@ inline void canary_check_step(
   // 3. device guard + stream
   const DLDevice dev = device.value();
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
-  if (mirror != nullptr) {
-    p.status_mirror = pinned_device_address(kFn, "status_mirror", mirror);
-  }
   const cudaStream_t stream = current_stream(dev);
   // 4. launch: one wave at most, fewer blocks when the batch's rows bound the entries (a shape, never data: a
   // graph captured at batch size bs replays with the grid of bs).
@@ -590,7 +626,31 @@ inline void canary_check_step(
 #endif
 }
 
-/*! \brief canary_check_step's arguments that stay fixed for a runtime's life, owned by canary_check_bind's function. */
+/*! \brief See the file comment. */
+inline void canary_check_step(
+    TensorView state, tvm::ffi::Optional<TensorView> status_mirror, tvm::ffi::Optional<TensorView> violation_meta, tvm::ffi::Optional<TensorView> slot_attribution,
+    TensorView canary_buf, TensorView write_offsets, TensorView write_seed_slot_indices,
+    TensorView write_num_valid_reqs, tvm::ffi::Optional<TensorView> write_request_rows, TensorView req_pool_indices,
+    TensorView prefix_lens, TensorView extend_lens, TensorView req_to_token, int64_t swa_window_size,
+    tvm::ffi::Optional<TensorView> full_to_swa_index_mapping, tvm::ffi::Optional<TensorView> expected_tokens,
+    tvm::ffi::Optional<TensorView> expected_valid_lens_by_row, int64_t kv_token_id_vs_position_offset,
+    TensorView input_ids, TensorView positions, TensorView out_cache_loc, TensorView input_ids_out,
+    TensorView positions_out, TensorView out_cache_loc_out, TensorView real_kv_buf_0, TensorView real_kv_buf_1,
+    TensorView real_kv_buf_2, TensorView real_kv_buf_3, TensorView real_kv_source_params, int64_t num_sources,
+    int64_t real_kv_hash_mode, int64_t check_tokens, int64_t new_forward, int64_t forward_step_value) {
+  const CheckPrepared f = check_prepare(state, status_mirror, violation_meta, slot_attribution, canary_buf,
+                                        write_offsets, write_seed_slot_indices, write_num_valid_reqs,
+                                        write_request_rows, req_to_token, swa_window_size, full_to_swa_index_mapping,
+                                        expected_tokens, expected_valid_lens_by_row, kv_token_id_vs_position_offset,
+                                        input_ids_out, positions_out, out_cache_loc_out, real_kv_buf_0,
+                                        real_kv_buf_1, real_kv_buf_2, real_kv_buf_3, real_kv_source_params,
+                                        num_sources, real_kv_hash_mode, check_tokens);
+  check_launch(f, req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc, new_forward,
+               forward_step_value);
+}
+
+/*! \brief The tensors canary_check_bind's function owns for its whole life (their storage backs CheckPrepared's
+ * pointers). */
 struct CheckFixedArgs {
   BoundTensor state;
   BoundOptionalTensor status_mirror;
@@ -602,27 +662,25 @@ struct CheckFixedArgs {
   BoundTensor write_num_valid_reqs;
   BoundOptionalTensor write_request_rows;
   BoundTensor req_to_token;
-  int64_t swa_window_size;
   BoundOptionalTensor full_to_swa_index_mapping;
   BoundOptionalTensor expected_tokens;
   BoundOptionalTensor expected_valid_lens_by_row;
-  int64_t kv_token_id_vs_position_offset;
   BoundTensor input_ids_out;
   BoundTensor positions_out;
   BoundTensor out_cache_loc_out;
   BoundRealKvSources real_kv;
-  int64_t check_tokens;
 };
 
 /*!
- * \brief canary_check_step with every argument but the forward's own bound once: returns a function of
- * (req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc, new_forward, forward_step_value)
- * that runs canary_check_step (same checks, same errors, same launch) with the bound tensors in their places.
- * Binding checks nothing (the call does, every time); it only takes ownership, so the bound storage lives as long as
- * the function.
+ * \brief canary_check_step with every argument but the forward's own bound, validated and extracted once: returns a
+ * function of (req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc, new_forward,
+ * forward_step_value) that checks those and launches with the prepared parameters (check_launch: the export's
+ * checks of them, its errors, its launch). A bad fixed argument raises here, as the export's call would name it;
+ * the function owns the bound tensors, so their storage lives as long as it does. The pinned status mirror's device
+ * address is resolved here too (a driver query the export makes per call).
  * Stream: tvm-ffi sets the env stream a launch reads (launch.h current_stream) from the first CUDA torch tensor of a
  * call, and the bound ones are no longer passed. The call's first argument, req_pool_indices, is the forward's own
- * CUDA tensor, and a CUDA launch only runs once canary_check_step has checked that it and the other batch arrays are
+ * CUDA tensor, and a CUDA launch only runs once check_launch has checked that it and the other batch arrays are
  * on the device, so every launch is on torch's current stream (inside graph capture, the capturing stream: a launch
  * on another stream would silently drop out of the graph).
  */
@@ -648,31 +706,29 @@ inline tvm::ffi::Function canary_check_bind(
                        BoundTensor(std::move(write_num_valid_reqs)),
                        BoundOptionalTensor(std::move(write_request_rows)),
                        BoundTensor(std::move(req_to_token)),
-                       swa_window_size,
                        BoundOptionalTensor(std::move(full_to_swa_index_mapping)),
                        BoundOptionalTensor(std::move(expected_tokens)),
                        BoundOptionalTensor(std::move(expected_valid_lens_by_row)),
-                       kv_token_id_vs_position_offset,
                        BoundTensor(std::move(input_ids_out)),
                        BoundTensor(std::move(positions_out)),
                        BoundTensor(std::move(out_cache_loc_out)),
                        BoundRealKvSources(std::move(real_kv_buf_0), std::move(real_kv_buf_1),
                                           std::move(real_kv_buf_2), std::move(real_kv_buf_3),
-                                          std::move(real_kv_source_params), num_sources, real_kv_hash_mode),
-                       check_tokens};
+                                          std::move(real_kv_source_params), num_sources, real_kv_hash_mode)};
+  const CheckFixedArgs& b = fixed;
+  CheckPrepared prepared = check_prepare(
+      b.state.view, b.status_mirror.view, b.violation_meta.view, b.slot_attribution.view, b.canary_buf.view,
+      b.write_offsets.view, b.write_seed_slot_indices.view, b.write_num_valid_reqs.view, b.write_request_rows.view,
+      b.req_to_token.view, swa_window_size, b.full_to_swa_index_mapping.view, b.expected_tokens.view,
+      b.expected_valid_lens_by_row.view, kv_token_id_vs_position_offset, b.input_ids_out.view, b.positions_out.view,
+      b.out_cache_loc_out.view, b.real_kv.buf_0.view, b.real_kv.buf_1.view, b.real_kv.buf_2.view,
+      b.real_kv.buf_3.view, b.real_kv.source_params.view, b.real_kv.num_sources, b.real_kv.hash_mode, check_tokens);
   return tvm::ffi::Function::FromTyped(
-      [f = std::move(fixed)](TensorView req_pool_indices, TensorView prefix_lens, TensorView extend_lens,
-                             TensorView input_ids, TensorView positions, TensorView out_cache_loc, int64_t new_forward,
-                             int64_t forward_step_value) {
-        canary_check_step(f.state.view, f.status_mirror.view, f.violation_meta.view, f.slot_attribution.view, f.canary_buf.view,
-                          f.write_offsets.view, f.write_seed_slot_indices.view, f.write_num_valid_reqs.view,
-                          f.write_request_rows.view, req_pool_indices, prefix_lens, extend_lens, f.req_to_token.view,
-                          f.swa_window_size, f.full_to_swa_index_mapping.view, f.expected_tokens.view,
-                          f.expected_valid_lens_by_row.view, f.kv_token_id_vs_position_offset, input_ids, positions,
-                          out_cache_loc, f.input_ids_out.view, f.positions_out.view, f.out_cache_loc_out.view,
-                          f.real_kv.buf_0.view, f.real_kv.buf_1.view, f.real_kv.buf_2.view, f.real_kv.buf_3.view,
-                          f.real_kv.source_params.view, f.real_kv.num_sources, f.real_kv.hash_mode, f.check_tokens,
-                          new_forward, forward_step_value);
+      [owned = std::move(fixed), f = std::move(prepared)](
+          TensorView req_pool_indices, TensorView prefix_lens, TensorView extend_lens, TensorView input_ids,
+          TensorView positions, TensorView out_cache_loc, int64_t new_forward, int64_t forward_step_value) {
+        check_launch(f, req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc, new_forward,
+                     forward_step_value);
       },
       "canary_check_bound");
 }

@@ -471,27 +471,39 @@ inline void canary_write_cpu(const WriteParams& p) {
 
 namespace host {
 
-/*! \brief The seed's arguments, then the kvcanary+ attribution arguments (see the file comment). */
-inline void canary_write_step_attributed(
+/*!
+ * \brief canary_write_step_attributed's fixed arguments (all but the forward's three token arrays), validated and
+ * extracted once: a bound write (canary_write_bind) prepares at binding, so a forward's call checks only its token
+ * arrays; the export prepares on every call.
+ */
+struct WritePrepared {
+  WriteParams params;  // every field but the token arrays and num_tokens (write_launch sets those on a copy)
+  SymbolicDevice device{KVCANARY_DEVICE_BUILD ? kDLCUDA : kDLCPU};  // bound by canary_buf
+  // the input assert's arrays (enable_write_input_assert=1 only): sized by the forward, so checked per call
+  tvm::ffi::Optional<TensorView> expected_input_tokens;
+  tvm::ffi::Optional<TensorView> expected_input_positions;
+};
+
+/*! \brief Validate and extract the write's fixed arguments (this order decides the error a call with several bad
+ * arguments gets; the token arrays are checked after them, by write_launch). */
+inline WritePrepared write_prepare(
     TensorView canary_buf, TensorView write_offsets, TensorView write_seed_slot_indices,
-    TensorView write_num_valid_reqs, TensorView input_ids, TensorView positions, TensorView out_cache_loc,
-    int64_t kernel_kind, int64_t enable_write_input_assert, tvm::ffi::Optional<TensorView> expected_input_tokens,
-    tvm::ffi::Optional<TensorView> expected_input_positions, TensorView violation_ring,
-    TensorView violation_write_index, TensorView slot_run_counter, TensorView kernel_run_counter,
-    TensorView enable_chain_position_assert, TensorView real_kv_buf_0, TensorView real_kv_buf_1,
-    TensorView real_kv_buf_2, TensorView real_kv_buf_3, TensorView real_kv_source_params, int64_t num_sources,
-    int64_t real_kv_hash_mode, tvm::ffi::Optional<TensorView> violation_meta,
+    TensorView write_num_valid_reqs, int64_t kernel_kind, int64_t enable_write_input_assert,
+    tvm::ffi::Optional<TensorView> expected_input_tokens, tvm::ffi::Optional<TensorView> expected_input_positions,
+    TensorView violation_ring, TensorView violation_write_index, TensorView slot_run_counter,
+    TensorView kernel_run_counter, TensorView enable_chain_position_assert, TensorView real_kv_buf_0,
+    TensorView real_kv_buf_1, TensorView real_kv_buf_2, TensorView real_kv_buf_3, TensorView real_kv_source_params,
+    int64_t num_sources, int64_t real_kv_hash_mode, tvm::ffi::Optional<TensorView> violation_meta,
     tvm::ffi::Optional<TensorView> forward_step, tvm::ffi::Optional<TensorView> write_request_rows,
     tvm::ffi::Optional<TensorView> slot_attribution, tvm::ffi::Optional<TensorView> row_serials) {
   constexpr const char* kFn = "canary_write_step";
-  // 1. validate
+  WritePrepared f{};
+  SymbolicDevice& device = f.device;
   SymbolicSize num_slots("num_slots");
   SymbolicSize slot_stride("slot_stride_bytes");
   SymbolicSize offsets_len("write_offsets_len");
   SymbolicSize req_capacity("write_req_capacity");
-  SymbolicSize num_tokens("num_tokens");
   SymbolicSize ring_capacity("ring_capacity");
-  SymbolicDevice device(KVCANARY_DEVICE_BUILD ? kDLCUDA : kDLCPU);
 
   TensorMatcher(kFn, {num_slots, slot_stride}).dtype<uint8_t>().device(device).verify(canary_buf, "canary_buf");
   TensorMatcher(kFn, {offsets_len}).dtype<int64_t>().device(device).verify(write_offsets, "write_offsets");
@@ -500,12 +512,6 @@ inline void canary_write_step_attributed(
       .device(device)
       .verify(write_seed_slot_indices, "write_seed_slot_indices");
   TensorMatcher(kFn, {1}).dtype<int32_t>().device(device).verify(write_num_valid_reqs, "write_num_valid_reqs");
-  TensorMatcher(kFn, {num_tokens})
-      .dtype<int64_t>()
-      .device(device)
-      .verify(input_ids, "input_ids")
-      .verify(positions, "positions")
-      .verify(out_cache_loc, "out_cache_loc");
   KVCANARY_CHECK_ARG(enable_write_input_assert == 0 || enable_write_input_assert == 1, ValueError, kFn,
                      "enable_write_input_assert")
       << "must be 0 or 1, got " << enable_write_input_assert;
@@ -515,13 +521,8 @@ inline void canary_write_step_attributed(
   KVCANARY_CHECK_ARG(expected_input_positions.has_value() == input_assert, ValueError, kFn,
                      "expected_input_positions")
       << (input_assert ? "required when enable_write_input_assert=1" : "must be None when enable_write_input_assert=0");
-  if (input_assert) {
-    TensorMatcher(kFn, {num_tokens})
-        .dtype<int64_t>()
-        .device(device)
-        .verify(expected_input_tokens.value(), "expected_input_tokens")
-        .verify(expected_input_positions.value(), "expected_input_positions");
-  }
+  f.expected_input_tokens = expected_input_tokens;
+  f.expected_input_positions = expected_input_positions;
   TensorMatcher(kFn, {ring_capacity, kViolationFields})
       .dtype<int64_t>()
       .device(device)
@@ -547,7 +548,7 @@ inline void canary_write_step_attributed(
   const RealKvSources sources =
       pack_real_kv_sources(kFn, device, num_slots.value(), real_kv_buf_0, real_kv_buf_1, real_kv_buf_2,
                            real_kv_buf_3, real_kv_source_params, num_sources, real_kv_hash_mode);
-  WriteParams p{};
+  WriteParams& p = f.params;
   p.slot_attribution =
       pack_violation_meta(kFn, device, ring_capacity, num_slots, violation_meta, forward_step, slot_attribution, p.sink);
   if (write_request_rows.has_value()) {
@@ -563,7 +564,6 @@ inline void canary_write_step_attributed(
     TensorMatcher(kFn, {serial_rows}).dtype<int64_t>().device(device).verify(row_serials.value(), "row_serials");
   }
 
-  // 2. extract parameters
   p.canary_buf = data_of<uint8_t>(canary_buf);
   p.slot_stride_bytes = slot_stride.value();
   p.num_slots = num_slots.value();
@@ -573,12 +573,6 @@ inline void canary_write_step_attributed(
   p.write_seed_slot_indices = data_of<const int64_t>(write_seed_slot_indices);
   p.write_num_valid_reqs = data_of<const int32_t>(write_num_valid_reqs);
   p.write_req_capacity = static_cast<int32_t>(req_capacity.value());
-  p.input_ids = data_of<const int64_t>(input_ids);
-  p.positions = data_of<const int64_t>(positions);
-  p.out_cache_loc = data_of<const int64_t>(out_cache_loc);
-  p.num_tokens = num_tokens.value();
-  p.expected_input_tokens = input_assert ? data_of<const int64_t>(expected_input_tokens.value()) : nullptr;
-  p.expected_input_positions = input_assert ? data_of<const int64_t>(expected_input_positions.value()) : nullptr;
   p.sink.ring = data_of<int64_t>(violation_ring);
   p.sink.write_index = data_of<int32_t>(violation_write_index);
   p.sink.capacity = static_cast<int32_t>(ring_capacity.value());
@@ -590,6 +584,39 @@ inline void canary_write_step_attributed(
   p.write_request_rows = optional_data_of<const int64_t>(write_request_rows);
   p.row_serials = optional_data_of<const int64_t>(row_serials);
   p.serial_rows = row_serials.has_value() ? serial_rows.value() : 0;
+  return f;
+}
+
+/*! \brief One write of a forward's token arrays with prepared fixed arguments: validate them (int64 [num_tokens] on
+ * the prepared device; with the input assert, its arrays of the same length), then launch (CUDA) or run (CPU). */
+inline void write_launch(const WritePrepared& f, TensorView input_ids, TensorView positions,
+                         TensorView out_cache_loc) {
+  constexpr const char* kFn = "canary_write_step";
+  // 1. validate the token arrays
+  SymbolicDevice device = f.device;
+  SymbolicSize num_tokens("num_tokens");
+  TensorMatcher(kFn, {num_tokens})
+      .dtype<int64_t>()
+      .device(device)
+      .verify(input_ids, "input_ids")
+      .verify(positions, "positions")
+      .verify(out_cache_loc, "out_cache_loc");
+  WriteParams p = f.params;
+  if (f.expected_input_tokens.has_value()) {
+    TensorMatcher(kFn, {num_tokens})
+        .dtype<int64_t>()
+        .device(device)
+        .verify(f.expected_input_tokens.value(), "expected_input_tokens")
+        .verify(f.expected_input_positions.value(), "expected_input_positions");
+    p.expected_input_tokens = data_of<const int64_t>(f.expected_input_tokens.value());
+    p.expected_input_positions = data_of<const int64_t>(f.expected_input_positions.value());
+  }
+
+  // 2. the forward's own parameters
+  p.input_ids = data_of<const int64_t>(input_ids);
+  p.positions = data_of<const int64_t>(positions);
+  p.out_cache_loc = data_of<const int64_t>(out_cache_loc);
+  p.num_tokens = num_tokens.value();
 
 #if KVCANARY_DEVICE_BUILD
   // 3. device guard + stream
@@ -597,12 +624,33 @@ inline void canary_write_step_attributed(
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
   const cudaStream_t stream = current_stream(dev);
   // 4. launch: grid depends only on the capacity, so the launch is CUDA-graph capturable.
-  const int64_t blocks = req_capacity.value() > 0 ? req_capacity.value() : 1;
+  const int64_t blocks = p.write_req_capacity > 0 ? p.write_req_capacity : 1;
   launch_kernel(canary_write_kernel, static_cast<uint32_t>(blocks), kWriteThreadsPerBlock, stream, p);
 #else
   // 3-4. CPU: run the same per-entry semantics in a loop.
   canary_write_cpu(p);
 #endif
+}
+
+/*! \brief The seed's arguments, then the kvcanary+ attribution arguments (see the file comment). */
+inline void canary_write_step_attributed(
+    TensorView canary_buf, TensorView write_offsets, TensorView write_seed_slot_indices,
+    TensorView write_num_valid_reqs, TensorView input_ids, TensorView positions, TensorView out_cache_loc,
+    int64_t kernel_kind, int64_t enable_write_input_assert, tvm::ffi::Optional<TensorView> expected_input_tokens,
+    tvm::ffi::Optional<TensorView> expected_input_positions, TensorView violation_ring,
+    TensorView violation_write_index, TensorView slot_run_counter, TensorView kernel_run_counter,
+    TensorView enable_chain_position_assert, TensorView real_kv_buf_0, TensorView real_kv_buf_1,
+    TensorView real_kv_buf_2, TensorView real_kv_buf_3, TensorView real_kv_source_params, int64_t num_sources,
+    int64_t real_kv_hash_mode, tvm::ffi::Optional<TensorView> violation_meta,
+    tvm::ffi::Optional<TensorView> forward_step, tvm::ffi::Optional<TensorView> write_request_rows,
+    tvm::ffi::Optional<TensorView> slot_attribution, tvm::ffi::Optional<TensorView> row_serials) {
+  const WritePrepared f = write_prepare(
+      canary_buf, write_offsets, write_seed_slot_indices, write_num_valid_reqs, kernel_kind, enable_write_input_assert,
+      expected_input_tokens, expected_input_positions, violation_ring, violation_write_index, slot_run_counter,
+      kernel_run_counter, enable_chain_position_assert, real_kv_buf_0, real_kv_buf_1, real_kv_buf_2, real_kv_buf_3,
+      real_kv_source_params, num_sources, real_kv_hash_mode, violation_meta, forward_step, write_request_rows,
+      slot_attribution, row_serials);
+  write_launch(f, input_ids, positions, out_cache_loc);
 }
 
 /*! \brief The seed ABI (SPEC §4.1): no metadata, no attribution. */
@@ -625,15 +673,13 @@ inline void canary_write_step(TensorView canary_buf, TensorView write_offsets, T
                                std::nullopt, std::nullopt, std::nullopt, std::nullopt);
 }
 
-/*! \brief canary_write_step_attributed's arguments that stay fixed for a runtime's life, owned by canary_write_bind's
- * function. */
+/*! \brief The tensors canary_write_bind's function owns for its whole life (their storage backs WritePrepared's
+ * pointers). */
 struct WriteFixedArgs {
   BoundTensor canary_buf;
   BoundTensor write_offsets;
   BoundTensor write_seed_slot_indices;
   BoundTensor write_num_valid_reqs;
-  int64_t kernel_kind;
-  int64_t enable_write_input_assert;
   BoundOptionalTensor expected_input_tokens;
   BoundOptionalTensor expected_input_positions;
   BoundTensor violation_ring;
@@ -650,11 +696,11 @@ struct WriteFixedArgs {
 };
 
 /*!
- * \brief canary_write_step_attributed with every argument but the forward's tokens bound once: returns a function of
- * (input_ids, positions, out_cache_loc) that runs canary_write_step_attributed (same checks, same errors, same launch)
- * with the bound tensors in their places; absent optional ones are absent on every call, as in the seed ABI. Binding
- * checks nothing (the call does, every time); it only takes ownership, so the bound storage lives as long as the
- * function.
+ * \brief canary_write_step_attributed with every argument but the forward's tokens bound, validated and extracted
+ * once: returns a function of (input_ids, positions, out_cache_loc) that checks those and launches with the prepared
+ * parameters (write_launch: the export's checks of them, its errors, its launch); absent optional ones are absent on
+ * every call, as in the seed ABI. A bad fixed argument raises here, as the export's call would name it; the function
+ * owns the bound tensors, so their storage lives as long as it does.
  * Stream: tvm-ffi sets the env stream a launch reads (launch.h current_stream) from the first CUDA torch tensor of a
  * call, and the bound ones are no longer passed. The call's first argument, input_ids, is a CUDA tensor whenever the
  * wrapper launches (it checks the device), so every launch is on torch's current stream (inside graph capture, the
@@ -675,8 +721,6 @@ inline tvm::ffi::Function canary_write_bind(
                        BoundTensor(std::move(write_offsets)),
                        BoundTensor(std::move(write_seed_slot_indices)),
                        BoundTensor(std::move(write_num_valid_reqs)),
-                       kernel_kind,
-                       enable_write_input_assert,
                        BoundOptionalTensor(std::move(expected_input_tokens)),
                        BoundOptionalTensor(std::move(expected_input_positions)),
                        BoundTensor(std::move(violation_ring)),
@@ -692,18 +736,20 @@ inline tvm::ffi::Function canary_write_bind(
                        BoundOptionalTensor(std::move(write_request_rows)),
                        BoundOptionalTensor(std::move(slot_attribution)),
                        BoundOptionalTensor(std::move(row_serials))};
+  const WriteFixedArgs& b = fixed;
+  // (the prepared input-assert views point into the owners' objects, which the function keeps)
+  WritePrepared prepared = write_prepare(
+      b.canary_buf.view, b.write_offsets.view, b.write_seed_slot_indices.view, b.write_num_valid_reqs.view,
+      kernel_kind, enable_write_input_assert, b.expected_input_tokens.view, b.expected_input_positions.view,
+      b.violation_ring.view, b.violation_write_index.view, b.slot_run_counter.view, b.kernel_run_counter.view,
+      b.enable_chain_position_assert.view, b.real_kv.buf_0.view, b.real_kv.buf_1.view, b.real_kv.buf_2.view,
+      b.real_kv.buf_3.view, b.real_kv.source_params.view, b.real_kv.num_sources, b.real_kv.hash_mode,
+      b.violation_meta.view, b.forward_step.view, b.write_request_rows.view, b.slot_attribution.view,
+      b.row_serials.view);
   return tvm::ffi::Function::FromTyped(
-      [f = std::move(fixed)](TensorView input_ids, TensorView positions, TensorView out_cache_loc) {
-        canary_write_step_attributed(f.canary_buf.view, f.write_offsets.view, f.write_seed_slot_indices.view,
-                                     f.write_num_valid_reqs.view, input_ids, positions, out_cache_loc, f.kernel_kind,
-                                     f.enable_write_input_assert, f.expected_input_tokens.view,
-                                     f.expected_input_positions.view, f.violation_ring.view,
-                                     f.violation_write_index.view, f.slot_run_counter.view, f.kernel_run_counter.view,
-                                     f.enable_chain_position_assert.view, f.real_kv.buf_0.view, f.real_kv.buf_1.view,
-                                     f.real_kv.buf_2.view, f.real_kv.buf_3.view, f.real_kv.source_params.view,
-                                     f.real_kv.num_sources, f.real_kv.hash_mode, f.violation_meta.view,
-                                     f.forward_step.view,
-                                     f.write_request_rows.view, f.slot_attribution.view, f.row_serials.view);
+      [owned = std::move(fixed), f = std::move(prepared)](TensorView input_ids, TensorView positions,
+                                                          TensorView out_cache_loc) {
+        write_launch(f, input_ids, positions, out_cache_loc);
       },
       "canary_write_bound");
 }

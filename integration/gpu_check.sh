@@ -14,7 +14,8 @@
 #             token upload from pinned memory (not its busy-device test: under the sanitizer launches serialise, so
 #             the device is never behind the host and the staging ring never has to wait) + the sweep-plan commit
 #             (2 differential chunks, a grid-strided launch at the metadata block's bounds, SweepIndex on CUDA)
-#             + the status mirror (the check launch writing pinned host memory in place)
+#             + the status mirror (the check launch writing pinned host memory in place) + the bound launches
+#             (parameters prepared once at binding: the same launches as the exports, a captured graph of them)
 #             (override the -k expression with GPU_CHECK_MEMCHECK_K)
 #             (reported as UNAVAILABLE, not FAIL, when the sanitizer cannot run on this machine)
 #   bench     benchmarks/bench_kernels.py (--quick when little time is left)
@@ -212,7 +213,7 @@ record kernels "$(status_of $STEP_RC)" "$STEP_S" "$(pytest_result "$OUT_DIR/kern
 
 # ------------------------------------------------------------------------------------------------ memcheck
 SANITIZER=""
-MEMCHECK_K="${GPU_CHECK_MEMCHECK_K:-cuda and (out_of_range or 0-cuda or 1-cuda or refuses_a_staging or commit_past_the_block_cap or index_plans_equal_the_cpu_index or status_mirror)}"
+MEMCHECK_K="${GPU_CHECK_MEMCHECK_K:-cuda and (out_of_range or 0-cuda or 1-cuda or refuses_a_staging or commit_past_the_block_cap or index_plans_equal_the_cpu_index or status_mirror or bound_launches or bound_check_equals or bound_write_equals or bound_check_writes)}"
 for cand in "$(command -v compute-sanitizer 2>/dev/null)" "$CUDA_HOME/bin/compute-sanitizer" \
             "$CUDA_HOME/compute-sanitizer/compute-sanitizer"; do
   if [[ -n "$cand" && -x "$cand" ]]; then SANITIZER="$cand"; break; fi

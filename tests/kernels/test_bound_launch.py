@@ -6,13 +6,15 @@ sweep's SweepLaunch over ``canary_verify_step``'s laid-out arguments) equal the 
   ``ops.canary_check_step`` / ``ops.canary_write_step`` leave (state header, ring, metadata, write plan, snapshots,
   records, attribution).
 * Errors: a malformed per-forward argument through the bound path raises the same named error as the keyword export;
-  a fixed argument tvm-ffi cannot take is named at binding, as the export would name it.
+  a bad fixed argument (one tvm-ffi cannot take, or one the export's checks refuse) raises at binding, as the export
+  would name it: the bind validates the fixed arguments once.
 * Ownership: the bound function keeps its fixed tensors alive after every Python reference is dropped.
 * CUDA: a captured graph of the bound check + write replays on the capturing stream.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import random
 import types
@@ -21,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 from canary_cases import RESULT_KEYS, capture_after_warmup, random_sources, random_verify_launch, random_write_launch
-from test_check import assert_same, random_check_case, run_fused
+from test_check import _mirror, assert_same, random_check_case, run_fused
 
 from kvcanary.kernels import layout
 from kvcanary.kernels.call import load_module, real_kv_launch_args
@@ -81,16 +83,42 @@ def _check_bound_of_batch(**kw: Any) -> None:
         launch.of_batch(types.SimpleNamespace(**batch), int(new_forward), int(step))
 
 
+BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _need(backend: str) -> None:
+    if backend == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("bound", [_check_bound, _check_bound_of_batch], ids=["call", "of_batch"])
-def test_bound_check_equals_the_export(bound) -> None:
+def test_bound_check_equals_the_export(bound, backend: str) -> None:
+    """CUDA too: the parameters the bind prepared once (the pinned mirror's device address among them, when given)
+    launch exactly what the export's call launches."""
+    _need(backend)
     appended = 0
-    for scenario in range(SCENARIOS):
+    for scenario in range(SCENARIOS if backend == "cpu" else SCENARIOS // 4):
         case = random_check_case(random.Random(1000 + scenario))
-        want = run_fused(_check_unbound, case, "cpu")
-        got = run_fused(bound, case, "cpu")
+        want = run_fused(_check_unbound, case, backend)
+        got = run_fused(bound, case, backend)
         assert_same(got, want, f"scenario {scenario}", ordered=True)
         appended += int(torch.count_nonzero(want["ring"][:, 0] != -7))
     assert appended > 0, "the scenarios must reach violations"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bound_check_writes_the_status_mirror(backend: str) -> None:
+    """The mirror bound once (on CUDA its pinned memory's device address resolved at binding) gets each launch's
+    finished header, as the export's call leaves it."""
+    _need(backend)
+    for scenario in range(8):
+        case = random_check_case(random.Random(4000 + scenario))
+        mirror, export_mirror = _mirror(backend), _mirror(backend)
+        got = run_fused(functools.partial(_check_bound, status_mirror=mirror), case, backend)
+        want = run_fused(functools.partial(_check_unbound, status_mirror=export_mirror), case, backend)
+        assert_same(got, want, f"scenario {scenario}", ordered=True)
+        assert mirror.tolist() == got["header"].tolist() == export_mirror.tolist(), f"scenario {scenario}"
 
 
 # ---------------------------------------------------------------------------------------------- write
@@ -159,10 +187,21 @@ WRITE_RESULTS = ("canary_buf", "violation_ring", "violation_write_index", "slot_
                  "violation_meta", "slot_attribution")
 
 
-def test_bound_write_equals_the_export() -> None:
+def _to(kw: dict[str, Any], backend: str) -> dict[str, Any]:
+    if backend == "cpu":
+        return kw
+    out = {k: v.to(backend) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    out["real_kv_sources"] = tuple(RealKvSource(s.tensor.to(backend), s.page_size, s.num_bytes_per_token,
+                                                s.read_bytes) for s in kw["real_kv_sources"])
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bound_write_equals_the_export(backend: str) -> None:
+    _need(backend)
     violations = 0
-    for scenario in range(SCENARIOS):
-        case = _write_case(2000 + scenario)
+    for scenario in range(SCENARIOS if backend == "cpu" else SCENARIOS // 4):
+        case = _to(_write_case(2000 + scenario), backend)
         want, got = _clone(case), _clone(case)
         _write_unbound(want)
         _write_bound(got)
@@ -227,6 +266,41 @@ def test_bound_check_names_a_bad_fixed_argument_at_binding(name: str, kind: str)
     assert str(got).startswith(f"canary_check_step: {name}: ")
 
 
+def _check_bad_fixed() -> list[tuple[str, Any]]:
+    """Fixed arguments tvm-ffi takes but the export's checks refuse (wrong dtype, shape or value)."""
+    return [("state", lambda kw: kw["state"].to(torch.int32)), ("state", lambda kw: kw["state"][:-1]),
+            ("canary_buf", lambda kw: kw["canary_buf"][:, :8]), ("req_to_token", lambda kw: kw["req_to_token"].long()),
+            ("input_ids_out", lambda kw: kw["input_ids_out"].to(torch.int32)),
+            ("swa_window_size", lambda kw: -1), ("check_tokens", lambda kw: 2),
+            ("violation_meta", lambda kw: kw["violation_meta"][:, :1].contiguous())]
+
+
+@pytest.mark.parametrize(("name", "make"), _check_bad_fixed(), ids=lambda v: v if isinstance(v, str) else "")
+def test_bound_check_refuses_a_bad_fixed_argument_at_binding(name: str, make: Any) -> None:
+    """The bind validates the fixed arguments once (a forward's call checks only its own arrays): one the export
+    refuses raises when the launch is bound, with the export's error, before any forward."""
+    kw = _small_check_case()
+    bad = {**kw, name: make(kw)}
+    want = _raised(lambda: canary_check_step(**bad))
+    got = _raised(lambda: CheckLaunch(**{k: v for k, v in bad.items() if k not in CHECK_PER_FORWARD + CHECK_FLAGS}))
+    assert type(got) is type(want) and str(got) == str(want)
+    assert str(got).startswith(f"canary_check_step: {name}: ")
+
+
+@pytest.mark.gpu
+def test_bound_check_refuses_a_pageable_status_mirror_at_binding() -> None:
+    """On CUDA the bind resolves the pinned mirror's device address once: pageable memory is refused at binding."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    kw = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in _small_check_case().items()}
+    kw["write_plan"] = WritePlan.allocate(kw["write_plan"].write_seed_slot_indices.shape[0], "cuda")
+    kw["real_kv_sources"] = tuple(RealKvSource(s.tensor.cuda(), s.page_size, s.num_bytes_per_token, s.read_bytes)
+                                  for s in kw["real_kv_sources"])
+    kw["status_mirror"] = torch.zeros(H, dtype=torch.int64)  # pageable
+    with pytest.raises(ValueError, match=r"^canary_check_step: status_mirror: expected pinned host memory"):
+        CheckLaunch(**{k: v for k, v in kw.items() if k not in CHECK_PER_FORWARD + CHECK_FLAGS})
+
+
 @pytest.mark.parametrize(("name", "value"), [
     ("input_ids", torch.zeros(8, dtype=torch.int32)), ("positions", torch.empty(8, dtype=torch.int64, device="meta")),
     ("out_cache_loc", torch.zeros((8, 1), dtype=torch.int64)),
@@ -251,6 +325,23 @@ def test_bound_write_names_a_bad_fixed_argument_at_binding(name: str) -> None:
     args = {k: v for k, v in kw.items() if k != "num_tokens"}
     want = _raised(lambda: canary_write_step(**{**args, name: meta}))
     got = _raised(lambda: _write_launch({**kw, name: meta}))
+    assert type(got) is type(want) and str(got) == str(want)
+    assert str(got).startswith(f"canary_write_step: {name}: ")
+
+
+@pytest.mark.parametrize(("name", "make"), [
+    ("write_offsets", lambda t: t.to(torch.int32)), ("violation_ring", lambda t: t[:, :3].contiguous()),
+    ("slot_run_counter", lambda t: t.to(torch.int32)), ("enable_chain_position_assert", lambda t: t.repeat(2)),
+], ids=["dtype", "shape", "counter-dtype", "flag-shape"])
+def test_bound_write_refuses_a_bad_fixed_argument_at_binding(name: str, make: Any) -> None:
+    """The bind validates the fixed arguments once (a forward's call checks only its three token arrays): one the
+    export refuses raises when the launch is bound, with the export's error."""
+    kw = _write_case(5)
+    n = kw["num_tokens"]
+    bad = {**kw, name: make(kw[name])}
+    args = {k: v for k, v in bad.items() if k != "num_tokens"}
+    want = _raised(lambda: canary_write_step(**{**args, **{k: kw[k][:n] for k in WRITE_PER_FORWARD}}))
+    got = _raised(lambda: _write_launch(bad))
     assert type(got) is type(want) and str(got) == str(want)
     assert str(got).startswith(f"canary_write_step: {name}: ")
 
@@ -334,7 +425,7 @@ def test_bound_write_keeps_its_fixed_tensors_alive() -> None:
 
 
 @pytest.mark.gpu
-def test_bound_launches_capture_on_the_current_stream() -> None:
+def test_bound_launches_capture_on_the_current_cuda_stream() -> None:
     """check + write through the bound functions captured once; each replay counts one forward: the launches went
     to the capturing stream (a launch on another stream would have run at capture time instead)."""
     if not torch.cuda.is_available():

@@ -94,9 +94,10 @@ class CheckLaunch:
 
     The fixed arguments are bound in C++ (``canary_check_bind``: the returned function owns them, so their storage
     lives as long as this object), and a forward passes only its batch arrays: tvm-ffi converts each tensor argument
-    on every call, and a forward's host time is the product's cost. The bound call runs the same C++ wrapper, so its
-    checks are the export's; a call that fails goes through the same naming as :func:`canary_check_step`, so errors
-    still say which argument is wrong (a fixed argument tvm-ffi cannot take at all is named here, at binding).
+    on every call, and a forward's host time is the product's cost. The bind validates the fixed arguments once, with
+    the export's checks and errors (a bad one raises here, at binding); a call checks only the forward's arrays, as
+    the export does, and a call that fails goes through the same naming as :func:`canary_check_step`, so errors
+    still say which argument is wrong.
     """
 
     def __init__(self, *, state: torch.Tensor, canary_buf: torch.Tensor, write_plan: WritePlan,

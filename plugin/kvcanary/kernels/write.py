@@ -81,9 +81,10 @@ class WriteLaunch:
 
     The fixed arguments are bound in C++ (``canary_write_bind``: the returned function owns them), and the write
     reads the first ``n`` tokens of the runtime's own snapshot buffers, so a forward passes only the three ``[:n]``
-    slices, made once per ``n`` (at most ``max_cached`` counts are kept; a decode loop uses one or a few). The bound
-    call runs the same C++ wrapper, so its checks are the export's; failures are named like
-    :func:`canary_write_step`'s (a fixed argument tvm-ffi cannot take at all is named here, at binding).
+    slices, made once per ``n`` (at most ``max_cached`` counts are kept; a decode loop uses one or a few). The bind
+    validates the fixed arguments once, with the export's checks and errors (a bad one raises here, at binding); a
+    call checks only the three slices, as the export does, and its failures are named like
+    :func:`canary_write_step`'s.
     """
 
     def __init__(self, *, canary_buf: torch.Tensor, write_plan: WritePlan, input_ids: torch.Tensor,
