@@ -50,8 +50,12 @@ def test_replayed_decode_is_clean_and_never_synchronises() -> None:
 
 @pytest.mark.parametrize("fault", ["real_kv_flip", "req_to_token_redirect"])
 @pytest.mark.parametrize("drain_every", [1, 4])
-def test_fault_injected_between_replays_is_reported_within_drain_every_plus_one_steps(fault: str,
-                                                                                     drain_every: int) -> None:
+def test_fault_injected_between_replays_is_reported_within_two_drain_periods(fault: str, drain_every: int) -> None:
+    """Reported within drain_every + 1 forwards of the one that found it (the copy read on the cadence), and with the
+    status mirror (drain_every > 1) within one period more: the mirror shows the last *finished* check launch, so a
+    drain whose step runs while the detecting replay is still on the GPU reads "nothing new" and the next period's
+    drain copies (docs/runtime.md). The replays here never synchronise, so either happens (seen on the H200,
+    2026-12-03: reported at forward 6 with drain_every 4)."""
     rig = _rig(drain_every=drain_every)
     mgr = rig.manager
     assert mgr is not None
@@ -60,6 +64,7 @@ def test_fault_injected_between_replays_is_reported_within_drain_every_plus_one_
     mgr.flush()
     assert mgr.violations == []
     victim_row, victim_pos = 3, 10
+    bound = drain_every + 1 if drain_every == 1 else 2 * drain_every + 1
     torch.cuda.set_sync_debug_mode("error")
     try:
         if fault == "real_kv_flip":
@@ -69,13 +74,14 @@ def test_fault_injected_between_replays_is_reported_within_drain_every_plus_one_
             other = rig.slot_table[victim_pos, victim_row : victim_row + 1].to(torch.int32)
             rig.req_to_token[victim_row, victim_pos : victim_pos + 1].copy_(other)  # point at row 4's slot
         reported_at = None
-        for k in range(1, drain_every + 3):
+        for k in range(1, bound + 2):
             rig.decode_step()  # forward k verifies the fault; step() drains
             if mgr.violations and reported_at is None:
                 reported_at = k
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    # the detecting forward, then at most drain_every more until the host reads a snapshot taken after it
-    assert reported_at is not None and reported_at <= drain_every + 1, f"reported at step {reported_at}"
+    # the detecting forward, then at most drain_every more until the host reads a snapshot taken after it (one period
+    # more when the mirror was read before the detecting launch finished)
+    assert reported_at is not None and reported_at <= bound, f"reported at step {reported_at}"
     expected = "verify_real_kv_hash" if fault == "real_kv_flip" else "verify_chain_hash"
     assert any(expected in v.reasons for v in mgr.violations)

@@ -46,11 +46,12 @@ WRITE_PER_FORWARD = ("input_ids", "positions", "out_cache_loc")
 def _decode_batch(kw: dict[str, Any]) -> dict[str, torch.Tensor]:
     """A decode forward over the case's first rows (extend 1 each), as many as its snapshot buffers hold."""
     rows = min(kw["req_pool_indices"].shape[0], kw["input_ids_out"].shape[0])
-    tokens = torch.arange(100, 100 + rows)
+    device = kw["req_pool_indices"].device  # (the case's: CPU or CUDA)
+    tokens = torch.arange(100, 100 + rows, device=device)
     return {
         "req_pool_indices": kw["req_pool_indices"][:rows],
         "prefix_lens": kw["prefix_lens"][:rows],
-        "extend_lens": torch.ones(rows, dtype=kw["extend_lens"].dtype),
+        "extend_lens": torch.ones(rows, dtype=kw["extend_lens"].dtype, device=device),
         "input_ids": tokens.to(kw["input_ids"].dtype),
         "positions": kw["prefix_lens"][:rows].to(kw["positions"].dtype),
         "out_cache_loc": (tokens % 7).to(kw["out_cache_loc"].dtype),
