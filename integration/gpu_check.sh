@@ -220,7 +220,8 @@ for cand in "$(command -v compute-sanitizer 2>/dev/null)" "$CUDA_HOME/bin/comput
 done
 MEMCHECK_TESTS=()
 for f in tests/kernels/test_differential.py tests/kernels/test_out_of_range.py tests/kernels/test_kernel_attribution.py \
-         tests/kernels/test_check.py tests/kernels/test_token_update.py tests/kernels/test_sweep_plan_update.py; do
+         tests/kernels/test_check.py tests/kernels/test_token_update.py tests/kernels/test_sweep_plan_update.py \
+         tests/kernels/test_bound_launch.py; do
   [[ -f "$f" ]] && MEMCHECK_TESTS+=("$f")
 done
 if [[ -z "$SANITIZER" ]]; then

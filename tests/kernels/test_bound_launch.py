@@ -103,7 +103,8 @@ def test_bound_check_equals_the_export(bound, backend: str) -> None:
         case = random_check_case(random.Random(1000 + scenario))
         want = run_fused(_check_unbound, case, backend)
         got = run_fused(bound, case, backend)
-        assert_same(got, want, f"scenario {scenario}", ordered=True)
+        # (on CUDA the ring's row order is the order the atomics won: compared as multisets)
+        assert_same(got, want, f"scenario {scenario}", ordered=backend == "cpu")
         appended += int(torch.count_nonzero(want["ring"][:, 0] != -7))
     assert appended > 0, "the scenarios must reach violations"
 
@@ -118,7 +119,7 @@ def test_bound_check_writes_the_status_mirror(backend: str) -> None:
         mirror, export_mirror = _mirror(backend), _mirror(backend)
         got = run_fused(functools.partial(_check_bound, status_mirror=mirror), case, backend)
         want = run_fused(functools.partial(_check_unbound, status_mirror=export_mirror), case, backend)
-        assert_same(got, want, f"scenario {scenario}", ordered=True)
+        assert_same(got, want, f"scenario {scenario}", ordered=backend == "cpu")
         assert mirror.tolist() == got["header"].tolist() == export_mirror.tolist(), f"scenario {scenario}"
 
 
