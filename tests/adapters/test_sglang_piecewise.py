@@ -143,7 +143,8 @@ def runner_with_kvcanary(tmp_path, *, mode: str = "raise"):
             mr = sgl_engine.build_runner(sa)
             tree = sgl_engine.build_tree_cache(mr, sa)
             inst = hooks.installation_of(mr)
-            assert inst is not None and inst.wrapper_call is not None
+            # (no piecewise runner at init on the CPU: after_initialize dropped the wrapper's gate)
+            assert inst is not None and inst.wrapper_call is None
             yield mr, tree, inst
         finally:
             hooks_state.restore(state)
@@ -188,6 +189,9 @@ def piecewise_run(eager_run, tmp_path_factory):
     with runner_with_kvcanary(tmp_path_factory.mktemp("piecewise")) as (mr, tree, inst):
         pcg = piecewise_runner(mr, CAPTURE_SIZES, backend)
         mr.piecewise_cuda_graph_runner = pcg
+        # sglang builds its piecewise runner inside ModelRunner.initialize, so the gate the install set stays; this
+        # one comes after init, whose after_initialize dropped the gate: set it again
+        inst.wrapper_call = v0_5_12.wrapper_gate(inst)
         replays = []
         real_replay = pcg.replay
 
@@ -359,6 +363,29 @@ def test_the_gate_reads_sglangs_flags_and_the_serving_count() -> None:
             assert gate() is WrapperCall.PIECEWISE  # a replay inside a real forward
             inst.serving = 0
     assert gate() is WrapperCall.EAGER
+
+
+def test_without_a_piecewise_runner_the_wrapper_stops_asking_the_gate() -> None:
+    """After init, a runner with no piecewise runner (eager prefill, --disable-piecewise-cuda-graph) drops the gate:
+    only a piecewise runner sets sglang's two flags, so every later forward is eager, and asking cost three Python
+    calls per forward. The wrapper still runs the canary on each forward; a runner with one keeps its gate."""
+    inst, model = _cpu_installation(), TinyModel()
+    inst.wrap_model_forward(model)
+    asked = []
+    gate = inst.wrapper_call
+    inst.wrapper_call = lambda: (asked.append(1), gate())[1]
+    ids, pos = torch.arange(3, 9), torch.arange(6)
+    model.forward(ids, pos, None)
+    assert asked == [1] and _runs(inst) == (1, 1)
+    piecewise.after_initialize(types.SimpleNamespace(piecewise_cuda_graph_runner=None, model=model), inst)
+    assert inst.wrapper_call is None
+    model.forward(ids, pos + 6, None)
+    assert asked == [1] and _runs(inst) == (2, 2)  # not asked; the canary ran
+    assert inst.host_time.eager_forwards == 2
+    kept = _cpu_installation()
+    pcg = type("PiecewiseCudaGraphRunner", (), {"max_num_tokens": 32, "capture_num_tokens": [8, 16, 32]})()
+    piecewise.after_initialize(types.SimpleNamespace(piecewise_cuda_graph_runner=pcg, model=TinyModel()), kept)
+    assert kept.wrapper_call is not None
 
 
 def test_the_wrapper_only_calls_through_while_torch_compile_traces_it() -> None:

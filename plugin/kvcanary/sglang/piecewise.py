@@ -93,9 +93,12 @@ def check_padding(pcg, inst: Installation) -> None:
 
 def after_initialize(runner, inst: Installation) -> None:
     """After ``ModelRunner.initialize`` (decode and piecewise graphs are built): check the piecewise runner, keep
-    kvcanary's wrapper on ``model.forward``, and say what serves prefill."""
+    kvcanary's wrapper on ``model.forward``, and say what serves prefill. Without one, stop asking the wrapper's gate:
+    sglang's two context flags are only ever set by a piecewise runner, so every later call is an eager forward, and
+    the gate's three Python calls per forward are host time for nothing."""
     pcg = getattr(runner, "piecewise_cuda_graph_runner", None)
     if pcg is None:
+        inst.wrapper_call = None  # (the wrapper then takes every call as EAGER, asking nothing)
         return
     check_padding(pcg, inst)
     model = runner.model
