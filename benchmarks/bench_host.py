@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import functools
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -41,7 +42,7 @@ def timed(fn, iters: int, sync) -> float:
     return sorted(rounds)[2]
 
 
-class _Recorder:
+class Recorder:
     """Stands in for the loaded kernel module while a manager is built and runs a forward: keeps each export's name and
     positional arguments; a ``*_bind`` export returns a function whose calls are kept as ``<bind name>()``."""
 
@@ -56,12 +57,11 @@ class _Recorder:
         return export
 
 
-def export_rows(make_manager, batch: BatchView, iters: int, sync) -> list[tuple[str, float]]:
-    """Where a launch's host time goes: each tvm-ffi export (or, for a launch bound once, the function its
-    ``*_bind`` export returned) called with the arguments the manager's launches pass, prebuilt (argument conversion
-    + C++ checks + the CUDA launch), to set against the whole manager call. The manager's launches bind their export
-    when it is built, so a second manager is built against a recorder."""
-    recorder = _Recorder()
+def recorded_calls(make_manager, batch: BatchView) -> list[tuple[str, tuple]]:
+    """(export name, positional arguments) of every kernel call a manager built by ``make_manager`` makes while it is
+    built and runs ``batch`` once (binds, then ``<bind name>()`` for each call of a bound function). The manager's
+    launches bind their export when it is built, so the manager is built against a :class:`Recorder`."""
+    recorder = Recorder()
     saved = call.load_module
     call.load_module = lambda backend: recorder  # type: ignore[assignment]
     try:
@@ -70,10 +70,38 @@ def export_rows(make_manager, batch: BatchView, iters: int, sync) -> list[tuple[
         mgr.after_forward(batch)
     finally:
         call.load_module = saved
-    module = saved(batch.input_ids.device.type)
+    return recorder.calls
+
+
+HOST_CASE_SLOTS, HOST_CASE_ROWS, HOST_CASE_CONTEXT = 65536, 65, 4096
+
+
+def host_case(dev: torch.device) -> tuple[Callable[[], CanaryManager], BatchView, torch.Tensor]:
+    """(a factory of this bench's manager, its decode forward of batch 1, its req_to_token table): 65536 slots, 65 rows
+    of 4096 tokens, four PARTIAL real-KV sources, log mode with no stats line; row 1 holds slots 1..4096."""
+    slots, rows, ctx = HOST_CASE_SLOTS, HOST_CASE_ROWS, HOST_CASE_CONTEXT
+    r2t = torch.zeros((rows, ctx), dtype=torch.int32, device=dev)
+    r2t[1, :ctx] = torch.arange(1, ctx + 1, dtype=torch.int32, device=dev)
+    kv = [torch.zeros((slots, 256), dtype=torch.uint8, device=dev) for _ in range(4)]
+    # step() is timed without forwards: a window that never ends keeps health errors out of the step rows
+    config = Config(mode=Mode.LOG, stats_every=0, health_window=1 << 30)
+
+    def make_manager() -> CanaryManager:
+        return CanaryManager(config, num_slots=slots, req_to_token=r2t, device=dev, max_batch_size=rows,
+                             max_tokens_per_forward=8192, real_kv_sources=[RealKvSource(k, 1, 256, 256) for k in kv])
+
+    t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
+    return make_manager, BatchView(ForwardKind.DECODE, t([7]), t([64]), t([65]), t([1]), t([64]), t([1])), r2t
+
+
+def export_rows(make_manager, batch: BatchView, iters: int, sync) -> list[tuple[str, float]]:
+    """Where a launch's host time goes: each tvm-ffi export (or, for a launch bound once, the function its
+    ``*_bind`` export returned) called with the arguments the manager's launches pass, prebuilt (argument conversion
+    + C++ checks + the CUDA launch), to set against the whole manager call."""
+    module = call.load_module(batch.input_ids.device.type)
     bound = {}  # bind name -> the function it returned (binds run once per manager: not timed)
     rows = []
-    for name, call_args in recorder.calls:
+    for name, call_args in recorded_calls(make_manager, batch):
         if name.endswith("_bind"):
             bound[name] = getattr(module, name)(*call_args)
             continue
@@ -125,20 +153,11 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device(args.device)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    slots, rows, ctx = 65536, 65, 4096
-    r2t = torch.zeros((rows, ctx), dtype=torch.int32, device=dev)
-    r2t[1, :ctx] = torch.arange(1, ctx + 1, dtype=torch.int32, device=dev)
-    kv = [torch.zeros((slots, 256), dtype=torch.uint8, device=dev) for _ in range(4)]
-    # step() is timed without forwards: a window that never ends keeps health errors out of the step rows
-    config = Config(mode=Mode.LOG, stats_every=0, health_window=1 << 30)
-    def make_manager() -> CanaryManager:
-        return CanaryManager(config, num_slots=slots, req_to_token=r2t, device=dev, max_batch_size=rows,
-                             max_tokens_per_forward=8192, real_kv_sources=[RealKvSource(k, 1, 256, 256) for k in kv])
-
+    make_manager, decode, r2t = host_case(dev)
+    slots, rows = HOST_CASE_SLOTS, HOST_CASE_ROWS
     mgr = make_manager()
     mgr.mark_init_finished()
     t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
-    decode = BatchView(ForwardKind.DECODE, t([7]), t([64]), t([65]), t([1]), t([64]), t([1]))
     extend = BatchView(ForwardKind.EXTEND, t([7] * 256), t(list(range(64, 320))), t(list(range(65, 321))), t([1]),
                        t([64]), t([256]))
     mgr.before_forward(prefill := BatchView(ForwardKind.EXTEND, t([7] * 64), t(list(range(64))),

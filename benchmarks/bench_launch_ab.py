@@ -21,40 +21,14 @@ import time
 
 import torch
 import tvm_ffi
-from bench_host import _Recorder
-
-from kvcanary.kernels import call
-from kvcanary.kernels.batch import BatchView, ForwardKind
-from kvcanary.kernels.real_kv import RealKvSource
-from kvcanary.runtime.config import Config
-from kvcanary.runtime.manager import CanaryManager
-from kvcanary.settings import Mode
+from bench_host import host_case, recorded_calls
 
 
 def recorded_launches(dev: torch.device) -> list[tuple[str, tuple, list[tuple]]]:
-    """(bind export, its arguments, the arguments of each call of the bound function) of a manager's decode forward."""
-    slots, rows, ctx = 65536, 65, 4096
-    r2t = torch.zeros((rows, ctx), dtype=torch.int32, device=dev)
-    r2t[1] = torch.arange(1, ctx + 1, dtype=torch.int32, device=dev)
-    kv = [torch.zeros((slots, 256), dtype=torch.uint8, device=dev) for _ in range(4)]
-    t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
-    decode = BatchView(ForwardKind.DECODE, t([7]), t([64]), t([65]), t([1]), t([64]), t([1]))
-    recorder = _Recorder()
-    saved = call.load_module
-    call.load_module = lambda backend: recorder  # type: ignore[assignment]
-    try:
-        mgr = CanaryManager(Config(mode=Mode.LOG, stats_every=0, health_window=1 << 30), num_slots=slots,
-                            req_to_token=r2t, device=dev, max_batch_size=rows, max_tokens_per_forward=8192,
-                            real_kv_sources=[RealKvSource(k, 1, 256, 256) for k in kv])
-        mgr.before_forward(decode)
-        mgr.after_forward(decode)
-    finally:
-        call.load_module = saved
-    binds = []
-    for name, args in recorder.calls:
-        if name.endswith("_bind"):
-            binds.append((name, args, [c for n, c in recorder.calls if n == f"{name}()"]))
-    return binds
+    """(bind export, its arguments, the arguments of each call of the bound function) of ``bench_host.py``'s manager
+    running its decode forward."""
+    calls = recorded_calls(*host_case(dev)[:2])
+    return [(name, args, [c for n, c in calls if n == f"{name}()"]) for name, args in calls if name.endswith("_bind")]
 
 
 def main() -> None:
