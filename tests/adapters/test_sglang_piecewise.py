@@ -254,25 +254,30 @@ def test_canary_launches_run_before_and_after_the_replayed_layer_stack(piecewise
     """Stream order on the forward's stream: the replay's copies into the static buffers, then the check launch
     (plan + verify + the snapshot of ids/positions/slots), then the layer stack (the pieces), then write."""
     run, events = piecewise_run, []
+    manager = run.inst.manager
+    runs = manager.kernel_run_counters  # (the CPU kernels run inline: a launch has counted when its call returns)
+
+    def launches() -> tuple[int, int]:
+        return int(runs[LaunchTag.VERIFY]), int(runs[LaunchTag.WRITE])
 
     def record(name, fn):
         def call(*args, **kwargs):
-            events.append(name)
+            events.append((name, launches()))
             return fn(*args, **kwargs)
         return call
 
-    device_state = run.inst.manager.device_state  # every launch of a forward goes through its two launch calls
-    monkeypatch.setattr(device_state, "check_batch", record("check", device_state.check_batch))
-    monkeypatch.setattr(device_state, "write_tokens", record("write", device_state.write_tokens))
+    # (the launches themselves are the wrapper's bound calls, taken when it was built: their counters say when they ran)
     monkeypatch.setattr(run.pcg, "replay_prepare", record("replay_prepare", run.pcg.replay_prepare))
     layers = run.mr.model.model
     monkeypatch.setattr(layers, "forward", record("layers", layers.forward))
     sched = run.sched
     sched.add([random.Random(9).randrange(3, 2000) for _ in range(21)], 3)
+    verify0, write0 = launches()
     mode = sched.step()
     assert mode == "EXTEND" and run.replays[-1] == (21, "EXTEND")
-    assert events == ["replay_prepare", "check", "layers", "write"], events
-    manager = run.inst.manager
+    # replay_prepare before the check, the check before the layers, the write after them
+    assert events == [("replay_prepare", (verify0, write0)), ("layers", (verify0 + 1, write0))], events
+    assert launches() == (verify0 + 1, write0 + 1)
     snapshot = manager.device_state.positions_snapshot
     assert torch.equal(snapshot[:32], run.pcg.buffers.positions[:32])  # the snapshot is the static batch
     while not sched.idle:

@@ -123,6 +123,12 @@ class CheckLaunch:
             check_tokens=check_tokens,
         )
         self._fn = SPEC.bind(self._fixed)
+        # The bound tvm-ffi function itself, for a caller that counts every Python frame of a forward (an adapter's
+        # eager hot path): ``bound(req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc,
+        # new_forward, forward_step_value)`` with ints for the last two. It validates every array before it enqueues
+        # anything, but its errors are tvm-ffi's, unnamed: a caller that gets one repeats the call through this object
+        # (``__call__`` / ``of_batch``), whose error names the argument.
+        self.bound = self._fn
 
     def __call__(self, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
                  input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor, *,

@@ -108,23 +108,30 @@ class WriteLaunch:
         self._kwargs.setdefault("write_request_rows", None)
         self._buffers = (input_ids, positions, out_cache_loc)
         self._fn = SPEC.bind(self._kwargs)
-        self._by_count: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # The bound tvm-ffi function and its arguments per token count, for a caller that counts every Python frame
+        # of a forward (an adapter's eager hot path): ``bound(*arguments[n])``, with ``arguments_of(n)`` for a count
+        # not cached yet. Its errors are tvm-ffi's, unnamed: a caller that gets one repeats the call through this
+        # object (``self(n)``), whose error names the argument.
+        self.bound = self._fn
+        # n -> the snapshot buffers' first n tokens (input_ids, positions, out_cache_loc), sliced once per count:
+        # slicing costs host time per forward; at most ``max_cached`` counts are kept (a decode loop uses one or a few)
+        self.arguments: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._max_cached = max_cached
 
-    def _slices(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The snapshot buffers' first ``n`` tokens (cached per ``n``: slicing costs host time per forward)."""
+    def arguments_of(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The write's arguments for ``n`` tokens, cached in :attr:`arguments`."""
         ids, pos, loc = self._buffers
-        if len(self._by_count) >= self._max_cached:
-            self._by_count.clear()
-        slices = self._by_count[n] = (ids[:n], pos[:n], loc[:n])
+        if len(self.arguments) >= self._max_cached:
+            self.arguments.clear()
+        slices = self.arguments[n] = (ids[:n], pos[:n], loc[:n])
         return slices
 
     def __call__(self, n: int) -> None:
-        slices = self._by_count.get(n)
+        slices = self.arguments.get(n)
         try:
             # input_ids first: tvm-ffi takes the launch's stream from the call's first CUDA tensor (the bound ones
             # are not passed), so the snapshot slices must stay the call's device tensors (csrc/canary_write.cuh).
-            self._fn(*(slices if slices is not None else self._slices(n)))
+            self._fn(*(slices if slices is not None else self.arguments_of(n)))
         except call.CALL_ERRORS as exc:
             ids, pos, loc = self._buffers
             args: Mapping[str, Any] = {**self._kwargs, "input_ids": ids[:n], "positions": pos[:n],

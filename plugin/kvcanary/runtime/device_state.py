@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -86,6 +87,27 @@ class StateHeader(NamedTuple):
     forward: int  # the device forward counter
     lost_at_reset: int  # rows never stored that ring resets counted (cumulative; the host reports them lost)
     reused_at: int  # the acknowledged index the last ring reuse applied (where the emptied epoch ended)
+
+
+@dataclass(frozen=True)
+class EagerLaunches:
+    """A forward's two launches as the bound tvm-ffi calls themselves, for an adapter's per-forward hot path (every
+    Python frame between an engine's forward and the launch is host time a CPU-bound serving loop pays, several µs
+    each from the engine's cold caches). Same launches as :meth:`DeviceState.check_batch` / ``write_tokens``:
+
+    * ``check(req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc, new_forward,
+      forward_step_value)``: ``new_forward`` and ``forward_step_value`` as ints (see ``check_batch``);
+    * ``write(*write_arguments[num_tokens])`` after the model ran, ``write_arguments_of(num_tokens)`` for a count
+      not in ``write_arguments`` yet.
+
+    Both validate every argument before they enqueue anything, but their errors are tvm-ffi's, unnamed: a caller that
+    gets one makes the call again through the manager (``before_forward`` / ``after_forward``), whose error names the
+    BatchView field or capacity."""
+
+    check: Callable[..., None]
+    write: Callable[..., None]
+    write_arguments: Mapping[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    write_arguments_of: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 class StatusCopy(NamedTuple):
@@ -233,6 +255,8 @@ class DeviceState:
         # ``num_tokens`` tokens from the snapshot (after the model wrote KV): one launch.
         self.check_batch = self._check.of_batch
         self.write_tokens = self._write
+        self.eager_launches = EagerLaunches(self._check.bound, self._write.bound, self._write.arguments,
+                                            self._write.arguments_of)
 
     # ------------------------------------------------------------------------------------------ launches
     def _build_counter_views(self, tag: LaunchTag) -> dict[str, torch.Tensor]:

@@ -32,6 +32,9 @@ from kvcanary.runtime.token_table import TokenColumns
 
 # (rows, starts, counts, token_runs) -> None: one batch's expected-token updates as columns, sent to every group's table
 TokenColumnsUpload = Callable[[Sequence[int], Sequence[int], Sequence[int], Sequence[Sequence[int]]], None]
+# (forward_batch, positions) -> (req_pool_indices, prefix_lens, extend_lens, out_cache_loc), the check launch's arrays
+# read straight from an engine's batch, or None when that batch takes the general path (a BatchView per group)
+BatchArrays = Callable[[object, torch.Tensor], "tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None"]
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +150,9 @@ class Installation:
     groups: list[Group]
     to_views: Callable[[object, torch.Tensor, torch.Tensor], list[BatchView]]  # forward_batch, ids, pos -> per group
     req_to_token: torch.Tensor
+    # The adapter's eager hot path for an installation of one group (None: every forward through to_views): the check
+    # launch's arrays read straight from the engine's batch, no BatchView (see wrap_model_forward)
+    to_arrays: BatchArrays | None = None
     steps: int = 0
     host_time: HostTime = field(default_factory=HostTime)
     # The adapter's gate, asked on every call of the model.forward wrapper (None: always EAGER), and how many real
@@ -207,10 +213,26 @@ class Installation:
         run eagerly on the forward's stream before and after the replayed pieces. ``wrapper_call`` tells such
         a forward (counted apart) from a capture-time forward of that runner (nothing runs); while torch.compile
         traces a caller, the wrapper only calls through.
+
+        With one group and the adapter's ``to_arrays``, a real forward (``serving``) takes the eager hot path: the
+        check launch gets the batch's arrays as the engine holds them and the write its cached arguments, through the
+        manager's bound calls (:meth:`~kvcanary.runtime.manager.CanaryManager.eager_launches`), with no BatchView and
+        no Python frame between this wrapper and either launch (each is several µs of a CPU-bound engine's host time
+        from its cold caches). Anything else takes the general path: graph capture, a batch ``to_arrays`` leaves to it
+        (an idle batch, a mode seen for the first time), and a batch the check launch refuses, which the general path
+        launches again through ``before_forward`` and so names the field (or converts: a strided ``out_cache_loc``).
         """
         original = model.forward
         if getattr(original, "kvcanary_wrapped", False):
             return
+        forward = self._general_forward(original)
+        if self.to_arrays is not None and len(self.groups) == 1:
+            forward = self._eager_forward(original, forward)
+        forward.kvcanary_wrapped = True  # type: ignore[attr-defined]
+        model.forward = forward
+
+    def _general_forward(self, original: Callable) -> Callable:
+        """The wrapper of any forward: a BatchView per group, each group's ``before_forward`` / ``after_forward``."""
         install = self
 
         @functools.wraps(original)
@@ -254,8 +276,65 @@ class Installation:
                 host.eager_forwards += 1  # also counted during capture; reset by mark_init_finished
             return out
 
-        forward.kvcanary_wrapped = True  # type: ignore[attr-defined]
-        model.forward = forward
+        return forward
+
+    def _eager_forward(self, original: Callable, general: Callable) -> Callable:
+        """The wrapper of one group's real forwards (see :meth:`wrap_model_forward`); ``general`` takes the rest.
+        What it reads every call sits in this closure's cells (one lookup each), and the bookkeeping is written out:
+        the frames it saves are the point."""
+        install = self
+        manager = self.groups[0].manager
+        launches = manager.eager_launches()
+        check, write = launches.check, launches.write
+        write_arguments, write_arguments_of = launches.write_arguments, launches.write_arguments_of
+        to_arrays = self.to_arrays
+        is_compiling = torch.compiler.is_compiling
+        clock = time.perf_counter_ns
+        eager, piecewise, skip = WrapperCall.EAGER, WrapperCall.PIECEWISE, WrapperCall.SKIP
+
+        @functools.wraps(original)
+        def forward(input_ids, positions, forward_batch, *args, **kwargs):
+            # (serving: a real forward, whose hook asked whether a capture is in progress; anything else, and a
+            # torch.compile trace, is the general path's)
+            if not install.serving or is_compiling():
+                return general(input_ids, positions, forward_batch, *args, **kwargs)
+            t0 = clock()
+            gate = install.wrapper_call
+            call = eager if gate is None else gate()
+            if call is skip or install.stopped is not None:
+                return original(input_ids, positions, forward_batch, *args, **kwargs)
+            try:
+                arrays = to_arrays(forward_batch, positions)
+                if arrays is None:
+                    return general(input_ids, positions, forward_batch, *args, **kwargs)
+                check(arrays[0], arrays[1], arrays[2], input_ids, positions, arrays[3], 1, manager.steps + 1)
+            except Exception:  # refused before anything was enqueued: the general path names it (or converts)
+                return general(input_ids, positions, forward_batch, *args, **kwargs)
+            t1 = clock()
+            out = original(input_ids, positions, forward_batch, *args, **kwargs)
+            t2 = clock()
+            n = input_ids.shape[0]
+            try:
+                found = write_arguments.get(n)
+                write(*(found if found is not None else write_arguments_of(n)))
+            except Exception:
+                try:
+                    manager.write_tokens(n)  # (the same launch, its error naming the argument)
+                except Exception as exc:
+                    if not install.keeps_serving(exc, "after the forward (write launch)"):
+                        raise
+                    return out
+            host = install.host_time  # (as the general path counts it)
+            launch = t1 - t0 + clock() - t2
+            host.in_forward_ns += launch
+            if call is piecewise:
+                host.piecewise_launch_ns += launch
+                install._piecewise_now = True
+            else:
+                host.eager_forwards += 1
+            return out
+
+        return forward
 
     # ------------------------------------------------------------------------------------------- host half
     def host_after(self) -> None:

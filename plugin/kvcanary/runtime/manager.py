@@ -36,7 +36,7 @@ from kvcanary.kernels.tags import LaunchTag
 from kvcanary.report.record import Violation
 from kvcanary.report.reporter import Reporter
 from kvcanary.runtime.config import Config
-from kvcanary.runtime.device_state import DeviceState
+from kvcanary.runtime.device_state import DeviceState, EagerLaunches
 from kvcanary.runtime.drain import CanaryStats, ViolationDrain
 from kvcanary.runtime.health import HealthMonitor, StatsLogger, expected_launch_tags
 from kvcanary.runtime.host_tier import HostTierRecords
@@ -166,8 +166,9 @@ class CanaryManager:
         # A host KV tier's records (attach_host_tier), when the engine has one.
         self.host_tier: HostTierRecords | None = None
 
-        # Host state.
-        self._steps = 0
+        # Host state. Forward steps so far (``step()`` calls outside capture): forward k is the one after which this is
+        # k (read-only outside the manager; a plain attribute: an adapter's hot path reads it every forward).
+        self.steps = 0
         self._validated_batch: BatchView | None = None
         self._chain_position_assert_armed = False  # set by mark_init_finished (the device flag's host copy)
         logger.info(
@@ -216,7 +217,7 @@ class CanaryManager:
                 batch, 1 if new_forward else 0,
                 # captured: -1, each replay adds 1
                 -1 if self._cuda and (torch.cuda.is_current_stream_capturing() if capturing is None else capturing)
-                else self._steps + 1,
+                else self.steps + 1,
             )
         except Exception:
             self._validate(batch)  # a malformed batch: its error names the field
@@ -241,10 +242,25 @@ class CanaryManager:
             self._check_tokens_fit(n)
         self.device_state.write_tokens(n)
 
+    def write_tokens(self, num_tokens: int) -> None:
+        """:meth:`after_forward`'s write, for a forward of ``num_tokens`` tokens whose check launch ran (an adapter's
+        eager hot path that holds no BatchView): raises a ValueError naming the capacity, or the launch's named
+        error."""
+        self._check_tokens_fit(num_tokens)
+        self.device_state.write_tokens(num_tokens)
+
+    def eager_launches(self) -> EagerLaunches:
+        """The two launches of :meth:`before_forward` / :meth:`after_forward` as bound calls, for an adapter's eager
+        hot path that has the batch's arrays at hand (no BatchView; see
+        :class:`~kvcanary.runtime.device_state.EagerLaunches`). Its check's ``forward_step_value`` is ``steps + 1`` (the
+        forward about to run; -1 while a CUDA graph is being captured); a failed call is repeated through
+        :meth:`before_forward` / :meth:`after_forward` for the named error."""
+        return self.device_state.eager_launches
+
     def mark_init_finished(self) -> None:
         """Warmup and capture are over: switch the write chain-position assert on, and set the forward counter to
         the host's step count (warm-up runs without a ``step()`` moved it; replays count from here)."""
-        self.device_state.mark_init_finished(self._steps)
+        self.device_state.mark_init_finished(self.steps)
         self._chain_position_assert_armed = True  # host copy, for chain_position_assert_on()
         logger.info("kvcanary: init finished; chain-position assert on")
 
@@ -363,7 +379,7 @@ class CanaryManager:
         """
         if _is_capturing(self.device) if capturing is None else capturing:
             return []
-        self._steps = steps = self._steps + 1
+        self.steps = steps = self.steps + 1
         # Most steps have nothing due: each part is one integer compare (or attribute read) here, no call.
         sweeper = self.sweeper
         interval = sweeper.interval  # (Sweeper.due written out: no call on the steps between two sweeps)
@@ -388,8 +404,8 @@ class CanaryManager:
         its own."""
         slot_runs = self.stats.slot_runs
         self.stats_logger.maybe_log(
-            self._steps,
-            forwards=self._steps,
+            self.steps,
+            forwards=self.steps,
             tokens_written=slot_runs[LaunchTag.WRITE],
             entries_verified=slot_runs[LaunchTag.VERIFY],
             entries_swept=slot_runs[LaunchTag.SWEEP],
@@ -402,11 +418,11 @@ class CanaryManager:
         """Drain whatever the device has announced, without counting a forward."""
         if _is_capturing(self.device):
             return []
-        return self.violation_drain.drain(self._steps)
+        return self.violation_drain.drain(self.steps)
 
     def flush(self) -> list[Violation]:
         """Synchronise and drain everything (shutdown / tests only: this blocks)."""
-        return self.violation_drain.flush(self._steps)
+        return self.violation_drain.flush(self.steps)
 
     def close(self) -> None:
         """Drain what is left and close the report file. Errors in raise mode still propagate."""
@@ -420,10 +436,6 @@ class CanaryManager:
     def mode(self) -> Mode:
         return self.config.mode
 
-    @property
-    def steps(self) -> int:
-        """Forward steps so far (``step()`` calls outside capture): forward k is the one after which this is k."""
-        return self._steps
 
     # ------------------------------------------------------------------------------------------ adapter queries
     # What an engine adapter's fault injector (kvcanary.sglang.fault_injection) asks of a manager, as public API:
@@ -435,7 +447,7 @@ class CanaryManager:
     def sweeps_on_next_step(self) -> bool:
         """Whether the next ``step()`` (outside capture) runs the sweep: a source is set, ``sweep_interval`` > 0
         and the step count reaches a multiple of it."""
-        return self.sweeper.due(self._steps + 1)
+        return self.sweeper.due(self.steps + 1)
 
     def chain_position_assert_on(self) -> bool:
         """Whether writes check chain positions (after ``mark_init_finished``). A host-side flag: no device read."""

@@ -11,7 +11,7 @@ import torch
 
 from kvcanary.kernels.batch import BatchView, ForwardKind
 from kvcanary.runtime.identity_cache import IdentityCache
-from kvcanary.runtime.installation import GroupSpec
+from kvcanary.runtime.installation import BatchArrays, GroupSpec
 
 # (forward_batch, input_ids, positions, ones, empty) -> BatchView: a version module's batch_view.
 BatchViewFn = Callable[[object, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], BatchView]
@@ -132,16 +132,60 @@ def batch_view_of(forward_modes: Mapping[str, ForwardKind], sglang_version: str)
     return batch_view
 
 
+def batch_arrays_of(forward_modes: Mapping[str, ForwardKind], ones: torch.Tensor) -> BatchArrays:
+    """``arrays(fb, positions)``: the check launch's ``(req_pool_indices, prefix_lens, extend_lens, out_cache_loc)``
+    of an EXTEND, MIXED or DECODE ForwardBatch as sglang holds them, for the installation's eager hot path
+    (:meth:`kvcanary.runtime.installation.Installation.wrap_model_forward`); None for any other batch, which takes the
+    general path (:func:`batch_view_of`: an idle batch, and a mode met for the first time, which it names if
+    unsupported). Nothing is converted or checked here: the check launch takes int32 or int64 and refuses anything
+    else before it enqueues work, and the general path then names the field (or makes a strided ``out_cache_loc``
+    dense). A decode row's prefix is its position and its extend 1 (``ones[:bs]``, one view per batch size)."""
+    kinds: dict[int, tuple[object, ForwardKind | None]] = {}  # id(mode member) -> (the member, its kind)
+    ones_by_size: dict[int, torch.Tensor] = {}
+    decode, extend, mixed = ForwardKind.DECODE, ForwardKind.EXTEND, ForwardKind.MIXED
+
+    def arrays(fb, positions: torch.Tensor):
+        mode = fb.forward_mode
+        known = kinds.get(id(mode))
+        if known is None or known[0] is not mode:
+            if not isinstance(mode, enum.Enum) or len(kinds) >= 256:
+                return None
+            known = kinds[id(mode)] = (mode, forward_modes.get(mode_name_of(mode)))
+            return None  # (this first one through the general path: it names an unsupported mode)
+        kind = known[1]
+        rows = fb.req_pool_indices
+        if kind is decode:
+            bs = rows.shape[0]
+            ones_bs = ones_by_size.get(bs)
+            if ones_bs is None:
+                if bs > ones.shape[0]:
+                    return None  # (more rows than any batch the canary was sized for: the general path says so)
+                ones_bs = ones_by_size[bs] = ones[:bs]
+            return rows, positions, ones_bs, fb.out_cache_loc
+        if kind is extend or kind is mixed:
+            return rows, fb.extend_prefix_lens, fb.extend_seq_lens, fb.out_cache_loc
+        return None
+
+    return arrays
+
+
 class BatchConverter:
-    """ForwardBatch → one BatchView per group. Graph-capturable: device ops on static views only."""
+    """ForwardBatch → one BatchView per group. Graph-capturable: device ops on static views only.
+
+    ``forward_modes`` (the version's table; None for an EAGLE pool, whose batches have modes and arrays of their
+    own): with one group of the full pool, :attr:`arrays` is the eager hot path's :func:`batch_arrays_of`; else
+    None."""
 
     def __init__(self, groups: Sequence[GroupSpec], max_batch_size: int, device: torch.device,
-                 view: BatchViewFn) -> None:
+                 view: BatchViewFn, forward_modes: Mapping[str, ForwardKind] | None = None) -> None:
         self.groups = list(groups)
         self.view = view
         self.ones = torch.ones(max_batch_size, dtype=torch.int64, device=device)
         self.empty = torch.zeros(0, dtype=torch.int64, device=device)
         self._all_full = all(g.loc != "swa" for g in self.groups)  # every group takes the batch's own view
+        self.arrays: BatchArrays | None = None
+        if forward_modes is not None and len(self.groups) == 1 and self._all_full:
+            self.arrays = batch_arrays_of(forward_modes, self.ones)
 
     def __call__(self, fb, input_ids: torch.Tensor, positions: torch.Tensor) -> list[BatchView]:
         base = self.view(fb, input_ids, positions, self.ones, self.empty)

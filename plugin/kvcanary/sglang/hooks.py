@@ -120,11 +120,14 @@ class AdapterHooks:
                 **speculative.manager_kwargs(role),
             )
             groups.append(Group(spec, manager))
+        # (an EAGLE pool's batches have modes and arrays of their own: no eager hot path, forward_modes None)
+        to_views = BatchConverter(specs, max_bs, device, speculative.batch_view_for(role, v.batch_view, max_bs, device),
+                                  forward_modes=v.FORWARD_MODES if role is None else None)
         inst = Installation(
             config=config,
             groups=groups,
-            to_views=BatchConverter(specs, max_bs, device,
-                                    speculative.batch_view_for(role, v.batch_view, max_bs, device)),
+            to_views=to_views,
+            to_arrays=to_views.arrays,
             req_to_token=r2t,
             model_name=getattr(v.server_args_of(runner), "served_model_name", None),  # the metrics' model_name label
         )
