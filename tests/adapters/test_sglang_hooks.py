@@ -751,17 +751,27 @@ def test_request_rows_reads_both_columns_and_leaves_out_requests_without_either(
                                                   ("DRAFT_EXTEND_V2", False)])
 def test_writer_attribution_runs_for_the_batches_that_bring_new_requests(mode: str, attributed: bool) -> None:
     """A request enters through a prefill (EXTEND, MIXED); a decode, a verify and a draft extend hold requests
-    already assigned, so their batches pay no per-row attribution."""
+    already assigned, so their batches pay no per-row attribution, and without the token check their requests are
+    not even read (a call per batch from the engine's cold caches)."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    calls = []
+    calls, reads = [], []
     manager = types.SimpleNamespace(assign_requests=lambda rows, rids: calls.append((rows, rids)))
     inst = types.SimpleNamespace(stopped=None, groups=[types.SimpleNamespace(manager=manager)], verify_tokens=False,
                                  account_batch_init=lambda ns: None)
-    batch = types.SimpleNamespace(forward_mode=ForwardMode[mode], reqs=[types.SimpleNamespace(req_pool_idx=3, rid="a")])
+
+    class Batch:
+        forward_mode = ForwardMode[mode]
+
+        @property
+        def reqs(self):
+            reads.append(1)
+            return [types.SimpleNamespace(req_pool_idx=3, rid="a")]
+
     ah = adapter_hooks.AdapterHooks(v0_5_12)
-    assert ah.after_forward_batch_init("result", None, batch, _runner(inst)) == "result"
+    assert ah.after_forward_batch_init("result", None, Batch(), _runner(inst)) == "result"
     assert calls == ([([3], ["a"])] if attributed else [])
+    assert len(reads) == (1 if attributed else 0)
 
 
 @pytest.mark.parametrize("fault", ["", "real_kv_flip"])

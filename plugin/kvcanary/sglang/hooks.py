@@ -67,6 +67,13 @@ class AdapterHooks:
         # Whether this kind of hooks has per-batch request facts to gather (a layer overriding batch_facts): the plain
         # hooks then skip the call on every batch
         self._has_batch_facts = type(self).batch_facts is not AdapterHooks.batch_facts
+        # Whether before_model / after_model are these hooks' own (no layer extends them): the forward hook then runs
+        # their bodies written out, with no call for either on a forward without a host KV tier
+        self._plain_model_hooks = (type(self).before_model is AdapterHooks.before_model
+                                   and type(self).after_model is AdapterHooks.after_model)
+        # id(ForwardMode member) -> the member, for every mode a plain runner's forward was accepted in: the forward
+        # hook's mode check is then one dict read (the first forward of a mode is checked in full, mode_name and all)
+        self._accepted_modes: dict[int, object] = {}
         # id(ForwardMode member) -> (the member, whether its batches get writer attribution): read by the batch hook
         self._attributes_by_mode: dict[int, tuple[object, bool]] = {}
         # Bound once: HookRegistry's duplicate check (targets.register_hooks) compares hooks by identity.
@@ -175,6 +182,14 @@ class AdapterHooks:
             self._attributes_by_mode[id(mode)] = entry
         return entry
 
+    def _accept_mode(self, mode: object) -> None:
+        """Remember a ForwardMode member a plain runner's forward was accepted in (IdentityCache's scheme: keyed by id,
+        the entry holding its member); anything but an enum member is checked in full every time."""
+        if isinstance(mode, enum.Enum):
+            if len(self._accepted_modes) >= 256:
+                self._accepted_modes.clear()
+            self._accepted_modes[id(mode)] = mode
+
     def batch_facts(self, state: RunnerState, reqs) -> None:
         """Per batch, what else needs the batch's requests: nothing (the fault injector's request facts)."""
         del state, reqs
@@ -203,17 +218,24 @@ class AdapterHooks:
         if inst.stopped is not None or (inst.req_to_token.is_cuda and torch.cuda.is_current_stream_capturing()):
             return original(runner, forward_batch, *args, **kwargs)
         spec = getattr(runner, speculative.SPEC_ATTR, None)  # (None on every runner but an EAGLE pool's)
-        try:
-            modes = self.version.FORWARD_MODES if spec is None else speculative.forward_modes(
-                runner, self.version.FORWARD_MODES)
-            mode = mode_name(forward_batch)
-            if mode not in modes:
-                raise unsupported_mode(mode, modes, self.version.SGLANG_VERSION)
-            self.before_model(state, forward_batch)
-        except Exception as exc:  # (log mode: kvcanary stops on this runner, the forward runs: Installation)
-            if not inst.keeps_serving(exc, "before a forward (host half)"):
-                raise
-            return original(runner, forward_batch, *args, **kwargs)
+        # A plain runner's forward in a mode accepted before, no host KV tier, no layer over the model hooks: nothing
+        # to check or run before the model (the general branch's checks and before_model, written out as one test)
+        plain = (spec is None and self._plain_model_hooks and state.host_tier is None
+                 and self._accepted_modes.get(id(mode := forward_batch.forward_mode)) is mode)
+        if not plain:
+            try:
+                modes = self.version.FORWARD_MODES if spec is None else speculative.forward_modes(
+                    runner, self.version.FORWARD_MODES)
+                name = mode_name(forward_batch)
+                if name not in modes:
+                    raise unsupported_mode(name, modes, self.version.SGLANG_VERSION)
+                if spec is None:
+                    self._accept_mode(forward_batch.forward_mode)
+                self.before_model(state, forward_batch)
+            except Exception as exc:  # (log mode: kvcanary stops on this runner, the forward runs: Installation)
+                if not inst.keeps_serving(exc, "before a forward (host half)"):
+                    raise
+                return original(runner, forward_batch, *args, **kwargs)
         t1 = time.perf_counter_ns()
         self.graph_input_ns = 0
         inst.serving += 1  # a piecewise replay inside is a real forward's (capture-time ones run outside)
@@ -223,7 +245,10 @@ class AdapterHooks:
             inst.serving -= 1
         t2 = time.perf_counter_ns()
         try:
-            self.after_model(state, forward_batch)
+            if self._plain_model_hooks:
+                inst.host_after()  # (after_model's body)
+            else:
+                self.after_model(state, forward_batch)
             if spec is not None:
                 speculative.after_forward(runner, forward_batch)  # EAGLE: spec counters and their stats line
         except Exception as exc:  # (raise mode's violations and health errors raise from here: they stand)
@@ -357,22 +382,24 @@ class AdapterHooks:
         if inst.stopped is not None:
             return result
         try:
-            reqs = self.version.batch_requests(batch)
             # writer attribution: a row gets a new request in a prefill (the mode's verdict remembered per ForwardMode
             # member, read here: mode_name's call would be one more frame per batch)
             mode = batch.forward_mode
             attributes = self._attributes_by_mode.get(id(mode))
             if attributes is None or attributes[0] is not mode:
                 attributes = self._remember_attribution(mode)
-            if attributes[1]:
-                rows, rids = request_rows(reqs)
-                for group in inst.groups:
-                    group.manager.assign_requests(rows, rids)
-            if self._has_batch_facts:  # (the fault layer's; the plain hooks make no call for it)
-                self.batch_facts(state, reqs)
             upload = state.token_upload  # (None without the token check)
-            if upload is not None:
-                upload(*expected_token_columns(state.token_mirror, reqs))
+            # (a batch nothing here reads the requests of, e.g. a decode without the token check: no call for them)
+            if attributes[1] or upload is not None or self._has_batch_facts:
+                reqs = self.version.batch_requests(batch)
+                if attributes[1]:
+                    rows, rids = request_rows(reqs)
+                    for group in inst.groups:
+                        group.manager.assign_requests(rows, rids)
+                if self._has_batch_facts:  # (the fault layer's; the plain hooks make no call for it)
+                    self.batch_facts(state, reqs)
+                if upload is not None:
+                    upload(*expected_token_columns(state.token_mirror, reqs))
         except Exception as exc:
             if not inst.keeps_serving(exc, "in the batch hook (writer attribution, token uploads)"):
                 raise
