@@ -94,17 +94,20 @@ def test_bench_and_host_time_measure_the_same_forwards(bench, tmp_path, case) ->
         assert rnd["host_time"]["batch_init"] > 0
         assert rnd["host_time"]["total"] >= 0.5 * rnd["bench"]["total"], rnd
     pieces = result["pieces_us"]
-    for name in ("BatchConverter", "before_forward", "after_forward", "step", "kernels", "expected_token_updates",
-                 "token table upload"):
+    for name in ("step", "kernels", "expected_token_updates", "token table upload"):
         assert pieces.get(name, 0) > 0, name
+    # the wrapper's eager hot path launches every timed forward: no BatchView, no before_forward / after_forward
+    assert not {"BatchConverter", "before_forward", "after_forward"} & set(pieces), pieces
     assert ("assign_requests" in pieces) == case.startswith("mixed")  # new requests: extend rows only
     assert ("sweep (in step)" in pieces) == ("sweep" in case)
     assert "| " + case + " |" in data["markdown"]
     # kvcanary's Python calls per forward (the cold-cache cost's driver): the batch hook, the forward hook, the
     # wrapper and the managers' calls at least; a decode forward with the token check made 31 on 2026-12-02 (41 before
-    # that session's cuts), a mixed one with the sweep 62 (72; its extend rows take the token check's full path)
+    # that session's cuts), a mixed one with the sweep 62 (72; its extend rows take the token check's full path); with
+    # the eager hot path, the written-out forward hook and the batch hook's request read skipped: 13 and 48
+    # (2026-12-03)
     calls = result["python_calls_per_forward"]
-    assert (15 < calls <= 32) if case.startswith("decode") else (30 < calls <= 70), calls
+    assert (10 < calls <= 16) if case.startswith("decode") else (30 < calls <= 52), calls
 
 
 def test_the_stand_in_model_keeps_its_time_without_module_setattr(bench, monkeypatch) -> None:

@@ -18,6 +18,7 @@ import functools
 import gc
 import random
 import types
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -198,6 +199,21 @@ def _to(kw: dict[str, Any], backend: str) -> dict[str, Any]:
     return out
 
 
+def _assert_same_ring_rows(a: dict[str, Any], b: dict[str, Any], ctx: str) -> None:
+    """The write's ring rows (each with its metadata row) as multisets, unless the ring overflowed: on CUDA which
+    rows a full ring keeps depends on which atomics won. A CUDA failure of the in-order compare under memcheck
+    (launches serialised, another order of the atomics: the H200, 2026-12-03) is what this allows."""
+    ring = a["violation_ring"]
+    if (int(a["violation_write_index"][0]) & 0xFFFFFFFF) > ring.shape[0]:
+        return
+
+    def rows(r: dict[str, Any]) -> Counter:
+        metas = r["violation_meta"].tolist() if r.get("violation_meta") is not None else [[]] * ring.shape[0]
+        return Counter(tuple(x) + tuple(m) for x, m in zip(r["violation_ring"].tolist(), metas, strict=True))
+
+    assert rows(a) == rows(b), f"ring rows differ ({ctx})"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bound_write_equals_the_export(backend: str) -> None:
     _need(backend)
@@ -207,9 +223,12 @@ def test_bound_write_equals_the_export(backend: str) -> None:
         want, got = _clone(case), _clone(case)
         _write_unbound(want)
         _write_bound(got)
+        ordered = backend == "cpu"  # (on CUDA the ring's row order is the order the atomics won)
         for name in WRITE_RESULTS:
-            if name in case:
+            if name in case and (ordered or name not in ("violation_ring", "violation_meta")):
                 assert torch.equal(got[name], want[name]), f"{name} differs (scenario {scenario})"
+        if not ordered:
+            _assert_same_ring_rows(got, want, f"scenario {scenario}")
         violations += int(want["violation_write_index"][0]) - int(case["violation_write_index"][0])
     assert violations > 0, "the scenarios must reach violations"
 
