@@ -45,6 +45,11 @@ if TYPE_CHECKING:  # (the fault-injection layer's: the serving path imports none
 
 logger = logging.getLogger(__name__)
 
+# torch's "is a CUDA graph being captured on the current stream" query without its Python shim
+# (torch.cuda.is_current_stream_capturing is one line calling this C function): a frame less on every forward; the
+# shim itself where a torch build names it otherwise
+_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+
 # Forward modes whose batch gives no row a new request (the batch hook skips writer attribution for them): a request
 # enters through a prefill (EXTEND or MIXED) on every runner, EAGLE's draft runner included; a verify and a draft
 # extend follow a decode step of requests already there (their attribution would be a lookup per row, every step).
@@ -215,7 +220,7 @@ class AdapterHooks:
             return original(runner, forward_batch, *args, **kwargs)
         inst = state.inst
         # (is_cuda, not a torch.device built from the tensor: that costs ~1 µs per forward)
-        if inst.stopped is not None or (inst.req_to_token.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if inst.stopped is not None or (inst.req_to_token.is_cuda and _stream_capturing()):
             return original(runner, forward_batch, *args, **kwargs)
         spec = getattr(runner, speculative.SPEC_ATTR, None)  # (None on every runner but an EAGLE pool's)
         # A plain runner's forward in a mode accepted before, no host KV tier, no layer over the model hooks: nothing
