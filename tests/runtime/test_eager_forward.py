@@ -216,3 +216,31 @@ def test_a_write_that_fails_again_stops_the_canary_in_log_mode(monkeypatch) -> N
     ids, pos = _i64([5, 6]), _i64([0, 1])
     assert torch.equal(_forward(inst, model, fb, ids, pos), ids * 2 + pos)
     assert inst.stopped is not None and "after the forward" in inst.stopped and "write launch failed" in inst.stopped
+
+
+@pytest.mark.parametrize("kind", [ForwardKind.IDLE, ForwardKind.EXTEND])
+def test_the_models_own_error_runs_the_model_once(kind: ForwardKind) -> None:
+    """A model that raises, in a batch the general path takes (idle) and in one the hot path launches: the error
+    reaches the caller after one call of the model (the hot path never falls back to the general path after the
+    model ran, nor retries what the general path raised)."""
+    inst, model, kv = _installation(Mode.RAISE)
+    calls = []
+
+    class Broken(Model):
+        def forward(self, input_ids, positions, forward_batch):
+            calls.append(forward_batch)
+            raise RuntimeError("the model failed")
+
+    broken = Broken()
+    inst.wrap_model_forward(broken)
+    empty = kind is ForwardKind.IDLE
+    fb = Batch(kind=kind, rows=_i64([] if empty else [1]), prefix=_i64([] if empty else [0]),
+               extend=_i64([] if empty else [2]), out_cache_loc=_i64([] if empty else [1, 2]))
+    ids, pos = _i64([] if empty else [5, 6]), _i64([] if empty else [0, 1])
+    inst.serving += 1
+    try:
+        with pytest.raises(RuntimeError, match="the model failed"):
+            broken.forward(ids, pos, fb)
+    finally:
+        inst.serving -= 1
+    assert len(calls) == 1

@@ -305,10 +305,11 @@ class Installation:
                 return original(input_ids, positions, forward_batch, *args, **kwargs)
             try:
                 arrays = to_arrays(forward_batch, positions)
-                if arrays is None:
-                    return general(input_ids, positions, forward_batch, *args, **kwargs)
-                check(arrays[0], arrays[1], arrays[2], input_ids, positions, arrays[3], 1, manager.steps + 1)
+                if arrays is not None:
+                    check(arrays[0], arrays[1], arrays[2], input_ids, positions, arrays[3], 1, manager.steps + 1)
             except Exception:  # refused before anything was enqueued: the general path names it (or converts)
+                arrays = None
+            if arrays is None:  # (outside the try: what the general path raises, the model's own errors too, stands)
                 return general(input_ids, positions, forward_batch, *args, **kwargs)
             t1 = clock()
             out = original(input_ids, positions, forward_batch, *args, **kwargs)
