@@ -7,7 +7,8 @@ Runs, per forward, what sglang 0.5.12's scheduler and ModelRunner run around kvc
 code (``kvcanary.sglang.hooks.AdapterHooks`` of the 0.5.12 version module, its ``install`` building the real
 Installation, BatchConverter and managers): ``ForwardBatch.init_new`` -> the ``after_forward_batch_init`` hook
 (writer attribution, token-table uploads) -> ``ModelRunner.forward`` -> the ``around_forward`` hook (the
-``model.forward`` wrapper: BatchConverter -> before_forward per group -> the model -> after_forward;
+``model.forward`` wrapper's eager hot path: the batch's arrays -> the bound check -> the model -> the bound write
+(BatchConverter -> before_forward per group -> the model -> after_forward for the first batch of a mode);
 host_after: step, drain, sweep, metrics; account_forward). The engine objects are light stand-ins with
 0.5.12's field names and dtypes (a ForwardBatch with int64 input_ids / positions / out_cache_loc /
 req_pool_indices / seq_lens and int32 extend_prefix_lens / extend_seq_lens, a ``Req`` with ``origin_input_ids`` /
