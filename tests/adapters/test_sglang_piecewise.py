@@ -370,6 +370,29 @@ def test_the_gate_reads_sglangs_flags_and_the_serving_count() -> None:
     assert gate() is WrapperCall.EAGER
 
 
+def test_the_gate_reads_sglangs_flag_globals_without_calling_sglang(monkeypatch) -> None:
+    """The gate reads the two module globals sglang's ``is_in_*`` functions return: no call into sglang per
+    prefill (each is a Python frame of the wrapper's host time)."""
+    from sglang.srt.compilation import piecewise_context_manager
+    from sglang.srt.model_executor.breakable_cuda_graph import context
+
+    def called() -> bool:
+        raise AssertionError("the gate called sglang's flag function")
+
+    monkeypatch.setattr(piecewise_context_manager, "is_in_piecewise_cuda_graph", called)
+    monkeypatch.setattr(context, "is_in_breakable_cuda_graph", called)
+    inst = types.SimpleNamespace(serving=1)
+    gate = piecewise.wrapper_gate(inst)
+    assert gate() is WrapperCall.EAGER
+    monkeypatch.setattr(piecewise_context_manager, "_in_piecewise_cuda_graph", True)
+    assert gate() is WrapperCall.PIECEWISE
+    monkeypatch.setattr(piecewise_context_manager, "_in_piecewise_cuda_graph", False)
+    monkeypatch.setattr(context, "_in_breakable_cuda_graph", True)
+    assert gate() is WrapperCall.PIECEWISE
+    inst.serving = 0
+    assert gate() is WrapperCall.SKIP
+
+
 def test_without_a_piecewise_runner_the_wrapper_stops_asking_the_gate() -> None:
     """After init, a runner with no piecewise runner (eager prefill, --disable-piecewise-cuda-graph) drops the gate:
     only a piecewise runner sets sglang's two flags, so every later forward is eager, and asking cost three Python

@@ -51,14 +51,36 @@ def _sglang_replay_flags() -> tuple[Callable[[], bool], Callable[[], bool]]:
     return is_in_piecewise_cuda_graph, is_in_breakable_cuda_graph
 
 
+def _sglang_flag_modules() -> tuple[object, object] | None:
+    """The two modules whose globals ``_in_piecewise_cuda_graph`` / ``_in_breakable_cuda_graph`` are sglang's flags
+    (what its ``is_in_*`` functions return), or None where a build names them otherwise."""
+    from sglang.srt.compilation import piecewise_context_manager
+    from sglang.srt.model_executor.breakable_cuda_graph import context
+
+    if hasattr(piecewise_context_manager, "_in_piecewise_cuda_graph") and hasattr(context, "_in_breakable_cuda_graph"):
+        return piecewise_context_manager, context
+    return None
+
+
 def wrapper_gate(inst: Installation, flags: tuple[Callable[[], bool], ...] | None = None
                  ) -> Callable[[], WrapperCall]:
     """The classifier kvcanary's ``model.forward`` wrapper asks on each call (installed as ``inst.wrapper_call``).
 
     A piecewise runner's context flag is set both while it replays a real forward and while it compiles and
     captures at start-up; the installation's ``serving`` count (the ``ModelRunner.forward`` hook keeps it) tells
-    the two apart: capture-time forwards never run inside ``ModelRunner.forward``.
+    the two apart: capture-time forwards never run inside ``ModelRunner.forward``. Without ``flags`` the gate reads
+    sglang's two module globals itself (each ``is_in_*`` function returns one: a call less per flag on every
+    prefill, the wrapper's only Python calls before its launch on a piecewise-served forward).
     """
+    if flags is None and (modules := _sglang_flag_modules()) is not None:
+        pcg_module, bcg_module = modules
+
+        def gate_on_globals() -> WrapperCall:
+            if not (pcg_module._in_piecewise_cuda_graph or bcg_module._in_breakable_cuda_graph):
+                return WrapperCall.EAGER
+            return WrapperCall.PIECEWISE if inst.serving else WrapperCall.SKIP
+
+        return gate_on_globals
     pcg, bcg = flags if flags is not None else _sglang_replay_flags()
 
     def gate() -> WrapperCall:
