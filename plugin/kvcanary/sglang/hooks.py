@@ -76,11 +76,10 @@ class AdapterHooks:
         # their bodies written out, with no call for either on a forward without a host KV tier
         self._plain_model_hooks = (type(self).before_model is AdapterHooks.before_model
                                    and type(self).after_model is AdapterHooks.after_model)
-        # id(ForwardMode member) -> the member, for every mode a plain runner's forward was accepted in: the forward
-        # hook's mode check is then one dict read (the first forward of a mode is checked in full, mode_name and all)
-        self._accepted_modes: dict[int, object] = {}
-        # id(ForwardMode member) -> (the member, whether its batches get writer attribution): read by the batch hook
-        self._attributes_by_mode: dict[int, tuple[object, bool]] = {}
+        # id(ForwardMode member) -> (the member, whether its batches get writer attribution, whether a plain runner
+        # serves it): what the batch hook and the forward hook ask of a mode, each one dict read (both derive from the
+        # member's name, which never changes; IdentityCache's scheme: the entry holds its member)
+        self._mode_facts: dict[int, tuple[object, bool, bool]] = {}
         # Bound once: HookRegistry's duplicate check (targets.register_hooks) compares hooks by identity.
         self.table: tuple[tuple[Target, Callable], ...] = tuple(
             (target, getattr(self, name)) for name, target in version.HOOK_TARGETS.items()
@@ -177,23 +176,16 @@ class AdapterHooks:
         del forward_batch
         state.inst.host_after()
 
-    def _remember_attribution(self, mode: object) -> tuple[object, bool]:
-        """(``mode``, whether a batch of that forward mode may give a row a new request), remembered for an enum
-        member (IdentityCache's scheme: keyed by id, the entry holding its member; a member's name never changes)."""
-        entry = (mode, mode_name_of(mode) not in _NO_NEW_REQUESTS)
+    def _facts_of(self, mode: object) -> tuple[object, bool, bool]:
+        """(``mode``, whether a batch of that forward mode may give a row a new request, whether the version's mode
+        table has it: a plain runner's forward in it needs no further check), remembered for an enum member."""
+        name = mode_name_of(mode)
+        entry = (mode, name not in _NO_NEW_REQUESTS, name in self.version.FORWARD_MODES)
         if isinstance(mode, enum.Enum):
-            if len(self._attributes_by_mode) >= 256:
-                self._attributes_by_mode.clear()
-            self._attributes_by_mode[id(mode)] = entry
+            if len(self._mode_facts) >= 256:
+                self._mode_facts.clear()
+            self._mode_facts[id(mode)] = entry
         return entry
-
-    def _accept_mode(self, mode: object) -> None:
-        """Remember a ForwardMode member a plain runner's forward was accepted in (IdentityCache's scheme: keyed by id,
-        the entry holding its member); anything but an enum member is checked in full every time."""
-        if isinstance(mode, enum.Enum):
-            if len(self._accepted_modes) >= 256:
-                self._accepted_modes.clear()
-            self._accepted_modes[id(mode)] = mode
 
     def batch_facts(self, state: RunnerState, reqs) -> None:
         """Per batch, what else needs the batch's requests: nothing (the fault injector's request facts)."""
@@ -223,10 +215,12 @@ class AdapterHooks:
         if inst.stopped is not None or (inst.req_to_token.is_cuda and _stream_capturing()):
             return original(runner, forward_batch, *args, **kwargs)
         spec = getattr(runner, speculative.SPEC_ATTR, None)  # (None on every runner but an EAGLE pool's)
-        # A plain runner's forward in a mode accepted before, no host KV tier, no layer over the model hooks: nothing
-        # to check or run before the model (the general branch's checks and before_model, written out as one test)
+        # A plain runner's forward in a mode its table has (seen before), no host KV tier, no layer over the model
+        # hooks: nothing to check or run before the model (the general branch's checks and before_model, written out
+        # as one test; a mode seen first takes the general branch, which also remembers its facts)
         plain = (spec is None and self._plain_model_hooks and state.host_tier is None
-                 and self._accepted_modes.get(id(mode := forward_batch.forward_mode)) is mode)
+                 and (facts := self._mode_facts.get(id(mode := forward_batch.forward_mode))) is not None
+                 and facts[0] is mode and facts[2])
         if not plain:
             try:
                 modes = self.version.FORWARD_MODES if spec is None else speculative.forward_modes(
@@ -235,7 +229,7 @@ class AdapterHooks:
                 if name not in modes:
                     raise unsupported_mode(name, modes, self.version.SGLANG_VERSION)
                 if spec is None:
-                    self._accept_mode(forward_batch.forward_mode)
+                    self._facts_of(forward_batch.forward_mode)
                 self.before_model(state, forward_batch)
             except Exception as exc:  # (log mode: kvcanary stops on this runner, the forward runs: Installation)
                 if not inst.keeps_serving(exc, "before a forward (host half)"):
@@ -390,14 +384,14 @@ class AdapterHooks:
             # writer attribution: a row gets a new request in a prefill (the mode's verdict remembered per ForwardMode
             # member, read here: mode_name's call would be one more frame per batch)
             mode = batch.forward_mode
-            attributes = self._attributes_by_mode.get(id(mode))
-            if attributes is None or attributes[0] is not mode:
-                attributes = self._remember_attribution(mode)
+            facts = self._mode_facts.get(id(mode))
+            if facts is None or facts[0] is not mode:
+                facts = self._facts_of(mode)
             upload = state.token_upload  # (None without the token check)
             # (a batch nothing here reads the requests of, e.g. a decode without the token check: no call for them)
-            if attributes[1] or upload is not None or self._has_batch_facts:
+            if facts[1] or upload is not None or self._has_batch_facts:
                 reqs = self.version.batch_requests(batch)
-                if attributes[1]:
+                if facts[1]:
                     rows, rids = request_rows(reqs)
                     for group in inst.groups:
                         group.manager.assign_requests(rows, rids)
