@@ -240,7 +240,9 @@ def bench_version() -> types.ModuleType:
     pool_groups = base.pool_groups_of(v0_5_12.SGLANG_VERSION, classes)
 
     def wrapper_gate(inst):  # sglang's two piecewise flags are module globals; here, always off
-        return piecewise.wrapper_gate(inst, flags=(lambda: False, lambda: False))
+        off = (types.SimpleNamespace(_in_piecewise_cuda_graph=False),
+               types.SimpleNamespace(_in_breakable_cuda_graph=False))
+        return piecewise.wrapper_gate(inst, flag_modules=off)
 
     # (POOL_CLASSES too: the install's speculative check asks pools.pool_kind with it, which imports the classes it
     # names; with 0.5.12's it imported sglang, which this bench runs without: b450279 broke it)

@@ -393,6 +393,16 @@ def test_the_gate_reads_sglangs_flag_globals_without_calling_sglang(monkeypatch)
     assert gate() is WrapperCall.SKIP
 
 
+def test_an_sglang_without_the_flag_globals_is_refused_by_name(monkeypatch) -> None:
+    from sglang.srt.model_executor.breakable_cuda_graph import context
+
+    from kvcanary.sglang.refusal import UnsupportedSetupError
+
+    monkeypatch.delattr(context, "_in_breakable_cuda_graph")
+    with pytest.raises(UnsupportedSetupError, match="_in_breakable_cuda_graph"):
+        piecewise.wrapper_gate(types.SimpleNamespace(serving=0))
+
+
 def test_without_a_piecewise_runner_the_wrapper_stops_asking_the_gate() -> None:
     """After init, a runner with no piecewise runner (eager prefill, --disable-piecewise-cuda-graph) drops the gate:
     only a piecewise runner sets sglang's two flags, so every later forward is eager, and asking cost three Python

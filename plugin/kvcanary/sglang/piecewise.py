@@ -34,6 +34,7 @@ The import paths and attribute names here are sglang 0.5.12's (``piecewise_cuda_
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable
 
@@ -43,48 +44,40 @@ from kvcanary.sglang.refusal import UnsupportedSetupError
 logger = logging.getLogger(__name__)
 
 
-def _sglang_replay_flags() -> tuple[Callable[[], bool], Callable[[], bool]]:
-    """sglang's own module-level flags: set while a piecewise runner builds its graphs or replays them."""
-    from sglang.srt.compilation.piecewise_context_manager import is_in_piecewise_cuda_graph
-    from sglang.srt.model_executor.breakable_cuda_graph.context import is_in_breakable_cuda_graph
-
-    return is_in_piecewise_cuda_graph, is_in_breakable_cuda_graph
+# sglang 0.5.12's two flags, module globals set while a piecewise (breakable) runner builds its graphs or replays
+# them; its is_in_piecewise_cuda_graph / is_in_breakable_cuda_graph return them
+PIECEWISE_FLAG = ("sglang.srt.compilation.piecewise_context_manager", "_in_piecewise_cuda_graph")
+BREAKABLE_FLAG = ("sglang.srt.model_executor.breakable_cuda_graph.context", "_in_breakable_cuda_graph")
 
 
-def _sglang_flag_modules() -> tuple[object, object] | None:
-    """The two modules whose globals ``_in_piecewise_cuda_graph`` / ``_in_breakable_cuda_graph`` are sglang's flags
-    (what its ``is_in_*`` functions return), or None where a build names them otherwise."""
-    from sglang.srt.compilation import piecewise_context_manager
-    from sglang.srt.model_executor.breakable_cuda_graph import context
+def _sglang_flag_modules() -> tuple[object, object]:
+    """The two modules holding sglang's flags (:data:`PIECEWISE_FLAG`, :data:`BREAKABLE_FLAG`); a build without one
+    is refused by name at install (the gate could not tell a piecewise replay from an eager forward)."""
+    modules = []
+    for module_name, flag in (PIECEWISE_FLAG, BREAKABLE_FLAG):
+        module = importlib.import_module(module_name)
+        if not hasattr(module, flag):
+            raise UnsupportedSetupError(f"kvcanary: sglang's {module_name} has no {flag}: this is not the sglang "
+                                        "0.5.12 kvcanary's piecewise-CUDA-graph gate was written for")
+        modules.append(module)
+    return modules[0], modules[1]
 
-    if hasattr(piecewise_context_manager, "_in_piecewise_cuda_graph") and hasattr(context, "_in_breakable_cuda_graph"):
-        return piecewise_context_manager, context
-    return None
 
-
-def wrapper_gate(inst: Installation, flags: tuple[Callable[[], bool], ...] | None = None
+def wrapper_gate(inst: Installation, flag_modules: tuple[object, object] | None = None
                  ) -> Callable[[], WrapperCall]:
     """The classifier kvcanary's ``model.forward`` wrapper asks on each call (installed as ``inst.wrapper_call``).
 
     A piecewise runner's context flag is set both while it replays a real forward and while it compiles and
     captures at start-up; the installation's ``serving`` count (the ``ModelRunner.forward`` hook keeps it) tells
-    the two apart: capture-time forwards never run inside ``ModelRunner.forward``. Without ``flags`` the gate reads
-    sglang's two module globals itself (each ``is_in_*`` function returns one: a call less per flag on every
-    prefill, the wrapper's only Python calls before its launch on a piecewise-served forward).
+    the two apart: capture-time forwards never run inside ``ModelRunner.forward``. The gate reads sglang's two flag
+    globals itself, not the functions that return them (a call less per flag on every prefill: the wrapper's only
+    Python calls before its launch on a piecewise-served forward). ``flag_modules``: objects standing in for the two
+    modules (a bench without sglang), each with its flag attribute.
     """
-    if flags is None and (modules := _sglang_flag_modules()) is not None:
-        pcg_module, bcg_module = modules
-
-        def gate_on_globals() -> WrapperCall:
-            if not (pcg_module._in_piecewise_cuda_graph or bcg_module._in_breakable_cuda_graph):
-                return WrapperCall.EAGER
-            return WrapperCall.PIECEWISE if inst.serving else WrapperCall.SKIP
-
-        return gate_on_globals
-    pcg, bcg = flags if flags is not None else _sglang_replay_flags()
+    pcg_module, bcg_module = flag_modules if flag_modules is not None else _sglang_flag_modules()
 
     def gate() -> WrapperCall:
-        if not (pcg() or bcg()):
+        if not (pcg_module._in_piecewise_cuda_graph or bcg_module._in_breakable_cuda_graph):
             return WrapperCall.EAGER
         return WrapperCall.PIECEWISE if inst.serving else WrapperCall.SKIP
 
