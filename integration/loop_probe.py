@@ -51,7 +51,9 @@ FIELDS = ("iters", "decode_n", "extend_n", "loop_ns", "recv_ns", "next_ns", "run
           "kvc_drain_ns", "kvc_drain_n", "kvc_stats_ns", "kvc_metrics_ns", "kvc_account_ns", "kvc_batch_ns",
           "kvc_populate_ns", "gpu_decode_ns", "gpu_decode_n", "kvc_gpu_ns", "kvc_gpu_n",
           "unit_ns", "unit_n", "kvc_status_start_ns", "kvc_status_read_ns", "kvc_health_ns", "kvc_assign_ns",
-          "kvc_sweep_ns", "kvc_sweep_source_ns", "kvc_sweep_commit_ns", "kvc_sweep_launch_ns")
+          "kvc_sweep_ns", "kvc_sweep_source_ns", "kvc_sweep_commit_ns", "kvc_sweep_launch_ns", "kvc_sweep_walk_ns",
+          "kvc_sweep_reserve_ns", "kvc_sweep_append_ns", "kvc_sweep_producer_ns", "kvc_sweep_prime_ns",
+          "cuda_mallocs", "cuda_alloc_retries")
 UNIT_LAUNCHES = 5  # `x.add_(1)` launches timed every EVERY iterations: this process's cost of one torch launch
 # "1": also time the device work of kvcanary's eager launches (the check before a forward, the write after it) with
 # a CUDA event pair each. Off by default: the two event records per launch are host time a log Engine would not pay.
@@ -81,6 +83,15 @@ KVCANARY_PIECES = (
     ("kvcanary.sglang.radix_index", "RadixSweepIndex", "__call__", "kvc_sweep_source_ns"),
     ("kvcanary.runtime.sweep_index", "SweepIndex", "commit", "kvc_sweep_commit_ns"),
     ("kvcanary.runtime.device_state", "DeviceState", "sweep", "kvc_sweep_launch_ns"),
+    # inside the source (a first sweep's one-off, ~16 ms in the engine, 2026-12-03: which part?): its walk of the
+    # tree, the plan's growth (device buffers), the spans' host bookkeeping, and the update on the producer's stream
+    # (the appends and the commit inside it); the priming at start-up (kvcanary.runtime.sweep.Sweeper.prime), timed
+    # outside any window. A module's own function: class None.
+    ("kvcanary.sglang.radix_index", None, "walk_spans", "kvc_sweep_walk_ns"),
+    ("kvcanary.runtime.sweep_index", "SweepIndex", "reserve", "kvc_sweep_reserve_ns"),
+    ("kvcanary.runtime.sweep_index", "SweepIndex", "append", "kvc_sweep_append_ns"),
+    ("kvcanary.sglang.radix_index", None, "update_after_producer", "kvc_sweep_producer_ns"),
+    ("kvcanary.runtime.sweep", "Sweeper", "prime", "kvc_sweep_prime_ns"),
     ("kvcanary.runtime.manager", "CanaryManager", "_log_stats", "kvc_stats_ns"),
     ("kvcanary.report.metrics", "CanaryMetrics", "observe", "kvc_metrics_ns"),
     ("kvcanary.runtime.installation", "Installation", "account_forward", "kvc_account_ns"),
@@ -141,6 +152,15 @@ class Probe:
         self.c["unit_ns"] += time.perf_counter_ns() - t
         self.c["unit_n"] += UNIT_LAUNCHES
 
+    def read_allocator(self) -> None:
+        """The caching allocator's device allocations (cudaMalloc) and its retries after one failed (a retry frees
+        the cached blocks and synchronises the device first), cumulative: a window whose sweep or launch allocated."""
+        import torch
+
+        stats = torch.cuda.memory_stats()
+        self.c["cuda_mallocs"] = int(stats.get("num_device_alloc", 0))
+        self.c["cuda_alloc_retries"] = int(stats.get("num_alloc_retries", 0))
+
     def collect(self) -> None:
         """Read the event pairs that completed (``query``: never waits)."""
         while self.pending and self.pending[0][1].query():
@@ -162,6 +182,7 @@ class Probe:
             self.c["kvc_gpu_n"] += 1
 
     def print(self) -> None:
+        self.read_allocator()
         fields = " ".join(f"{k}={v}" for k, v in self.c.items())
         print(f"[e2e-probe] t={time.time():.3f} pid={os.getpid()} {fields}", flush=True)
 
@@ -307,13 +328,15 @@ def install_kvcanary_pieces() -> int:
     return patched
 
 
-def _patch(module: str, cls_name: str, name: str, wrap, marker: str) -> bool:
-    """Replace ``module.cls_name.name`` by ``wrap(method)``, unless kvcanary lacks it or it carries ``marker`` (it
-    is wrapped already). Returns whether it was replaced."""
+def _patch(module: str, cls_name: str | None, name: str, wrap, marker: str) -> bool:
+    """Replace ``module.cls_name.name`` (``module.name`` for ``cls_name`` None: a function the module calls by its
+    global name) by ``wrap(method)``, unless kvcanary lacks it or it carries ``marker`` (it is wrapped already).
+    Returns whether it was replaced."""
     import importlib
 
     try:
-        cls = getattr(importlib.import_module(module), cls_name)
+        owner = importlib.import_module(module)
+        cls = owner if cls_name is None else getattr(owner, cls_name)
     except (ImportError, AttributeError):
         return False
     fn = cls.__dict__.get(name)
@@ -431,7 +454,10 @@ KVC_COLUMNS = (("kvc_batch_us", "batch hook"), ("kvc_assign_us", "of it assign_r
                ("kvc_status_start_us", "of that status copy start"), ("kvc_status_read_us", "status read"),
                ("kvc_health_us", "of that health"), ("kvc_stats_us", "of step stats"),
                ("kvc_sweep_us", "of step sweep"), ("kvc_sweep_source_us", "of that source"),
-               ("kvc_sweep_commit_us", "of that commit"), ("kvc_sweep_launch_us", "of the sweep launch"),
+               ("kvc_sweep_commit_us", "of that commit"), ("kvc_sweep_walk_us", "of that walk"),
+               ("kvc_sweep_reserve_us", "of that plan growth"), ("kvc_sweep_append_us", "of that appends"),
+               ("kvc_sweep_producer_us", "of that update on the producer's stream"),
+               ("kvc_sweep_launch_us", "of the sweep launch"),
                ("kvc_metrics_us", "metrics"),
                ("kvc_account_us", "account_forward"), ("kvc_populate_us", "graph padding"),
                ("kvc_gpu_us", f"device µs per eager launch ({DEVICE_ENV}=1)"))

@@ -99,6 +99,10 @@ def test_real_engine_clean_run_then_detections(engine, capsys, monkeypatch) -> N
     prefix = [rng.randrange(3, 2000) for _ in range(40)]
     sched = sgl_engine.MiniScheduler(mr, tree, chunk_size=48)
     manager = inst.manager
+    # The RadixCache's incremental sweep source was primed when after_init_cache set it: its first walk is start-up
+    # work, not a serving forward's (on the H200 the first sweep cost one forward ~16 ms of host time)
+    source = manager.sweeper.source
+    assert isinstance(source, radix_index.RadixSweepIndex) and source.walk_reasons["first"] == source.walks == 1
     general = collections.Counter()  # forwards the wrapper's general path launched (a BatchView each)
     real_before = manager.before_forward
     monkeypatch.setattr(manager, "before_forward",
@@ -108,6 +112,7 @@ def test_real_engine_clean_run_then_detections(engine, capsys, monkeypatch) -> N
     # time goes through the general path, which names an unsupported one)
     assert inst.to_arrays is not None and sum(general.values()) == len(set(sched.forwards)), general
     manager.flush()
+    assert source.walk_reasons["first"] == 1  # (the priming's: no sweep walked for lack of one)
     st = manager.stats
     modes = collections.Counter(sched.forwards)
     n = len(sched.forwards)

@@ -20,10 +20,11 @@ def _i64(*v: int) -> torch.Tensor:
     return torch.tensor(v, dtype=torch.int64)
 
 
-def _installation(mode: Mode, *, strided_slots: bool) -> Installation:
+def _installation(mode: Mode, *, strided_slots: bool, **config) -> Installation:
     """One CPU manager behind the model.forward wrapper; ``strided_slots``: the views hand the launch a strided
-    out_cache_loc, which it refuses by name (ValueError), as it did sglang's EAGLE draft decode's."""
-    cfg = Config(mode=mode, stats_every=0)
+    out_cache_loc, which it refuses by name (ValueError), as it did sglang's EAGLE draft decode's. ``config``: more
+    Config fields."""
+    cfg = Config(mode=mode, **{"stats_every": 0, **config})
     r2t = torch.zeros((4, 32), dtype=torch.int32)
     manager = CanaryManager(cfg, num_slots=64, req_to_token=r2t, device="cpu", max_batch_size=4,
                             max_tokens_per_forward=32)
@@ -126,3 +127,48 @@ def test_the_stop_reaches_the_health_errors_counter() -> None:
     inst.wrap_model_forward(model)
     model.forward(torch.arange(3, 7), torch.arange(4), None)
     assert registry.get_sample_value(PREFIX + "health_errors_total", {"tp_rank": "0"}) == 1.0
+
+
+def _primed_installation(mode: Mode, source) -> Installation:
+    """An installation that sweeps every 4 forwards, given ``source`` as its sweep source."""
+    inst = _installation(mode, strided_slots=False, sweep_interval=4)
+    inst.set_sweep_source(source)
+    return inst
+
+
+def test_a_sweep_source_that_fails_its_priming_stops_the_canary_in_log_mode() -> None:
+    """The source is asked once when it is set (the first sweep's one-off work, at start-up): in log mode a source
+    that raises there stops kvcanary on the runner, as a failing sweep would, and start-up goes on; raise mode
+    re-raises."""
+    def broken():
+        raise RuntimeError("the prefix cache is gone")
+
+    inst = _primed_installation(Mode.LOG, broken)
+    assert inst.stopped is not None and "priming the prefix-cache sweep" in inst.stopped
+    assert "the prefix cache is gone" in inst.stopped
+    with pytest.raises(RuntimeError, match="the prefix cache is gone"):
+        _primed_installation(Mode.RAISE, broken)
+
+
+def test_the_priming_is_not_in_the_first_host_time_line(caplog) -> None:
+    """The priming's walk (a source that walks its cache on its first call only, as the incremental one does)
+    happens at start-up: the first ``kvcanary host time`` line, after the first sweep, counts one sweep and no
+    walk."""
+    class Source:
+        walks = 0
+
+        def __call__(self):
+            self.walks = 1
+            return [], [], []
+
+    source = Source()
+    inst = _installation(Mode.LOG, strided_slots=False, sweep_interval=4, stats_every=4)
+    inst.mark_init_finished()
+    inst.set_sweep_source(source)
+    assert source.walks == 1  # primed
+    with caplog.at_level(logging.INFO, logger="kvcanary.runtime.installation"):
+        for _ in range(4):
+            inst.host_after()
+            inst.account_forward(1000, 100)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kvcanary host time")]
+    assert " sweeps=1 sweep_walks=1 " not in line and " sweeps=1 sweep_walks=0 " in line, line

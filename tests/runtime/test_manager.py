@@ -394,3 +394,23 @@ def test_int32_batch_arrays_give_the_same_records_and_checks_as_int64() -> None:
         results.append((mgr.canary_buf.clone(), mgr.stats.slot_runs, len(mgr.violations)))
     assert torch.equal(results[0][0], results[1][0]) and results[0][1:] == results[1][1:]
     assert results[0][1][LaunchTag.VERIFY] == 4 and results[0][2] == 0
+
+
+def test_a_sweep_source_is_primed_when_it_is_set() -> None:
+    """With sweeps on, ``set_sweep_source`` asks the source once (the first sweep's one-off work, at start-up) and
+    drops the answer: nothing is verified, launched or counted until the first sweep asks again. With sweeps off
+    the source is not asked."""
+    eng = TinyEngine(mode=Mode.LOG, sweep_interval=2)
+    eng.forward([1], [4])
+    slots = [int(s) for s in eng.req_to_token[1, :4]]
+    calls = []
+    eng.mgr.set_sweep_source(lambda: calls.append(len(calls)) or (slots, [-1, *slots[:-1]], list(range(4))))
+    assert calls == [0]
+    eng.mgr.flush()
+    assert eng.mgr.stats.sweeps == 0 and eng.mgr.stats.kernel_runs[LaunchTag.SWEEP] == 0
+    eng.forward([2], [1])  # the second forward: the first sweep
+    eng.mgr.flush()
+    assert calls == [0, 1] and eng.mgr.stats.sweeps == 1 and eng.mgr.stats.slot_runs[LaunchTag.SWEEP] == 4
+    off = TinyEngine(mode=Mode.LOG, sweep_interval=0)
+    off.mgr.set_sweep_source(lambda: calls.append("off"))
+    assert calls == [0, 1]

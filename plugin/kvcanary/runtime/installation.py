@@ -419,7 +419,16 @@ class Installation:
         host.since_forward_ns += ns
 
     def set_sweep_source(self, source: SweepSource | None) -> None:
-        self.manager.set_sweep_source(source)
+        """The full pool's sweep source (:meth:`CanaryManager.set_sweep_source`, which primes it); in log mode a
+        source that fails there stops kvcanary on this runner, as a failing sweep would. Before the first real forward
+        the priming is start-up work: the ``kvcanary host time`` lines' sweep figures start after it."""
+        try:
+            self.manager.set_sweep_source(source)
+        except Exception as exc:
+            if not self.keeps_serving(exc, "priming the prefix-cache sweep"):
+                raise
+        if self.host_time.forwards == 0:
+            self._sweep_at_init = self.sweep_tally()
 
     def update_expected_tokens(self, updates: Sequence[tuple[int, int, Sequence[int]]]) -> None:
         """The token check's uploads (see :meth:`CanaryManager.update_expected_tokens`), the same ``updates`` for

@@ -349,9 +349,15 @@ class CanaryManager:
     def set_sweep_source(self, source: SweepSource | None) -> None:
         """`source()` returns (slots, prevs, positions) of every slot the prefix cache holds (the very tensors of its
         previous call when the cache has not changed since: see :meth:`sweep`), or a plan it keeps up to date itself
-        (:class:`kvcanary.runtime.sweep.SweepPlan`)."""
+        (:class:`kvcanary.runtime.sweep.SweepPlan`).
+
+        With sweeps on (``sweep_interval`` > 0) the new source is primed here (:meth:`Sweeper.prime
+        <kvcanary.runtime.sweep.Sweeper.prime>`: asked once, its answer dropped), so the first sweep's one-off costs
+        are paid now rather than by a serving forward. Raises what the source raises."""
         self.sweeper.source = source
         self.health.set_expected(self._expected_tags())
+        if self.sweeper.interval > 0:
+            self.sweeper.prime()
 
     def _expected_tags(self) -> tuple[int, ...]:
         return expected_launch_tags(self.config.sweep_interval, self.config.health_window,
