@@ -53,7 +53,8 @@ FIELDS = ("iters", "decode_n", "extend_n", "loop_ns", "recv_ns", "next_ns", "run
           "unit_ns", "unit_n", "kvc_status_start_ns", "kvc_status_read_ns", "kvc_health_ns", "kvc_assign_ns",
           "kvc_sweep_ns", "kvc_sweep_source_ns", "kvc_sweep_commit_ns", "kvc_sweep_launch_ns", "kvc_sweep_walk_ns",
           "kvc_sweep_reserve_ns", "kvc_sweep_append_ns", "kvc_sweep_producer_ns", "kvc_sweep_prime_ns",
-          "cuda_mallocs", "cuda_alloc_retries")
+          "kvc_streams_consumer_ns", "kvc_streams_done_ns", "kvc_streams_hold_ns", "torch_event_record_ns",
+          "torch_stream_wait_event_ns", "cuda_mallocs", "cuda_alloc_retries", "gc0_ns", "gc1_ns", "gc2_ns", "gc2_n")
 UNIT_LAUNCHES = 5  # `x.add_(1)` launches timed every EVERY iterations: this process's cost of one torch launch
 # "1": also time the device work of kvcanary's eager launches (the check before a forward, the write after it) with
 # a CUDA event pair each. Off by default: the two event records per launch are host time a log Engine would not pay.
@@ -92,6 +93,13 @@ KVCANARY_PIECES = (
     ("kvcanary.runtime.sweep_index", "SweepIndex", "append", "kvc_sweep_append_ns"),
     ("kvcanary.sglang.radix_index", None, "update_after_producer", "kvc_sweep_producer_ns"),
     ("kvcanary.runtime.sweep", "Sweeper", "prime", "kvc_sweep_prime_ns"),
+    # inside that update: the order between the producer's stream and the sweep's (the first serving sweep spent
+    # ~17 ms there outside the appends and the commit, 2026-12-03), and torch's two calls it makes (every caller's)
+    ("kvcanary.runtime.streams", None, "_other_consumer", "kvc_streams_consumer_ns"),
+    ("kvcanary.runtime.streams", None, "_producer_done", "kvc_streams_done_ns"),
+    ("kvcanary.runtime.streams", None, "_hold_until_done", "kvc_streams_hold_ns"),
+    ("torch.cuda", "Event", "record", "torch_event_record_ns"),
+    ("torch.cuda", "Stream", "wait_event", "torch_stream_wait_event_ns"),
     ("kvcanary.runtime.manager", "CanaryManager", "_log_stats", "kvc_stats_ns"),
     ("kvcanary.report.metrics", "CanaryMetrics", "observe", "kvc_metrics_ns"),
     ("kvcanary.runtime.installation", "Installation", "account_forward", "kvc_account_ns"),
@@ -188,6 +196,25 @@ class Probe:
 
 
 PROBE = Probe()
+
+
+def _time_gc() -> None:
+    """Python's garbage collections by generation (gc.callbacks): a full collection of a serving process can take
+    milliseconds, and it lands in whatever code allocated when the threshold tripped (the first sweep's ~15 ms?)."""
+    import gc
+
+    started = [0]
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter_ns()
+            return
+        gen = info.get("generation", 0)
+        PROBE.add(f"gc{gen}_ns", time.perf_counter_ns() - started[0])
+        if gen == 2:
+            PROBE.c["gc2_n"] += 1
+
+    gc.callbacks.append(callback)
 
 
 def _timed(fn, key: str, count: str | None = None):
@@ -308,6 +335,7 @@ def install() -> None:
     from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
 
     CudaGraphRunner.replay = _timed(CudaGraphRunner.replay, "replay_ns")
+    _time_gc()
     patched = install_kvcanary_pieces()
     print(f"[e2e-probe] installed pid={os.getpid()} kvcanary pieces={patched}", flush=True)
 

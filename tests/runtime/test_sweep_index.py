@@ -265,3 +265,23 @@ def test_the_sweeper_counts_its_host_time_and_the_host_line_reports_it() -> None
     assert "canary_us_per_forward=110.0 " in followed and " sweep_event_us=10.0 max_forward_us=" in followed
     assert "sweep_us" not in HostTime(forwards=4).line(step=4)
     assert "sweep_us" not in HostTime(forwards=4).line(step=4, sweep=SweepTally())  # a period without a sweep
+
+
+def test_prime_runs_both_gather_index_builds_and_the_gather_and_changes_no_entry(monkeypatch) -> None:
+    """``prime`` runs what a compaction launches (the scan and the segment ways of building its gather index, the
+    gather), so that on a GPU their first launches come at start-up; the index is left as a fresh one: the same plans
+    after the same changes, compaction included."""
+    calls = []
+    for name in ("cumsum", "repeat_interleave", "index_select"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name,
+                            lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+    primed, fresh = SweepIndex("cpu"), SweepIndex("cpu")
+    primed.prime()
+    assert sorted(set(calls)) == ["cumsum", "index_select", "repeat_interleave"] and len(primed) == 0
+    for index in (primed, fresh):
+        index.append([Span("a", torch.arange(1, 3001)), Span("dead", torch.arange(5000, 10000), "a")])
+        index.remove("dead")
+        index.reserve(0)
+        index.compact()
+    assert live(primed.commit()) == live(fresh.commit()) and primed.compactions == fresh.compactions == 1

@@ -147,6 +147,8 @@ class RadixSweepIndex:
                 return self._update(self._pending_spans(), rebuild=False)
             except UnplacedSpan:  # (a node whose parent the index never saw: placed by a walk instead)
                 self._stale = "unplaced"
+        if self._stale == "first":  # (at start-up when the sweep primes its source: kvcanary.runtime.sweep)
+            self._index.prime()
         self.walk_reasons[self._stale] += 1
         plan = self._update(walk_spans(self._tree), rebuild=True)
         self.walks += 1
