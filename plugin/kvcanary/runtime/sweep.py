@@ -114,10 +114,11 @@ class Sweeper:
 
     def prime(self) -> None:
         """A first sweep's one-off work, done now (at start-up, before serving): the source is asked once and its
-        answer dropped (the first sweep asks again); nothing is verified, launched by the sweep or counted. Why: in
-        the engine the first sweep cost one forward ~16 ms of host time, nearly all of it in the source's first call
-        (phase 2 on the H200, 2026-12-03: the first walk, the first plan's buffers and its first update, against
-        0.2 ms for the sweep's launch), which no serving forward should pay. No-op without a source."""
+        answer dropped (the first sweep asks again); nothing is verified, launched by the sweep or counted. Why: a
+        source's first call does what no later one does (the RadixCache index's walk and plan, and the first use of
+        its compaction's torch kernels, which it runs once on scratch then: in the H200 engine that first use cost
+        one forward 13-18 ms of host time, 2026-12-03), which no serving forward should pay. No-op without a
+        source."""
         if self.source is not None:
             self.source()
 
