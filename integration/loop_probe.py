@@ -53,7 +53,8 @@ FIELDS = ("iters", "decode_n", "extend_n", "loop_ns", "recv_ns", "next_ns", "run
           "unit_ns", "unit_n", "kvc_status_start_ns", "kvc_status_read_ns", "kvc_health_ns", "kvc_assign_ns",
           "kvc_sweep_ns", "kvc_sweep_source_ns", "kvc_sweep_commit_ns", "kvc_sweep_launch_ns", "kvc_sweep_walk_ns",
           "kvc_sweep_reserve_ns", "kvc_sweep_append_ns", "kvc_sweep_producer_ns", "kvc_sweep_prime_ns",
-          "kvc_sweep_compact_ns", "kvc_sweep_index_prime_ns", "kvc_streams_consumer_ns", "kvc_streams_done_ns", "kvc_streams_hold_ns", "torch_event_record_ns",
+          "kvc_sweep_compact_ns", "kvc_sweep_index_prime_ns", "kvc_streams_consumer_ns", "kvc_streams_done_ns",
+          "kvc_streams_hold_ns", "torch_event_record_ns",
           "torch_stream_wait_event_ns", "cuda_mallocs", "cuda_alloc_retries", "gc0_ns", "gc1_ns", "gc2_ns", "gc2_n")
 UNIT_LAUNCHES = 5  # `x.add_(1)` launches timed every EVERY iterations: this process's cost of one torch launch
 # "1": also time the device work of kvcanary's eager launches (the check before a forward, the write after it) with
