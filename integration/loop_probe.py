@@ -55,12 +55,19 @@ FIELDS = ("iters", "decode_n", "extend_n", "loop_ns", "recv_ns", "next_ns", "run
           "kvc_sweep_reserve_ns", "kvc_sweep_append_ns", "kvc_sweep_producer_ns", "kvc_sweep_prime_ns",
           "kvc_sweep_compact_ns", "kvc_sweep_index_prime_ns", "kvc_streams_consumer_ns", "kvc_streams_done_ns",
           "kvc_streams_hold_ns", "torch_event_record_ns",
-          "torch_stream_wait_event_ns", "cuda_mallocs", "cuda_alloc_retries", "gc0_ns", "gc1_ns", "gc2_ns", "gc2_n")
+          "torch_stream_wait_event_ns", "kvc_token_columns_ns", "tok_after_result_ns", "cuda_mallocs",
+          "cuda_alloc_retries", "gc0_ns", "gc1_ns", "gc2_ns", "gc2_n")
 UNIT_LAUNCHES = 5  # `x.add_(1)` launches timed every EVERY iterations: this process's cost of one torch launch
 # "1": also time the device work of kvcanary's eager launches (the check before a forward, the write after it) with
 # a CUDA event pair each. Off by default: the two event records per launch are host time a log Engine would not pay.
 # Launches inside a captured graph are not timed (the graph replays them without calling Python).
 DEVICE_ENV = "E2E_LOOP_PROBE_KVC_DEVICE"
+# "1": an experiment for the token check's host cost (issue 25): build the token-check columns of each decode batch a
+# second time, on a mirror of the probe's own, right after sglang's `process_batch_result_decode` (whose loop has just
+# touched every request), timed as `tok_after_result_ns`, beside the batch hook's own build (`kvc_token_columns_ns`).
+# Same work (one token more per row than the mirror holds), another moment: what the requests' cold caches cost. The
+# second build is host time of the loop, not kvcanary's accounting; off by default.
+TOKENS_AFTER_RESULT_ENV = "E2E_LOOP_PROBE_TOKENS_AFTER_RESULT"
 
 # kvcanary's own pieces, timed where they are looked up at call time (so the plugins' load order does not
 # matter): (module, class, method, counter). A name a version of kvcanary lacks is skipped. Pieces nest: step
@@ -107,6 +114,7 @@ KVCANARY_PIECES = (
     ("kvcanary.report.metrics", "CanaryMetrics", "observe", "kvc_metrics_ns"),
     ("kvcanary.runtime.installation", "Installation", "account_forward", "kvc_account_ns"),
     ("kvcanary.runtime.manager", "CanaryManager", "assign_requests", "kvc_assign_ns"),  # inside the batch hook
+    ("kvcanary.sglang.hooks", None, "expected_token_columns", "kvc_token_columns_ns"),  # the batch hook's token columns
     # a decode graph's padded rows zeroed before its replay (inside the forward, outside the pieces above)
     ("kvcanary.sglang.hooks", "AdapterHooks", "zero_stale_padding", "kvc_populate_ns"),
 )
@@ -338,9 +346,30 @@ def install() -> None:
     from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
 
     CudaGraphRunner.replay = _timed(CudaGraphRunner.replay, "replay_ns")
+    if os.environ.get(TOKENS_AFTER_RESULT_ENV) == "1":
+        _build_tokens_after_result(Scheduler)
     _time_gc()
     patched = install_kvcanary_pieces()
     print(f"[e2e-probe] installed pid={os.getpid()} kvcanary pieces={patched}", flush=True)
+
+
+def _build_tokens_after_result(scheduler_cls) -> None:
+    """TOKENS_AFTER_RESULT_ENV's experiment: the token-check columns of a decode batch built again, on the probe's own
+    mirror, right after sglang's ``process_batch_result_decode``."""
+    from kvcanary.sglang.tokens import expected_token_columns
+
+    mirror: dict = {}
+    original = scheduler_cls.process_batch_result_decode
+
+    def process_batch_result_decode(self, batch, result, *args, **kwargs):
+        out = original(self, batch, result, *args, **kwargs)
+        t = time.perf_counter_ns()
+        expected_token_columns(mirror, batch.reqs)
+        PROBE.add("tok_after_result_ns", time.perf_counter_ns() - t)
+        return out
+
+    process_batch_result_decode.e2e_probe = "tok_after_result_ns"
+    scheduler_cls.process_batch_result_decode = process_batch_result_decode
 
 
 def install_kvcanary_pieces() -> int:

@@ -57,10 +57,11 @@ def timed(module, cls, name):
     return getattr(owner.__dict__.get(name), "e2e_probe", None)
 missing = [p for p in lp.KVCANARY_PIECES + lp.KVCANARY_REPORTED_PIECES if not timed(*p[:3])]
 assert not missing, missing  # every piece the probe names exists in this kvcanary
+assert Scheduler.process_batch_result_decode.e2e_probe == "tok_after_result_ns"  # (the env's experiment)
 print("ok")
 """
     plugin = str(HERE.parents[1] / "plugin")  # this checkout's kvcanary
-    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1",
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1", E2E_LOOP_PROBE_TOKENS_AFTER_RESULT="1",
                PYTHONPATH=plugin + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
