@@ -7,24 +7,14 @@ import pytest
 
 @pytest.fixture(autouse=True)
 def _default_registry_metrics_per_test():
-    """Each test starts without kvcanary's counters in prometheus_client's default registry and leaves none behind.
+    """Each test leaves no kvcanary counters in prometheus_client's default registry.
 
     Why: the first label set a process registers fixes the counters' label names (kvcanary.report.metrics: one
     family per name and registry), so an Installation a unit test builds without a model name (labels ``tp_rank``
     only, or none) changed what a later test that scrapes sglang's labels found: that test passed or failed by the
     order the files ran in.
     """
-    from kvcanary.report import metrics
+    from kvcanary.report.metrics import forget_default_metrics
 
     yield
-    families = metrics._default_families
-    if families is not None:
-        from prometheus_client import REGISTRY
-
-        for counter in families.counters.values():
-            try:
-                REGISTRY.unregister(counter)
-            except KeyError:  # (a test unregistered it already)
-                pass
-    metrics._default_families = None
-    metrics._by_labels.clear()
+    forget_default_metrics()

@@ -448,3 +448,16 @@ def test_installation_close_adds_what_observe_left_for_later() -> None:
     assert scrape(registry)[key] == 1  # the first feed only
     inst.close()
     assert scrape(registry)[key] == mgr.stats.forwards == 5
+
+
+def test_forget_default_metrics_lets_the_next_labels_name_the_counters() -> None:
+    """The first label set of the default registry fixes the label names; after ``forget_default_metrics`` the next
+    one does (and the old counters are gone from the scrape)."""
+    from prometheus_client import REGISTRY
+
+    first = metrics.metrics_for({"tp_rank": 0})
+    assert first.labels == {"tp_rank": "0"}
+    assert metrics.metrics_for({"tp_rank": 0}, "m").labels == {"tp_rank": "0"}  # model_name not exported
+    metrics.forget_default_metrics()
+    assert REGISTRY.get_sample_value(metrics.PREFIX + "forwards_total", {"tp_rank": "0"}) is None
+    assert metrics.metrics_for({"tp_rank": 0}, "m").labels == {"model_name": "m", "tp_rank": "0"}

@@ -340,3 +340,22 @@ def metrics_for(rank: Mapping[str, Any] | None, model_name: str | None = None) -
             found = NoMetrics()
     _by_labels[key] = found
     return found
+
+
+def forget_default_metrics() -> None:
+    """Take kvcanary's counters out of prometheus_client's default registry and forget the process's
+    :func:`metrics_for` results, so that the next label set registers them anew (its keys fixing the label names).
+    For tests, which build runners with different labels in one process; an installation that still holds a
+    :class:`CanaryMetrics` keeps counting into counters no scrape sees."""
+    global _default_families
+    with _families_lock:
+        families, _default_families = _default_families, None
+    if families is not None:
+        from prometheus_client import REGISTRY
+
+        for counter in families.counters.values():
+            try:
+                REGISTRY.unregister(counter)
+            except KeyError:  # (unregistered already)
+                pass
+    _by_labels.clear()

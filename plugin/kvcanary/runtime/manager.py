@@ -442,7 +442,6 @@ class CanaryManager:
     def mode(self) -> Mode:
         return self.config.mode
 
-
     # ------------------------------------------------------------------------------------------ adapter queries
     # What an engine adapter's fault injector (kvcanary.sglang.fault_injection) asks of a manager, as public API:
     # host-side answers (no device read) and one stream-ordered rewrite. Nothing here runs in a normal forward.
