@@ -41,15 +41,21 @@
  *        blocks of kTokenUpdateThreads threads, grid-stride, one update per thread; a row repeated in the batch
  *        (checked on the host): one thread applying the updates in order (a rare batch: the later update wins).
  *        num_updates == 0: no launch. CPU: one loop in batch order.
+ *
+ * canary_token_append_bind binds the append's three tensors once (one bound function per staging of the runtime's
+ *   ring): they are validated and the staging's device address resolved at binding, and a call checks only its count
+ *   and the staged updates, then launches as the export does.
  */
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
+#include "bound_args.cuh"
 #include "kvcanary/launch.h"
 #include "kvcanary/layout.h"
 #include "kvcanary/macros.h"
@@ -266,26 +272,15 @@ inline TokenTableArgs token_table_args(const char* fn, const TensorView& expecte
   return args;
 }
 
-/*!
- * \brief The part both exports share once their arguments are checked: on CUDA the device guard and the staging's
- *   device address (checked pinned), which is the address the kernel reads; nothing more for no update; else
- *   `check_updates()` (host-side checks of the staged updates, throwing for the first bad one; returns whether a row
- *   repeats), then `launch(params, repeated_rows)` with the staging's address in the params, the guard still held.
- */
-template <typename CheckUpdates, typename Launch>
-inline void run_token_staging(const char* fn, TokenTableArgs& args, CheckUpdates check_updates, Launch launch) {
+/*! \brief The staging's address the kernel reads (CUDA: the pinned memory's device address, checked pinned). */
+inline const int64_t* token_staging_address(const char* fn, const TokenTableArgs& args) {
 #if KVCANARY_DEVICE_BUILD
   tvm::ffi::CUDADeviceGuard guard(args.device.device_id);
-  const int64_t* staging = pinned_device_address(fn, "staging", args.host_staging);
+  return pinned_device_address(fn, "staging", args.host_staging);
 #else
-  const int64_t* staging = args.host_staging;
+  (void)fn;
+  return args.host_staging;
 #endif
-  if (args.params.num_updates == 0) {
-    return;
-  }
-  const bool repeated_rows = check_updates();
-  args.params.staging = staging;
-  launch(args.params, repeated_rows);
 }
 
 /*!
@@ -304,21 +299,59 @@ inline void canary_token_update(TensorView expected_tokens, TensorView valid_len
       << args.staging_len << ", got " << staged_len;
   // 2-4. the headers checked on the host (the staging is host memory), then the launch on the caller's stream: a
   //      block per update (grid-stride past kTokenUpdateMaxBlocks); one block, in batch order, when a row repeats.
-  run_token_staging(
-      kFn, args,
-      [&] {
-        return token_update_check_headers(kFn, args.host_staging, num_updates, staged_len, args.rows, args.width);
-      },
-      [&](const TokenUpdateParams& p, bool repeated_rows) {
+  const int64_t* staging_address = token_staging_address(kFn, args);
+  if (num_updates == 0) {
+    return;
+  }
+  const bool repeated_rows =
+      token_update_check_headers(kFn, args.host_staging, num_updates, staged_len, args.rows, args.width);
+  TokenUpdateParams p = args.params;
+  p.staging = staging_address;
 #if KVCANARY_DEVICE_BUILD
-        const int64_t blocks = repeated_rows ? 1 : std::min(num_updates, kTokenUpdateMaxBlocks);
-        launch_kernel(canary_token_update_kernel, static_cast<uint32_t>(blocks), kTokenUpdateThreads,
-                      current_stream(args.device), p);
+  tvm::ffi::CUDADeviceGuard guard(args.device.device_id);
+  const int64_t blocks = repeated_rows ? 1 : std::min(num_updates, kTokenUpdateMaxBlocks);
+  launch_kernel(canary_token_update_kernel, static_cast<uint32_t>(blocks), kTokenUpdateThreads,
+                current_stream(args.device), p);
 #else
-        (void)repeated_rows;  // CPU: the updates in batch order
-        canary_token_update_cpu(p);
+  (void)repeated_rows;  // CPU: the updates in batch order
+  canary_token_update_cpu(p);
 #endif
-      });
+}
+
+/*!
+ * \brief The launch of `num_updates` appends staged at `staging` (its address the kernel reads: CUDA: the pinned
+ *   staging's device address), `args` checked (token_table_args) and the staging's length `args.staging_len`: the
+ *   count checked against it, the updates on the host, then the launch on the caller's stream: a thread per update
+ *   (grid-stride past kTokenUpdateMaxBlocks blocks); one thread, in batch order, when a row repeats. What the export
+ *   and the bound append share.
+ */
+inline void token_append_launch(const char* fn, TokenTableArgs args, const int64_t* staging, int64_t num_updates) {
+  KVCANARY_CHECK_ARG(num_updates >= 0 && num_updates <= INT32_MAX, ValueError, fn, "num_updates")
+      << "must be in [0, 2^31), got " << num_updates;
+  const int64_t staged = static_cast<int64_t>(kTokenAppendFields) * num_updates;
+  KVCANARY_CHECK_ARG(staged <= args.staging_len, ValueError, fn, "num_updates")
+      << "expected " << kTokenAppendFields << " * num_updates = " << staged << " <= staging length "
+      << args.staging_len;
+  if (num_updates == 0) {
+    return;
+  }
+  const bool repeated_rows = token_append_check_updates(fn, args.host_staging, num_updates, args.rows, args.width);
+  TokenUpdateParams p = args.params;
+  p.num_updates = num_updates;
+  p.staging = staging;
+#if KVCANARY_DEVICE_BUILD
+  tvm::ffi::CUDADeviceGuard guard(args.device.device_id);
+  const cudaStream_t stream = current_stream(args.device);
+  if (repeated_rows) {
+    launch_kernel(canary_token_append_ordered_kernel, 1U, 1U, stream, p);
+  } else {
+    const int64_t blocks = std::min(ceil_div(num_updates, kTokenUpdateThreads), kTokenUpdateMaxBlocks);
+    launch_kernel(canary_token_append_kernel, static_cast<uint32_t>(blocks), kTokenUpdateThreads, stream, p);
+  }
+#else
+  (void)repeated_rows;  // CPU: the updates in batch order
+  canary_token_append_cpu(p);
+#endif
 }
 
 /*!
@@ -328,30 +361,38 @@ inline void canary_token_update(TensorView expected_tokens, TensorView valid_len
 inline void canary_token_append(TensorView expected_tokens, TensorView valid_lens_by_row, TensorView staging,
                                 int64_t num_updates) {
   constexpr const char* kFn = "canary_token_append";
-  // 1. validate the tensors and sizes
-  TokenTableArgs args = token_table_args(kFn, expected_tokens, valid_lens_by_row, staging, num_updates);
-  const int64_t staged = static_cast<int64_t>(kTokenAppendFields) * num_updates;
-  KVCANARY_CHECK_ARG(staged <= args.staging_len, ValueError, kFn, "num_updates")
-      << "expected " << kTokenAppendFields << " * num_updates = " << staged << " <= staging length "
-      << args.staging_len;
-  // 2-4. the updates checked on the host, then the launch on the caller's stream: a thread per update (grid-stride
-  //      past kTokenUpdateMaxBlocks blocks); one thread, in batch order, when a row repeats.
-  run_token_staging(
-      kFn, args, [&] { return token_append_check_updates(kFn, args.host_staging, num_updates, args.rows, args.width); },
-      [&](const TokenUpdateParams& p, bool repeated_rows) {
-#if KVCANARY_DEVICE_BUILD
-        if (repeated_rows) {
-          launch_kernel(canary_token_append_ordered_kernel, 1U, 1U, current_stream(args.device), p);
-        } else {
-          const int64_t blocks = std::min(ceil_div(num_updates, kTokenUpdateThreads), kTokenUpdateMaxBlocks);
-          launch_kernel(canary_token_append_kernel, static_cast<uint32_t>(blocks), kTokenUpdateThreads,
-                        current_stream(args.device), p);
-        }
-#else
-        (void)repeated_rows;  // CPU: the updates in batch order
-        canary_token_append_cpu(p);
-#endif
-      });
+  TokenTableArgs args = token_table_args(kFn, expected_tokens, valid_lens_by_row, staging, 0);
+  token_append_launch(kFn, args, token_staging_address(kFn, args), num_updates);
+}
+
+/*!
+ * \brief canary_token_append with its three tensors bound once (issue 25: the token check's upload of every decode
+ *   forward): validated, extracted and, on CUDA, the staging's device address resolved at binding (the export asks
+ *   the driver for it on every call). Returns a function of (stream_tensor, num_updates) that checks the count and
+ *   the staged updates on the host and launches, with the export's errors. The function owns the three tensors.
+ *   `stream_tensor`: any tensor on the table's device (the caller passes valid_lens_by_row): tvm-ffi sets the stream
+ *   a launch reads (launch.h current_stream) from the first CUDA torch tensor of a call, so a call with none would
+ *   launch on whatever stream an earlier call left; the launch is on torch's current stream when the call is made.
+ */
+inline tvm::ffi::Function canary_token_append_bind(tvm::ffi::Tensor expected_tokens, tvm::ffi::Tensor valid_lens_by_row,
+                                                   tvm::ffi::Tensor staging) {
+  constexpr const char* kFn = "canary_token_append_bound";
+  BoundTensor table(std::move(expected_tokens));
+  BoundTensor lens(std::move(valid_lens_by_row));
+  BoundTensor staged(std::move(staging));
+  const TokenTableArgs args = token_table_args(kFn, table.view, lens.view, staged.view, 0);
+  const int64_t* address = token_staging_address(kFn, args);
+  return tvm::ffi::Function::FromTyped(
+      [owned = std::make_tuple(std::move(table), std::move(lens), std::move(staged)), args, address](
+          TensorView stream_tensor, int64_t num_updates) {
+        const DLDevice device = stream_tensor.device();
+        KVCANARY_CHECK_ARG(device.device_type == args.device.device_type && device.device_id == args.device.device_id,
+                           ValueError, kFn, "stream_tensor")
+            << "expected a tensor on " << device_name(args.device) << " (the table's device), got one on "
+            << device_name(device);
+        token_append_launch(kFn, args, address, num_updates);
+      },
+      kFn);
 }
 
 }  // namespace host

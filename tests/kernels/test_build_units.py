@@ -26,6 +26,7 @@ def test_every_export_is_declared_in_exactly_one_unit() -> None:
     # the names the wrappers call (kvcanary.kernels.*) and the layout mirror check
     for name in ("canary_write_step", "canary_verify_step", "canary_plan_step", "canary_check_step",
                  "canary_check_bind", "canary_write_bind", "canary_token_update", "canary_token_append",
+                 "canary_token_append_bind",
                  "canary_row_serial_update", "canary_sweep_plan_update", "canary_layout_constants",
                  "canary_backend_name"):
         assert name in seen, name

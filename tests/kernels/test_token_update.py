@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from kvcanary.kernels import layout
+from kvcanary.kernels.jit import load_module
 from kvcanary.kernels.tokens import canary_token_append, canary_token_update
 from kvcanary.runtime import staging as staging_module
 from kvcanary.runtime.staging import (
@@ -37,7 +38,7 @@ from kvcanary.runtime.staging import (
     device_events,
     launch_stream_of,
 )
-from kvcanary.runtime.token_table import RING_SIZE, TokenTable
+from kvcanary.runtime.token_table import RING_SIZE, TOKEN_EVENT_EVERY, TokenTable
 
 CPU = torch.device("cpu")
 FIELDS = layout.TOKEN_UPDATE_FIELDS
@@ -388,6 +389,114 @@ def test_append_op_bad_updates_name_the_update_and_write_nothing(updates: list, 
     assert (args["expected_tokens"] == -1).all() and (args["valid_lens_by_row"] == 0).all()
 
 
+# ---------------------------------------------------------------------------------------------- the bound append
+
+
+def bind_append(args: dict, device: str = "cpu"):
+    """canary_token_append_bind of ``append_args``' tensors (moved to ``device``; the staging pinned there)."""
+    table, lens = args["expected_tokens"].to(device), args["valid_lens_by_row"].to(device)
+    staging = args["staging"].pin_memory() if device == "cuda" else args["staging"]
+    return load_module(device).canary_token_append_bind(table, lens, staging), table, lens, staging
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(3))
+def test_bound_append_equals_the_export(device: str, seed: int) -> None:
+    """The bound append (issue 25: tensors validated and the staging's device address resolved once) writes what
+    the export writes, for batches of distinct rows and with a row repeated (the ordered launch)."""
+    rng = random.Random(300 + seed)
+    rows, width = 16, 64
+    for repeat in (False, True):
+        picked = rng.sample(range(rows), 8) + ([rng.randrange(rows)] * 2 if repeat else [])
+        updates = [(r, rng.randrange(width), rng.randrange(1 << 40)) for r in picked]
+        args = append_args(updates, rows=rows, width=width)
+        bound, table, lens, staging = bind_append(args, device)
+        bound(lens, len(updates))
+        canary_token_append(**args)
+        assert torch.equal(table.cpu(), args["expected_tokens"])
+        assert torch.equal(lens.cpu(), args["valid_lens_by_row"])
+        del staging  # (kept until the launch has run: the comparison above synchronised)
+
+
+BOUND_APPEND_CALL_ERRORS = [
+    (-1, "num_updates", "must be in [0, 2^31), got -1"),
+    (3, "num_updates", "expected 3 * num_updates = 9 <= staging length 8"),
+]
+
+
+@pytest.mark.parametrize(("num_updates", "arg", "text"), BOUND_APPEND_CALL_ERRORS)
+def test_bound_append_call_errors_are_the_exports(num_updates: int, arg: str, text: str) -> None:
+    args = append_args()
+    bound, table, lens, _ = bind_append(args)
+    with pytest.raises(ValueError, match=op_error("canary_token_append_bound", arg, text)):
+        bound(lens, num_updates)
+    assert (table == -1).all() and (lens == 0).all()
+
+
+@pytest.mark.parametrize(("updates", "text"), APPEND_UPDATE_ERRORS,
+                         ids=[str(i) for i in range(len(APPEND_UPDATE_ERRORS))])
+def test_bound_append_bad_updates_name_the_update_and_write_nothing(updates: list, text: str) -> None:
+    args = append_args(updates)
+    bound, table, lens, _ = bind_append(args)
+    with pytest.raises(ValueError, match=op_error("canary_token_append_bound", "staging", text)):
+        bound(lens, len(updates))
+    assert (table == -1).all() and (lens == 0).all()
+
+
+def test_bound_append_reads_what_the_staging_holds_at_each_call() -> None:
+    """The staging is read at every call (the ring packs a new batch into it between launches), never at binding."""
+    args = append_args([(1, 2, 10)])
+    bound, table, lens, staging = bind_append(args)
+    staging[:3] = torch.tensor([3, 5, 77])
+    bound(lens, 1)
+    assert table[3, 5].item() == 77 and lens.tolist() == [0, 0, 0, 6]
+    assert (table[1] == -1).all()
+
+
+# (not the meta staging: an owned tvm-ffi Tensor argument takes torch's DLPack export, which refuses meta tensors)
+@pytest.mark.parametrize(("override", "kind", "arg", "text"), APPEND_ARGUMENT_ERRORS[:3],
+                         ids=[f"{e[2]}-{i}" for i, e in enumerate(APPEND_ARGUMENT_ERRORS[:3])])
+def test_bind_refuses_what_the_export_refuses(override: dict, kind: type, arg: str, text: str) -> None:
+    args = append_args(**override)
+    with pytest.raises(kind, match=op_error("canary_token_append_bound", arg, text)):
+        load_module("cpu").canary_token_append_bind(args["expected_tokens"], args["valid_lens_by_row"],
+                                                    args["staging"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bound_append_refuses_a_stream_tensor_off_the_tables_device() -> None:
+    """The stream tensor says which stream the launch goes on: one on another device is refused, nothing written."""
+    bound, table, lens, _ = bind_append(append_args(), "cuda")
+    with pytest.raises(ValueError, match=op_error("canary_token_append_bound", "stream_tensor",
+                                                  "expected a tensor on cuda:0")):
+        bound(torch.zeros(1), 2)
+    assert (table == -1).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bind_refuses_a_staging_that_is_not_pinned() -> None:
+    args = append_args()
+    table, lens = args["expected_tokens"].cuda(), args["valid_lens_by_row"].cuda()
+    with pytest.raises(ValueError, match=op_error("canary_token_append_bound", "staging", "expected pinned host memory")):
+        load_module("cuda").canary_token_append_bind(table, lens, args["staging"])
+
+
+def test_the_ring_binds_each_staging_it_makes() -> None:
+    """``bind`` makes each staging's ``bound`` from its own buffer, again for a staging replaced by a larger one."""
+    made: list[torch.Tensor] = []
+    ring = StagingRing(2, pinned=False, event_factory=None, min_values=8, bind=lambda b: made.append(b) or len(made))
+    assert [s.bound for s in (ring.acquire(1), ring.acquire(1))] == [1, 2]
+    grown = ring.acquire(100)
+    assert grown.bound == 3 and made[-1] is grown.buffer and grown.capacity >= 100
+    assert StagingRing(1, pinned=False, event_factory=None).acquire(1).bound is None
+
+
 def test_a_decode_batch_is_staged_in_three_values_a_row() -> None:
     """One token per row (a decode forward): staged for canary_token_append (rows, starts, tokens), not as the
     general header of five values a row and the tokens."""
@@ -522,19 +631,20 @@ def test_ring_size_must_be_positive() -> None:
 
 
 def test_ring_records_one_event_per_event_every_launches(fake_events) -> None:
-    """The per-forward host cost of issue 25: an event record per EVENT_EVERY uploads, not one per upload."""
-    assert EVENT_EVERY == 4 and RING_SIZE == 16  # a ring larger than a group: no turn comes while its group is open
+    """The per-forward host cost of issue 25: an event record per TOKEN_EVENT_EVERY uploads, not one per upload."""
+    # a ring larger than a group: no turn comes while its group is open
+    assert TOKEN_EVENT_EVERY == 8 and RING_SIZE == 32
     table = TokenTable(ROWS, WIDTH, CPU, event_factory=fake_events)
     assert table.staging.size == RING_SIZE
     events = [slot.event for slot in table.staging._slots]
     rng = random.Random(11)
-    for _ in range(16):
+    for _ in range(32):
         table.update(decode_batch(rng))
-    assert sum(e.recorded for e in events) == 4  # after launches 3, 7, 11 and 15: each group's last staging's
-    assert [e.recorded for e in events] == [0, 0, 0, 1] * 4
+    assert sum(e.recorded for e in events) == 4  # after launches 7, 15, 23 and 31: each group's last staging's
+    assert [e.recorded for e in events] == [0] * 7 + [1] + [0] * 7 + [1] + [0] * 7 + [1] + [0] * 7 + [1]
     for e in events:
         e.done = True  # the device caught up
-    for _ in range(16):
+    for _ in range(32):
         table.update(decode_batch(rng))
     assert sum(e.recorded for e in events) == 8 and table.staging.waits == 0
 

@@ -87,6 +87,7 @@ class Staging:
     view: Any  # ctypes byte array over buffer's memory (struct.pack_into writes through it; holds no reference)
     event: StagingEvent | None
     capacity: int  # buffer's int64 values (kept here: buffer.numel() is a torch call on every upload)
+    bound: Any = None  # what the ring's ``bind`` made of buffer (a launch bound to it), None without one
     in_flight: bool = False  # a launch read buffer, not yet seen complete
     cover: StagingEvent | None = None  # in flight: the event recorded after its last launch (None: not recorded yet)
 
@@ -109,6 +110,9 @@ class StagingRing:
     ``launch_stream``: reads the stream a launch went on (the Stream object to record on; the same object for the
     same stream); None means every launch on the current stream of one device (the tests' simulated events).
 
+    ``bind``: called with each new staging's buffer; what it returns is the staging's ``bound`` (e.g. a launch with
+    its tensors bound to that buffer once, ``canary_token_append_bind``), made again whenever a staging is replaced.
+
     Every staging is allocated here, at ``min_values`` int64 (default :data:`MIN_STAGING_VALUES`; a user whose batches
     are bounded passes its bound), before serving: a page-locked allocation is one of CUDA's implicit
     synchronisations, so one made on a staging's first use would wait for the device mid-serving. Only a batch larger
@@ -117,7 +121,7 @@ class StagingRing:
 
     def __init__(self, size: int, *, pinned: bool, event_factory: Callable[[], StagingEvent] | None,
                  event_every: int = 1, launch_stream: Callable[[], Any] | None = None,
-                 min_values: int = MIN_STAGING_VALUES) -> None:
+                 min_values: int = MIN_STAGING_VALUES, bind: Callable[[torch.Tensor], Any] | None = None) -> None:
         if size < 1:
             raise ValueError(f"StagingRing: size must be >= 1, got {size}")
         if event_every < 1:
@@ -128,6 +132,7 @@ class StagingRing:
         self._event_factory = event_factory
         self._event_every = min(event_every, size)
         self._launch_stream = launch_stream
+        self._bind = bind
         self._stream: Any = None  # the open group's stream (launch_stream's), None without launch_stream
         self._group: list[Staging] = []  # the open group: stagings launched since the last record, in launch order
         self._slots: list[Staging] = [self._new(min_values, None) for _ in range(size)]
@@ -205,7 +210,7 @@ class StagingRing:
         if event is None and self._event_factory is not None:
             event = self._event_factory()
         logger.debug("staging ring: a staging of %d values (%s)", capacity, "pinned" if self._pinned else "cpu")
-        return Staging(buffer, view, event, capacity)
+        return Staging(buffer, view, event, capacity, None if self._bind is None else self._bind(buffer))
 
 
 def device_events(device: torch.device, event_factory: Callable[[], StagingEvent] | None = None,

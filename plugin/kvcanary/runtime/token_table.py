@@ -12,11 +12,12 @@ back: what :func:`kvcanary.sglang.tokens.expected_token_updates` builds). A call
 ``struct.pack_into`` (plus one per prompt) into a staging buffer of int64 (the layout of
 :data:`~kvcanary.kernels.layout.TOKEN_UPDATE_FIELDS`), which on CUDA is pinned host memory the kernel reads in place
 (no H2D copy). A batch of one token per row (a decode forward) is staged as rows, starts and tokens alone (the layout
-of :data:`~kvcanary.kernels.layout.TOKEN_APPEND_FIELDS`) for ``canary_token_append``: no valid lengths or offsets to
+of :data:`~kvcanary.kernels.layout.TOKEN_APPEND_FIELDS`) for ``canary_token_append``, bound to each staging once
+(``canary_token_append_bind``: no tensor validated or driver query made per forward): no valid lengths or offsets to
 build on the host, 3 values a row instead of 6. A launch may still be reading its staging when the host packs the next
 batch, so the stagings form a ring: each is reused only once an event recorded after its last launch, on that launch's
 stream, has completed (the host waits on it in the rare case the GPU is a whole ring behind). One event is recorded
-per :data:`~kvcanary.runtime.staging.EVENT_EVERY` launches, not per launch: it covers every launch queued on its
+per :data:`TOKEN_EVENT_EVERY` launches, not per launch: it covers every launch queued on its
 stream before it (the ring: :mod:`kvcanary.runtime.staging`).
 """
 
@@ -39,9 +40,12 @@ from kvcanary.runtime.staging import EVENT_EVERY, StagingEvent, StagingRing, dev
 logger = logging.getLogger(__name__)
 
 # Stagings in the ring on CUDA: a launch's staging is rewritten RING_SIZE batches later, by when the GPU has long run
-# the (microsecond) launch unless it is that many forwards behind. At least EVENT_EVERY: by a staging's next turn the
-# event covering its launch has been recorded (at most EVENT_EVERY - 1 launches after it).
-RING_SIZE = 16
+# the (microsecond) launch unless it is that many forwards behind. At least TOKEN_EVENT_EVERY: by a staging's next turn
+# the event covering its launch has been recorded (at most TOKEN_EVENT_EVERY - 1 launches after it).
+RING_SIZE = 32
+# Launches per event record (twice the shared EVENT_EVERY): the uploads run on every forward with the token check,
+# and each record is a torch call of host time; the ring above holds four groups of them.
+TOKEN_EVENT_EVERY = 2 * EVENT_EVERY
 
 # Tokens from which an update's tokens are a run of their own in TokenColumns (packed by a call of their own, never
 # copied); shorter updates (a decode row's one token) share a run, so a row costs at most one pack call.
@@ -147,7 +151,7 @@ class TokenTable:
     unknown) and ``valid_lens_by_row`` (int64 ``[rows]``) on ``device``; both keep their addresses (graph capture).
 
     ``staging`` is the :class:`~kvcanary.runtime.staging.StagingRing` of the uploads, recording an event per
-    :data:`~kvcanary.runtime.staging.EVENT_EVERY` launches. ``event_factory`` makes its events (default:
+    :data:`TOKEN_EVENT_EVERY` launches. ``event_factory`` makes its events (default:
     :func:`~kvcanary.runtime.staging.device_events`: CUDA events on the stream of the launches they cover; on the CPU
     the kernel has run when the call returns, so there are no events and one staging, unless a factory is given: tests
     drive the ring with simulated events, all launches taken as on one stream).
@@ -162,11 +166,14 @@ class TokenTable:
         self._rows, self._width = rows, width
         event_factory, stream = device_events(device, event_factory)
         size = ring_size if ring_size is not None else (RING_SIZE if event_factory is not None else 1)
-        self.staging = StagingRing(size, pinned=device.type == "cuda", event_factory=event_factory,
-                                   event_every=EVENT_EVERY, launch_stream=stream)
         module = load_module("cuda" if device.type == "cuda" else "cpu")
         self._launch = module.canary_token_update
-        self._launch_append = module.canary_token_append
+        # A decode batch's append, bound to each staging once (csrc canary_token_append_bind: the tensors validated and
+        # the pinned staging's device address resolved at binding, not on every forward)
+        bind, table, lens = module.canary_token_append_bind, self.expected_tokens, self.valid_lens_by_row
+        self.staging = StagingRing(size, pinned=device.type == "cuda", event_factory=event_factory,
+                                   event_every=TOKEN_EVENT_EVERY, launch_stream=stream,
+                                   bind=lambda buffer: bind(table, lens, buffer))
 
     def update(self, updates: Sequence[tuple[int, int, Sequence[int]]]) -> None:
         """For each ``(row, start, tokens)``: the row's expected tokens at positions ``start..`` become ``tokens``
@@ -207,7 +214,7 @@ class TokenTable:
                 staged_len = _APPEND_FIELDS * n
                 staging = self.staging.acquire(staged_len)
                 _pack_into(f"{staged_len}q", staging.view, 0, *rows, *starts, *token_runs[0])
-                self._launch_append(self.expected_tokens, self.valid_lens_by_row, staging.buffer, n)
+                staging.bound(self.valid_lens_by_row, n)  # (the table's own tensor: the launch's stream)
                 self.staging.launched(staging)
                 return
             except Exception:
