@@ -31,7 +31,6 @@ from kvcanary.kernels.jit import load_module
 from kvcanary.kernels.tokens import canary_token_append, canary_token_update
 from kvcanary.runtime import staging as staging_module
 from kvcanary.runtime.staging import (
-    EVENT_EVERY,
     MIN_STAGING_VALUES,
     CudaStagingEvent,
     StagingRing,
@@ -483,7 +482,8 @@ def test_cuda_bound_append_refuses_a_stream_tensor_off_the_tables_device() -> No
 def test_cuda_bind_refuses_a_staging_that_is_not_pinned() -> None:
     args = append_args()
     table, lens = args["expected_tokens"].cuda(), args["valid_lens_by_row"].cuda()
-    with pytest.raises(ValueError, match=op_error("canary_token_append_bound", "staging", "expected pinned host memory")):
+    refused = op_error("canary_token_append_bound", "staging", "expected pinned host memory")
+    with pytest.raises(ValueError, match=refused):
         load_module("cuda").canary_token_append_bind(table, lens, args["staging"])
 
 
