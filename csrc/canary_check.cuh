@@ -14,6 +14,11 @@
  *     verify_row_offsets: nobody reads it); snapshot: input_ids / positions / out_cache_loc [n] (int32 or
  *     int64) -> the int64 *_out buffers [>= n]; batch arrays may each be int32 or int64.
  *   - token check: batch row r's valid length is expected_valid_lens_by_row[clamp(rp, 0, rows - 1)].
+ *   - token mail (token_mail + token_mail_published, optional; issue 25): at the launch's end, after every verify,
+ *     the records the host published since state[kStateTokenMailRead] whose step is <= this launch's step are
+ *     applied in order to the (int32) expected tokens and valid lengths, as canary_token_append applies its staging,
+ *     and the read cursor moves past them; a record for a later forward waits for that forward's launch. A decode
+ *     batch's appends thus need no launch of their own, and show from the next forward's verify.
  *   - forward counter (state[kStateForward]): with new_forward it becomes forward_step_value (>= 0) or the
  *     counter + 1 (< 0: each CUDA-graph replay counts one forward), and every metadata row of this launch
  *     carries the NEW value; without new_forward it is only read.
@@ -41,9 +46,10 @@
  *        in entry order.
  * Block: kCheckThreads threads (launch bounds: kCheckMinBlocksPerSm per SM); one entry per thread per step.
  * Reads:  batch arrays, req_to_token, LUT, expected tokens and valid lengths, records, real-KV bytes, the
- *         snapshot sources, the state header (forward counter, write index, drained_to).
+ *         snapshot sources, the state header (forward counter, write index, drained_to, mail cursor), the mail.
  * Writes: write plan, snapshots, violation (+ metadata) rows, the header (counters, forward counter, write
- *         index / epoch / drained_to on reuse, the done / arrival / gate scratch); optionally the status mirror
+ *         index / epoch / drained_to on reuse, the done / arrival / gate scratch, the mail cursor), the expected
+ *         tokens and valid lengths the mail's records append; optionally the status mirror
  *         (the last block copies the finished header to pinned host memory in place: CheckParams). Never records.
  */
 #pragma once
@@ -74,6 +80,8 @@ constexpr uint32_t kCheckThreads = 256;
 // block scans the rows and counts itself done) and latency hiding on a large verify.
 constexpr uint32_t kCheckMinBlocksPerSm = 5;
 constexpr int32_t kCheckMaxBlocksPerSm = 5;
+// Token-mail records the last block loads from host memory at once (canary_check_kernel's end): 2 KiB of shared memory.
+constexpr int64_t kCheckMailChunk = 64;
 
 struct CheckParams {
   PlanParams plan;    // batch rows, tables and the write plan (the verify-plan pointers stay nullptr)
@@ -93,6 +101,12 @@ struct CheckParams {
   int64_t num_tokens;
   bool new_forward;
   int64_t forward_step_value;
+  // The token check's mailbox (layout.h kTokenMailField*; nullptr: none): host memory (CUDA: the device's addresses
+  // of pinned memory) the host fills with a decode batch's appends and publishes the count of (token_mail_published);
+  // the last block applies the records due by this launch's step to the expected-token table (int32, plan's).
+  const int64_t* token_mail;
+  const int64_t* token_mail_published;
+  int64_t token_mail_capacity;
 };
 
 KVCANARY_HD int32_t* check_write_index(const CheckParams& p) {
@@ -233,7 +247,50 @@ KVCANARY_HD void check_finish(const CheckParams& p, int64_t step) {
   }
 }
 
-/*! \brief Verify the k-th entry of batch row r. */
+/*! \brief A volatile load: host memory the host rewrites between launches, read as it is now (never a cached copy). */
+KVCANARY_HD int64_t check_load_volatile(const int64_t* addr) { return *static_cast<const volatile int64_t*>(addr); }
+
+/*! \brief Mailbox record `at`'s field `field` (the ring index taken modulo the capacity). */
+KVCANARY_HD const int64_t* check_mail_field(const CheckParams& p, int64_t at, int32_t field) {
+  return p.token_mail + (at % p.token_mail_capacity) * kTokenMailFields + field;
+}
+
+/*!
+ * \brief One mailbox record applied to the expected-token table: the token at (row, start), the row's valid length
+ * start + 1. A record outside the table is skipped (the host checks every record before it publishes; this only
+ * keeps a bad one from writing out of bounds).
+ */
+KVCANARY_HD void check_apply_mail_record(const PlanParams& q, int64_t row, int64_t start, int64_t token) {
+  if (row >= 0 && row < q.exp_rows && start >= 0 && start < q.exp_cols) {
+    const_cast<int32_t*>(static_cast<const int32_t*>(q.expected_tokens))[row * q.exp_row_stride + start] =
+        static_cast<int32_t>(token);
+    const_cast<int64_t*>(q.expected_valid_lens)[row] = start + 1;
+  }
+}
+
+/*!
+ * \brief The records the token mail holds for this launch: [begin, end) from the read cursor
+ * (state[kStateTokenMailRead]) to the published count, the count's load ordered before the records'. Empty when the
+ * launch has no mailbox, or the count is behind the cursor or more than a ring ahead of it (a host that lost count).
+ * Records are published in step order; the caller applies them in order while their step is <= its own.
+ */
+KVCANARY_HD void check_mail_range(const CheckParams& p, int64_t* begin, int64_t* end) {
+  *begin = *end = 0;
+  if (p.token_mail == nullptr) {
+    return;
+  }
+  const int64_t read = p.state[kStateTokenMailRead];
+  const int64_t published = check_load_volatile(p.token_mail_published);
+#ifdef __CUDA_ARCH__
+  __threadfence_system();  // the records' loads after the count's (the host writes them before it publishes)
+#endif
+  *begin = *end = read;
+  if (published > read && published - read <= p.token_mail_capacity) {
+    *end = published;
+  }
+}
+
+/*! \brief Verify the k-th entry of batch row r. *//*! \brief Verify the k-th entry of batch row r. */
 KVCANARY_HD void check_entry(const CheckParams& p, const ViolationSink& sink, int64_t r, const RowPlan& row,
                              int64_t k) {
   const PlanEntry e = plan_entry(p.plan, r, row, k);
@@ -241,6 +298,50 @@ KVCANARY_HD void check_entry(const CheckParams& p, const ViolationSink& sink, in
 }
 
 #if KVCANARY_DEVICE_BUILD
+
+/*!
+ * \brief The token mail, by every thread of the last block once every verify of the launch is done (block-uniform
+ * call): the block loads the due records from host memory kCheckMailChunk at a time, in parallel (one round trip
+ * over the bus per chunk, not one per record), then thread 0 applies them in order from shared memory (a row repeated
+ * in the mail: the later record wins) and moves the read cursor past them. The appends show from the next launch.
+ * Not inlined: it runs once per launch, and inlined its registers spilled in the verify loop (ptxas, sm_90a).
+ */
+__device__ __noinline__ void check_token_mail_block(const CheckParams& p, int64_t step) {
+  __shared__ int64_t s_mail[kCheckMailChunk][kTokenMailFields];
+  __shared__ int64_t s_at;
+  __shared__ int64_t s_end;
+  __shared__ bool s_stop;
+  if (threadIdx.x == 0) {
+    int64_t begin = 0;
+    int64_t end = 0;
+    check_mail_range(p, &begin, &end);
+    s_at = begin;
+    s_end = end;
+    s_stop = false;
+  }
+  __syncthreads();
+  for (int64_t chunk = s_at; chunk < s_end && !s_stop; chunk += kCheckMailChunk) {  // (shared: block-uniform)
+    const int64_t n = s_end - chunk < kCheckMailChunk ? s_end - chunk : kCheckMailChunk;
+    for (int64_t i = threadIdx.x; i < n * kTokenMailFields; i += blockDim.x) {
+      s_mail[i / kTokenMailFields][i % kTokenMailFields] =
+          check_load_volatile(check_mail_field(p, chunk + i / kTokenMailFields, static_cast<int32_t>(i % kTokenMailFields)));
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int64_t k = 0;
+      for (; k < n && s_mail[k][kTokenMailFieldStep] <= step; ++k) {
+        check_apply_mail_record(p.plan, s_mail[k][kTokenMailFieldRow], s_mail[k][kTokenMailFieldStart],
+                                s_mail[k][kTokenMailFieldToken]);
+      }
+      s_at = chunk + k;
+      s_stop = k < n;  // a record for a later forward: the rest wait for it
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0 && p.token_mail != nullptr) {
+    p.state[kStateTokenMailRead] = s_at;
+  }
+}
 
 /*!
  * \brief The reuse gate, by every thread of each block before the block's first append: one block reuses the ring
@@ -394,6 +495,9 @@ KVCANARY_KERNEL void __launch_bounds__(kCheckThreads, kCheckMinBlocksPerSm)
       *reinterpret_cast<int32_t*>(p.state + kStateReuseGate) = 0;
       *done = 0;
     }
+    // the token mail, after every verify of this launch (the appends show from the next one) and before the header
+    // copy (the mirror carries the moved read cursor)
+    check_token_mail_block(p, s_step);
     __syncthreads();  // thread 0's stores, before the block reads the header back
     if (p.status_mirror != nullptr && threadIdx.x < static_cast<uint32_t>(kStateHeaderFields)) {
       // One coalesced write of the finished header to pinned host memory. No system fence: the host reads the
@@ -451,6 +555,16 @@ inline void canary_check_cpu(const CheckParams& p) {
   *q.write_num_valid = static_cast<int32_t>(q.batch_rows);
   check_bump_counters(p, entries);
   check_finish(p, step);
+  int64_t at = 0;
+  int64_t end = 0;
+  check_mail_range(p, &at, &end);  // the token mail (the device's check_token_mail_block, one record at a time)
+  for (; at < end && check_load_volatile(check_mail_field(p, at, kTokenMailFieldStep)) <= step; ++at) {
+    check_apply_mail_record(p.plan, *check_mail_field(p, at, kTokenMailFieldRow),
+                            *check_mail_field(p, at, kTokenMailFieldStart), *check_mail_field(p, at, kTokenMailFieldToken));
+  }
+  if (p.token_mail != nullptr) {
+    p.state[kStateTokenMailRead] = at;
+  }
   if (p.status_mirror != nullptr) {
     for (int32_t f = 0; f < kStateHeaderFields; ++f) {
       p.status_mirror[f] = p.state[f];
@@ -497,13 +611,46 @@ struct CheckPrepared {
 
 /*! \brief Validate and extract canary_check_step's fixed arguments (this order decides the error a call with several
  * bad arguments gets; the forward's own arrays are checked after them, by check_launch). */
+/*!
+ * \brief The token check's mailbox (both or neither, after the expected tokens are bound): token_mail int64
+ * [capacity, kTokenMailFields], token_mail_published int64 [1], host memory (CUDA: pinned, the kernel reads it through
+ * the device's addresses); the expected tokens must be int32 (the table the mail appends to).
+ */
+inline void bind_token_mail(const char* fn, const tvm::ffi::Optional<TensorView>& token_mail,
+                            const tvm::ffi::Optional<TensorView>& token_mail_published, CheckParams& p) {
+  KVCANARY_CHECK_ARG(token_mail.has_value() == token_mail_published.has_value(), ValueError, fn,
+                     token_mail.has_value() ? "token_mail_published" : "token_mail")
+      << "token_mail and token_mail_published must be given together";
+  if (!token_mail.has_value()) {
+    return;
+  }
+  KVCANARY_CHECK_ARG(p.plan.expected_tokens != nullptr && p.plan.expected_tokens_i32, ValueError, fn, "token_mail")
+      << "needs int32 expected_tokens (the table its records are appended to)";
+  SymbolicSize capacity("mail_capacity");
+  TensorMatcher(fn, {capacity, kTokenMailFields}).dtype<int64_t>().verify(token_mail.value(), "token_mail");
+  KVCANARY_CHECK_ARG(capacity.value() > 0, ValueError, fn, "token_mail") << "expected at least one record";
+  TensorMatcher(fn, {1}).dtype<int64_t>().verify(token_mail_published.value(), "token_mail_published");
+  check_host_memory(fn, "token_mail", token_mail.value());
+  check_host_memory(fn, "token_mail_published", token_mail_published.value());
+  const int64_t* mail = data_of<const int64_t>(token_mail.value());
+  const int64_t* published = data_of<const int64_t>(token_mail_published.value());
+#if KVCANARY_DEVICE_BUILD
+  mail = pinned_device_address(fn, "token_mail", mail);  // (the kernel reads through the device's addresses)
+  published = pinned_device_address(fn, "token_mail_published", published);
+#endif
+  p.token_mail = mail;
+  p.token_mail_published = published;
+  p.token_mail_capacity = capacity.value();
+}
+
 inline CheckPrepared check_prepare(
     TensorView state, tvm::ffi::Optional<TensorView> status_mirror, tvm::ffi::Optional<TensorView> violation_meta,
     tvm::ffi::Optional<TensorView> slot_attribution, TensorView canary_buf, TensorView write_offsets,
     TensorView write_seed_slot_indices, TensorView write_num_valid_reqs,
     tvm::ffi::Optional<TensorView> write_request_rows, TensorView req_to_token, int64_t swa_window_size,
     tvm::ffi::Optional<TensorView> full_to_swa_index_mapping, tvm::ffi::Optional<TensorView> expected_tokens,
-    tvm::ffi::Optional<TensorView> expected_valid_lens_by_row, int64_t kv_token_id_vs_position_offset,
+    tvm::ffi::Optional<TensorView> expected_valid_lens_by_row, tvm::ffi::Optional<TensorView> token_mail,
+    tvm::ffi::Optional<TensorView> token_mail_published, int64_t kv_token_id_vs_position_offset,
     TensorView input_ids_out, TensorView positions_out, TensorView out_cache_loc_out, TensorView real_kv_buf_0,
     TensorView real_kv_buf_1, TensorView real_kv_buf_2, TensorView real_kv_buf_3, TensorView real_kv_source_params,
     int64_t num_sources, int64_t real_kv_hash_mode, int64_t check_tokens) {
@@ -551,6 +698,7 @@ inline CheckPrepared check_prepare(
   // (per req_to_token row: the valid lengths do not bind batch_rows)
   bind_expected_tokens(kFn, device, sizes.batch_rows, expected_tokens, expected_valid_lens_by_row,
                        ValidLensArg{"expected_valid_lens_by_row", true}, kv_token_id_vs_position_offset, q);
+  bind_token_mail(kFn, token_mail, token_mail_published, f.params);
   f.snapshots[0] = snapshot_out(kFn, device, input_ids_out, "input_ids_out");
   f.snapshots[1] = snapshot_out(kFn, device, positions_out, "positions_out");
   f.snapshots[2] = snapshot_out(kFn, device, out_cache_loc_out, "out_cache_loc_out");
@@ -633,7 +781,8 @@ inline void canary_check_step(
     TensorView write_num_valid_reqs, tvm::ffi::Optional<TensorView> write_request_rows, TensorView req_pool_indices,
     TensorView prefix_lens, TensorView extend_lens, TensorView req_to_token, int64_t swa_window_size,
     tvm::ffi::Optional<TensorView> full_to_swa_index_mapping, tvm::ffi::Optional<TensorView> expected_tokens,
-    tvm::ffi::Optional<TensorView> expected_valid_lens_by_row, int64_t kv_token_id_vs_position_offset,
+    tvm::ffi::Optional<TensorView> expected_valid_lens_by_row, tvm::ffi::Optional<TensorView> token_mail,
+    tvm::ffi::Optional<TensorView> token_mail_published, int64_t kv_token_id_vs_position_offset,
     TensorView input_ids, TensorView positions, TensorView out_cache_loc, TensorView input_ids_out,
     TensorView positions_out, TensorView out_cache_loc_out, TensorView real_kv_buf_0, TensorView real_kv_buf_1,
     TensorView real_kv_buf_2, TensorView real_kv_buf_3, TensorView real_kv_source_params, int64_t num_sources,
@@ -641,7 +790,8 @@ inline void canary_check_step(
   const CheckPrepared f = check_prepare(state, status_mirror, violation_meta, slot_attribution, canary_buf,
                                         write_offsets, write_seed_slot_indices, write_num_valid_reqs,
                                         write_request_rows, req_to_token, swa_window_size, full_to_swa_index_mapping,
-                                        expected_tokens, expected_valid_lens_by_row, kv_token_id_vs_position_offset,
+                                        expected_tokens, expected_valid_lens_by_row, token_mail,
+                                        token_mail_published, kv_token_id_vs_position_offset,
                                         input_ids_out, positions_out, out_cache_loc_out, real_kv_buf_0,
                                         real_kv_buf_1, real_kv_buf_2, real_kv_buf_3, real_kv_source_params,
                                         num_sources, real_kv_hash_mode, check_tokens);
@@ -665,6 +815,8 @@ struct CheckFixedArgs {
   BoundOptionalTensor full_to_swa_index_mapping;
   BoundOptionalTensor expected_tokens;
   BoundOptionalTensor expected_valid_lens_by_row;
+  BoundOptionalTensor token_mail;
+  BoundOptionalTensor token_mail_published;
   BoundTensor input_ids_out;
   BoundTensor positions_out;
   BoundTensor out_cache_loc_out;
@@ -691,7 +843,8 @@ inline tvm::ffi::Function canary_check_bind(
     tvm::ffi::Tensor write_seed_slot_indices, tvm::ffi::Tensor write_num_valid_reqs,
     tvm::ffi::Optional<tvm::ffi::Tensor> write_request_rows, tvm::ffi::Tensor req_to_token, int64_t swa_window_size,
     tvm::ffi::Optional<tvm::ffi::Tensor> full_to_swa_index_mapping, tvm::ffi::Optional<tvm::ffi::Tensor> expected_tokens,
-    tvm::ffi::Optional<tvm::ffi::Tensor> expected_valid_lens_by_row, int64_t kv_token_id_vs_position_offset,
+    tvm::ffi::Optional<tvm::ffi::Tensor> expected_valid_lens_by_row, tvm::ffi::Optional<tvm::ffi::Tensor> token_mail,
+    tvm::ffi::Optional<tvm::ffi::Tensor> token_mail_published, int64_t kv_token_id_vs_position_offset,
     tvm::ffi::Tensor input_ids_out, tvm::ffi::Tensor positions_out, tvm::ffi::Tensor out_cache_loc_out,
     tvm::ffi::Tensor real_kv_buf_0, tvm::ffi::Tensor real_kv_buf_1, tvm::ffi::Tensor real_kv_buf_2,
     tvm::ffi::Tensor real_kv_buf_3, tvm::ffi::Tensor real_kv_source_params, int64_t num_sources,
@@ -709,6 +862,8 @@ inline tvm::ffi::Function canary_check_bind(
                        BoundOptionalTensor(std::move(full_to_swa_index_mapping)),
                        BoundOptionalTensor(std::move(expected_tokens)),
                        BoundOptionalTensor(std::move(expected_valid_lens_by_row)),
+                       BoundOptionalTensor(std::move(token_mail)),
+                       BoundOptionalTensor(std::move(token_mail_published)),
                        BoundTensor(std::move(input_ids_out)),
                        BoundTensor(std::move(positions_out)),
                        BoundTensor(std::move(out_cache_loc_out)),
@@ -720,7 +875,8 @@ inline tvm::ffi::Function canary_check_bind(
       b.state.view, b.status_mirror.view, b.violation_meta.view, b.slot_attribution.view, b.canary_buf.view,
       b.write_offsets.view, b.write_seed_slot_indices.view, b.write_num_valid_reqs.view, b.write_request_rows.view,
       b.req_to_token.view, swa_window_size, b.full_to_swa_index_mapping.view, b.expected_tokens.view,
-      b.expected_valid_lens_by_row.view, kv_token_id_vs_position_offset, b.input_ids_out.view, b.positions_out.view,
+      b.expected_valid_lens_by_row.view, b.token_mail.view, b.token_mail_published.view, kv_token_id_vs_position_offset,
+      b.input_ids_out.view, b.positions_out.view,
       b.out_cache_loc_out.view, b.real_kv.buf_0.view, b.real_kv.buf_1.view, b.real_kv.buf_2.view,
       b.real_kv.buf_3.view, b.real_kv.source_params.view, b.real_kv.num_sources, b.real_kv.hash_mode, check_tokens);
   return tvm::ffi::Function::FromTyped(

@@ -116,8 +116,11 @@ constexpr int32_t kStateReuseGate = kStateArrivals + 1;
 // The acknowledged index the last drained-ring reuse applied: where the emptied epoch ended for the host (which may
 // have acknowledged a later index since, in that epoch, too late for the reuse).
 constexpr int32_t kStateRingReusedAt = kStateReuseGate + 1;
+// The token mail's read cursor: records [0, this) of the token check's mailbox are applied (canary_check.cuh). In the
+// header, so the status mirror tells the host which mailbox records it may write again.
+constexpr int32_t kStateTokenMailRead = kStateRingReusedAt + 1;
 constexpr int32_t kStateHeaderFields = 16;
-static_assert(kStateRingReusedAt < kStateHeaderFields, "state header too small");
+static_assert(kStateTokenMailRead < kStateHeaderFields, "state header too small");
 constexpr int32_t kDrainedToEpochShift = 32;
 
 // Fail-reason bits (column 7). Bit 6 is kvcanary's own: an index the engine handed the canary lies
@@ -148,6 +151,16 @@ constexpr int32_t kTokenAppendFieldRow = 0;    // expected_tokens row
 constexpr int32_t kTokenAppendFieldStart = 1;  // the position written
 constexpr int32_t kTokenAppendFieldToken = 2;  // the token
 constexpr int32_t kTokenAppendFields = 3;
+
+// The token check's mailbox (issue 25): a decode batch's appends as records the next check launch applies at its end
+// instead of a launch of their own. int64 [capacity, kTokenMailFields] host memory (pinned on CUDA), a ring the host
+// fills in order, then publishes the count of records written (the mailbox's int64 [1] cursor). A record is applied
+// by the first check launch whose forward step is at least the record's.
+constexpr int32_t kTokenMailFieldRow = 0;    // expected_tokens row
+constexpr int32_t kTokenMailFieldStart = 1;  // the position written
+constexpr int32_t kTokenMailFieldToken = 2;  // the token
+constexpr int32_t kTokenMailFieldStep = 3;   // the forward the record is for
+constexpr int32_t kTokenMailFields = 4;
 
 // ---------------------------------------------------------------- sweep-plan commit metadata (kvcanary+)
 // canary_sweep_plan_update reads one int64 metadata block per launch (pinned host memory on CUDA, read by the kernel
@@ -247,6 +260,7 @@ constexpr LayoutConstant kLayoutConstantTable[] = {
     {"STATE_ARRIVALS", kStateArrivals},
     {"STATE_REUSE_GATE", kStateReuseGate},
     {"STATE_RING_REUSED_AT", kStateRingReusedAt},
+    {"STATE_TOKEN_MAIL_READ", kStateTokenMailRead},
     {"STATE_HEADER_FIELDS", kStateHeaderFields},
     {"DRAINED_TO_EPOCH_SHIFT", kDrainedToEpochShift},
     {"REASON_VERIFY_CHAIN_HASH", kReasonVerifyChainHash},
@@ -266,6 +280,11 @@ constexpr LayoutConstant kLayoutConstantTable[] = {
     {"TOKEN_APPEND_FIELD_START", kTokenAppendFieldStart},
     {"TOKEN_APPEND_FIELD_TOKEN", kTokenAppendFieldToken},
     {"TOKEN_APPEND_FIELDS", kTokenAppendFields},
+    {"TOKEN_MAIL_FIELD_ROW", kTokenMailFieldRow},
+    {"TOKEN_MAIL_FIELD_START", kTokenMailFieldStart},
+    {"TOKEN_MAIL_FIELD_TOKEN", kTokenMailFieldToken},
+    {"TOKEN_MAIL_FIELD_STEP", kTokenMailFieldStep},
+    {"TOKEN_MAIL_FIELDS", kTokenMailFields},
     {"SWEEP_PLAN_META_NUM_SPANS", kSweepPlanMetaNumSpans},
     {"SWEEP_PLAN_META_NUM_TOMBSTONES", kSweepPlanMetaNumTombstones},
     {"SWEEP_PLAN_META_SLOTS_BASE", kSweepPlanMetaSlotsBase},

@@ -386,7 +386,8 @@ def _check_bind_args(kw: dict[str, Any]) -> tuple:
             kw["canary_buf"].clone(), plan.write_offsets,
             plan.write_seed_slot_indices, plan.write_num_valid_reqs, plan.write_request_rows, kw.pop("req_to_token"),
             kw["swa_window_size"], kw.pop("full_to_swa_index_mapping"), kw.pop("expected_tokens"),
-            kw.pop("expected_valid_lens_by_row"), kw["kv_token_id_vs_position_offset"], kw["input_ids_out"],
+            kw.pop("expected_valid_lens_by_row"), kw.pop("token_mail", None), kw.pop("token_mail_published", None),
+            kw["kv_token_id_vs_position_offset"], kw["input_ids_out"],
             kw["positions_out"], kw["out_cache_loc_out"], *bufs, params, num_sources, kw["real_kv_hash_mode"],
             int(kw["check_tokens"]))
 

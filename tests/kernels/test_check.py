@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import random
+import re
 from collections import Counter
 from typing import Any
 
@@ -798,3 +799,53 @@ def test_empty_expected_valid_lens_is_refused() -> None:
     kwargs = {**_valid_kwargs(), "expected_tokens": torch.zeros((2, 8), dtype=torch.int32),
               "expected_valid_lens_by_row": torch.zeros(0, dtype=torch.int64)}
     _expect(kwargs, ValueError, r"^canary_check_step: expected_valid_lens_by_row: needs at least one row")
+
+
+def _mail_kwargs(**overrides: Any) -> dict[str, Any]:
+    kwargs = _valid_kwargs()
+    rows = kwargs["req_to_token"].shape[0]
+    kwargs.update(expected_tokens=torch.zeros((rows, 8), dtype=torch.int32),
+                  expected_valid_lens_by_row=torch.zeros(rows, dtype=torch.int64),
+                  token_mail=torch.zeros((4, layout.TOKEN_MAIL_FIELDS), dtype=torch.int64),
+                  token_mail_published=torch.zeros(1, dtype=torch.int64))
+    kwargs.update(overrides)
+    return kwargs
+
+
+_TOGETHER = "token_mail and token_mail_published must be given together"
+MAIL_ERRORS = [
+    ({"token_mail_published": None}, f"token_mail_published: {_TOGETHER}"),
+    ({"token_mail": None}, f"token_mail: {_TOGETHER}"),
+    ({"expected_tokens": None, "expected_valid_lens_by_row": None}, "token_mail: needs int32 expected_tokens"),
+    ({"expected_tokens": torch.zeros((8, 8), dtype=torch.int64)}, "token_mail: needs int32 expected_tokens"),
+    ({"token_mail": torch.zeros((4, 3), dtype=torch.int64)}, "token_mail: expected shape"),
+    ({"token_mail": torch.zeros((0, layout.TOKEN_MAIL_FIELDS), dtype=torch.int64)},
+     "token_mail: expected at least one"),
+    ({"token_mail_published": torch.zeros(2, dtype=torch.int64)}, "token_mail_published: expected shape"),
+]
+
+
+@pytest.mark.parametrize(("override", "text"), MAIL_ERRORS, ids=[str(i) for i in range(len(MAIL_ERRORS))])
+def test_token_mail_arguments_are_named(override: dict[str, Any], text: str) -> None:
+    kwargs = _mail_kwargs(**override)
+    if override.get("expected_tokens") is not None:
+        kwargs["expected_valid_lens_by_row"] = torch.zeros(8, dtype=torch.int64)
+    _expect(kwargs, ValueError, "^canary_check_step: " + re.escape(text))
+
+
+def test_a_valid_token_mail_runs() -> None:
+    check.canary_check_step(**_mail_kwargs())
+
+
+@pytest.mark.gpu
+def test_a_cuda_launch_needs_a_pinned_token_mail() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    case, _ = _hand("cpu", index=0, drained_to=-1, corrupt=False)
+    kwargs = {**_on(case, "cuda"), "status_mirror": _mirror("cuda")}
+    rows = kwargs["req_to_token"].shape[0]
+    kwargs.update(expected_tokens=torch.zeros((rows, 8), dtype=torch.int32, device="cuda"),
+                  expected_valid_lens_by_row=torch.zeros(rows, dtype=torch.int64, device="cuda"),
+                  token_mail=torch.zeros((4, layout.TOKEN_MAIL_FIELDS), dtype=torch.int64),
+                  token_mail_published=torch.zeros(1, dtype=torch.int64).pin_memory())
+    _expect(kwargs, ValueError, "^canary_check_step: token_mail: expected pinned host memory")

@@ -37,7 +37,7 @@ from kvcanary.runtime.staging import (
     device_events,
     launch_stream_of,
 )
-from kvcanary.runtime.token_table import RING_SIZE, TOKEN_EVENT_EVERY, TokenTable
+from kvcanary.runtime.token_table import RING_SIZE, TOKEN_EVENT_EVERY, TokenMail, TokenTable
 
 CPU = torch.device("cpu")
 FIELDS = layout.TOKEN_UPDATE_FIELDS
@@ -944,3 +944,48 @@ def test_the_ring_allocates_its_stagings_before_serving(monkeypatch) -> None:
         assert staging.capacity == MIN_STAGING_VALUES
         ring.launched(staging)
     assert ring.grows == 0
+
+
+# ---------------------------------------------------------------------------------------------- the token mail
+
+
+class _Steps:
+    steps = 6
+
+
+def _open_mail(capacity: int, rows: int = 8, width: int = 16) -> tuple[TokenMail, list[int]]:
+    mail = TokenMail(capacity, pinned=False)
+    header = [0] * layout.STATE_HEADER_FIELDS  # the status mirror's values: the read cursor at 0
+    mail.open(header, _Steps, rows, width)
+    return mail, header
+
+
+def test_mail_posts_records_tagged_with_the_next_forward_and_publishes_their_count() -> None:
+    mail, _ = _open_mail(8)
+    assert mail.post([1, 5], [3, 0], [42, 1 << 40])
+    assert mail.records[:2].tolist() == [[1, 3, 42, 7], [5, 0, 1 << 40, 7]]
+    assert mail.published.tolist() == [2] and mail.written == 2 and mail.posted == 1
+
+
+def test_mail_is_written_again_only_past_the_read_cursor_and_wraps() -> None:
+    mail, header = _open_mail(4)
+    assert mail.post([1, 2, 3], [0, 0, 0], [10, 20, 30])
+    assert not mail.post([4, 5], [0, 0], [40, 50]) and mail.full == 1  # 3 unread + 2 > 4: the caller launches them
+    assert mail.published.tolist() == [3]
+    header[layout.STATE_TOKEN_MAIL_READ] = 2  # the device read two
+    assert mail.post([4, 5], [1, 1], [40, 50])
+    assert mail.records.tolist() == [[5, 1, 50, 7], [2, 0, 20, 7], [3, 0, 30, 7], [4, 1, 40, 7]]  # 4 at 3, 5 at 0
+    assert mail.published.tolist() == [5]
+
+
+@pytest.mark.parametrize(("rows", "starts"), [([8], [0]), ([-1], [0]), ([1], [16]), ([1], [-1])])
+def test_mail_refuses_a_record_outside_the_table(rows: list[int], starts: list[int]) -> None:
+    mail, _ = _open_mail(8)
+    assert not mail.post(rows, starts, [1]) and mail.written == 0 and mail.published.tolist() == [0]
+
+
+def test_a_closed_mail_takes_nothing() -> None:
+    mail = TokenMail(8, pinned=False)
+    assert not mail.is_open and not mail.post([1], [0], [1]) and mail.written == 0
+    with pytest.raises(ValueError, match="capacity must be >= 1"):
+        TokenMail(0, pinned=False)

@@ -414,3 +414,95 @@ def test_a_sweep_source_is_primed_when_it_is_set() -> None:
     off = TinyEngine(mode=Mode.LOG, sweep_interval=0)
     off.mgr.set_sweep_source(lambda: calls.append("off"))
     assert calls == [0, 1]
+
+
+# ---------------------------------------------------------------------------------------------- the token mail
+
+
+def _mail_engine(mode: Mode = Mode.RAISE) -> TinyEngine:
+    """A TinyEngine with the token check, its prompts (3 tokens in rows 1 and 2) uploaded and written, the mail open."""
+    eng = TinyEngine(mode, verify_tokens=True)
+    assert eng.mgr.open_token_mail()
+    eng.mgr.update_expected_tokens([(1, 0, [100, 101, 102]), (2, 0, [200, 201, 202])])  # prompts: a launch each
+    eng.forward([1, 2], [3, 3])
+    return eng
+
+
+def _mail_read(mgr: CanaryManager) -> int:
+    return int(mgr.device_state.state[layout.STATE_TOKEN_MAIL_READ])
+
+
+def test_the_token_mail_takes_a_decode_batch_and_the_next_check_applies_it() -> None:
+    """A decode batch's appends (one token per row) go into the mail, no launch: the table is unchanged until the next
+    forward's check launch applies them at its end, then the read cursor (and its mirror) moves past them."""
+    eng = _mail_engine()
+    table = eng.mgr.token_table
+    assert table is not None
+    eng.mgr.update_expected_tokens([(1, 3, [103]), (2, 3, [203])])
+    assert table.mail.posted == 1 and table.mail.written == 2
+    assert int(table.valid_lens_by_row[1]) == 3 and int(eng.mgr.expected_tokens[1, 3]) == layout.NO_EXPECTED_TOKEN
+    eng.forward([1, 2], [1, 1])
+    assert eng.mgr.expected_tokens[1, :4].tolist() == [100, 101, 102, 103]
+    assert eng.mgr.expected_tokens[2, :4].tolist() == [200, 201, 202, 203]
+    assert table.valid_lens_by_row[1:3].tolist() == [4, 4]
+    assert _mail_read(eng.mgr) == 2
+    assert eng.mgr.device_state.mirrored_values[layout.STATE_TOKEN_MAIL_READ] == 2
+    for _ in range(3):  # the appended positions verified from here on: clean
+        eng.mgr.update_expected_tokens([(1, eng.lengths[1], [100 + eng.lengths[1]]),
+                                        (2, eng.lengths[2], [200 + eng.lengths[2]])])
+        eng.forward([1, 2], [1, 1])
+    eng.mgr.flush()
+    assert eng.mgr.violations == [] and table.mail.posted == 4
+
+
+def test_a_wrong_token_posted_by_mail_is_found() -> None:
+    """The mail's tokens are what the check compares: a request whose expected token differs from the one the forward
+    was fed is reported at the position, once the mail has reached the table (the next forward's verify)."""
+    eng = _mail_engine(Mode.LOG)
+    eng.mgr.update_expected_tokens([(1, 3, [999]), (2, 3, [203])])  # the engine feeds 103 at row 1, position 3
+    eng.forward([1, 2], [1, 1])
+    eng.mgr.update_expected_tokens([(1, 4, [104]), (2, 4, [204])])
+    eng.forward([1, 2], [1, 1])
+    eng.mgr.flush()
+    found = [(v.slot, v.position, v.reasons) for v in eng.mgr.violations]
+    assert found and all(position == 3 and "verify_token" in reasons for _, position, reasons in found), found
+
+
+def test_mail_records_for_a_later_forward_wait_for_its_check() -> None:
+    """A record applies from the forward it was posted for: a host running ahead of the device leaves its records
+    for the launches of their own forwards (the step tag), never an earlier one."""
+    eng = _mail_engine()
+    table = eng.mgr.token_table
+    assert table is not None
+
+    class Ahead:  # the forward two steps on
+        steps = eng.mgr.steps + 1
+
+    rows, width = eng.mgr.expected_tokens.shape
+    table.mail.open(eng.mgr.device_state.mirrored_values, Ahead, rows, width)
+    eng.mgr.update_expected_tokens([(1, 3, [103])])
+    eng.forward([1], [1])  # step s + 1: the record is for s + 2
+    assert int(eng.mgr.expected_tokens[1, 3]) == layout.NO_EXPECTED_TOKEN and _mail_read(eng.mgr) == 0
+    eng.forward([2], [1])  # step s + 2
+    assert int(eng.mgr.expected_tokens[1, 3]) == 103 and _mail_read(eng.mgr) == 1
+
+
+@pytest.mark.parametrize("published", [-1, 1 + 4096 + 1])
+def test_a_published_count_behind_the_cursor_or_past_a_ring_applies_nothing(published: int) -> None:
+    eng = _mail_engine()
+    table = eng.mgr.token_table
+    assert table is not None
+    eng.mgr.update_expected_tokens([(1, 3, [103])])
+    table.mail.published[0] = published
+    eng.forward([1], [1])
+    assert _mail_read(eng.mgr) == 0 and int(eng.mgr.expected_tokens[1, 3]) == layout.NO_EXPECTED_TOKEN
+
+
+def test_without_the_open_mail_a_decode_batch_is_launched() -> None:
+    eng = TinyEngine(verify_tokens=True)
+    table = eng.mgr.token_table
+    assert table is not None and not table.mail.is_open
+    eng.mgr.update_expected_tokens([(1, 0, [100])])
+    eng.mgr.update_expected_tokens([(1, 1, [101])])  # (applied by its own launch: visible at once)
+    assert eng.mgr.expected_tokens[1, :2].tolist() == [100, 101] and table.mail.posted == 0
+    assert not TinyEngine().mgr.open_token_mail()  # no token check, no mail

@@ -28,6 +28,7 @@ SPEC = KernelSpec(
         Arg("req_pool_indices"), Arg("prefix_lens"), Arg("extend_lens"),
         Arg("req_to_token"), Arg("swa_window_size", INT), Arg("full_to_swa_index_mapping", OPTIONAL),
         Arg("expected_tokens", OPTIONAL), Arg("expected_valid_lens_by_row", OPTIONAL),
+        Arg("token_mail", OPTIONAL), Arg("token_mail_published", OPTIONAL),
         Arg("kv_token_id_vs_position_offset", INT),
         Arg("input_ids"), Arg("positions"), Arg("out_cache_loc"),
         Arg("input_ids_out"), Arg("positions_out"), Arg("out_cache_loc_out"), Arg("real_kv_sources", REAL_KV),
@@ -62,6 +63,8 @@ def canary_check_step(
     full_to_swa_index_mapping: torch.Tensor | None = None,
     expected_tokens: torch.Tensor | None = None,
     expected_valid_lens_by_row: torch.Tensor | None = None,
+    token_mail: torch.Tensor | None = None,
+    token_mail_published: torch.Tensor | None = None,
     kv_token_id_vs_position_offset: int = 0,
     real_kv_sources: Sequence[RealKvSource] | RealKvLaunch = (),
     real_kv_hash_mode: int = layout.REAL_KV_HASH_MODE_NONE,
@@ -82,7 +85,10 @@ def canary_check_step(
     else only read it. Rows carry the forward number in ``violation_meta`` and the slot's ``slot_attribution``.
     ``status_mirror``: int64 ``[layout.STATE_HEADER_FIELDS]`` host memory (pinned for a CUDA launch) that gets the
     finished header at the launch's end, written in place (no copy for the host to start; a read may be torn between
-    two launches' headers).
+    two launches' headers). ``token_mail`` (int64 ``[capacity, layout.TOKEN_MAIL_FIELDS]``) and
+    ``token_mail_published`` (int64 ``[1]``), host memory (pinned for a CUDA launch), with int32 ``expected_tokens``:
+    at the launch's end the records published since ``state[STATE_TOKEN_MAIL_READ]`` whose step is at most this
+    launch's are appended to the table in order (:class:`~kvcanary.runtime.token_table.TokenMail`).
     """
     if not isinstance(write_plan, WritePlan):  # (its fields are named in errors: not to be read from anything else)
         raise TypeError(f"canary_check_step: write_plan: expected WritePlan, got {type(write_plan).__name__}")
@@ -106,7 +112,8 @@ class CheckLaunch:
                  violation_meta: torch.Tensor | None = None,
                  slot_attribution: torch.Tensor | None = None, swa_window_size: int = 0,
                  full_to_swa_index_mapping: torch.Tensor | None = None, expected_tokens: torch.Tensor | None = None,
-                 expected_valid_lens_by_row: torch.Tensor | None = None, kv_token_id_vs_position_offset: int = 0,
+                 expected_valid_lens_by_row: torch.Tensor | None = None, token_mail: torch.Tensor | None = None,
+                 token_mail_published: torch.Tensor | None = None, kv_token_id_vs_position_offset: int = 0,
                  real_kv_sources: Sequence[RealKvSource] | RealKvLaunch = (),
                  real_kv_hash_mode: int = layout.REAL_KV_HASH_MODE_NONE, check_tokens: bool = False) -> None:
         if not isinstance(write_plan, WritePlan):
@@ -117,7 +124,8 @@ class CheckLaunch:
             status_mirror=status_mirror, violation_meta=violation_meta, slot_attribution=slot_attribution,
             swa_window_size=swa_window_size,
             full_to_swa_index_mapping=full_to_swa_index_mapping, expected_tokens=expected_tokens,
-            expected_valid_lens_by_row=expected_valid_lens_by_row,
+            expected_valid_lens_by_row=expected_valid_lens_by_row, token_mail=token_mail,
+            token_mail_published=token_mail_published,
             kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
             real_kv_sources=prepare_real_kv(real_kv_sources, canary_buf.device), real_kv_hash_mode=real_kv_hash_mode,
             check_tokens=check_tokens,

@@ -113,6 +113,8 @@ STATE_ARRIVALS = STATE_DONE_BLOCKS + 1
 STATE_REUSE_GATE = STATE_ARRIVALS + 1
 # the acknowledged index the last drained-ring reuse applied (where the emptied epoch ended for the host)
 STATE_RING_REUSED_AT = STATE_REUSE_GATE + 1
+# the token mail's read cursor: mailbox records below it are applied (in the header: the status mirror carries it)
+STATE_TOKEN_MAIL_READ = STATE_RING_REUSED_AT + 1
 STATE_HEADER_FIELDS = 16
 DRAINED_TO_EPOCH_SHIFT = 32
 
@@ -130,6 +132,13 @@ TOKEN_APPEND_FIELD_ROW = 0  # expected_tokens row
 TOKEN_APPEND_FIELD_START = 1  # the position written (the row's valid length so far)
 TOKEN_APPEND_FIELD_TOKEN = 2  # the token
 TOKEN_APPEND_FIELDS = 3
+# the token check's mailbox (runtime/token_table.py TokenMail): int64 [capacity, TOKEN_MAIL_FIELDS] host memory, a ring
+# of a decode batch's appends that the next check launch applies at its end; a record applies from its forward on
+TOKEN_MAIL_FIELD_ROW = 0  # expected_tokens row
+TOKEN_MAIL_FIELD_START = 1  # the position written
+TOKEN_MAIL_FIELD_TOKEN = 2  # the token
+TOKEN_MAIL_FIELD_STEP = 3  # the forward the record is for
+TOKEN_MAIL_FIELDS = 4
 
 # canary_sweep_plan_update (a sweep-plan commit: runtime/sweep_index.py): int64, a header of
 # SWEEP_PLAN_META_HEADER_FIELDS values, then the spans (SWEEP_PLAN_SPAN_FIELDS values each, record-major), then the

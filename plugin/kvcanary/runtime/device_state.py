@@ -211,6 +211,7 @@ class DeviceState:
         # reads each batch row's valid length itself).
         self._expected_tokens: torch.Tensor | None = None
         self._expected_valid_lens_by_row: torch.Tensor | None = None
+        mail = None if token_table is None else token_table.mail  # (decode batches' appends, once it is opened)
         if token_table is not None:
             self._expected_tokens = token_table.expected_tokens
             self._expected_valid_lens_by_row = token_table.valid_lens_by_row
@@ -234,6 +235,8 @@ class DeviceState:
             slot_attribution=self.slot_attribution, swa_window_size=swa_window_size,
             full_to_swa_index_mapping=full_to_swa_index_mapping, expected_tokens=self._expected_tokens,
             expected_valid_lens_by_row=self._expected_valid_lens_by_row,
+            token_mail=None if mail is None else mail.records,
+            token_mail_published=None if mail is None else mail.published,
             kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, real_kv_sources=self._real_kv_launch,
             real_kv_hash_mode=real_kv_mode, check_tokens=self._expected_tokens is not None,
         )
@@ -322,6 +325,12 @@ class DeviceState:
                               meta_at=0)
         return StatusCopy((self.state[:numel], self.violation_meta[first:peek_end].view(-1)), state_at=0,
                           meta_at=numel)
+
+    @property
+    def mirrored_values(self) -> Sequence[int]:
+        """The status mirror itself, as int64 values read in place (no copy; as torn as :meth:`mirrored_header`
+        says): for a reader of one field per forward (the token mail's read cursor)."""
+        return self._mirror_values
 
     def mirrored_header(self) -> list[int]:
         """The status mirror's values (the header as the last finished check launch left it; ``parse_header`` reads

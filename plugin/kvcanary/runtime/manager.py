@@ -279,6 +279,20 @@ class CanaryManager:
         if changed:
             self.device_state.upload_row_serials(changed, serials)
 
+    def open_token_mail(self) -> bool:
+        """With the token check: from now on a decode batch's appends (one token per row) reach the table through
+        the check launch's mailbox, applied at the end of the next forward's launch, instead of a launch of their own
+        (:class:`~kvcanary.runtime.token_table.TokenMail`). Call only where every forward after a batch's uploads runs
+        this manager's check with the step :attr:`steps` + 1 (an adapter's plain runner: the eager hot path, the
+        general path and a captured decode graph all do; an EAGLE pool's draft steps do not). Returns whether a mail
+        was opened (False without the token check)."""
+        table = self.token_table
+        if table is None:
+            return False
+        rows, width = table.expected_tokens.shape
+        table.mail.open(self.device_state.mirrored_values, self, rows, width)
+        return True
+
     def writer_id(self, serial: int) -> str | None:
         """The request id of a writer serial (None: unknown, or older than the last MAX_WRITER_IDS requests)."""
         return self.writers.writer_id(serial)

@@ -23,12 +23,14 @@ stream before it (the ring: :mod:`kvcanary.runtime.staging`).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import operator
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, chain
+from itertools import accumulate, chain, repeat
+from typing import Any
 
 import torch
 
@@ -57,6 +59,12 @@ _VALUE_BYTES = 8  # int64 staging values
 _ERROR_PREFIX = "CanaryManager.update_expected_tokens"
 _add = operator.add
 _pack_into = struct.pack_into
+_MAIL_FIELDS = layout.TOKEN_MAIL_FIELDS
+_MAIL_RECORD_BYTES = _MAIL_FIELDS * _VALUE_BYTES
+
+# Records the token mail holds (32 bytes each, pinned on CUDA: 128 KiB): 16 decode batches of the largest batch sglang
+# runs by default, while the host is never more than a forward or two ahead of the device.
+TOKEN_MAIL_CAPACITY = 4096
 
 
 @dataclass(eq=False, slots=True)
@@ -146,6 +154,82 @@ class TokenRuns:
 _COUNTED = (list, tuple)  # the count columns whose one-token-each test is list.count (any other: the general path)
 
 
+class TokenMail:
+    """The token check's mailbox (issue 25): a decode batch's appends (one token per row) as records that the next
+    check launch applies at its end (csrc/canary_check.cuh, the token mail), instead of a launch of their own.
+
+    ``records`` (int64 ``[capacity, layout.TOKEN_MAIL_FIELDS]``: row, start, token, step) is a ring the host fills in
+    order; ``published`` (int64 ``[1]``) then says how many records were ever written. Both are host memory (pinned on
+    CUDA: the kernel reads them in place), both bound to the check launch. A check launch applies, in order, the
+    records published since the device's read cursor whose step is at most its own forward's, and moves the cursor,
+    which reaches the host in the status mirror: a record's ring slot is written again only once the cursor has
+    passed it.
+
+    Closed until :meth:`open` (then :meth:`post` takes batches): only where every forward after a batch hook runs this
+    table's check launch with the step the host counts (the manager's ``steps + 1``), so that every record is applied
+    by its own forward's launch, before any upload a later batch launches. Why the order matters: a record applied
+    after a later upload to its row (another request's prompt) would write the old request's token into it.
+    """
+
+    def __init__(self, capacity: int, *, pinned: bool) -> None:
+        if capacity < 1:
+            raise ValueError(f"TokenMail: capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.records = torch.zeros((capacity, _MAIL_FIELDS), dtype=torch.int64, pin_memory=pinned)
+        self.published = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
+        self._records_view = (ctypes.c_char * (capacity * _MAIL_RECORD_BYTES)).from_address(self.records.data_ptr())
+        self._published_view = (ctypes.c_int64 * 1).from_address(self.published.data_ptr())
+        self.written = 0  # records ever written (what ``published`` says once a batch is posted)
+        self.posted = 0  # batches posted
+        self.full = 0  # batches refused for want of room (the caller launched them instead)
+        self._read: Sequence[int] | None = None  # the mirrored header the read cursor is read from (None: closed)
+        self._read_at = 0
+        self._steps: Any = None  # what counts the forwards (its ``steps``)
+        self._rows = self._width = 0
+
+    @property
+    def is_open(self) -> bool:
+        return self._read is not None
+
+    def open(self, header: Sequence[int], steps: Any, rows: int, width: int) -> None:
+        """Take batches from now on: ``header`` is the status mirror's values (its
+        ``layout.STATE_TOKEN_MAIL_READ`` is the device's read cursor, as the last finished check launch left it: an
+        older value only delays reuse), ``steps.steps + 1`` the step of the forward a batch is posted for, ``rows``
+        and ``width`` the table's (a record outside them is not posted)."""
+        self._read, self._read_at, self._steps = header, layout.STATE_TOKEN_MAIL_READ, steps
+        self._rows, self._width = rows, width
+
+    def post(self, rows: Sequence[int], starts: Sequence[int], tokens: Sequence[int]) -> bool:
+        """Post one append per row (``tokens[i]`` at ``starts[i]`` of row ``rows[i]``) for the next forward: False,
+        with nothing written, when the mail is closed, lacks room, or a row or start lies outside the table (the
+        caller then launches the batch, whose path clips or names it)."""
+        header = self._read
+        n = len(rows)
+        if header is None or not n:
+            return False
+        written = self.written
+        capacity = self.capacity
+        if written + n - header[self._read_at] > capacity:
+            self.full += 1
+            return False
+        if min(rows) < 0 or max(rows) >= self._rows or min(starts) < 0 or max(starts) >= self._width:
+            return False
+        values = list(chain.from_iterable(zip(rows, starts, tokens, repeat(self._steps.steps + 1, n), strict=True)))
+        at = written % capacity
+        first = min(n, capacity - at)  # records up to the ring's end; the rest from its start
+        view = self._records_view
+        if first == n:
+            _pack_into(f"{_MAIL_FIELDS * n}q", view, at * _MAIL_RECORD_BYTES, *values)
+        else:
+            _pack_into(f"{_MAIL_FIELDS * first}q", view, at * _MAIL_RECORD_BYTES, *values[: _MAIL_FIELDS * first])
+            _pack_into(f"{_MAIL_FIELDS * (n - first)}q", view, 0, *values[_MAIL_FIELDS * first :])
+        # Published after the records (x86 stores become visible in program order; the kernel loads the count first)
+        self.written = written + n
+        self._published_view[0] = written + n
+        self.posted += 1
+        return True
+
+
 class TokenTable:
     """``expected_tokens`` (int32 ``[rows, width]``, :data:`~kvcanary.kernels.layout.NO_EXPECTED_TOKEN` where
     unknown) and ``valid_lens_by_row`` (int64 ``[rows]``) on ``device``; both keep their addresses (graph capture).
@@ -168,6 +252,8 @@ class TokenTable:
         size = ring_size if ring_size is not None else (RING_SIZE if event_factory is not None else 1)
         module = load_module("cuda" if device.type == "cuda" else "cpu")
         self._launch = module.canary_token_update
+        # The decode batches' appends through the check launch's mailbox, once the owner opens it (TokenMail)
+        self.mail = TokenMail(TOKEN_MAIL_CAPACITY, pinned=device.type == "cuda")
         # A decode batch's append, bound to each staging once (csrc canary_token_append_bind: the tensors validated and
         # the pinned staging's device address resolved at binding, not on every forward)
         bind, table, lens = module.canary_token_append_bind, self.expected_tokens, self.valid_lens_by_row
@@ -210,6 +296,8 @@ class TokenTable:
         # to build) for canary_token_append, here rather than in a method of its own: every decode batch takes this
         # branch, and a Python call from the engine's cold caches costs several µs of its host time.
         if len(token_runs) == 1 and counts.__class__ in _COUNTED and counts.count(1) == n and len(token_runs[0]) == n:
+            if self.mail.post(rows, starts, token_runs[0]):  # (an open mail: the next check launch applies them)
+                return
             try:
                 staged_len = _APPEND_FIELDS * n
                 staging = self.staging.acquire(staged_len)

@@ -817,4 +817,5 @@ def build_sim(sim_cfg: SimConfig, *, mode: str = "raise", sweep_interval: int = 
                     stats_every=0, verify_tokens=sim_cfg.verify_tokens, ring_capacity=4096, drain_every=drain_every)
     sim = Simulator(sim_cfg, mgr_factory=lambda **kw: CanaryManager(config, **kw), hook=hook, device=device)
     sim.mgr.mark_init_finished()
+    sim.mgr.open_token_mail()  # (every forward checks after its uploads, as an adapter's plain runner)
     return sim
