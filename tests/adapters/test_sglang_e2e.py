@@ -24,6 +24,7 @@ import hooks_state  # noqa: E402
 import sgl_engine  # noqa: E402
 import sglang  # noqa: E402,F401  (installed but broken must fail, not skip)
 
+from kvcanary.kernels import layout  # noqa: E402
 from kvcanary.kernels.tags import LaunchTag  # noqa: E402
 from kvcanary.report import CanaryViolationError  # noqa: E402
 from kvcanary.runtime import faults  # noqa: E402
@@ -130,6 +131,10 @@ def test_real_engine_clean_run_then_detections(engine, capsys, monkeypatch) -> N
     assert sched.chunked_steps > 0  # chunked extend happened
     assert len(sched.finished) > 10 and sched.reused_rows  # finished requests' rows were reused
     assert st.violations_seen == 0 and manager.violations == []
+    # the decode batches' token appends rode the next forward's check launch (the token mail), every record applied
+    table = manager.token_table
+    assert table is not None and table.mail.is_open and table.mail.posted >= modes["DECODE"] // 2
+    assert int(manager.device_state.state[layout.STATE_TOKEN_MAIL_READ]) == table.mail.written
     assert st.forwards == n == inst.steps
     # every forward planned+verified+written
     assert st.kernel_runs[LaunchTag.VERIFY] == n and st.kernel_runs[LaunchTag.WRITE] == n
