@@ -14,11 +14,6 @@
  *     verify_row_offsets: nobody reads it); snapshot: input_ids / positions / out_cache_loc [n] (int32 or
  *     int64) -> the int64 *_out buffers [>= n]; batch arrays may each be int32 or int64.
  *   - token check: batch row r's valid length is expected_valid_lens_by_row[clamp(rp, 0, rows - 1)].
- *   - token mail (token_mail + token_mail_published, optional; issue 25): at the launch's end, after every verify,
- *     the records the host published since state[kStateTokenMailRead] whose step is <= this launch's step are
- *     applied in order to the (int32) expected tokens and valid lengths, as canary_token_append applies its staging,
- *     and the read cursor moves past them; a record for a later forward waits for that forward's launch. A decode
- *     batch's appends thus need no launch of their own, and show from the next forward's verify.
  *   - forward counter (state[kStateForward]): with new_forward it becomes forward_step_value (>= 0) or the
  *     counter + 1 (< 0: each CUDA-graph replay counts one forward), and every metadata row of this launch
  *     carries the NEW value; without new_forward it is only read.
@@ -51,6 +46,9 @@
  *         index / epoch / drained_to on reuse, the done / arrival / gate scratch, the mail cursor), the expected
  *         tokens and valid lengths the mail's records append; optionally the status mirror
  *         (the last block copies the finished header to pinned host memory in place: CheckParams). Never records.
+ * Token mail (token_mail, token_mail_published; optional, issue 25): at the launch's end the records published
+ *   since state[kStateTokenMailRead] with step <= this launch's are appended in order to the int32 expected tokens
+ *   and valid lengths (check_token_mail_block), the cursor moved past them; a record for a later forward waits.
  */
 #pragma once
 
