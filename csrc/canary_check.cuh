@@ -46,9 +46,10 @@
  *         index / epoch / drained_to on reuse, the done / arrival / gate scratch, the mail cursor), the expected
  *         tokens and valid lengths the mail's records append; optionally the status mirror
  *         (the last block copies the finished header to pinned host memory in place: CheckParams). Never records.
- * Token mail (token_mail, token_mail_published; optional, issue 25): at the launch's end the records published
- *   since state[kStateTokenMailRead] with step <= this launch's are appended in order to the int32 expected tokens
- *   and valid lengths (check_token_mail_block), the cursor moved past them; a record for a later forward waits.
+ * Token mail (token_mail, token_mail_published; optional, issue 25): before any verify (by the reuse gate's opener)
+ *   the records published since state[kStateTokenMailRead] with step <= this launch's are appended in order to the
+ *   int32 expected tokens and valid lengths (check_token_mail_block), the cursor moved past them; a record for a
+ *   later forward waits for it. CPU: first, after the ring reuse.
  */
 #pragma once
 
@@ -101,7 +102,8 @@ struct CheckParams {
   int64_t forward_step_value;
   // The token check's mailbox (layout.h kTokenMailField*; nullptr: none): host memory (CUDA: the device's addresses
   // of pinned memory) the host fills with a decode batch's appends and publishes the count of (token_mail_published);
-  // the last block applies the records due by this launch's step to the expected-token table (int32, plan's).
+  // the reuse gate's opener applies the records due by this launch's step to the expected-token table (int32,
+  // plan's) before any block verifies.
   const int64_t* token_mail;
   const int64_t* token_mail_published;
   int64_t token_mail_capacity;
@@ -298,10 +300,11 @@ KVCANARY_HD void check_entry(const CheckParams& p, const ViolationSink& sink, in
 #if KVCANARY_DEVICE_BUILD
 
 /*!
- * \brief The token mail, by every thread of the last block once every verify of the launch is done (block-uniform
- * call): the block loads the due records from host memory kCheckMailChunk at a time, in parallel (one round trip
- * over the bus per chunk, not one per record), then thread 0 applies them in order from shared memory (a row repeated
- * in the mail: the later record wins) and moves the read cursor past them. The appends show from the next launch.
+ * \brief The token mail, by every thread of the reuse gate's opener before it opens the gate (block-uniform call),
+ * so before any block of the launch verifies: the block loads the due records from host memory kCheckMailChunk at a
+ * time, in parallel (one round trip over the bus per chunk, not one per record), then thread 0 applies them in order
+ * from shared memory (a row repeated in the mail: the later record wins) and moves the read cursor past them. This
+ * launch's verify checks the appended tokens, as it checked those of a launch of their own before it.
  * Not inlined: it runs once per launch, and inlined its registers spilled in the verify loop (ptxas, sm_90a).
  */
 __device__ __noinline__ void check_token_mail_block(const CheckParams& p, int64_t step) {
@@ -342,13 +345,14 @@ __device__ __noinline__ void check_token_mail_block(const CheckParams& p, int64_
 }
 
 /*!
- * \brief The reuse gate, by every thread of each block before the block's first append: one block reuses the ring
- * (its threads move the kept rows) and opens the gate, every other block waits until it is open. The opener is the
+ * \brief The reuse gate, by every thread of each block before the block's first append and first verify: one block
+ * reuses the ring (its threads move the kept rows), applies the token mail, and opens the gate, every other block
+ * waits until it is open. The opener is the
  * block whose arrival ticket is a multiple of the grid size: ticket 0 (the first to arrive) at rest, and still
  * exactly one block if a dead launch left the ticket count non-zero, so no launch can wait on a gate nobody opens.
  * Capturable: no host sync. Called block-uniformly (every thread of the block, no divergent branch around it).
  */
-__device__ __forceinline__ void check_reuse_gate(const CheckParams& p) {
+__device__ __forceinline__ void check_reuse_gate(const CheckParams& p, int64_t step) {
   __shared__ bool s_opener;
   __shared__ RingReuse s_reuse;
   int32_t* arrivals = reinterpret_cast<int32_t*>(p.state + kStateArrivals);
@@ -372,8 +376,10 @@ __device__ __forceinline__ void check_reuse_gate(const CheckParams& p) {
         check_ring_reuse_finish(p, s_reuse);
       }
     }
+    check_token_mail_block(p, step);  // (before any block's verify: the appends are checked by this launch)
     if (threadIdx.x == 0) {
-      __threadfence();  // the reset index, epoch and drained_to before the open gate, device-wide
+      // the reset index, epoch and drained_to, the mail's appends and cursor, before the open gate, device-wide
+      __threadfence();
       atomicExch(gate, 1);
     }
     return;
@@ -411,7 +417,7 @@ KVCANARY_KERNEL void __launch_bounds__(kCheckThreads, kCheckMinBlocksPerSm)
   for (int64_t i = g; i < p.num_tokens; i += stride) {
     check_snapshot(p, i);
   }
-  check_reuse_gate(p);  // after the snapshot (no appends there): the opener has usually done the reuse by now
+  check_reuse_gate(p, s_step);  // after the snapshot (no appends there): the opener has usually done the reuse by now
   __syncthreads();
 
   const bool stores_write_plan = blockIdx.x == 0;
@@ -493,9 +499,6 @@ KVCANARY_KERNEL void __launch_bounds__(kCheckThreads, kCheckMinBlocksPerSm)
       *reinterpret_cast<int32_t*>(p.state + kStateReuseGate) = 0;
       *done = 0;
     }
-    // the token mail, after every verify of this launch (the appends show from the next one) and before the header
-    // copy (the mirror carries the moved read cursor)
-    check_token_mail_block(p, s_step);
     __syncthreads();  // thread 0's stores, before the block reads the header back
     if (p.status_mirror != nullptr && threadIdx.x < static_cast<uint32_t>(kStateHeaderFields)) {
       // One coalesced write of the finished header to pinned host memory. No system fence: the host reads the
@@ -530,6 +533,16 @@ inline void canary_check_cpu(const CheckParams& p) {
   const PlanParams& q = p.plan;
   check_reuse_drained_ring(p);  // before any append, as the device's gate orders it
   const int64_t step = check_step_value(p, p.state[kStateForward]);
+  int64_t at = 0;
+  int64_t end = 0;
+  check_mail_range(p, &at, &end);  // the token mail before any verify (the device's check_token_mail_block)
+  for (; at < end && check_load_volatile(check_mail_field(p, at, kTokenMailFieldStep)) <= step; ++at) {
+    check_apply_mail_record(p.plan, *check_mail_field(p, at, kTokenMailFieldRow),
+                            *check_mail_field(p, at, kTokenMailFieldStart), *check_mail_field(p, at, kTokenMailFieldToken));
+  }
+  if (p.token_mail != nullptr) {
+    p.state[kStateTokenMailRead] = at;
+  }
   const ViolationSink sink = check_sink(p, &step);
   for (int64_t i = 0; i < p.num_tokens; ++i) {
     check_snapshot(p, i);
@@ -553,16 +566,6 @@ inline void canary_check_cpu(const CheckParams& p) {
   *q.write_num_valid = static_cast<int32_t>(q.batch_rows);
   check_bump_counters(p, entries);
   check_finish(p, step);
-  int64_t at = 0;
-  int64_t end = 0;
-  check_mail_range(p, &at, &end);  // the token mail (the device's check_token_mail_block, one record at a time)
-  for (; at < end && check_load_volatile(check_mail_field(p, at, kTokenMailFieldStep)) <= step; ++at) {
-    check_apply_mail_record(p.plan, *check_mail_field(p, at, kTokenMailFieldRow),
-                            *check_mail_field(p, at, kTokenMailFieldStart), *check_mail_field(p, at, kTokenMailFieldToken));
-  }
-  if (p.token_mail != nullptr) {
-    p.state[kStateTokenMailRead] = at;
-  }
   if (p.status_mirror != nullptr) {
     for (int32_t f = 0; f < kStateHeaderFields; ++f) {
       p.status_mirror[f] = p.state[f];

@@ -506,3 +506,15 @@ def test_without_the_open_mail_a_decode_batch_is_launched() -> None:
     eng.mgr.update_expected_tokens([(1, 1, [101])])  # (applied by its own launch: visible at once)
     assert eng.mgr.expected_tokens[1, :2].tolist() == [100, 101] and table.mail.posted == 0
     assert not TinyEngine().mgr.open_token_mail()  # no token check, no mail
+
+
+def test_the_forward_that_applies_the_mail_checks_its_tokens() -> None:
+    """The mail is applied before the launch verifies anything: a posted token for a position already written (an
+    overlap scheduler's decode uploads the token its previous forward fed) is checked by the very next forward, as
+    it was when the batch's appends had a launch of their own (issue 25: applied at the launch's end instead, the
+    H200 fault phase found token swaps one forward late, 24 of 86)."""
+    eng = _mail_engine(Mode.LOG)
+    eng.mgr.update_expected_tokens([(1, 2, [555])])  # position 2 of row 1 holds 102
+    eng.forward([1, 2], [1, 1])
+    eng.mgr.flush()
+    assert [(v.position, v.step) for v in eng.mgr.violations] == [(2, eng.mgr.steps)]

@@ -281,7 +281,8 @@ class CanaryManager:
 
     def open_token_mail(self) -> bool:
         """With the token check: from now on a decode batch's appends (one token per row) reach the table through
-        the check launch's mailbox, applied at the end of the next forward's launch, instead of a launch of their own
+        the check launch's mailbox, applied by the next forward's launch before it verifies, instead of a launch of
+        their own
         (:class:`~kvcanary.runtime.token_table.TokenMail`). Call only where every forward after a batch's uploads runs
         this manager's check with the step :attr:`steps` + 1 (an adapter's plain runner: the eager hot path, the
         general path and a captured decode graph all do; an EAGLE pool's draft steps do not). Returns whether a mail

@@ -156,7 +156,8 @@ _COUNTED = (list, tuple)  # the count columns whose one-token-each test is list.
 
 class TokenMail:
     """The token check's mailbox (issue 25): a decode batch's appends (one token per row) as records that the next
-    check launch applies at its end (csrc/canary_check.cuh, the token mail), instead of a launch of their own.
+    check launch applies before it verifies anything (csrc/canary_check.cuh, the token mail), instead of a launch of
+    their own: the same forward checks them, as it checked those of the launch the mail replaces.
 
     ``records`` (int64 ``[capacity, layout.TOKEN_MAIL_FIELDS]``: row, start, token, step) is a ring the host fills in
     order; ``published`` (int64 ``[1]``) then says how many records were ever written. Both are host memory (pinned on

@@ -33,7 +33,6 @@ from kvcanary.runtime.config import Config
 from kvcanary.runtime.identity_cache import IdentityCache
 from kvcanary.runtime.installation import Group, Installation
 from kvcanary.runtime.manager import CanaryManager
-from kvcanary.settings import Mode
 from kvcanary.sglang import hicache, pools, speculative
 from kvcanary.sglang.batches import BatchConverter, mode_name, mode_name_of, unsupported_mode
 from kvcanary.sglang.contract import VersionModule
@@ -131,11 +130,9 @@ class AdapterHooks:
                 rank=group_rank,
                 **speculative.manager_kwargs(role),
             )
-            if role is None and config.mode is not Mode.PROTECT:
+            if role is None:
                 # The token check's decode appends ride the next check launch (a plain runner checks every forward
-                # after its batch hook, with the manager's step: CanaryManager.open_token_mail). Not in protect mode:
-                # a mailed token is verified from the forward after (the mail applies at the check's end), and
-                # protect holds a batch's results only for the checks of its own forward.
+                # after its batch hook, with the manager's step: CanaryManager.open_token_mail)
                 manager.open_token_mail()
             groups.append(Group(spec, manager))
         # (an EAGLE pool's batches have modes and arrays of their own: no eager hot path, forward_modes None)
