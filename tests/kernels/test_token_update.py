@@ -891,10 +891,11 @@ def test_cuda_uploads_from_pinned_memory_while_the_device_is_busy() -> None:
     scratch.update([(0, 3, [4]), (1, 0, [5])])  # canary_token_append_kernel
     scratch.update([(2, 0, [4]), (2, 1, [5])])  # canary_token_append_ordered_kernel (a row repeated)
     torch.cuda.synchronize()
-    # ~0.5 s of device time queued first: the host issues every batch long before the device reads the first
-    # staging, so the ring must come round while its launches are pending (a per-batch sleep raced the host's own
-    # pace: the H200 run of 2026-11-30 saw no wait)
-    torch.cuda._sleep(1_000_000_000)
+    # ~4 s of device time queued first: the host issues a ring's worth of batches long before the device reads the
+    # first staging, so the ring must come round while its launches are pending (a per-batch sleep raced the host's
+    # own pace: the H200 run of 2026-11-30 saw no wait; ~0.5 s did not outlast a ring of 32 under compute-sanitizer,
+    # whose host is slow: the H200 gpu_check of 2026-12-03 saw no wait)
+    torch.cuda._sleep(8_000_000_000)
     for batch in batches:
         table.update(batch)
     torch.cuda.synchronize()
