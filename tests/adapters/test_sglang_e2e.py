@@ -131,10 +131,11 @@ def test_real_engine_clean_run_then_detections(engine, capsys, monkeypatch) -> N
     assert sched.chunked_steps > 0  # chunked extend happened
     assert len(sched.finished) > 10 and sched.reused_rows  # finished requests' rows were reused
     assert st.violations_seen == 0 and manager.violations == []
-    # the decode batches' token appends rode the next forward's check launch (the token mail), every record applied
+    # the adapter does not open the token mail yet (issue 25: its final kernel placement awaits its GPU run): every
+    # decode batch's appends had a launch of their own
     table = manager.token_table
-    assert table is not None and table.mail.is_open and table.mail.posted >= modes["DECODE"] // 2
-    assert int(manager.device_state.state[layout.STATE_TOKEN_MAIL_READ]) == table.mail.written
+    assert table is not None and not table.mail.is_open and table.mail.posted == 0
+    assert int(manager.device_state.state[layout.STATE_TOKEN_MAIL_READ]) == 0
     assert st.forwards == n == inst.steps
     # every forward planned+verified+written
     assert st.kernel_runs[LaunchTag.VERIFY] == n and st.kernel_runs[LaunchTag.WRITE] == n

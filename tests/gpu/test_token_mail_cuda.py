@@ -18,7 +18,8 @@ pytestmark = [
 def _run(device: str, steps: int) -> tuple:
     # up to 96 requests at once: a decode batch's mail crosses the last block's 64-record chunks
     sim = build_sim(SimConfig(seed=7, num_pages=8192, max_running=96, max_waiting=64, p_arrival=1.0,
-                              prompt_len=(2, 40), max_new=(20, 60)), mode="log", sweep_interval=0, device=device)
+                              prompt_len=(2, 40), max_new=(20, 60), token_mail=True), mode="log", sweep_interval=0,
+                    device=device)
     sim.run(steps)
     mgr = sim.mgr
     mgr.flush()

@@ -41,13 +41,13 @@ MAX_STEPS = 6000  # a host-tier class waits for load-backs (one every ~10 forwar
 HOST_PAGES = 2048
 
 
-def run_class(fault: str, host_pages: int = HOST_PAGES) -> tuple[FaultDriver, Simulator]:
+def run_class(fault: str, host_pages: int = HOST_PAGES, token_mail: bool = False) -> tuple[FaultDriver, Simulator]:
     driver = FaultDriver((fault,), seed=FAULT_SEEDS[fault], per_class=TARGET, warmup=WARMUP, gap=GAP,
                          deadline=DEADLINE, grace=GRACE)
     # cached-but-idle corruption is only visible to the sweep: sweep every step so it sees the flip first
     sweep = 1 if fault == faults.CACHED_IDLE_CORRUPTION else 10
-    sim = build_sim(SimConfig(seed=FAULT_SEEDS[fault], page_size=1, num_pages=1024, host_pages=host_pages),
-                    mode="log", sweep_interval=sweep, hook=driver)
+    sim = build_sim(SimConfig(seed=FAULT_SEEDS[fault], page_size=1, num_pages=1024, host_pages=host_pages,
+                              token_mail=token_mail), mode="log", sweep_interval=sweep, hook=driver)
     while len(driver.closed) < TARGET and sim.step_no < MAX_STEPS:
         sim.step()
         if sim.step_no < WARMUP:
@@ -86,6 +86,18 @@ def test_fault_class_detected(fault: str, host_pages: int) -> None:
             [v for v in sim.mgr.violations if v.via != "host_tier"][:3]
     # the repairs left every cached copy, device and host, as the model wrote it
     assert sim.repair_kv() == 0
+
+
+@pytest.mark.parametrize("fault", [faults.TOKEN_SWAP, faults.REQ_TO_TOKEN_REDIRECT])
+def test_fault_class_detected_with_the_token_mail(fault: str) -> None:
+    """The token check's decode appends through the check launch's mailbox (CanaryManager.open_token_mail): every
+    injection still detected within the deadline, nothing else reported (the mail is applied before the launch
+    verifies: applied after it, a token swap's report came a forward late)."""
+    driver, sim = run_class(fault, token_mail=True)
+    table = sim.mgr.token_table
+    assert table is not None and table.mail.posted > 0
+    assert len(driver.closed) >= TARGET and all(o.detected_step is not None for o in driver.closed)
+    assert not driver.false_positives, driver.false_positives[:3]
 
 
 def test_fault_table() -> None:

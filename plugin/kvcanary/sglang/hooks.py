@@ -130,10 +130,6 @@ class AdapterHooks:
                 rank=group_rank,
                 **speculative.manager_kwargs(role),
             )
-            if role is None:
-                # The token check's decode appends ride the next check launch (a plain runner checks every forward
-                # after its batch hook, with the manager's step: CanaryManager.open_token_mail)
-                manager.open_token_mail()
             groups.append(Group(spec, manager))
         # (an EAGLE pool's batches have modes and arrays of their own: no eager hot path, forward_modes None)
         to_views = BatchConverter(specs, max_bs, device, speculative.batch_view_for(role, v.batch_view, max_bs, device),
