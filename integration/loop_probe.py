@@ -55,7 +55,8 @@ FIELDS = ("iters", "decode_n", "extend_n", "loop_ns", "recv_ns", "next_ns", "run
           "kvc_sweep_reserve_ns", "kvc_sweep_append_ns", "kvc_sweep_producer_ns", "kvc_sweep_prime_ns",
           "kvc_sweep_compact_ns", "kvc_sweep_index_prime_ns", "kvc_streams_consumer_ns", "kvc_streams_done_ns",
           "kvc_streams_hold_ns", "torch_event_record_ns",
-          "torch_stream_wait_event_ns", "kvc_token_columns_ns", "tok_after_result_ns", "cuda_mallocs",
+          "torch_stream_wait_event_ns", "kvc_token_columns_ns", "kvc_token_upload_ns", "kvc_token_mail_ns",
+          "tok_after_result_ns", "cuda_mallocs",
           "cuda_alloc_retries", "gc0_ns", "gc1_ns", "gc2_ns", "gc2_n")
 UNIT_LAUNCHES = 5  # `x.add_(1)` launches timed every EVERY iterations: this process's cost of one torch launch
 # "1": also time the device work of kvcanary's eager launches (the check before a forward, the write after it) with
@@ -115,6 +116,10 @@ KVCANARY_PIECES = (
     ("kvcanary.runtime.installation", "Installation", "account_forward", "kvc_account_ns"),
     ("kvcanary.runtime.manager", "CanaryManager", "assign_requests", "kvc_assign_ns"),  # inside the batch hook
     ("kvcanary.sglang.hooks", None, "expected_token_columns", "kvc_token_columns_ns"),  # the batch hook's token columns
+    # ... and their upload (issue 25: the batch hook's ~4 launch units with the token check, its columns ~1.2: the
+    # rest split here), inside it a decode batch's post to the token mail when it is open
+    ("kvcanary.runtime.token_table", "TokenTable", "update_columns", "kvc_token_upload_ns"),
+    ("kvcanary.runtime.token_table", "TokenMail", "post", "kvc_token_mail_ns"),
     # a decode graph's padded rows zeroed before its replay (inside the forward, outside the pieces above)
     ("kvcanary.sglang.hooks", "AdapterHooks", "zero_stale_padding", "kvc_populate_ns"),
 )
