@@ -849,3 +849,66 @@ def test_a_cuda_launch_needs_a_pinned_token_mail() -> None:
                   token_mail=torch.zeros((4, layout.TOKEN_MAIL_FIELDS), dtype=torch.int64),
                   token_mail_published=torch.zeros(1, dtype=torch.int64).pin_memory())
     _expect(kwargs, ValueError, "^canary_check_step: token_mail: expected pinned host memory")
+
+
+def _mail_case(rng: random.Random) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor] | None:
+    """A random check case with an int32 token table and a token mail: records (some outside the table, steps in
+    order around the launch's), a ring of 4 / 8 / 130 records (wrapping), a read cursor, and a published count
+    (now and then behind the cursor or past a ring: nothing applies)."""
+    case = random_check_case(rng)
+    table = case["expected_tokens"]
+    if table is None or table.dtype != torch.int32:
+        return None
+    rows, width = table.shape
+    state = case["state"]
+    counter = int(state[layout.STATE_FORWARD])
+    step = counter if not case["new_forward"] else (
+        case["forward_step_value"] if case["forward_step_value"] >= 0 else counter + 1)
+    capacity = rng.choice([4, 8, 130])
+    n = rng.randint(0, capacity)
+    read = rng.randint(0, 3 * capacity)
+    state[layout.STATE_TOKEN_MAIL_READ] = read
+    ring = torch.zeros((capacity, layout.TOKEN_MAIL_FIELDS), dtype=torch.int64)
+    record_steps = sorted(rng.choice([step - 2, step - 1, step, step, step + 1]) for _ in range(n))
+    for k, record_step in enumerate(record_steps):
+        ring[(read + k) % capacity] = torch.tensor([rng.randint(-1, rows), rng.randint(-1, width),
+                                                    rng.randrange(1 << 40), record_step])
+    published = rng.choice([read + n] * 8 + [read - 1, read + capacity + 1])
+    return case, ring, torch.tensor([published], dtype=torch.int64)
+
+
+def _run_with_mail(fn: Any, case: dict[str, Any], device: str, ring: torch.Tensor,
+                   published: torch.Tensor) -> dict[str, Any]:
+    kw = _on(case, device)
+    pinned = device == "cuda"  # (the mail is host memory: pinned for a CUDA launch)
+    mail = ring.clone().pin_memory() if pinned else ring.clone()
+    count = published.clone().pin_memory() if pinned else published.clone()
+    fn(**kw, token_mail=mail, token_mail_published=count)
+    _sync(device)
+    out = _results(kw)
+    out["expected_tokens"] = kw["expected_tokens"].cpu()
+    out["valid_lens"] = kw["expected_valid_lens_by_row"].cpu()
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_token_mail_equals_the_reference(backend: str) -> None:
+    """The token mail (issue 25) is applied as check_ref.apply_token_mail says, before the verify: the table, the valid
+    lengths, the read cursor in the header, and every verify result (token checks of the appended positions included)
+    equal the reference's."""
+    _skip_unavailable(backend)
+    ran = applied = 0
+    for seed in range(300):
+        made = _mail_case(random.Random(3 * 10**6 + seed))
+        if made is None:
+            continue
+        case, ring, published = made
+        got = _run_with_mail(check.canary_check_step, case, backend, ring, published)
+        want = _run_with_mail(check_ref.canary_check_step, case, "cpu", ring, published)
+        ctx = f"seed={seed}"
+        assert torch.equal(got["expected_tokens"], want["expected_tokens"]), ctx
+        assert torch.equal(got["valid_lens"], want["valid_lens"]), ctx
+        assert_same(got, want, ctx, ordered=backend == "cpu")
+        ran += 1
+        applied += int(got["header"][layout.STATE_TOKEN_MAIL_READ]) != int(case["state"][layout.STATE_TOKEN_MAIL_READ])
+    assert ran >= 20 and applied >= 10, (ran, applied)

@@ -1,6 +1,6 @@
 """Pure-torch reference of the fused per-forward check (contract: csrc/canary_check.cuh), for differential tests:
 ``check_ref.canary_check_step`` takes the keyword arguments of ``check.canary_check_step`` and composes the
-drained-ring reuse (``reuse_drained_ring``) and the plan and verify references, in place on the given CPU tensors."""
+drained-ring reuse (``reuse_drained_ring``), the token mail (``apply_token_mail``) and the plan and verify references, in place on the given CPU tensors."""
 
 from __future__ import annotations
 
@@ -52,6 +52,29 @@ def reuse_drained_ring(state: torch.Tensor, violation_meta: torch.Tensor | None 
     state[layout.STATE_RING_REUSED_AT] = acked
 
 
+def apply_token_mail(state: torch.Tensor, token_mail: torch.Tensor, token_mail_published: torch.Tensor,
+                     expected_tokens: torch.Tensor, valid_lens_by_row: torch.Tensor, step: int) -> None:
+    """The token mail of ``canary_check_step`` (contract: csrc/canary_check.cuh), in place: the records published
+    since ``state[STATE_TOKEN_MAIL_READ]`` (nothing when the count is behind it or more than a ring ahead) are applied
+    in order while their step is at most ``step``: token at (row, start), the row's valid length start + 1 (a record
+    outside the table is skipped); the read cursor moves past the applied ones."""
+    read, published = int(state[layout.STATE_TOKEN_MAIL_READ]), int(token_mail_published[0])
+    capacity = int(token_mail.shape[0])
+    if not read < published <= read + capacity:
+        return
+    rows, width = expected_tokens.shape
+    at = read
+    while at < published:
+        row, start, token, record_step = token_mail[at % capacity].tolist()
+        if record_step > step:
+            break
+        if 0 <= row < rows and 0 <= start < width:
+            expected_tokens[row, start] = torch.tensor(token, dtype=torch.int64).to(torch.int32)  # the low 32 bits
+            valid_lens_by_row[row] = start + 1
+        at += 1
+    state[layout.STATE_TOKEN_MAIL_READ] = at
+
+
 def canary_check_step(
     *,
     state: torch.Tensor,
@@ -74,6 +97,8 @@ def canary_check_step(
     full_to_swa_index_mapping: torch.Tensor | None = None,
     expected_tokens: torch.Tensor | None = None,
     expected_valid_lens_by_row: torch.Tensor | None = None,
+    token_mail: torch.Tensor | None = None,
+    token_mail_published: torch.Tensor | None = None,
     kv_token_id_vs_position_offset: int = 0,
     real_kv_sources: Sequence[RealKvSource] = (),
     real_kv_hash_mode: int = layout.REAL_KV_HASH_MODE_NONE,
@@ -81,11 +106,17 @@ def canary_check_step(
     new_forward: bool = True,
     forward_step_value: int = -1,
 ) -> None:
-    """Reference of ``check.canary_check_step`` (contract: csrc/canary_check.cuh): the drained-ring reuse first, then
-    the plan and verify references composed over a verify plan that cannot overflow, and the per-forward small ops."""
+    """Reference of ``check.canary_check_step`` (contract: csrc/canary_check.cuh): the drained-ring reuse first, the
+    token mail, then the plan and verify references composed over a verify plan that cannot overflow, and the
+    per-forward small ops."""
     i64 = torch.int64
     write_index = state[layout.STATE_WRITE_INDEX : layout.STATE_WRITE_INDEX + 1].view(torch.int32)[0:1]
     reuse_drained_ring(state, violation_meta)  # before this launch's appends: they follow the rows kept
+    counter = int(state[layout.STATE_FORWARD])
+    step = counter if not new_forward else (forward_step_value if forward_step_value >= 0 else counter + 1)
+    if token_mail is not None and token_mail_published is not None and expected_tokens is not None \
+            and expected_valid_lens_by_row is not None:  # (before any verify: this launch checks the appends)
+        apply_token_mail(state, token_mail, token_mail_published, expected_tokens, expected_valid_lens_by_row, step)
     n = int(input_ids.shape[0])
     for src, dst in ((input_ids, input_ids_out), (positions, positions_out), (out_cache_loc, out_cache_loc_out)):
         dst[:n] = src.to(i64)
@@ -108,8 +139,6 @@ def canary_check_step(
     write_plan.write_num_valid_reqs.copy_(scratch.write_num_valid_reqs)
     if write_plan.write_request_rows is not None and scratch.write_request_rows is not None:
         write_plan.write_request_rows.copy_(scratch.write_request_rows)
-    counter = int(state[layout.STATE_FORWARD])
-    step = counter if not new_forward else (forward_step_value if forward_step_value >= 0 else counter + 1)
     tag = layout.LAUNCH_TAG_VERIFY
     canary_verify_step(
         canary_buf=canary_buf,
