@@ -1,6 +1,7 @@
 """Pure-torch reference of the fused per-forward check (contract: csrc/canary_check.cuh), for differential tests:
 ``check_ref.canary_check_step`` takes the keyword arguments of ``check.canary_check_step`` and composes the
-drained-ring reuse (``reuse_drained_ring``), the token mail (``apply_token_mail``) and the plan and verify references, in place on the given CPU tensors."""
+drained-ring reuse (``reuse_drained_ring``), the token mail (``apply_token_mail``) and the plan and verify references,
+in place on the given CPU tensors."""
 
 from __future__ import annotations
 
