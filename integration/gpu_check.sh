@@ -213,7 +213,7 @@ record kernels "$(status_of $STEP_RC)" "$STEP_S" "$(pytest_result "$OUT_DIR/kern
 
 # ------------------------------------------------------------------------------------------------ memcheck
 SANITIZER=""
-MEMCHECK_K="${GPU_CHECK_MEMCHECK_K:-cuda and (out_of_range or 0-cuda or 1-cuda or refuses_a_staging or commit_past_the_block_cap or index_plans_equal_the_cpu_index or status_mirror or bound_launches or bound_check_equals or bound_write_equals or bound_check_writes)}"
+MEMCHECK_K="${GPU_CHECK_MEMCHECK_K:-cuda and (out_of_range or 0-cuda or 1-cuda or refuses_a_staging or commit_past_the_block_cap or index_plans_equal_the_cpu_index or status_mirror or bound_launches or bound_check_equals or bound_write_equals or bound_check_writes or token_mail or bound_append)}"
 for cand in "$(command -v compute-sanitizer 2>/dev/null)" "$CUDA_HOME/bin/compute-sanitizer" \
             "$CUDA_HOME/compute-sanitizer/compute-sanitizer"; do
   if [[ -n "$cand" && -x "$cand" ]]; then SANITIZER="$cand"; break; fi
