@@ -22,7 +22,7 @@ NUM_SLOTS = 128
 class TinyEngine:
     """Two requests in req_to_token rows 1 and 2; slots handed out in order; KV = f(token, position)."""
 
-    def __init__(self, mode: Mode = Mode.RAISE, **config: object) -> None:
+    def __init__(self, mode: Mode = Mode.RAISE, token_mail: bool = False, **config: object) -> None:
         self.req_to_token = torch.zeros((4, 32), dtype=torch.int32)
         self.kv = torch.zeros((NUM_SLOTS, 32), dtype=torch.uint8)
         self.next_slot = 1
@@ -38,6 +38,7 @@ class TinyEngine:
             max_batch_size=4,
             max_tokens_per_forward=64,
             real_kv_sources=[RealKvSource(self.kv, 1, 32, 32)],
+            token_mail=token_mail,
         )
 
     def forward(self, rows: list[int], counts: list[int]) -> None:
@@ -421,8 +422,8 @@ def test_a_sweep_source_is_primed_when_it_is_set() -> None:
 
 def _mail_engine(mode: Mode = Mode.RAISE) -> TinyEngine:
     """A TinyEngine with the token check, its prompts (3 tokens in rows 1 and 2) uploaded and written, the mail open."""
-    eng = TinyEngine(mode, verify_tokens=True)
-    assert eng.mgr.open_token_mail()
+    eng = TinyEngine(mode, token_mail=True, verify_tokens=True)
+    assert eng.mgr.token_table is not None and eng.mgr.token_table.mail is not None
     eng.mgr.update_expected_tokens([(1, 0, [100, 101, 102]), (2, 0, [200, 201, 202])])  # prompts: a launch each
     eng.forward([1, 2], [3, 3])
     return eng
@@ -437,7 +438,7 @@ def test_the_token_mail_takes_a_decode_batch_and_the_next_check_applies_it() -> 
     forward's check launch applies them at its end, then the read cursor (and its mirror) moves past them."""
     eng = _mail_engine()
     table = eng.mgr.token_table
-    assert table is not None
+    assert table is not None and table.mail is not None and table.mail.is_open
     eng.mgr.update_expected_tokens([(1, 3, [103]), (2, 3, [203])])
     assert table.mail.posted == 1 and table.mail.written == 2
     assert int(table.valid_lens_by_row[1]) == 3 and int(eng.mgr.expected_tokens[1, 3]) == layout.NO_EXPECTED_TOKEN
@@ -498,14 +499,15 @@ def test_a_published_count_behind_the_cursor_or_past_a_ring_applies_nothing(publ
     assert _mail_read(eng.mgr) == 0 and int(eng.mgr.expected_tokens[1, 3]) == layout.NO_EXPECTED_TOKEN
 
 
-def test_without_the_open_mail_a_decode_batch_is_launched() -> None:
-    eng = TinyEngine(verify_tokens=True)
+def test_without_the_token_mail_a_decode_batch_is_launched() -> None:
+    eng = TinyEngine(verify_tokens=True)  # (the default: no mail)
     table = eng.mgr.token_table
-    assert table is not None and not table.mail.is_open
+    assert table is not None and table.mail is None
     eng.mgr.update_expected_tokens([(1, 0, [100])])
     eng.mgr.update_expected_tokens([(1, 1, [101])])  # (applied by its own launch: visible at once)
-    assert eng.mgr.expected_tokens[1, :2].tolist() == [100, 101] and table.mail.posted == 0
-    assert not TinyEngine().mgr.open_token_mail()  # no token check, no mail
+    assert eng.mgr.expected_tokens[1, :2].tolist() == [100, 101]
+    with pytest.raises(ValueError, match="token_mail: needs the token check"):
+        TinyEngine(token_mail=True)
 
 
 def test_the_forward_that_applies_the_mail_checks_its_tokens() -> None:

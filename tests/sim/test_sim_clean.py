@@ -13,7 +13,7 @@ STEPS = 2000
 CASES = {
     "page1": SimConfig(seed=1, page_size=1, num_pages=1024),
     "page16": SimConfig(seed=2, page_size=16, num_pages=128),
-    # the token check's decode appends through the check launch's mailbox (CanaryManager.open_token_mail)
+    # the token check's decode appends through the check launch's mailbox (CanaryManager(token_mail=True))
     "page1-token-mail": SimConfig(seed=1, page_size=1, num_pages=1024, token_mail=True),
 }
 

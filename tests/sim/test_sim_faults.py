@@ -90,7 +90,7 @@ def test_fault_class_detected(fault: str, host_pages: int) -> None:
 
 @pytest.mark.parametrize("fault", [faults.TOKEN_SWAP, faults.REQ_TO_TOKEN_REDIRECT])
 def test_fault_class_detected_with_the_token_mail(fault: str) -> None:
-    """The token check's decode appends through the check launch's mailbox (CanaryManager.open_token_mail): every
+    """The token check's decode appends through the check launch's mailbox (CanaryManager(token_mail=True)): every
     injection still detected within the deadline, nothing else reported (the mail is applied before the launch
     verifies: applied after it, a token swap's report came a forward late)."""
     driver, sim = run_class(fault, token_mail=True)

@@ -91,9 +91,12 @@ class CanaryManager:
         full_to_swa_index_mapping: torch.Tensor | None = None,
         reporter: Reporter | None = None,
         rank: dict[str, int] | None = None,
+        token_mail: bool = False,
     ) -> None:
         if not config.enabled:
             raise ValueError("CanaryManager: config: mode is off; do not build a manager")
+        if token_mail and not config.verify_tokens:
+            raise ValueError("CanaryManager: token_mail: needs the token check (verify_tokens)")
         self.config = config
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -131,7 +134,7 @@ class CanaryManager:
         rows, max_ctx = req_to_token.shape
 
         # The parts.
-        self.token_table = TokenTable(rows, max_ctx, self.device) if config.verify_tokens else None
+        self.token_table = TokenTable(rows, max_ctx, self.device, mail=token_mail) if config.verify_tokens else None
         self.device_state = DeviceState(
             num_slots=num_slots, req_to_token=req_to_token, device=self.device, max_batch_size=max_batch_size,
             max_tokens_per_forward=max_tokens_per_forward, ring_capacity=config.ring_capacity,
@@ -139,6 +142,9 @@ class CanaryManager:
             swa_window_size=int(swa_window_size), kv_token_id_vs_position_offset=self.kv_token_id_vs_position_offset,
             full_to_swa_index_mapping=full_to_swa_index_mapping, token_table=self.token_table,
         )
+        if self.token_table is not None and self.token_table.mail is not None:
+            # the device's read cursor from the status mirror; a record's forward from this manager's steps
+            self.token_table.mail.open(self.device_state.mirrored_values, self, rows, max_ctx)
         self.writers = WriterTable(rows)
         self.sweeper = Sweeper(self.device_state, config.sweep_interval)
         self.stats = CanaryStats()
@@ -278,21 +284,6 @@ class CanaryManager:
         changed, serials = self.writers.assign(rows, request_ids)
         if changed:
             self.device_state.upload_row_serials(changed, serials)
-
-    def open_token_mail(self) -> bool:
-        """With the token check: from now on a decode batch's appends (one token per row) reach the table through
-        the check launch's mailbox, applied by the next forward's launch before it verifies, instead of a launch of
-        their own
-        (:class:`~kvcanary.runtime.token_table.TokenMail`). Call only where every forward after a batch's uploads runs
-        this manager's check with the step :attr:`steps` + 1 (an adapter's plain runner: the eager hot path, the
-        general path and a captured decode graph all do; an EAGLE pool's draft steps do not). Returns whether a mail
-        was opened (False without the token check)."""
-        table = self.token_table
-        if table is None:
-            return False
-        rows, width = table.expected_tokens.shape
-        table.mail.open(self.device_state.mirrored_values, self, rows, width)
-        return True
 
     def writer_id(self, serial: int) -> str | None:
         """The request id of a writer serial (None: unknown, or older than the last MAX_WRITER_IDS requests)."""

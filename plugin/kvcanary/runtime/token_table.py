@@ -166,10 +166,11 @@ class TokenMail:
     which reaches the host in the status mirror: a record's ring slot is written again only once the cursor has
     passed it.
 
-    Closed until :meth:`open` (then :meth:`post` takes batches): only where every forward after a batch hook runs this
-    table's check launch with the step the host counts (the manager's ``steps + 1``), so that every record is applied
-    by its own forward's launch, before any upload a later batch launches. Why the order matters: a record applied
-    after a later upload to its row (another request's prompt) would write the old request's token into it.
+    Closed until :meth:`open` (then :meth:`post` takes batches; ``CanaryManager(token_mail=True)`` opens it): only
+    where every forward after a batch hook runs this table's check launch with the step the host counts (the
+    manager's ``steps + 1``), so that every record is applied by its own forward's launch, before any upload a later
+    batch launches. Why the order matters: a record applied after a later upload to its row (another request's
+    prompt) would write the old request's token into it.
     """
 
     def __init__(self, capacity: int, *, pinned: bool) -> None:
@@ -244,7 +245,8 @@ class TokenTable:
     """
 
     def __init__(self, rows: int, width: int, device: torch.device, *,
-                 event_factory: Callable[[], StagingEvent] | None = None, ring_size: int | None = None) -> None:
+                 event_factory: Callable[[], StagingEvent] | None = None, ring_size: int | None = None,
+                 mail: bool = False) -> None:
         self.device = device
         self.expected_tokens = torch.full((rows, width), layout.NO_EXPECTED_TOKEN, dtype=torch.int32, device=device)
         self.valid_lens_by_row = torch.zeros(rows, dtype=torch.int64, device=device)
@@ -253,8 +255,9 @@ class TokenTable:
         size = ring_size if ring_size is not None else (RING_SIZE if event_factory is not None else 1)
         module = load_module("cuda" if device.type == "cuda" else "cpu")
         self._launch = module.canary_token_update
-        # The decode batches' appends through the check launch's mailbox, once the owner opens it (TokenMail)
-        self.mail = TokenMail(TOKEN_MAIL_CAPACITY, pinned=device.type == "cuda")
+        # ``mail``: the decode batches' appends through the check launch's mailbox (TokenMail; its owner binds it to
+        # the check launch and opens it); None: each batch is launched
+        self.mail = TokenMail(TOKEN_MAIL_CAPACITY, pinned=device.type == "cuda") if mail else None
         # A decode batch's append, bound to each staging once (csrc canary_token_append_bind: the tensors validated and
         # the pinned staging's device address resolved at binding, not on every forward)
         bind, table, lens = module.canary_token_append_bind, self.expected_tokens, self.valid_lens_by_row
@@ -297,7 +300,8 @@ class TokenTable:
         # to build) for canary_token_append, here rather than in a method of its own: every decode batch takes this
         # branch, and a Python call from the engine's cold caches costs several µs of its host time.
         if len(token_runs) == 1 and counts.__class__ in _COUNTED and counts.count(1) == n and len(token_runs[0]) == n:
-            if self.mail.post(rows, starts, token_runs[0]):  # (an open mail: the next check launch applies them)
+            mail = self.mail
+            if mail is not None and mail.post(rows, starts, token_runs[0]):  # (the next check launch applies them)
                 return
             try:
                 staged_len = _APPEND_FIELDS * n

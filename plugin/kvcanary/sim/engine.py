@@ -105,7 +105,7 @@ class SimConfig:
     p_mixed: float = 0.3
     p_idle: float = 0.03
     verify_tokens: bool = True
-    token_mail: bool = False  # decode batches' token appends through the check launch's mailbox (open_token_mail)
+    token_mail: bool = False  # decode batches' token appends through the check launch's mailbox (CanaryManager's)
     read_bytes: tuple[int, int] = (64, 32)  # fingerprinted bytes of K, V (mode ALL)
     reserve_tokens: int = 96  # admission keeps room for this many tokens spare (extend_life of fault victims)
     evict_batch: int = 32  # pages evicted at once when the free list runs dry
@@ -816,8 +816,8 @@ def build_sim(sim_cfg: SimConfig, *, mode: str = "raise", sweep_interval: int = 
 
     config = Config(mode=Mode(mode), real_kv=RealKvHashMode[real_kv.upper()], sweep_interval=sweep_interval,
                     stats_every=0, verify_tokens=sim_cfg.verify_tokens, ring_capacity=4096, drain_every=drain_every)
-    sim = Simulator(sim_cfg, mgr_factory=lambda **kw: CanaryManager(config, **kw), hook=hook, device=device)
+    # (token_mail: every simulated forward checks after its uploads, as an adapter's plain runner)
+    sim = Simulator(sim_cfg, mgr_factory=lambda **kw: CanaryManager(config, token_mail=sim_cfg.token_mail, **kw),
+                    hook=hook, device=device)
     sim.mgr.mark_init_finished()
-    if sim_cfg.token_mail:
-        sim.mgr.open_token_mail()  # (every forward checks after its uploads, as an adapter's plain runner)
     return sim
