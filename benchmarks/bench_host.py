@@ -26,6 +26,7 @@ from kvcanary.runtime.config import Config
 from kvcanary.runtime.manager import CanaryManager
 from kvcanary.runtime.pump import PinnedChannel
 from kvcanary.runtime.serial_upload import RowSerialUpload
+from kvcanary.runtime.token_table import TOKEN_MAIL_CAPACITY, TokenMail
 from kvcanary.settings import Mode
 
 
@@ -139,6 +140,34 @@ def append_staging(seqs: dict[int, list[int]], dev: torch.device) -> tuple[torch
     return (staging.pin_memory() if dev.type == "cuda" else staging), len(seqs)
 
 
+def bound_append(tok: CanaryManager, seqs: dict[int, list[int]], dev: torch.device) -> Callable[[], None]:
+    """The bound append of :func:`append_staging`'s staging (``canary_token_append_bind``), as one call."""
+    table = tok.token_table
+    assert table is not None
+    staging, n = append_staging(seqs, dev)
+    bound = call.load_module(dev.type).canary_token_append_bind(table.expected_tokens, table.valid_lens_by_row, staging)
+    return functools.partial(bound, table.valid_lens_by_row, n)
+
+
+def mail_post(rows_: list[int], starts: list[int], tokens: list[int], rows: int,
+              dev: torch.device) -> Callable[[], None]:
+    """One TokenMail.post of a decode batch, the device's read cursor moved to what was written before each (as a
+    device that keeps up leaves it): the host's whole cost of a decode batch's upload with the token mail."""
+    mail = TokenMail(TOKEN_MAIL_CAPACITY, pinned=dev.type == "cuda")
+    header = [0] * layout.STATE_HEADER_FIELDS
+
+    class Steps:
+        steps = 0
+
+    mail.open(header, Steps, rows, 1 << 20)
+
+    def post() -> None:
+        header[layout.STATE_TOKEN_MAIL_READ] = mail.written
+        mail.post(rows_, starts, tokens)
+
+    return post
+
+
 def serial_staging(rows: list[int], serials: list[int], dev: torch.device) -> torch.Tensor:
     """The rows then the serials, as RowSerialUpload stages them (pinned on CUDA); never rewritten, so relaunching it
     needs no ring."""
@@ -195,6 +224,8 @@ def main() -> None:
     tok = CanaryManager(Config(mode=Mode.LOG, stats_every=0, verify_tokens=True), num_slots=slots,
                         req_to_token=r2t, device=dev, max_batch_size=rows, max_tokens_per_forward=8192)
     seqs = {row: list(range(1000 + row)) for row in range(1, rows)}
+    decode_rows, decode_starts = list(seqs), [len(t) - 1 for t in seqs.values()]
+    decode_tokens, decode_counts = [t[-1] for t in seqs.values()], [1] * len(seqs)
     rows_out += [
         ("token table, 64 rows re-sent in full (set_expected_tokens each)",
          timed(lambda: [tok.set_expected_tokens(r, t) for r, t in seqs.items()], max(args.iters // 50, 5), sync)),
@@ -207,9 +238,16 @@ def main() -> None:
         ("canary_token_update: the export alone, the decode update's staging prebuilt",
          timed(functools.partial(call.load_module(dev.type).canary_token_update, tok.token_table.expected_tokens,
                                  tok.token_table.valid_lens_by_row, *decode_staging(seqs, dev)), args.iters, sync)),
-        ("canary_token_append: the export alone, the decode update's staging prebuilt (what a decode batch runs)",
+        ("canary_token_append: the export alone, the decode update's staging prebuilt",
          timed(functools.partial(call.load_module(dev.type).canary_token_append, tok.token_table.expected_tokens,
                                  tok.token_table.valid_lens_by_row, *append_staging(seqs, dev)), args.iters, sync)),
+        ("canary_token_append_bind: the bound append alone, its staging prebuilt (what a decode batch runs)",
+         timed(bound_append(tok, seqs, dev), args.iters, sync)),
+        ("token table, 64 rows' new token as the batch hook sends it (update_columns)",
+         timed(lambda: tok.token_table.update_columns(decode_rows, decode_starts, decode_counts, [decode_tokens]),
+               args.iters, sync)),
+        ("token mail, 64 rows' new token posted (TokenMail.post; no launch, the device keeping up)",
+         timed(mail_post(decode_rows, decode_starts, decode_tokens, rows, dev), args.iters, sync)),
     ]
     # writer attribution: a prefill batch of 64 new requests uploads their rows' serials
     serial_rows = list(range(1, rows))

@@ -250,9 +250,9 @@ KVCANARY_HD void check_finish(const CheckParams& p, int64_t step) {
 /*! \brief A volatile load: host memory the host rewrites between launches, read as it is now (never a cached copy). */
 KVCANARY_HD int64_t check_load_volatile(const int64_t* addr) { return *static_cast<const volatile int64_t*>(addr); }
 
-/*! \brief Mailbox record `at`'s field `field` (the ring index taken modulo the capacity). */
+/*! \brief Mailbox record `at`'s field `field` (field-major: a column per field; the ring index modulo the capacity). */
 KVCANARY_HD const int64_t* check_mail_field(const CheckParams& p, int64_t at, int32_t field) {
-  return p.token_mail + (at % p.token_mail_capacity) * kTokenMailFields + field;
+  return p.token_mail + static_cast<int64_t>(field) * p.token_mail_capacity + at % p.token_mail_capacity;
 }
 
 /*!
@@ -323,9 +323,10 @@ __device__ __noinline__ void check_token_mail_block(const CheckParams& p, int64_
   __syncthreads();
   for (int64_t chunk = s_at; chunk < s_end && !s_stop; chunk += kCheckMailChunk) {  // (shared: block-uniform)
     const int64_t n = s_end - chunk < kCheckMailChunk ? s_end - chunk : kCheckMailChunk;
-    for (int64_t i = threadIdx.x; i < n * kTokenMailFields; i += blockDim.x) {
-      s_mail[i / kTokenMailFields][i % kTokenMailFields] =
-          check_load_volatile(check_mail_field(p, chunk + i / kTokenMailFields, static_cast<int32_t>(i % kTokenMailFields)));
+    for (int64_t i = threadIdx.x; i < n * kTokenMailFields; i += blockDim.x) {  // (neighbours read one column)
+      const int64_t k = i % n;
+      const int32_t field = static_cast<int32_t>(i / n);
+      s_mail[k][field] = check_load_volatile(check_mail_field(p, chunk + k, field));
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -614,7 +615,8 @@ struct CheckPrepared {
  * bad arguments gets; the forward's own arrays are checked after them, by check_launch). */
 /*!
  * \brief The token check's mailbox (both or neither, after the expected tokens are bound): token_mail int64
- * [capacity, kTokenMailFields], token_mail_published int64 [1], host memory (CUDA: pinned, the kernel reads it through
+ * [kTokenMailFields, capacity] (a column per field), token_mail_published int64 [1], host memory (CUDA: pinned, the
+ * kernel reads it through
  * the device's addresses); the expected tokens must be int32 (the table the mail appends to).
  */
 inline void bind_token_mail(const char* fn, const tvm::ffi::Optional<TensorView>& token_mail,
@@ -628,7 +630,7 @@ inline void bind_token_mail(const char* fn, const tvm::ffi::Optional<TensorView>
   KVCANARY_CHECK_ARG(p.plan.expected_tokens != nullptr && p.plan.expected_tokens_i32, ValueError, fn, "token_mail")
       << "needs int32 expected_tokens (the table its records are appended to)";
   SymbolicSize capacity("mail_capacity");
-  TensorMatcher(fn, {capacity, kTokenMailFields}).dtype<int64_t>().verify(token_mail.value(), "token_mail");
+  TensorMatcher(fn, {kTokenMailFields, capacity}).dtype<int64_t>().verify(token_mail.value(), "token_mail");
   KVCANARY_CHECK_ARG(capacity.value() > 0, ValueError, fn, "token_mail") << "expected at least one record";
   TensorMatcher(fn, {1}).dtype<int64_t>().verify(token_mail_published.value(), "token_mail_published");
   check_host_memory(fn, "token_mail", token_mail.value());

@@ -152,10 +152,10 @@ constexpr int32_t kTokenAppendFieldStart = 1;  // the position written
 constexpr int32_t kTokenAppendFieldToken = 2;  // the token
 constexpr int32_t kTokenAppendFields = 3;
 
-// The token check's mailbox (issue 25): a decode batch's appends as records the next check launch applies at its end
-// instead of a launch of their own. int64 [capacity, kTokenMailFields] host memory (pinned on CUDA), a ring the host
-// fills in order, then publishes the count of records written (the mailbox's int64 [1] cursor). A record is applied
-// by the first check launch whose forward step is at least the record's.
+// The token check's mailbox (issue 25): a decode batch's appends as records the next check launch applies before it
+// verifies, instead of a launch of their own. int64 [kTokenMailFields, capacity] host memory (pinned on CUDA), a column
+// per field: a ring the host fills in order, then publishes the count of records written (the mailbox's int64 [1]
+// cursor). A record is applied by the first check launch whose forward step is at least the record's.
 constexpr int32_t kTokenMailFieldRow = 0;    // expected_tokens row
 constexpr int32_t kTokenMailFieldStart = 1;  // the position written
 constexpr int32_t kTokenMailFieldToken = 2;  // the token

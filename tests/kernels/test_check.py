@@ -806,7 +806,7 @@ def _mail_kwargs(**overrides: Any) -> dict[str, Any]:
     rows = kwargs["req_to_token"].shape[0]
     kwargs.update(expected_tokens=torch.zeros((rows, 8), dtype=torch.int32),
                   expected_valid_lens_by_row=torch.zeros(rows, dtype=torch.int64),
-                  token_mail=torch.zeros((4, layout.TOKEN_MAIL_FIELDS), dtype=torch.int64),
+                  token_mail=torch.zeros((layout.TOKEN_MAIL_FIELDS, 4), dtype=torch.int64),
                   token_mail_published=torch.zeros(1, dtype=torch.int64))
     kwargs.update(overrides)
     return kwargs
@@ -818,8 +818,8 @@ MAIL_ERRORS = [
     ({"token_mail": None}, f"token_mail: {_TOGETHER}"),
     ({"expected_tokens": None, "expected_valid_lens_by_row": None}, "token_mail: needs int32 expected_tokens"),
     ({"expected_tokens": torch.zeros((8, 8), dtype=torch.int64)}, "token_mail: needs int32 expected_tokens"),
-    ({"token_mail": torch.zeros((4, 3), dtype=torch.int64)}, "token_mail: expected shape"),
-    ({"token_mail": torch.zeros((0, layout.TOKEN_MAIL_FIELDS), dtype=torch.int64)},
+    ({"token_mail": torch.zeros((3, 4), dtype=torch.int64)}, "token_mail: expected shape"),
+    ({"token_mail": torch.zeros((layout.TOKEN_MAIL_FIELDS, 0), dtype=torch.int64)},
      "token_mail: expected at least one"),
     ({"token_mail_published": torch.zeros(2, dtype=torch.int64)}, "token_mail_published: expected shape"),
 ]
@@ -846,7 +846,7 @@ def test_a_cuda_launch_needs_a_pinned_token_mail() -> None:
     rows = kwargs["req_to_token"].shape[0]
     kwargs.update(expected_tokens=torch.zeros((rows, 8), dtype=torch.int32, device="cuda"),
                   expected_valid_lens_by_row=torch.zeros(rows, dtype=torch.int64, device="cuda"),
-                  token_mail=torch.zeros((4, layout.TOKEN_MAIL_FIELDS), dtype=torch.int64),
+                  token_mail=torch.zeros((layout.TOKEN_MAIL_FIELDS, 4), dtype=torch.int64),
                   token_mail_published=torch.zeros(1, dtype=torch.int64).pin_memory())
     _expect(kwargs, ValueError, "^canary_check_step: token_mail: expected pinned host memory")
 
@@ -868,11 +868,11 @@ def _mail_case(rng: random.Random) -> tuple[dict[str, Any], torch.Tensor, torch.
     n = rng.randint(0, capacity)
     read = rng.randint(0, 3 * capacity)
     state[layout.STATE_TOKEN_MAIL_READ] = read
-    ring = torch.zeros((capacity, layout.TOKEN_MAIL_FIELDS), dtype=torch.int64)
+    ring = torch.zeros((layout.TOKEN_MAIL_FIELDS, capacity), dtype=torch.int64)  # (a column per field)
     record_steps = sorted(rng.choice([step - 2, step - 1, step, step, step + 1]) for _ in range(n))
     for k, record_step in enumerate(record_steps):
-        ring[(read + k) % capacity] = torch.tensor([rng.randint(-1, rows), rng.randint(-1, width),
-                                                    rng.randrange(1 << 40), record_step])
+        ring[:, (read + k) % capacity] = torch.tensor([rng.randint(-1, rows), rng.randint(-1, width),
+                                                       rng.randrange(1 << 40), record_step])
     published = rng.choice([read + n] * 8 + [read - 1, read + capacity + 1])
     return case, ring, torch.tensor([published], dtype=torch.int64)
 

@@ -964,7 +964,7 @@ def _open_mail(capacity: int, rows: int = 8, width: int = 16) -> tuple[TokenMail
 def test_mail_posts_records_tagged_with_the_next_forward_and_publishes_their_count() -> None:
     mail, _ = _open_mail(8)
     assert mail.post([1, 5], [3, 0], [42, 1 << 40])
-    assert mail.records[:2].tolist() == [[1, 3, 42, 7], [5, 0, 1 << 40, 7]]
+    assert mail.records[:, :2].t().tolist() == [[1, 3, 42, 7], [5, 0, 1 << 40, 7]]  # (a column per field)
     assert mail.published.tolist() == [2] and mail.written == 2 and mail.posted == 1
 
 
@@ -975,7 +975,7 @@ def test_mail_is_written_again_only_past_the_read_cursor_and_wraps() -> None:
     assert mail.published.tolist() == [3]
     header[layout.STATE_TOKEN_MAIL_READ] = 2  # the device read two
     assert mail.post([4, 5], [1, 1], [40, 50])
-    assert mail.records.tolist() == [[5, 1, 50, 7], [2, 0, 20, 7], [3, 0, 30, 7], [4, 1, 40, 7]]  # 4 at 3, 5 at 0
+    assert mail.records.t().tolist() == [[5, 1, 50, 7], [2, 0, 20, 7], [3, 0, 30, 7], [4, 1, 40, 7]]  # 4 at 3, 5 at 0
     assert mail.published.tolist() == [5]
 
 

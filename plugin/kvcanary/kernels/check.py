@@ -85,7 +85,7 @@ def canary_check_step(
     else only read it. Rows carry the forward number in ``violation_meta`` and the slot's ``slot_attribution``.
     ``status_mirror``: int64 ``[layout.STATE_HEADER_FIELDS]`` host memory (pinned for a CUDA launch) that gets the
     finished header at the launch's end, written in place (no copy for the host to start; a read may be torn between
-    two launches' headers). ``token_mail`` (int64 ``[capacity, layout.TOKEN_MAIL_FIELDS]``) and
+    two launches' headers). ``token_mail`` (int64 ``[layout.TOKEN_MAIL_FIELDS, capacity]``) and
     ``token_mail_published`` (int64 ``[1]``), host memory (pinned for a CUDA launch), with int32 ``expected_tokens``:
     at the launch's end the records published since ``state[STATE_TOKEN_MAIL_READ]`` whose step is at most this
     launch's are appended to the table in order (:class:`~kvcanary.runtime.token_table.TokenMail`).

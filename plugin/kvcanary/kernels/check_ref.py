@@ -60,13 +60,13 @@ def apply_token_mail(state: torch.Tensor, token_mail: torch.Tensor, token_mail_p
     in order while their step is at most ``step``: token at (row, start), the row's valid length start + 1 (a record
     outside the table is skipped); the read cursor moves past the applied ones."""
     read, published = int(state[layout.STATE_TOKEN_MAIL_READ]), int(token_mail_published[0])
-    capacity = int(token_mail.shape[0])
+    capacity = int(token_mail.shape[1])  # (a column per field)
     if not read < published <= read + capacity:
         return
     rows, width = expected_tokens.shape
     at = read
     while at < published:
-        row, start, token, record_step = token_mail[at % capacity].tolist()
+        row, start, token, record_step = token_mail[:, at % capacity].tolist()
         if record_step > step:
             break
         if 0 <= row < rows and 0 <= start < width:

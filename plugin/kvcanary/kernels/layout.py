@@ -132,8 +132,9 @@ TOKEN_APPEND_FIELD_ROW = 0  # expected_tokens row
 TOKEN_APPEND_FIELD_START = 1  # the position written (the row's valid length so far)
 TOKEN_APPEND_FIELD_TOKEN = 2  # the token
 TOKEN_APPEND_FIELDS = 3
-# the token check's mailbox (runtime/token_table.py TokenMail): int64 [capacity, TOKEN_MAIL_FIELDS] host memory, a ring
-# of a decode batch's appends that the next check launch applies at its end; a record applies from its forward on
+# the token check's mailbox (runtime/token_table.py TokenMail): int64 [TOKEN_MAIL_FIELDS, capacity] host memory (a
+# column per field), a ring of a decode batch's appends the next check launch applies before it verifies; a record
+# applies from its forward on
 TOKEN_MAIL_FIELD_ROW = 0  # expected_tokens row
 TOKEN_MAIL_FIELD_START = 1  # the position written
 TOKEN_MAIL_FIELD_TOKEN = 2  # the token

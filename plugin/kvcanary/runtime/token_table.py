@@ -29,7 +29,7 @@ import operator
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, chain, repeat
+from itertools import accumulate, chain
 from typing import Any
 
 import torch
@@ -159,7 +159,8 @@ class TokenMail:
     check launch applies before it verifies anything (csrc/canary_check.cuh, the token mail), instead of a launch of
     their own: the same forward checks them, as it checked those of the launch the mail replaces.
 
-    ``records`` (int64 ``[capacity, layout.TOKEN_MAIL_FIELDS]``: row, start, token, step) is a ring the host fills in
+    ``records`` (int64 ``[layout.TOKEN_MAIL_FIELDS, capacity]``: a column each of rows, starts, tokens and steps) is a
+    ring the host fills in
     order; ``published`` (int64 ``[1]``) then says how many records were ever written. Both are host memory (pinned on
     CUDA: the kernel reads them in place), both bound to the check launch. A check launch applies, in order, the
     records published since the device's read cursor whose step is at most its own forward's, and moves the cursor,
@@ -177,9 +178,12 @@ class TokenMail:
         if capacity < 1:
             raise ValueError(f"TokenMail: capacity must be >= 1, got {capacity}")
         self.capacity = capacity
-        self.records = torch.zeros((capacity, _MAIL_FIELDS), dtype=torch.int64, pin_memory=pinned)
+        self.records = torch.zeros((_MAIL_FIELDS, capacity), dtype=torch.int64, pin_memory=pinned)
         self.published = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
         self._records_view = (ctypes.c_char * (capacity * _MAIL_RECORD_BYTES)).from_address(self.records.data_ptr())
+        # each column's byte offset in the view: row, start, token, step
+        self._column = tuple(field * capacity * _VALUE_BYTES for field in range(_MAIL_FIELDS))
+        self._packers: dict[int, Callable[..., None]] = {}  # n -> Struct(f"{n}q").pack_into, once per batch size
         self._published_view = (ctypes.c_int64 * 1).from_address(self.published.data_ptr())
         self.written = 0  # records ever written (what ``published`` says once a batch is posted)
         self.posted = 0  # batches posted
@@ -214,22 +218,40 @@ class TokenMail:
         if written + n - header[self._read_at] > capacity:
             self.full += 1
             return False
+        if len(tokens) != n or len(starts) != n:
+            raise ValueError(f"TokenMail.post: {n} rows, {len(starts)} starts and {len(tokens)} tokens")
         if min(rows) < 0 or max(rows) >= self._rows or min(starts) < 0 or max(starts) >= self._width:
             return False
-        values = list(chain.from_iterable(zip(rows, starts, tokens, repeat(self._steps.steps + 1, n), strict=True)))
+        steps = [self._steps.steps + 1] * n
         at = written % capacity
         first = min(n, capacity - at)  # records up to the ring's end; the rest from its start
-        view = self._records_view
-        if first == n:
-            _pack_into(f"{_MAIL_FIELDS * n}q", view, at * _MAIL_RECORD_BYTES, *values)
+        view, (row_at, start_at, token_at, step_at) = self._records_view, self._column
+        offset = at * _VALUE_BYTES
+        if first == n:  # (one C-level pack per column: no per-record Python)
+            pack = self._packers.get(n) or self._packer(n)
+            pack(view, row_at + offset, *rows)
+            pack(view, start_at + offset, *starts)
+            pack(view, token_at + offset, *tokens)
+            pack(view, step_at + offset, *steps)
         else:
-            _pack_into(f"{_MAIL_FIELDS * first}q", view, at * _MAIL_RECORD_BYTES, *values[: _MAIL_FIELDS * first])
-            _pack_into(f"{_MAIL_FIELDS * (n - first)}q", view, 0, *values[_MAIL_FIELDS * first :])
+            head, tail = self._packer(first), self._packer(n - first)
+            for column, values in ((row_at, rows), (start_at, starts), (token_at, tokens), (step_at, steps)):
+                head(view, column + offset, *values[:first])
+                tail(view, column, *values[first:])
         # Published after the records (x86 stores become visible in program order; the kernel loads the count first)
         self.written = written + n
         self._published_view[0] = written + n
         self.posted += 1
         return True
+
+    def _packer(self, n: int) -> Callable[..., None]:
+        """``Struct(f"{n}q").pack_into``, built once per batch size (a batch's post makes no format string)."""
+        packer = self._packers.get(n)
+        if packer is None:
+            if len(self._packers) >= 512:
+                self._packers.clear()
+            packer = self._packers[n] = struct.Struct(f"{n}q").pack_into
+        return packer
 
 
 class TokenTable:
