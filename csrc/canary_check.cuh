@@ -79,7 +79,8 @@ constexpr uint32_t kCheckThreads = 256;
 // block scans the rows and counts itself done) and latency hiding on a large verify.
 constexpr uint32_t kCheckMinBlocksPerSm = 5;
 constexpr int32_t kCheckMaxBlocksPerSm = 5;
-// Token-mail records the last block loads from host memory at once (canary_check_kernel's end): 2 KiB of shared memory.
+// Token-mail records the reuse gate's opener loads from host memory at once (check_token_mail_block): 2 KiB of shared
+// memory.
 constexpr int64_t kCheckMailChunk = 64;
 
 struct CheckParams {
@@ -290,7 +291,7 @@ KVCANARY_HD void check_mail_range(const CheckParams& p, int64_t* begin, int64_t*
   }
 }
 
-/*! \brief Verify the k-th entry of batch row r. *//*! \brief Verify the k-th entry of batch row r. */
+/*! \brief Verify the k-th entry of batch row r. */
 KVCANARY_HD void check_entry(const CheckParams& p, const ViolationSink& sink, int64_t r, const RowPlan& row,
                              int64_t k) {
   const PlanEntry e = plan_entry(p.plan, r, row, k);
@@ -539,7 +540,8 @@ inline void canary_check_cpu(const CheckParams& p) {
   check_mail_range(p, &at, &end);  // the token mail before any verify (the device's check_token_mail_block)
   for (; at < end && check_load_volatile(check_mail_field(p, at, kTokenMailFieldStep)) <= step; ++at) {
     check_apply_mail_record(p.plan, *check_mail_field(p, at, kTokenMailFieldRow),
-                            *check_mail_field(p, at, kTokenMailFieldStart), *check_mail_field(p, at, kTokenMailFieldToken));
+                            *check_mail_field(p, at, kTokenMailFieldStart),
+                            *check_mail_field(p, at, kTokenMailFieldToken));
   }
   if (p.token_mail != nullptr) {
     p.state[kStateTokenMailRead] = at;
@@ -611,13 +613,10 @@ struct CheckPrepared {
   SnapshotOut snapshots[3];  // input_ids_out, positions_out, out_cache_loc_out
 };
 
-/*! \brief Validate and extract canary_check_step's fixed arguments (this order decides the error a call with several
- * bad arguments gets; the forward's own arrays are checked after them, by check_launch). */
 /*!
  * \brief The token check's mailbox (both or neither, after the expected tokens are bound): token_mail int64
  * [kTokenMailFields, capacity] (a column per field), token_mail_published int64 [1], host memory (CUDA: pinned, the
- * kernel reads it through
- * the device's addresses); the expected tokens must be int32 (the table the mail appends to).
+ * kernel reads it through the device's addresses); the expected tokens must be int32 (the table the mail appends to).
  */
 inline void bind_token_mail(const char* fn, const tvm::ffi::Optional<TensorView>& token_mail,
                             const tvm::ffi::Optional<TensorView>& token_mail_published, CheckParams& p) {
@@ -646,6 +645,8 @@ inline void bind_token_mail(const char* fn, const tvm::ffi::Optional<TensorView>
   p.token_mail_capacity = capacity.value();
 }
 
+/*! \brief Validate and extract canary_check_step's fixed arguments (this order decides the error a call with several
+ * bad arguments gets; the forward's own arrays are checked after them, by check_launch). */
 inline CheckPrepared check_prepare(
     TensorView state, tvm::ffi::Optional<TensorView> status_mirror, tvm::ffi::Optional<TensorView> violation_meta,
     tvm::ffi::Optional<TensorView> slot_attribution, TensorView canary_buf, TensorView write_offsets,
