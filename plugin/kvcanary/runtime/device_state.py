@@ -211,7 +211,7 @@ class DeviceState:
         # reads each batch row's valid length itself).
         self._expected_tokens: torch.Tensor | None = None
         self._expected_valid_lens_by_row: torch.Tensor | None = None
-        mail = None if token_table is None else token_table.mail  # (decode batches' appends, once it is opened)
+        mail = None if token_table is None else token_table.mail  # (None unless the manager asked for the token mail)
         if token_table is not None:
             self._expected_tokens = token_table.expected_tokens
             self._expected_valid_lens_by_row = token_table.valid_lens_by_row

@@ -74,6 +74,9 @@ class CanaryManager:
             ``p`` (SPEC §4.3; 1 for an EAGLE draft pool, whose slot at p holds the KV of token p + 1).
         reporter: where violations go (default: one built from ``config``).
         rank: e.g. ``{"tp_rank": 1}``, attached to every violation.
+        token_mail: with the token check, a decode batch's appends ride the next check launch's mailbox instead of a
+            launch of their own (:class:`~kvcanary.runtime.token_table.TokenMail`). Only where every forward after a
+            batch's uploads runs this manager's check with the step ``steps + 1`` (an adapter's plain runner).
     """
 
     def __init__(
