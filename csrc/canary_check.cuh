@@ -301,11 +301,12 @@ KVCANARY_HD void check_entry(const CheckParams& p, const ViolationSink& sink, in
 #if KVCANARY_DEVICE_BUILD
 
 /*!
- * \brief The token mail, by every thread of the reuse gate's opener before it opens the gate (block-uniform call),
- * so before any block of the launch verifies: the block loads the due records from host memory kCheckMailChunk at a
- * time, in parallel (one round trip over the bus per chunk, not one per record), then thread 0 applies them in order
- * from shared memory (a row repeated in the mail: the later record wins) and moves the read cursor past them. This
- * launch's verify checks the appended tokens, as it checked those of a launch of their own before it.
+ * \brief The token mail of a launch that has one, by every thread of the reuse gate's opener before it opens the
+ * gate (block-uniform call), so before any block of the launch verifies: the block loads the due records from host
+ * memory kCheckMailChunk at a time, in parallel (one round trip over the bus per chunk, not one per record), then
+ * thread 0 applies them in order from shared memory (a row repeated in the mail: the later record wins) and moves
+ * the read cursor past them. This launch's verify checks the appended tokens, as it checked those of a launch of
+ * their own before it.
  * Not inlined: it runs once per launch, and inlined its registers spilled in the verify loop (ptxas, sm_90a).
  */
 __device__ __noinline__ void check_token_mail_block(const CheckParams& p, int64_t step) {
@@ -341,7 +342,7 @@ __device__ __noinline__ void check_token_mail_block(const CheckParams& p, int64_
     }
     __syncthreads();
   }
-  if (threadIdx.x == 0 && p.token_mail != nullptr) {
+  if (threadIdx.x == 0) {
     p.state[kStateTokenMailRead] = s_at;
   }
 }
@@ -378,7 +379,9 @@ __device__ __forceinline__ void check_reuse_gate(const CheckParams& p, int64_t s
         check_ring_reuse_finish(p, s_reuse);
       }
     }
-    check_token_mail_block(p, step);  // (before any block's verify: the appends are checked by this launch)
+    if (p.token_mail != nullptr) {  // (a launch parameter: block-uniform; a launch without a mailbox adds no barrier)
+      check_token_mail_block(p, step);  // (before any block's verify: the appends are checked by this launch)
+    }
     if (threadIdx.x == 0) {
       // the reset index, epoch and drained_to, the mail's appends and cursor, before the open gate, device-wide
       __threadfence();
