@@ -128,6 +128,10 @@ class AdapterHooks:
                 reporter=Reporter(config.mode, config.report_path_for(report_rank), rank=group_rank,
                                   repeat_window=config.log_repeat_window),
                 rank=group_rank,
+                # A plain runner's decode appends ride the next check launch's mailbox (no launch of their own): every
+                # forward after a batch hook runs each group's check with the manager's next step. An EAGLE pool's
+                # draft steps and verify do not, so its appends are launched.
+                token_mail=role is None and config.verify_tokens,
                 **speculative.manager_kwargs(role),
             )
             groups.append(Group(spec, manager))
