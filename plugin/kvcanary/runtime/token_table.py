@@ -61,6 +61,7 @@ _add = operator.add
 _pack_into = struct.pack_into
 _MAIL_FIELDS = layout.TOKEN_MAIL_FIELDS
 _MAIL_RECORD_BYTES = _MAIL_FIELDS * _VALUE_BYTES
+_STEP = struct.Struct("q")  # a mail record's step: one value per batch, its bytes repeated per record
 
 # Records the token mail holds (32 bytes each, pinned on CUDA: 128 KiB): 16 decode batches of the largest batch sglang
 # runs by default, while the host is never more than a forward or two ahead of the device.
@@ -183,7 +184,7 @@ class TokenMail:
         self._records_view = (ctypes.c_char * (capacity * _MAIL_RECORD_BYTES)).from_address(self.records.data_ptr())
         # each column's byte offset in the view: row, start, token, step
         self._column = tuple(field * capacity * _VALUE_BYTES for field in range(_MAIL_FIELDS))
-        self._packers: dict[int, Callable[..., None]] = {}  # n -> Struct(f"{n}q").pack_into, once per batch size
+        self._packers: dict[int, tuple[Callable[..., None], ...]] = {}  # n -> its packs (_packer), once per size
         self._published_view = (ctypes.c_int64 * 1).from_address(self.published.data_ptr())
         self.written = 0  # records ever written (what ``published`` says once a batch is posted)
         self.posted = 0  # batches posted
@@ -207,8 +208,13 @@ class TokenMail:
 
     def post(self, rows: Sequence[int], starts: Sequence[int], tokens: Sequence[int]) -> bool:
         """Post one append per row (``tokens[i]`` at ``starts[i]`` of row ``rows[i]``) for the next forward: False,
-        with nothing written, when the mail is closed, lacks room, or a row or start lies outside the table (the
-        caller then launches the batch, whose path clips or names it)."""
+        with nothing published, when the mail is closed, lacks room, or a row or start lies outside the table (the
+        caller then launches the batch, whose path clips or names it).
+
+        Host cost (every decode forward with the token check): a pack per column, no per-record Python. Rows and
+        starts are packed unsigned, so a negative one is refused by its pack (records written past the published
+        count are not read: the next post writes them again); only their upper bounds cost a pass (``max``). The
+        steps column, one value for the whole batch, is that value's bytes repeated, packed as one string."""
         header = self._read
         n = len(rows)
         if header is None or not n:
@@ -220,38 +226,46 @@ class TokenMail:
             return False
         if len(tokens) != n or len(starts) != n:
             raise ValueError(f"TokenMail.post: {n} rows, {len(starts)} starts and {len(tokens)} tokens")
-        if min(rows) < 0 or max(rows) >= self._rows or min(starts) < 0 or max(starts) >= self._width:
+        if max(rows) >= self._rows or max(starts) >= self._width:
             return False
-        steps = [self._steps.steps + 1] * n
+        step = _STEP.pack(self._steps.steps + 1) * n
         at = written % capacity
         first = min(n, capacity - at)  # records up to the ring's end; the rest from its start
         view, (row_at, start_at, token_at, step_at) = self._records_view, self._column
         offset = at * _VALUE_BYTES
-        if first == n:  # (one C-level pack per column: no per-record Python)
-            pack = self._packers.get(n) or self._packer(n)
-            pack(view, row_at + offset, *rows)
-            pack(view, start_at + offset, *starts)
-            pack(view, token_at + offset, *tokens)
-            pack(view, step_at + offset, *steps)
-        else:
-            head, tail = self._packer(first), self._packer(n - first)
-            for column, values in ((row_at, rows), (start_at, starts), (token_at, tokens), (step_at, steps)):
-                head(view, column + offset, *values[:first])
-                tail(view, column, *values[first:])
+        try:
+            if first == n:  # (one C-level pack per column)
+                unsigned, signed, raw = self._packers.get(n) or self._packer(n)
+                unsigned(view, row_at + offset, *rows)
+                unsigned(view, start_at + offset, *starts)
+                signed(view, token_at + offset, *tokens)
+                raw(view, step_at + offset, step)
+            else:  # the ring's end: each column in two packs
+                head, tail = self._packer(first), self._packer(n - first)
+                for kind, column, values in ((0, row_at, rows), (0, start_at, starts), (1, token_at, tokens)):
+                    head[kind](view, column + offset, *values[:first])
+                    tail[kind](view, column, *values[first:])
+                cut = first * _VALUE_BYTES
+                head[2](view, step_at + offset, step[:cut])
+                tail[2](view, step_at, step[cut:])
+        except struct.error:  # a negative row or start (or a token outside int64)
+            return False
         # Published after the records (x86 stores become visible in program order; the kernel loads the count first)
         self.written = written + n
         self._published_view[0] = written + n
         self.posted += 1
         return True
 
-    def _packer(self, n: int) -> Callable[..., None]:
-        """``Struct(f"{n}q").pack_into``, built once per batch size (a batch's post makes no format string)."""
-        packer = self._packers.get(n)
-        if packer is None:
+    def _packer(self, n: int) -> tuple[Callable[..., None], Callable[..., None], Callable[..., None]]:
+        """The packs of ``n`` values, built once per batch size (a batch's post makes no format string): unsigned
+        int64 (rows, starts), int64 (tokens), and ``n`` values' bytes as one string (the steps)."""
+        packers = self._packers.get(n)
+        if packers is None:
             if len(self._packers) >= 512:
                 self._packers.clear()
-            packer = self._packers[n] = struct.Struct(f"{n}q").pack_into
-        return packer
+            packers = self._packers[n] = (struct.Struct(f"{n}Q").pack_into, struct.Struct(f"{n}q").pack_into,
+                                          struct.Struct(f"{n * _VALUE_BYTES}s").pack_into)
+        return packers
 
 
 class TokenTable:
