@@ -985,6 +985,16 @@ def test_mail_refuses_a_record_outside_the_table(rows: list[int], starts: list[i
     assert not mail.post(rows, starts, [1]) and mail.written == 0 and mail.published.tolist() == [0]
 
 
+def test_a_refused_post_leaves_nothing_the_next_post_does_not_rewrite() -> None:
+    # rows and starts are packed unsigned: a negative start is refused by its pack after the rows' column was written;
+    # nothing was published, and the next post writes the same ring slots again
+    mail, _ = _open_mail(8)
+    assert not mail.post([3, 4], [2, -1], [10, 20]) and mail.written == 0 and mail.published.tolist() == [0]
+    assert not mail.post([3], [2], [1 << 63]) and mail.written == 0  # a token outside int64: refused, not raised
+    assert mail.post([5], [1], [30])
+    assert mail.records[:, :1].t().tolist() == [[5, 1, 30, 7]] and mail.published.tolist() == [1]
+
+
 def test_a_closed_mail_takes_nothing() -> None:
     mail = TokenMail(8, pinned=False)
     assert not mail.is_open and not mail.post([1], [0], [1]) and mail.written == 0
