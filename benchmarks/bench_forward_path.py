@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcanary.kernels import call
+from kvcanary.kernels import call, layout
 from kvcanary.runtime.installation import HostTime, Installation, WrapperCall
 from kvcanary.sglang import base, piecewise, pools, v0_5_12
 from kvcanary.sglang import hooks as hooks_module
@@ -557,6 +557,13 @@ def _run_case(case: Case, args, device: torch.device, pieces: Pieces) -> dict:
     # the engine's own host work between two batches, evicting kvcanary's code and data from the caches (--cold)
     thrash = torch.zeros(args.cold << 20, dtype=torch.uint8) if args.cold else None
 
+    # --kernels null: no check launch applies the token mail, so the device's part is played here, untimed: its read
+    # cursor (in the status mirror the host reads it from) moves past every record posted, as a check launch's would.
+    # Without it the mail fills after a few dozen forwards and every later batch is launched instead (what the bench
+    # timed until 2026-12-03).
+    mails = [(g.manager.token_table.mail, g.manager.device_state.mirrored_values) for g in inst.groups
+             if args.kernels == "null" and g.manager.token_table is not None and g.manager.token_table.mail is not None]
+
     def forward(wb: WorkerBatch, fb: ForwardBatch, timing: Timing | None) -> None:
         t0 = time.perf_counter_ns()
         hooks.after_forward_batch_init(fb, ForwardBatch, wb, runner)  # ForwardBatch.init_new's AFTER hook
@@ -564,6 +571,8 @@ def _run_case(case: Case, args, device: torch.device, pieces: Pieces) -> dict:
         hooks.around_forward(type(runner).forward, runner, fb)  # ModelRunner.forward's AROUND hook
         t2 = time.perf_counter_ns()
         sync()  # the scheduler reads the sampled tokens
+        for mail, mirror in mails:
+            mirror[layout.STATE_TOKEN_MAIL_READ] = mail.written
         if timing is not None:
             timing.forwards += 1
             timing.batch_init_ns += t1 - t0
@@ -641,6 +650,9 @@ def _run_case(case: Case, args, device: torch.device, pieces: Pieces) -> dict:
         if reporter.total_reported or reporter.total_health_errors:
             raise SystemExit(f"bench_forward_path: {case.name}: {reporter.total_reported} violations, "
                              f"{reporter.total_health_errors} health errors: the synthetic forwards are wrong")
+    for mail, _ in mails:  # (the device's part played above: a full mail means the bench timed the fallback)
+        if mail.full:
+            raise SystemExit(f"bench_forward_path: {case.name}: the token mail refused {mail.full} batches for room")
     inst.close()
     n = forwards * rounds
     stat = min if args.stat == "min" else statistics.median
