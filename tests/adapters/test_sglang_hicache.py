@@ -106,6 +106,8 @@ def test_records_follow_backup_and_load_back(tmp_path, monkeypatch, teardown, po
     assert tier.slots_backed_up > 0 and follower.backups > 0 and follower.loads == sched.load_backs
     assert manager.stats.violations_seen == 0 and manager.violations == []
     assert manager.stats.slot_runs[LaunchTag.SWEEP] > 0
+    mail = manager.token_table.mail  # the decode appends rode the token mail beside the host tier's copies
+    assert mail is not None and mail.posted > 0 and mail.full == 0
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])

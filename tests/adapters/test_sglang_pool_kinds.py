@@ -33,6 +33,7 @@ import hooks_state  # noqa: E402
 import sgl_engine  # noqa: E402
 import sgl_models  # noqa: E402
 
+from kvcanary.kernels import layout  # noqa: E402
 from kvcanary.kernels.tags import LaunchTag  # noqa: E402
 from kvcanary.report import CanaryViolationError  # noqa: E402
 from kvcanary.runtime import faults  # noqa: E402
@@ -163,6 +164,10 @@ def test_pool_kind_clean_run_then_real_kv_flip(engine, capsys) -> None:
         assert st.slot_runs[LaunchTag.VERIFY] > 0, name
         # the full group is swept (an SWARadixCache's full slots too); the swa group is not
         assert (st.slot_runs[LaunchTag.SWEEP] > 0) == (name == "full"), name
+    for g in inst.groups:  # every group's decode appends rode its own token mail, applied by its own check launches
+        mail = g.manager.token_table.mail
+        assert mail is not None and mail.posted > 0 and mail.full == 0, g.spec.name
+        assert int(g.manager.device_state.state[layout.STATE_TOKEN_MAIL_READ]) == mail.written, g.spec.name
     if engine.kind == "swa":
         assert freed > 0, "no slot left the window (maybe_evict_swa freed nothing)"
         assert swa_free0 is not None
