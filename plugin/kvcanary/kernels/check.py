@@ -87,8 +87,9 @@ def canary_check_step(
     finished header at the launch's end, written in place (no copy for the host to start; a read may be torn between
     two launches' headers). ``token_mail`` (int64 ``[layout.TOKEN_MAIL_FIELDS, capacity]``) and
     ``token_mail_published`` (int64 ``[1]``), host memory (pinned for a CUDA launch), with int32 ``expected_tokens``:
-    at the launch's end the records published since ``state[STATE_TOKEN_MAIL_READ]`` whose step is at most this
-    launch's are appended to the table in order (:class:`~kvcanary.runtime.token_table.TokenMail`).
+    before any entry is verified, the records published since ``state[STATE_TOKEN_MAIL_READ]`` whose step is at most
+    this launch's are appended to the table in order, so this launch checks them
+    (:class:`~kvcanary.runtime.token_table.TokenMail`).
     """
     if not isinstance(write_plan, WritePlan):  # (its fields are named in errors: not to be read from anything else)
         raise TypeError(f"canary_check_step: write_plan: expected WritePlan, got {type(write_plan).__name__}")
