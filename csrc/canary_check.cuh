@@ -50,6 +50,15 @@
  *   the records published since state[kStateTokenMailRead] with step <= this launch's are appended in order to the
  *   int32 expected tokens and valid lengths (check_token_mail_block), the cursor moved past them; a record for a
  *   later forward waits for it. CPU: first, after the ring reuse.
+ * Deferred write (has_deferred_write; issue 25): the write of the forward the previous check planned, run by this
+ *   launch instead of a launch of its own, so an eager forward pays one launch: WriteParams over the previous check's
+ *   write plan and the first pending_write_tokens elements of the snapshot buffers (what canary_write_step would get
+ *   from the runtime: tag WRITE, its counters in the header, attribution and rows labelled with the forward counter
+ *   before this launch sets it). The reuse gate's opener runs it first (before the ring reuse, as a launch of its own
+ *   before this one would have), one thread per request (write_request_serial: meant for a decode's one entry per request); every other block waits for the
+ *   gate before its snapshot (the write reads the snapshot and the plan this launch overwrites) and its verify (which
+ *   checks the slots it writes). Records, attribution, counters and rows equal a canary_write_step launch before
+ *   this one (rows in unspecified order). CPU: first.
  */
 #pragma once
 
@@ -61,6 +70,7 @@
 #include "bound_args.cuh"
 #include "canary_plan.cuh"
 #include "canary_verify.cuh"
+#include "canary_write.cuh"
 #include "kvcanary/atomics.h"
 #include "kvcanary/launch.h"
 #include "kvcanary/layout.h"
@@ -108,6 +118,9 @@ struct CheckParams {
   const int64_t* token_mail;
   const int64_t* token_mail_published;
   int64_t token_mail_capacity;
+  // The deferred write (see the file comment; bound by canary_check_bind, num_tokens set per call).
+  WriteParams deferred_write;
+  bool has_deferred_write;
 };
 
 KVCANARY_HD int32_t* check_write_index(const CheckParams& p) {
@@ -348,6 +361,24 @@ __device__ __noinline__ void check_token_mail_block(const CheckParams& p, int64_
 }
 
 /*!
+ * \brief The deferred write of a launch that has one, by every thread of the reuse gate's opener before the ring
+ * reuse (block-uniform call): thread t writes requests t, t + blockDim, ... (write_request_serial), thread 0 counts
+ * the launch as canary_write_kernel's block 0 does. Its records and attribution are fenced before the gate opens.
+ * Not inlined, as check_token_mail_block.
+ */
+__device__ __noinline__ void check_deferred_write_block(const CheckParams& p) {
+  const WriteParams& w = p.deferred_write;
+  if (threadIdx.x == 0) {
+    atomic_add_i64(w.kernel_run_counter, 1);
+  }
+  const int32_t active = active_write_requests(w);
+  for (int64_t r = threadIdx.x; r < active; r += blockDim.x) {
+    write_request_serial(w, r);
+  }
+  __syncthreads();
+}
+
+/*!
  * \brief The reuse gate, by every thread of each block before the block's first append and first verify: one block
  * reuses the ring (its threads move the kept rows), applies the token mail, and opens the gate, every other block
  * waits until it is open. The opener is the
@@ -363,12 +394,19 @@ __device__ __forceinline__ void check_reuse_gate(const CheckParams& p, int64_t s
   if (threadIdx.x == 0) {
     const uint32_t ticket = static_cast<uint32_t>(atomicAdd(arrivals, 1));
     s_opener = ticket % gridDim.x == 0;
-    if (s_opener) {
+    if (s_opener && !p.has_deferred_write) {
       s_reuse = check_ring_reuse_plan(p);
     }
   }
   __syncthreads();
   if (s_opener) {  // (block-uniform: shared)
+    if (p.has_deferred_write) {  // (a launch parameter: block-uniform) first, as a write launch before this one
+      check_deferred_write_block(p);  // (ends with a barrier: its rows and index, before the reuse reads them)
+      if (threadIdx.x == 0) {
+        s_reuse = check_ring_reuse_plan(p);
+      }
+      __syncthreads();
+    }
     if (s_reuse.reset) {
       for (int64_t i = threadIdx.x; i < s_reuse.count; i += blockDim.x) {
         check_ring_move_row(p, s_reuse.from, i);
@@ -419,11 +457,18 @@ KVCANARY_KERNEL void __launch_bounds__(kCheckThreads, kCheckMinBlocksPerSm)
   const ViolationSink sink = check_sink(p, &s_step);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (int64_t i = g; i < p.num_tokens; i += stride) {
-    check_snapshot(p, i);
+  if (!p.has_deferred_write) {  // (a launch parameter: block-uniform)
+    for (int64_t i = g; i < p.num_tokens; i += stride) {
+      check_snapshot(p, i);
+    }
   }
   check_reuse_gate(p, s_step);  // after the snapshot (no appends there): the opener has usually done the reuse by now
   __syncthreads();
+  if (p.has_deferred_write) {  // the opener's deferred write has read the previous snapshot
+    for (int64_t i = g; i < p.num_tokens; i += stride) {
+      check_snapshot(p, i);
+    }
+  }
 
   const bool stores_write_plan = blockIdx.x == 0;
   const int64_t rows = stores_write_plan ? q.write_capacity : q.batch_rows;
@@ -536,7 +581,10 @@ inline int64_t check_resident_blocks(int32_t device_id) {
 
 inline void canary_check_cpu(const CheckParams& p) {
   const PlanParams& q = p.plan;
-  check_reuse_drained_ring(p);  // before any append, as the device's gate orders it
+  if (p.has_deferred_write) {  // the previous forward's write, as a launch before this one (the device's opener)
+    canary_write_cpu(p.deferred_write);
+  }
+  check_reuse_drained_ring(p);  // before any of this launch's appends, as the device's gate orders it
   const int64_t step = check_step_value(p, p.state[kStateForward]);
   int64_t at = 0;
   int64_t end = 0;
@@ -614,7 +662,56 @@ struct CheckPrepared {
   SymbolicDevice device{KVCANARY_DEVICE_BUILD ? kDLCUDA : kDLCPU};  // bound by state
   WritePlanSizes sizes;  // write_offsets_len and write_capacity bound; batch_rows bound per call
   SnapshotOut snapshots[3];  // input_ids_out, positions_out, out_cache_loc_out
+  bool defers_writes = false;  // params.deferred_write is bound (bind_deferred_write): a call may pass a pending one
 };
+
+/*!
+ * \brief The deferred write's parameters (canary_check_bind, issue 25): the write canary_write_step would run for the
+ * runtime, from the check's own arguments (records, write plan, request rows, snapshots, real-KV sources, slot
+ * attribution, the ring and metadata) and its header (the WRITE counters, the forward counter), plus the two the check
+ * lacks: enable_chain_position_assert (int32 [1]) and row_serials (int64 [serial_rows], needs write_request_rows).
+ */
+inline void bind_deferred_write(const char* fn, CheckPrepared& f, const TensorView& canary_buf,
+                                bool has_write_request_rows, const TensorView& enable_chain_position_assert,
+                                const tvm::ffi::Optional<TensorView>& row_serials) {
+  SymbolicDevice& device = f.device;
+  TensorMatcher(fn, {1})
+      .dtype<int32_t>()
+      .device(device)
+      .verify(enable_chain_position_assert, "deferred_write_chain_assert");
+  const CheckParams& c = f.params;
+  WriteParams& w = f.params.deferred_write;
+  w = WriteParams{};
+  SymbolicSize serial_rows("serial_rows");
+  if (row_serials.has_value()) {
+    KVCANARY_CHECK_ARG(has_write_request_rows, ValueError, fn, "deferred_write_row_serials")
+        << "needs write_request_rows (the row of each request)";
+    TensorMatcher(fn, {serial_rows}).dtype<int64_t>().device(device).verify(row_serials.value(),
+                                                                           "deferred_write_row_serials");
+    w.row_serials = data_of<const int64_t>(row_serials.value());
+    w.serial_rows = serial_rows.value();
+  }
+  w.canary_buf = data_of<uint8_t>(canary_buf);
+  w.slot_stride_bytes = c.check.slot_stride_bytes;
+  w.num_slots = c.check.num_slots;
+  w.records_aligned16 = c.check.records_aligned16;
+  w.write_offsets = c.plan.write_offsets;
+  w.write_seed_slot_indices = c.plan.write_seeds;
+  w.write_num_valid_reqs = c.plan.write_num_valid;
+  w.write_req_capacity = static_cast<int32_t>(c.plan.write_capacity);
+  w.input_ids = c.input_ids_out;
+  w.positions = c.positions_out;
+  w.out_cache_loc = c.out_cache_loc_out;
+  w.sink = ViolationSink{c.state + kStateHeaderFields, reinterpret_cast<int32_t*>(c.state + kStateWriteIndex),
+                         c.ring_capacity, kLaunchTagWrite, c.violation_meta, c.state + kStateForward};
+  w.slot_run_counter = c.state + kStateSlotRuns + kLaunchTagWrite;
+  w.kernel_run_counter = c.state + kStateKernelRuns + kLaunchTagWrite;
+  w.enable_chain_position_assert = data_of<const int32_t>(enable_chain_position_assert);
+  w.sources = c.check.sources;
+  w.write_request_rows = c.plan.write_request_rows;
+  w.slot_attribution = const_cast<int64_t*>(c.check.slot_attribution);
+  f.defers_writes = true;
+}
 
 /*!
  * \brief The token check's mailbox (both or neither, after the expected tokens are bound): token_mail int64
@@ -737,9 +834,9 @@ inline CheckPrepared check_prepare(
  * the prepared device, fit the write plan and the snapshots), then launch (CUDA) or run (CPU). */
 inline void check_launch(const CheckPrepared& f, TensorView req_pool_indices, TensorView prefix_lens,
                          TensorView extend_lens, TensorView input_ids, TensorView positions, TensorView out_cache_loc,
-                         int64_t new_forward, int64_t forward_step_value) {
+                         int64_t new_forward, int64_t forward_step_value, int64_t pending_write_tokens) {
   constexpr const char* kFn = "canary_check_step";
-  // 1. validate the forward's arrays
+  // 1. validate the forward's arrays (a batch refused here enqueues nothing: a pending write stays pending)
   SymbolicDevice device = f.device;
   WritePlanSizes sizes = f.sizes;
   CheckParams p = f.params;
@@ -755,6 +852,17 @@ inline void check_launch(const CheckPrepared& f, TensorView req_pool_indices, Te
   }
   KVCANARY_CHECK_ARG(new_forward == 0 || new_forward == 1, ValueError, kFn, "new_forward")
       << "must be 0 or 1, got " << new_forward;
+  if (pending_write_tokens >= 0) {
+    KVCANARY_CHECK_ARG(f.defers_writes, ValueError, kFn, "pending_write_tokens")
+        << "is " << pending_write_tokens
+        << " but the check was bound without deferred_write_chain_assert (-1: no pending write)";
+    for (const SnapshotOut& out : f.snapshots) {
+      KVCANARY_CHECK_ARG(pending_write_tokens <= out.len, ValueError, kFn, "pending_write_tokens")
+          << "is " << pending_write_tokens << ", more than " << out.arg << " holds (" << out.len << ")";
+    }
+    p.deferred_write.num_tokens = pending_write_tokens;
+    p.has_deferred_write = true;
+  }
 
   // 2. the forward's own parameters
   q.out_cache_loc = p.out_cache_loc;  // the padding rows (canary_plan.cuh)
@@ -803,7 +911,7 @@ inline void canary_check_step(
                                         real_kv_buf_1, real_kv_buf_2, real_kv_buf_3, real_kv_source_params,
                                         num_sources, real_kv_hash_mode, check_tokens);
   check_launch(f, req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc, new_forward,
-               forward_step_value);
+               forward_step_value, /*pending_write_tokens=*/-1);
 }
 
 /*! \brief The tensors canary_check_bind's function owns for its whole life (their storage backs CheckPrepared's
@@ -828,13 +936,19 @@ struct CheckFixedArgs {
   BoundTensor positions_out;
   BoundTensor out_cache_loc_out;
   BoundRealKvSources real_kv;
+  BoundOptionalTensor deferred_write_chain_assert;
+  BoundOptionalTensor deferred_write_row_serials;
 };
 
 /*!
  * \brief canary_check_step with every argument but the forward's own bound, validated and extracted once: returns a
  * function of (req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc, new_forward,
- * forward_step_value) that checks those and launches with the prepared parameters (check_launch: the export's
- * checks of them, its errors, its launch). A bad fixed argument raises here, as the export's call would name it;
+ * forward_step_value, pending_write_tokens) that checks those and launches with the prepared parameters (check_launch:
+ * the export's checks of them, its errors, its launch).
+ * Deferred write (issue 25; the file comment): with deferred_write_chain_assert (the write's enable_chain_position_assert)
+ * and optionally deferred_write_row_serials (its row_serials) bound, a call with pending_write_tokens = n >= 0 runs the
+ * write of the previous check's forward over the snapshot's first n tokens inside this launch; -1: none. Stream order
+ * keeps its meaning: it reads the plan and snapshot the previous check stored, before this launch overwrites them. A bad fixed argument raises here, as the export's call would name it;
  * the function owns the bound tensors, so their storage lives as long as it does. The pinned status mirror's device
  * address is resolved here too (a driver query the export makes per call).
  * Stream: tvm-ffi sets the env stream a launch reads (launch.h current_stream) from the first CUDA torch tensor of a
@@ -855,7 +969,12 @@ inline tvm::ffi::Function canary_check_bind(
     tvm::ffi::Tensor input_ids_out, tvm::ffi::Tensor positions_out, tvm::ffi::Tensor out_cache_loc_out,
     tvm::ffi::Tensor real_kv_buf_0, tvm::ffi::Tensor real_kv_buf_1, tvm::ffi::Tensor real_kv_buf_2,
     tvm::ffi::Tensor real_kv_buf_3, tvm::ffi::Tensor real_kv_source_params, int64_t num_sources,
-    int64_t real_kv_hash_mode, int64_t check_tokens) {
+    int64_t real_kv_hash_mode, int64_t check_tokens, tvm::ffi::Optional<tvm::ffi::Tensor> deferred_write_chain_assert,
+    tvm::ffi::Optional<tvm::ffi::Tensor> deferred_write_row_serials) {
+  constexpr const char* kFn = "canary_check_step";
+  KVCANARY_CHECK_ARG(deferred_write_chain_assert.has_value() || !deferred_write_row_serials.has_value(), ValueError,
+                     kFn, "deferred_write_row_serials")
+      << "needs deferred_write_chain_assert (the deferred write's other argument)";
   CheckFixedArgs fixed{BoundTensor(std::move(state)),
                        BoundOptionalTensor(std::move(status_mirror)),
                        BoundOptionalTensor(std::move(violation_meta)),
@@ -876,7 +995,9 @@ inline tvm::ffi::Function canary_check_bind(
                        BoundTensor(std::move(out_cache_loc_out)),
                        BoundRealKvSources(std::move(real_kv_buf_0), std::move(real_kv_buf_1),
                                           std::move(real_kv_buf_2), std::move(real_kv_buf_3),
-                                          std::move(real_kv_source_params), num_sources, real_kv_hash_mode)};
+                                          std::move(real_kv_source_params), num_sources, real_kv_hash_mode),
+                       BoundOptionalTensor(std::move(deferred_write_chain_assert)),
+                       BoundOptionalTensor(std::move(deferred_write_row_serials))};
   const CheckFixedArgs& b = fixed;
   CheckPrepared prepared = check_prepare(
       b.state.view, b.status_mirror.view, b.violation_meta.view, b.slot_attribution.view, b.canary_buf.view,
@@ -886,12 +1007,18 @@ inline tvm::ffi::Function canary_check_bind(
       b.input_ids_out.view, b.positions_out.view,
       b.out_cache_loc_out.view, b.real_kv.buf_0.view, b.real_kv.buf_1.view, b.real_kv.buf_2.view,
       b.real_kv.buf_3.view, b.real_kv.source_params.view, b.real_kv.num_sources, b.real_kv.hash_mode, check_tokens);
+  if (b.deferred_write_chain_assert.view.has_value()) {
+    bind_deferred_write(kFn, prepared, b.canary_buf.view, b.write_request_rows.view.has_value(),
+                        b.deferred_write_chain_assert.view.value(),
+                        b.deferred_write_row_serials.view);
+  }
   return tvm::ffi::Function::FromTyped(
       [owned = std::move(fixed), f = std::move(prepared)](
           TensorView req_pool_indices, TensorView prefix_lens, TensorView extend_lens, TensorView input_ids,
-          TensorView positions, TensorView out_cache_loc, int64_t new_forward, int64_t forward_step_value) {
+          TensorView positions, TensorView out_cache_loc, int64_t new_forward, int64_t forward_step_value,
+          int64_t pending_write_tokens) {
         check_launch(f, req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc, new_forward,
-                     forward_step_value);
+                     forward_step_value, pending_write_tokens);
       },
       "canary_check_bound");
 }

@@ -237,6 +237,29 @@ KVCANARY_HD void write_entry_payload(const WriteParams& p, int64_t e) {
                        static_cast<int64_t>(real_kv_fingerprint(p.sources, slot)), p.records_aligned16);
 }
 
+/*!
+ * \brief Request r's whole write by one thread: each entry's chain half and payload, in order, then the request's
+ * stored count added to slot_run_counter (one atomic). The CPU write's loop body, and the deferred write a check
+ * launch runs before it verifies (canary_check.cuh): one thread per request, meant for a decode's one entry each.
+ */
+KVCANARY_HD void write_request_serial(const WriteParams& p, int64_t r) {
+  const WriteRequestStart st = begin_write_request(p, r, /*reporter=*/true);
+  uint64_t running = st.running;
+  int64_t prev_position = st.prev_position;
+  int64_t stored = 0;
+  for (int64_t e = st.begin; e < st.end; ++e) {
+    const int64_t slot = p.out_cache_loc[e];
+    if (slot < 0) continue;
+    const int64_t token = p.input_ids[e];
+    const int64_t position = p.positions[e];
+    stored += write_entry_chain(p, st, e, slot, token, position, running, prev_position);
+    write_entry_payload(p, e);
+    running = chain_step(running, token, position);
+    prev_position = position;
+  }
+  if (stored > 0) atomic_add_i64(p.slot_run_counter, stored);
+}
+
 #if KVCANARY_DEVICE_BUILD
 
 constexpr unsigned kFullWarpMask = 0xffffffffu;
@@ -449,21 +472,7 @@ inline void canary_write_cpu(const WriteParams& p) {
   atomic_add_i64(p.kernel_run_counter, 1);
   const int32_t active = active_write_requests(p);
   for (int64_t r = 0; r < active; ++r) {
-    const WriteRequestStart st = begin_write_request(p, r, /*reporter=*/true);
-    uint64_t running = st.running;
-    int64_t prev_position = st.prev_position;
-    int64_t stored = 0;
-    for (int64_t e = st.begin; e < st.end; ++e) {
-      const int64_t slot = p.out_cache_loc[e];
-      if (slot < 0) continue;
-      const int64_t token = p.input_ids[e];
-      const int64_t position = p.positions[e];
-      stored += write_entry_chain(p, st, e, slot, token, position, running, prev_position);
-      write_entry_payload(p, e);
-      running = chain_step(running, token, position);
-      prev_position = position;
-    }
-    if (stored > 0) atomic_add_i64(p.slot_run_counter, stored);
+    write_request_serial(p, r);
   }
 }
 

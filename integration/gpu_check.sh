@@ -7,7 +7,7 @@
 #   setup     install the carried wheels from .whl/ (apache-tvm-ffi, ninja) into /tmp/site, set the env
 #   build     JIT-build the CPU and CUDA kernels (kvcanary.kernels.jit.build) and load both
 #   gpu-tests pytest tests/gpu and the runtime's gpu-marked tests (CUDA graph capture + replay vs the CPU backend,
-#             CUDA runs of the runtime)
+#             deferred writes on CUDA)
 #   kernels   pytest tests/kernels -m "not slow" (differential CPU / ref / CUDA, out-of-range, ...)
 #   memcheck  compute-sanitizer memcheck over the CUDA out-of-range tests + 2 differential chunks + 2 chunks of
 #             the attribution tests (violation metadata, writer attribution) + 2 chunks of the fused check + the
@@ -16,6 +16,7 @@
 #             (2 differential chunks, a grid-strided launch at the metadata block's bounds, SweepIndex on CUDA)
 #             + the status mirror (the check launch writing pinned host memory in place) + the bound launches
 #             (parameters prepared once at binding: the same launches as the exports, a captured graph of them)
+#             + the deferred write (the previous forward's write run by the next check launch's gate opener)
 #             (override the -k expression with GPU_CHECK_MEMCHECK_K)
 #             (reported as UNAVAILABLE, not FAIL, when the sanitizer cannot run on this machine)
 #   bench     benchmarks/bench_kernels.py (--quick when little time is left)
@@ -213,7 +214,7 @@ record kernels "$(status_of $STEP_RC)" "$STEP_S" "$(pytest_result "$OUT_DIR/kern
 
 # ------------------------------------------------------------------------------------------------ memcheck
 SANITIZER=""
-MEMCHECK_K="${GPU_CHECK_MEMCHECK_K:-cuda and (out_of_range or 0-cuda or 1-cuda or refuses_a_staging or commit_past_the_block_cap or index_plans_equal_the_cpu_index or status_mirror or bound_launches or bound_check_equals or bound_write_equals or bound_check_writes or token_mail or bound_append)}"
+MEMCHECK_K="${GPU_CHECK_MEMCHECK_K:-cuda and (out_of_range or 0-cuda or 1-cuda or refuses_a_staging or commit_past_the_block_cap or index_plans_equal_the_cpu_index or status_mirror or bound_launches or bound_check_equals or bound_write_equals or bound_check_writes or token_mail or bound_append or deferred_write)}"
 for cand in "$(command -v compute-sanitizer 2>/dev/null)" "$CUDA_HOME/bin/compute-sanitizer" \
             "$CUDA_HOME/compute-sanitizer/compute-sanitizer"; do
   if [[ -n "$cand" && -x "$cand" ]]; then SANITIZER="$cand"; break; fi

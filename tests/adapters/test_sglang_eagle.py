@@ -371,6 +371,9 @@ def test_installs_one_manager_per_pool_and_draft_replays_step_it(eagle) -> None:
     assert installed.runner_state_of(eagle.draft).faults is None
     # an EAGLE pool's token appends are launched (its draft steps do not check each forward's mail: no token mail)
     assert all(m.token_table is None or m.token_table.mail is None for m in (t.manager, d.manager))
+    # no deferred writes in an EAGLE pool (issue 25): its draft and verify graph replays run the captured check
+    # with no call that could launch a pending write
+    assert not t.defer_writes and not d.defer_writes and not t.manager.defer_writes and not d.manager.defer_writes
     assert speculative.spec_of(eagle.target).role.pool == "target"
     assert speculative.spec_of(eagle.draft).role.pool == "draft"
     assert set(speculative.forward_modes(eagle.draft, v0_5_12.FORWARD_MODES)) == {

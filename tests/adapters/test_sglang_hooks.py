@@ -259,6 +259,49 @@ def test_piecewise_cuda_graph_is_not_refused(server_args) -> None:
         v0_5_12.check_after_initialize(types.SimpleNamespace(piecewise_cuda_graph_runner=type(name, (), {})()))
 
 
+# --------------------------------------------------------------------------------------------- deferred writes
+@pytest.mark.parametrize(("changes", "role", "defers"), [
+    ({}, None, True),  # --disable-cuda-graph (the tests' engines): every forward runs the wrapper eagerly
+    ({"disable_cuda_graph": False}, None, False),  # decode graphs replay the captured check: no call to launch in
+    ({"disable_cuda_graph": False, "disable_piecewise_cuda_graph": False}, None, False),
+    ({"disable_piecewise_cuda_graph": False}, None, True),  # a piecewise replay runs inside the eager wrapper
+    ({"speculative_algorithm": "EAGLE"}, "target", False),  # draft and verify graph replays
+    ({"speculative_algorithm": "EAGLE"}, "draft", False),
+    ({"speculative_algorithm": "EAGLE"}, None, False),
+], ids=["no_cuda_graph", "cuda_graph", "cuda_and_piecewise_graphs", "piecewise_graph", "eagle_target", "eagle_draft",
+        "speculative"])
+def test_writes_are_deferred_only_where_no_graph_replays_the_model(server_args, changes, role, defers) -> None:
+    """Issue 25: sglang's runners defer each forward's write into the next forward's check launch only when no CUDA
+    graph replays the model and never in an EAGLE pool."""
+    from kvcanary.sglang.speculative import DRAFT_ROLE, TARGET_ROLE
+
+    sa = dataclasses.replace(server_args)
+    for k, v in changes.items():
+        setattr(sa, k, v)
+    assert server_args.disable_cuda_graph  # (the module's engine setup)
+    pool_role = {"target": TARGET_ROLE, "draft": DRAFT_ROLE, None: None}[role]
+    assert adapter_hooks.defers_writes(sa, pool_role) is defers
+
+
+@pytest.mark.parametrize("disable_cuda_graph", [True, False], ids=["no_cuda_graph", "cuda_graph"])
+def test_an_installation_defers_writes_from_init_finished_on(hooks, monkeypatch, server_args,
+                                                            disable_cuda_graph: bool) -> None:
+    """The install decides (Installation.defer_writes); the managers defer from mark_init_finished on (warm-up and
+    capture are over), and their eager forwards then leave the write pending for the next forward's launch."""
+    monkeypatch.setenv("KVCANARY_MODE", "log")
+    mr = sgl_engine.build_runner(server_args)  # (no kvcanary hooks registered: installed by hand below)
+    try:
+        mr.server_args = dataclasses.replace(server_args)
+        mr.server_args.disable_cuda_graph = disable_cuda_graph
+        inst = adapter_hooks.hooks_for(v0_5_12).install(mr)
+        assert inst.defer_writes is disable_cuda_graph
+        assert not inst.manager.defer_writes  # not during warm-up and capture
+        inst.mark_init_finished()
+        assert all(g.manager.defer_writes is disable_cuda_graph for g in inst.groups)
+    finally:
+        sgl_engine.destroy_distributed()
+
+
 def test_unknown_piecewise_runner_found_after_initialize_is_refused_by_name() -> None:
     runner = types.SimpleNamespace(piecewise_cuda_graph_runner=type("FutureGraphRunner", (), {})())
     with pytest.raises(guards.UnsupportedSetupError, match="FutureGraphRunner.*--disable-piecewise-cuda-graph"):

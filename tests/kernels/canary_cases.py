@@ -34,6 +34,20 @@ def capture_after_warmup(forward: Callable[[], None]) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def write_state_args(state: torch.Tensor, *, chain_position_assert: bool) -> dict[str, torch.Tensor]:
+    """A runtime's write-launch arguments over its flat state buffer (header, then the ring), as DeviceState builds
+    them: the ring, its int32 write index, the WRITE tag's counters, and the chain-position assert flag."""
+    tag = layout.LAUNCH_TAG_WRITE
+    return {
+        "violation_ring": state[layout.STATE_HEADER_FIELDS :].view(-1, layout.VIOLATION_FIELDS),
+        "violation_write_index": state[layout.STATE_WRITE_INDEX : layout.STATE_WRITE_INDEX + 1].view(torch.int32)[0:1],
+        "slot_run_counter": state[layout.STATE_SLOT_RUNS + tag : layout.STATE_SLOT_RUNS + tag + 1],
+        "kernel_run_counter": state[layout.STATE_KERNEL_RUNS + tag : layout.STATE_KERNEL_RUNS + tag + 1],
+        "enable_chain_position_assert": torch.full((1,), int(chain_position_assert), dtype=torch.int32,
+                                                   device=state.device),
+    }
+
+
 def int64(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
 

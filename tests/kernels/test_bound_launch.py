@@ -23,7 +23,14 @@ from typing import Any
 
 import pytest
 import torch
-from canary_cases import RESULT_KEYS, capture_after_warmup, random_sources, random_verify_launch, random_write_launch
+from canary_cases import (
+    RESULT_KEYS,
+    capture_after_warmup,
+    random_sources,
+    random_verify_launch,
+    random_write_launch,
+    write_state_args,
+)
 from test_check import _mirror, assert_same, random_check_case, run_fused
 
 from kvcanary.kernels import layout
@@ -389,7 +396,7 @@ def _check_bind_args(kw: dict[str, Any]) -> tuple:
             kw.pop("expected_valid_lens_by_row"), kw.pop("token_mail", None), kw.pop("token_mail_published", None),
             kw["kv_token_id_vs_position_offset"], kw["input_ids_out"],
             kw["positions_out"], kw["out_cache_loc_out"], *bufs, params, num_sources, kw["real_kv_hash_mode"],
-            int(kw["check_tokens"]))
+            int(kw["check_tokens"]), None, None)  # (no deferred write)
 
 
 def _check_through_the_raw_bind(**kw: Any) -> None:
@@ -398,7 +405,7 @@ def _check_through_the_raw_bind(**kw: Any) -> None:
     gc.collect()
     garbage = _overwrite_freed_memory()
     for batch, new_forward, step in forwards:
-        bound(*(batch[k] for k in CHECK_PER_FORWARD), int(new_forward), step)
+        bound(*(batch[k] for k in CHECK_PER_FORWARD), int(new_forward), step, -1)  # (-1: no pending write)
     del garbage
 
 
@@ -465,11 +472,7 @@ def test_bound_launches_capture_on_the_current_cuda_stream() -> None:
     write = WriteLaunch(
         canary_buf=kw["canary_buf"], write_plan=kw["write_plan"], input_ids=kw["input_ids_out"],
         positions=kw["positions_out"], out_cache_loc=kw["out_cache_loc_out"], kernel_kind=write_tag,
-        violation_ring=state[H:].view(-1, layout.VIOLATION_FIELDS),
-        violation_write_index=state[layout.STATE_WRITE_INDEX : layout.STATE_WRITE_INDEX + 1].view(torch.int32)[0:1],
-        slot_run_counter=state[layout.STATE_SLOT_RUNS + write_tag : layout.STATE_SLOT_RUNS + write_tag + 1],
-        kernel_run_counter=state[layout.STATE_KERNEL_RUNS + write_tag : layout.STATE_KERNEL_RUNS + write_tag + 1],
-        enable_chain_position_assert=torch.zeros(1, dtype=torch.int32, device=dev),
+        **write_state_args(state, chain_position_assert=False),
     )
     n = kw["input_ids"].shape[0]
 

@@ -18,9 +18,12 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("defer_writes", [False, True], ids=["write", "deferred_write"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_clean_workload_has_no_violations(name: str) -> None:
-    sim = build_sim(CASES[name], mode="raise", sweep_interval=10)  # raise: any violation fails the run
+def test_clean_workload_has_no_violations(name: str, defer_writes: bool) -> None:
+    """Also with each forward's write deferred into the next forward's check launch (issue 25)."""
+    # raise: any violation fails the run
+    sim = build_sim(CASES[name], mode="raise", sweep_interval=10, defer_writes=defer_writes)
     sim.run(STEPS)
     sim.mgr.close()
     mgr, st = sim.mgr, sim.stats

@@ -161,11 +161,14 @@ REAL_KV = "real_kv"  # ``real_kv_sources``: the four byte buffers, the param tab
 @dataclass(frozen=True)
 class Arg:
     """One argument of a kernel export. ``name`` is the wrapper's keyword, or ``<keyword>.<field>`` for a tensor a
-    plan argument holds (named so in errors); ``attributed``: passed only to the ``*_attributed`` export."""
+    plan argument holds (named so in errors); ``attributed``: passed only to the ``*_attributed`` export;
+    ``bound_only``: taken by the bound launch alone (``bind_export`` when fixed, its function when per-forward), after
+    every argument of the export, never by the export itself."""
 
     name: str
     kind: str = TENSOR
     attributed: bool = False
+    bound_only: bool = False
     keyword: str = field(init=False, repr=False, compare=False)
     plan_field: str = field(init=False, repr=False, compare=False)  # "" for a plain keyword
 
@@ -195,7 +198,9 @@ class KernelSpec:
     ``args`` are in the export's positional order, but for the ``attributed`` ones: the ``*_attributed`` export takes
     them after the seed export's arguments, in their order here (an order that is also the one errors name them in:
     tensors first, then ints, each in ``args`` order); ``per_forward`` are the ones a bound launch
-    (``bind_export``) takes per call, so the bind takes every other argument in this order.
+    (``bind_export``) takes per call, so the bind takes every other argument in this order. ``bound_only`` arguments
+    come last in ``args``: the export never takes them, the bind (or, per-forward, its function) takes them after
+    the others.
     """
 
     fn: str  # the wrapper's name, which starts its errors
@@ -206,22 +211,24 @@ class KernelSpec:
     _device_arg: Arg = field(init=False, repr=False, compare=False)
     _seed_args: tuple[Arg, ...] = field(init=False, repr=False, compare=False)
     _attributed_args: tuple[Arg, ...] = field(init=False, repr=False, compare=False)
+    _bound_args: tuple[Arg, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_device_arg", Arg(self.device))
-        object.__setattr__(self, "_seed_args", tuple(a for a in self.args if not a.attributed))
+        object.__setattr__(self, "_seed_args", tuple(a for a in self.args if not a.attributed and not a.bound_only))
         object.__setattr__(self, "_attributed_args", tuple(a for a in self.args if a.attributed))
+        object.__setattr__(self, "_bound_args", tuple(a for a in self.args if a.bound_only))
 
     @property
     def attributed_export(self) -> str:
         return f"{self.fn}_attributed"
 
     def positional(self, args: Mapping[str, Any], device: torch.device, *, skip: Sequence[str] = (),
-                   attributed: bool = True) -> tuple:
+                   attributed: bool = True, bound: bool = False) -> tuple:
         """The export's positional arguments from the wrapper's keyword ``args`` (``skip``: arguments left out;
-        ``attributed``: with the attributed ones)."""
+        ``attributed``: with the attributed ones; ``bound``: with the bound-only ones, last)."""
         out: list[Any] = []
-        for a in self._seed_args + (self._attributed_args if attributed else ()):
+        for a in self._seed_args + (self._attributed_args if attributed else ()) + (self._bound_args if bound else ()):
             if a.name in skip:
                 continue
             value = a.value(args)
@@ -264,14 +271,16 @@ class KernelSpec:
         device = self._device_arg.value(fixed).device
         module = module_for(device)
         try:
-            return getattr(module, str(self.bind_export))(*self.positional(fixed, device, skip=self.per_forward))
+            return getattr(module, str(self.bind_export))(*self.positional(fixed, device, skip=self.per_forward,
+                                                                            bound=True))
         except CALL_ERRORS as exc:
             self.reraise(exc, fixed, skip=self.per_forward)
 
     def reraise(self, exc: Exception, args: Mapping[str, Any], *, skip: Sequence[str] = ()) -> NoReturn:
         """The named error of a failed call with keyword ``args`` (or ``exc`` when Python cannot name an argument):
-        tensors first, then ints, each in the export's order, then ``real_kv_sources``."""
-        tensors = {a.name: (a.value(args), a.kind == OPTIONAL) for a in self.args
-                   if a.kind in (TENSOR, OPTIONAL) and a.name not in skip}
-        ints = {a.name: a.value(args) for a in self.args if a.kind in (INT, INDEX) and a.name not in skip}
+        tensors first, then ints, each in the export's order, then ``real_kv_sources`` (bound-only arguments ``args``
+        lacks, as an export call's do, are not named)."""
+        named = [a for a in self.args if a.name not in skip and (not a.bound_only or a.keyword in args)]
+        tensors = {a.name: (a.value(args), a.kind == OPTIONAL) for a in named if a.kind in (TENSOR, OPTIONAL)}
+        ints = {a.name: a.value(args) for a in named if a.kind in (INT, INDEX)}
         reraise_named(exc, self.fn, tensors, ints, args.get("real_kv_sources", ()))

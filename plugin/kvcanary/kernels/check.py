@@ -12,13 +12,24 @@ import torch
 
 from kvcanary.kernels import call, layout
 from kvcanary.kernels.batch import BatchView
-from kvcanary.kernels.call import INT, OPTIONAL, REAL_KV, Arg, KernelSpec, RealKvLaunch, plan_args, prepare_real_kv
+from kvcanary.kernels.call import (
+    INT,
+    OPTIONAL,
+    REAL_KV,
+    Arg,
+    KernelSpec,
+    RealKvLaunch,
+    plan_args,
+    prepare_real_kv,
+)
 from kvcanary.kernels.plan import WritePlan
 from kvcanary.kernels.real_kv import RealKvSource
 
 logger = logging.getLogger(__name__)
 
-# The export's order (one export, no attributed variant); ``canary_check_bind`` takes all but the per-forward ones.
+# The export's order (one export, no attributed variant); ``canary_check_bind`` takes all but the per-forward ones,
+# then the deferred write's two tensors, and its function the per-forward ones, then ``pending_write_tokens``
+# (bound-only: the deferred write of issue 25, csrc/canary_check.cuh).
 SPEC = KernelSpec(
     fn="canary_check_step", device="canary_buf",
     args=(
@@ -34,9 +45,12 @@ SPEC = KernelSpec(
         Arg("input_ids_out"), Arg("positions_out"), Arg("out_cache_loc_out"), Arg("real_kv_sources", REAL_KV),
         Arg("real_kv_hash_mode", INT), Arg("check_tokens", INT),
         Arg("new_forward", INT), Arg("forward_step_value", INT),
+        Arg("deferred_write_chain_assert", OPTIONAL, bound_only=True),
+        Arg("deferred_write_row_serials", OPTIONAL, bound_only=True),
+        Arg("pending_write_tokens", INT, bound_only=True),
     ),
     per_forward=("req_pool_indices", "prefix_lens", "extend_lens", "input_ids", "positions", "out_cache_loc",
-                 "new_forward", "forward_step_value"),
+                 "new_forward", "forward_step_value", "pending_write_tokens"),
     bind_export="canary_check_bind",
 )
 
@@ -105,6 +119,14 @@ class CheckLaunch:
     the export's checks and errors (a bad one raises here, at binding); a call checks only the forward's arrays, as
     the export does, and a call that fails goes through the same naming as :func:`canary_check_step`, so errors
     still say which argument is wrong.
+
+    Deferred write (issue 25): with ``deferred_write_chain_assert`` (the runtime write's
+    ``enable_chain_position_assert``) and ``deferred_write_row_serials`` (its ``row_serials``, optional) bound, a call
+    with ``pending_write_tokens`` n >= 0 also runs, inside the same launch and before anything it verifies, the write
+    ``canary_write_step`` would run for the previous call's forward over the snapshot's first n tokens (tag WRITE, the
+    header's WRITE counters, the forward counter before this call's): an eager forward then pays one launch instead
+    of two. The launch's gate opener writes one request per thread, so it is meant for a decode (one token a request).
+    -1: no write. A call whose batch is refused enqueues nothing, the write included (it stays pending).
     """
 
     def __init__(self, *, state: torch.Tensor, canary_buf: torch.Tensor, write_plan: WritePlan,
@@ -116,7 +138,9 @@ class CheckLaunch:
                  expected_valid_lens_by_row: torch.Tensor | None = None, token_mail: torch.Tensor | None = None,
                  token_mail_published: torch.Tensor | None = None, kv_token_id_vs_position_offset: int = 0,
                  real_kv_sources: Sequence[RealKvSource] | RealKvLaunch = (),
-                 real_kv_hash_mode: int = layout.REAL_KV_HASH_MODE_NONE, check_tokens: bool = False) -> None:
+                 real_kv_hash_mode: int = layout.REAL_KV_HASH_MODE_NONE, check_tokens: bool = False,
+                 deferred_write_chain_assert: torch.Tensor | None = None,
+                 deferred_write_row_serials: torch.Tensor | None = None) -> None:
         if not isinstance(write_plan, WritePlan):
             raise TypeError(f"canary_check_step: write_plan: expected WritePlan, got {type(write_plan).__name__}")
         self._fixed = dict(
@@ -129,7 +153,8 @@ class CheckLaunch:
             token_mail_published=token_mail_published,
             kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
             real_kv_sources=prepare_real_kv(real_kv_sources, canary_buf.device), real_kv_hash_mode=real_kv_hash_mode,
-            check_tokens=check_tokens,
+            check_tokens=check_tokens, deferred_write_chain_assert=deferred_write_chain_assert,
+            deferred_write_row_serials=deferred_write_row_serials,
         )
         self._fn = SPEC.bind(self._fixed)
         # The bound tvm-ffi function itself, for a caller that counts every Python frame of a forward (an adapter's
@@ -141,32 +166,34 @@ class CheckLaunch:
 
     def __call__(self, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
                  input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor, *,
-                 new_forward: bool = True, forward_step_value: int = -1) -> None:
+                 new_forward: bool = True, forward_step_value: int = -1, pending_write_tokens: int = -1) -> None:
         try:
             # req_pool_indices first: tvm-ffi takes the launch's stream from the call's first CUDA tensor (the bound
             # ones are not passed), so this must stay a per-forward device tensor (csrc/canary_check.cuh).
             self._fn(req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc, int(new_forward),
-                     int(forward_step_value))
+                     int(forward_step_value), int(pending_write_tokens))
         except call.CALL_ERRORS as exc:
             self._raise(exc, req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc,
-                        new_forward, forward_step_value)
+                        new_forward, forward_step_value, pending_write_tokens)
 
-    def of_batch(self, batch: BatchView, new_forward: int, forward_step_value: int) -> None:
+    def of_batch(self, batch: BatchView, new_forward: int, forward_step_value: int,
+                 pending_write_tokens: int = -1) -> None:
         """The launch of one BatchView's six arrays: ``self(batch.req_pool_indices, ..., batch.out_cache_loc,
-        new_forward=..., forward_step_value=...)`` as one call (the per-forward path: a frame and a keyword call
-        fewer). ``new_forward`` 0 or 1 and ``forward_step_value`` as ints (anything else is named like a failed
-        ``__call__``)."""
+        new_forward=..., forward_step_value=..., pending_write_tokens=...)`` as one call (the per-forward path: a frame
+        and a keyword call fewer). ``new_forward`` 0 or 1, ``forward_step_value`` and ``pending_write_tokens`` (-1:
+        no deferred write) as ints (anything else is named like a failed ``__call__``)."""
         try:
             self._fn(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.input_ids, batch.positions,
-                     batch.out_cache_loc, new_forward, forward_step_value)
+                     batch.out_cache_loc, new_forward, forward_step_value, pending_write_tokens)
         except call.CALL_ERRORS as exc:
             self._raise(exc, batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.input_ids,
-                        batch.positions, batch.out_cache_loc, new_forward, forward_step_value)
+                        batch.positions, batch.out_cache_loc, new_forward, forward_step_value, pending_write_tokens)
 
     def _raise(self, exc: Exception, req_pool_indices: Any, prefix_lens: Any, extend_lens: Any, input_ids: Any,
-               positions: Any, out_cache_loc: Any, new_forward: Any, forward_step_value: Any) -> NoReturn:
+               positions: Any, out_cache_loc: Any, new_forward: Any, forward_step_value: Any,
+               pending_write_tokens: Any) -> NoReturn:
         """The named error of a failed launch, as :func:`canary_check_step` names it."""
         SPEC.reraise(exc, {**self._fixed, "req_pool_indices": req_pool_indices, "prefix_lens": prefix_lens,
                            "extend_lens": extend_lens, "input_ids": input_ids, "positions": positions,
                            "out_cache_loc": out_cache_loc, "new_forward": new_forward,
-                           "forward_step_value": forward_step_value})
+                           "forward_step_value": forward_step_value, "pending_write_tokens": pending_write_tokens})

@@ -7,11 +7,27 @@ forward's snapshot of token ids, positions and slots. Every buffer keeps its add
 (CUDA-graph capture). Every kernel launch of the runtime (the per-kernel wrappers in ``kvcanary.kernels``) happens here,
 and only here (host → device uploads live with their owners: the token table, the sweep plan):
 
-* ``DeviceState.check_batch(batch, count_forward, forward_step_value)``: one ``canary_check_step`` launch (plan +
-  verify of every batch row's prefix, the write plan, the snapshot of token ids, positions and slots, the forward
-  counter, the drained-ring reuse);
+* :meth:`DeviceState.check_batch`: one ``canary_check_step`` launch (plan + verify of every batch row's prefix, the
+  write plan, the snapshot of token ids, positions and slots, the forward counter, the drained-ring reuse), which
+  also runs the deferred write when one is pending (below);
 * ``DeviceState.write_tokens(num_tokens)``: write;
 * :meth:`DeviceState.sweep`: verify over a sweep plan (tag SWEEP).
+
+Deferred writes (issue 25). Each launch costs an eager forward ~1.5 torch launches of host time in an engine's loop
+(tvm-ffi's call, the driver's launch, from cold caches), and an eager forward makes two (check, write).
+:meth:`DeviceState.defer_write` only records a decode's write (its token count, in :attr:`DeviceState.pending`); the
+next :meth:`check_batch` passes it to the bound check call, whose one kernel runs that write before anything it
+verifies (csrc/canary_check.cuh), so an eager decode pays one launch. The write reads what it always read (the write
+plan and snapshot the previous check stored, the device forward counter still holding that forward's number), before
+the launch overwrites or verifies anything. The price: it fingerprints the decode's K/V when the next forward's check
+runs, not right after the decode, so a stray write into those slots in between that kvcanary does not see (another
+stream's kernel) is taken into the record instead of reported (the engine's own host-tier copies go through the
+manager, which flushes first). Only an eager decode defers (the adapter's choice, never with decode CUDA graphs, the
+default). What else reads or writes what the write touches, or
+changes what it reads, launches the pending write first (:meth:`flush_pending_write`): the sweep, the snapshot fix-up,
+the forward counter's reset, a row-serial upload; the manager flushes before its other record readers and writers. A
+pending write is never captured in a CUDA graph: the manager refuses a capture with one pending. Status copies may
+show a deferred write's counters and rows one forward late (each row carries its own forward number).
 
 The forward counter (kvcanary+). Forward k is the one after which the manager's ``step()`` has run k times
 (``steps``). The header's forward counter holds the number of the forward whose launches run: the check launch of
@@ -46,6 +62,7 @@ from typing import NamedTuple
 import torch
 
 from kvcanary.kernels import layout
+from kvcanary.kernels.batch import BatchView
 from kvcanary.kernels.call import prepare_real_kv
 from kvcanary.kernels.check import CheckLaunch
 from kvcanary.kernels.plan import VerifyPlan, WritePlan
@@ -96,7 +113,10 @@ class EagerLaunches:
     each from the engine's cold caches). Same launches as :meth:`DeviceState.check_batch` / ``write_tokens``:
 
     * ``check(req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc, new_forward,
-      forward_step_value)``: ``new_forward`` and ``forward_step_value`` as ints (see ``check_batch``);
+      forward_step_value, pending_write_tokens)``: ints for the last three (see ``check_batch``; the last
+      ``pending.tokens``, which the caller sets to -1 once the call returned);
+    * ``pending``: the deferred write (:class:`PendingWrite`): with ``pending.on``, a decode records its token count
+      there instead of calling ``write`` (:meth:`PendingWrite.defers`);
     * ``write(*write_arguments[num_tokens])`` after the model ran, ``write_arguments_of(num_tokens)`` for a count
       not in ``write_arguments`` yet.
 
@@ -108,6 +128,7 @@ class EagerLaunches:
     write: Callable[..., None]
     write_arguments: Mapping[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     write_arguments_of: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    pending: PendingWrite
 
 
 class StatusCopy(NamedTuple):
@@ -128,6 +149,28 @@ def parse_header(values: Sequence[int]) -> StateHeader:
                        values[STATE_FORWARD], values[STATE_RING_LOST_AT_RESET], values[STATE_RING_REUSED_AT])
 
 
+class PendingWrite:
+    """The deferred write (issue 25): shared by :class:`DeviceState` and an adapter's eager hot path, which reads and
+    sets it with no Python frame of its own (:class:`EagerLaunches`).
+
+    ``tokens``: the token count of the last planned forward's write, not launched yet (-1: none); the next check
+    launch runs it (pass it as the bound check's ``pending_write_tokens``, then set -1 once the call returned: a call
+    that raises enqueued nothing). ``on``: whether eager decodes defer their writes (the manager's
+    ``set_defer_writes``). Only a decode defers (:meth:`defers`): the check launch writes one request per thread."""
+
+    __slots__ = ("tokens", "on")
+
+    def __init__(self) -> None:
+        self.tokens = -1
+        self.on = False
+
+    @staticmethod
+    def defers(num_tokens: int, rows: int) -> bool:
+        """Whether a forward of ``num_tokens`` tokens over ``rows`` batch rows may defer its write: at most one token
+        a row (a decode; an extend's chain would be walked one thread per request by the check launch's opener)."""
+        return num_tokens <= rows
+
+
 def _staged(values: list[int], device: torch.device) -> torch.Tensor:
     """Host int64 values to copy to ``device`` without blocking (pinned on CUDA: the caching host allocator keeps
     the buffer until the copy has run)."""
@@ -144,7 +187,7 @@ class DeviceState:
     ``slot_run_counters``, ``violation_ring``, ``forward_counter``; ``violation_meta``, ``slot_attribution``,
     ``row_serials``, ``enable_chain_position_assert``, and the snapshot ``input_ids_snapshot``,
     ``positions_snapshot``, ``out_cache_loc_snapshot``. Per-forward launches: ``check_batch`` / ``write_tokens``
-    (bound calls, below).
+    (bound calls, below), or ``defer_write`` instead of ``write_tokens`` (the next ``check_batch`` launches it).
     """
 
     def __init__(
@@ -226,7 +269,16 @@ class DeviceState:
         # array over the same memory: one C-level copy to a list, no torch op.
         self.status_mirror = torch.zeros(STATE_HEADER, dtype=torch.int64, pin_memory=dev.type == "cuda")
         self._mirror_values = (ctypes.c_int64 * STATE_HEADER).from_address(self.status_mirror.data_ptr())
-        # The two per-forward launches, their fixed arguments bound once (a forward's host time is the product's cost)
+        # The two per-forward launches, their fixed arguments bound once (a forward's host time is the product's cost).
+        # The check also binds what the write takes beyond its own arguments (the chain-position flag, the row
+        # serials): it runs a deferred write inside its launch.
+        self._write = WriteLaunch(
+            canary_buf=self.canary_buf, write_plan=self.write_plan, input_ids=self.input_ids_snapshot,
+            positions=self.positions_snapshot, out_cache_loc=self.out_cache_loc_snapshot, kernel_kind=LaunchTag.WRITE,
+            **self._build_counter_views(LaunchTag.WRITE),
+            enable_chain_position_assert=self.enable_chain_position_assert, real_kv_sources=self._real_kv_launch,
+            real_kv_hash_mode=real_kv_mode,
+        )
         self._check = CheckLaunch(
             state=self.state, status_mirror=self.status_mirror, canary_buf=self.canary_buf, write_plan=self.write_plan,
             req_to_token=req_to_token,
@@ -239,29 +291,51 @@ class DeviceState:
             token_mail_published=None if mail is None else mail.published,
             kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, real_kv_sources=self._real_kv_launch,
             real_kv_hash_mode=real_kv_mode, check_tokens=self._expected_tokens is not None,
+            deferred_write_chain_assert=self.enable_chain_position_assert, deferred_write_row_serials=self.row_serials,
         )
-        self._write = WriteLaunch(
-            canary_buf=self.canary_buf, write_plan=self.write_plan, input_ids=self.input_ids_snapshot,
-            positions=self.positions_snapshot, out_cache_loc=self.out_cache_loc_snapshot, kernel_kind=LaunchTag.WRITE,
-            **self._build_counter_views(LaunchTag.WRITE),
-            enable_chain_position_assert=self.enable_chain_position_assert, real_kv_sources=self._real_kv_launch,
-            real_kv_hash_mode=real_kv_mode,
-        )
-        # The two per-forward launches, their fixed arguments bound once, called positionally (a frame and a keyword
-        # call fewer than methods: a forward's host time is the product's cost):
-        # ``check_batch(batch, count_forward, forward_step_value)``: everything that runs before the model writes KV,
-        # as ONE launch (``canary_check_step``): plan and verify every batch row's prefix, store the write plan,
-        # snapshot the batch's token ids, positions and slots, set the forward counter (``count_forward`` 1: to
-        # ``forward_step_value``, or the counter + 1 when that is -1, i.e. captured) and empty a ring the host
-        # acknowledged in full. The batch was validated and fits the capacities (the manager checks both); its
-        # arrays may be int32 or int64. ``write_tokens(num_tokens)``: write the records of the last planned forward's
-        # ``num_tokens`` tokens from the snapshot (after the model wrote KV): one launch.
-        self.check_batch = self._check.of_batch
+        self._of_batch = self._check.of_batch
+        self.pending = PendingWrite()
+        # ``write_tokens(num_tokens)``: write the records of the last planned forward's ``num_tokens`` tokens from the
+        # snapshot (after the model wrote KV): one launch, the bound call itself (a frame fewer than a method: a
+        # forward's host time is the product's cost).
         self.write_tokens = self._write
         self.eager_launches = EagerLaunches(self._check.bound, self._write.bound, self._write.arguments,
-                                            self._write.arguments_of)
+                                            self._write.arguments_of, self.pending)
 
     # ------------------------------------------------------------------------------------------ launches
+    def check_batch(self, batch: BatchView, count_forward: int, forward_step_value: int) -> None:
+        """Everything that runs before the model writes KV, as ONE launch (``canary_check_step``): the pending deferred
+        write, if any, then plan and verify every batch row's prefix, store the write plan, snapshot the batch's token
+        ids, positions and slots, set the forward counter (``count_forward`` 1: to ``forward_step_value``, or the
+        counter + 1 when that is -1, i.e. captured) and empty a ring the host acknowledged in full. The batch was
+        validated and fits the capacities (the manager checks both when the launch refuses it); its arrays may be
+        int32 or int64. A batch the launch refuses enqueues nothing: a pending write stays pending."""
+        pending = self.pending
+        self._of_batch(batch, count_forward, forward_step_value, pending.tokens)
+        pending.tokens = -1
+
+    def defer_write(self, num_tokens: int) -> None:
+        """Record the write of the last planned forward's ``num_tokens`` tokens for the next :meth:`check_batch` to
+        run (no device work, no C++ call now). A write already pending is launched first: it was planned by the
+        same check (no check ran between), and a write is never dropped."""
+        if self.pending.tokens >= 0:
+            self.flush_pending_write()
+        self.pending.tokens = num_tokens
+
+    def flush_pending_write(self) -> None:
+        """Launch the pending deferred write now, on its own, on the current stream (nothing when none is pending):
+        for anything that must see the records, counters or attribution it writes, or changes what it reads, before
+        the next check launch."""
+        n = self.pending.tokens
+        if n >= 0:
+            self.pending.tokens = -1  # (also when the launch raises: it would fail the same way again)
+            self._write(n)
+
+    @property
+    def pending_write(self) -> int:
+        """The deferred write's token count not launched yet; -1 when none is pending."""
+        return self.pending.tokens
+
     def _build_counter_views(self, tag: LaunchTag) -> dict[str, torch.Tensor]:
         """The ring, counter and metadata arguments of a ``tag`` launch (built once: slicing costs host time)."""
         views = {
@@ -282,24 +356,34 @@ class DeviceState:
 
         ``skipped``: how many of the entries are tombstones (the padding slot): verify's entry counter counts every
         plan entry, so they are taken off the SWEEP count right after the launch, in stream order (a status copy
-        sees both or neither)."""
+        sees both or neither). A pending deferred write goes first: the sweep verifies records it writes."""
+        if self.pending.tokens >= 0:
+            self.flush_pending_write()
         self._sweep(plan)
         if skipped:
             self._sweep_views["slot_run_counter"].sub_(skipped)
 
     # ------------------------------------------------------------------------------------------ host-called updates
     def mark_init_finished(self, steps: int) -> None:
-        """Switch the write chain-position assert on and set the forward counter to ``steps``."""
+        """Switch the write chain-position assert on and set the forward counter to ``steps`` (a pending deferred
+        write first: it reads both as its forward left them)."""
+        self.flush_pending_write()
         self.enable_chain_position_assert.fill_(1)
         self.forward_counter.fill_(steps)
 
     def set_snapshot_position(self, index: int, position: int) -> None:
-        """Overwrite the snapshot position of token ``index`` of the last forward (stream-ordered)."""
+        """Overwrite the snapshot position of token ``index`` of the last forward (stream-ordered; a pending deferred
+        write first: it reads the snapshot as its check stored it)."""
+        self.flush_pending_write()
         self.positions_snapshot[index] = position
 
     def upload_row_serials(self, rows: list[int], serials: list[int]) -> None:
         """``row_serials[rows[i]] = serials[i]``: one batched, non-blocking upload (a reused staging, one launch that
-        reads it in place: :class:`kvcanary.runtime.serial_upload.RowSerialUpload`)."""
+        reads it in place: :class:`kvcanary.runtime.serial_upload.RowSerialUpload`). A pending deferred write goes
+        first: it attributes its records through ``row_serials``, and a row's new request must not take over the
+        previous forward's records (the rows change in prefill batches only: one more launch on those)."""
+        if self.pending.tokens >= 0:
+            self.flush_pending_write()
         self._row_serial_upload(rows, serials)
 
     # ------------------------------------------------------------------------------------------ what the drain reads

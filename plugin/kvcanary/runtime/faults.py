@@ -435,6 +435,11 @@ class FaultInjectionState:
     # (after_step, action): run before the managers' step (False) or after it (True, e.g. to keep a corruption in
     # place for the sweep that step runs)
     _undo: list[tuple[bool, Callable[[], None]]] = field(default_factory=list)
+    # What runs right before an injection attempt and before undo actions (None: nothing): the installation's
+    # flush of its managers' deferred writes (Installation.flush_pending_writes). A deferred write fingerprints its
+    # forward's K/V when it runs, so it must run before an injector flips those bytes (it would take the flip into
+    # the record: the fault unseen, and the undo's bytes then reported) and before an undo changes them back.
+    settle: Callable[[], None] | None = None
 
     def before_forward(self, step: int, inject: Callable[[int, str], Injection | None]) -> None:
         """Outside the graph, before a real forward (``step``: the forwards finished so far).
@@ -452,6 +457,8 @@ class FaultInjectionState:
             self.pending = (self.plan.pick(step), step)
         if self.pending is None:
             return
+        if self.settle is not None:
+            self.settle()
         injection = inject(step, self.pending[0])
         if injection is not None:
             self.pending = None
@@ -484,6 +491,8 @@ class FaultInjectionState:
             self._run_undo(True)
 
     def _run_undo(self, after_step: bool) -> None:
+        if self.settle is not None and any(when == after_step for when, _ in self._undo):
+            self.settle()
         keep = []
         for when, action in self._undo:
             if when == after_step:

@@ -100,6 +100,10 @@ def _last_wins(dest: torch.Tensor, scratch: int) -> torch.Tensor:
 class HostTierRecords:
     """Record and attribution rows of ``num_host_slots`` host slots, beside one canary buffer.
 
+    Driven through :meth:`CanaryManager.backup_to_host <kvcanary.runtime.manager.CanaryManager.backup_to_host>` /
+    ``load_from_host``, which launch a pending deferred write first (issue 25): a backup must copy the records the
+    last forward wrote, and that write must not land on slots a load-back has just filled.
+
     Args:
         canary_buf: the device pool's canary buffer (``[num_slots, RECORD_BYTES]`` uint8).
         slot_attribution: its writer-attribution table (``[num_slots, SLOT_ATTRIBUTION_FIELDS]`` int64).

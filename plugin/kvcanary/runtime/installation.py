@@ -175,6 +175,11 @@ class Installation:
     # Log mode: why kvcanary stopped on this runner after an error in its part of a forward (None: running). Every
     # per-forward entry point (the model.forward wrapper, the adapter's hooks) then calls straight through.
     stopped: str | None = None
+    # Whether the managers defer each eager forward's write into the next forward's check launch (issue 25: one
+    # Python -> C++ call per forward instead of two; CanaryManager.set_defer_writes), from mark_init_finished on
+    # (warm-up and graph capture are over). The adapter sets it only where every forward runs the wrapper eagerly:
+    # a CUDA-graph replay runs its captured check with no call that could launch a pending write.
+    defer_writes: bool = False
 
     @property
     def manager(self) -> CanaryManager:
@@ -287,6 +292,7 @@ class Installation:
         launches = manager.eager_launches()
         check, write = launches.check, launches.write
         write_arguments, write_arguments_of = launches.write_arguments, launches.write_arguments_of
+        pending = launches.pending  # the deferred write (set_defer_writes: on from mark_init_finished)
         to_arrays = self.to_arrays
         is_compiling = torch.compiler.is_compiling
         clock = time.perf_counter_ns
@@ -306,7 +312,9 @@ class Installation:
             try:
                 arrays = to_arrays(forward_batch, positions)
                 if arrays is not None:
-                    check(arrays[0], arrays[1], arrays[2], input_ids, positions, arrays[3], 1, manager.steps + 1)
+                    check(arrays[0], arrays[1], arrays[2], input_ids, positions, arrays[3], 1, manager.steps + 1,
+                          pending.tokens)
+                    pending.tokens = -1  # (the launch ran it; a refused call enqueued nothing: it stays pending)
             except Exception:  # refused before anything was enqueued: the general path names it (or converts)
                 arrays = None
             if arrays is None:  # (outside the try: what the general path raises, the model's own errors too, stands)
@@ -316,8 +324,11 @@ class Installation:
             t2 = clock()
             n = input_ids.shape[0]
             try:
-                found = write_arguments.get(n)
-                write(*(found if found is not None else write_arguments_of(n)))
+                if pending.on and n <= arrays[0].shape[0]:  # a decode: the next check launch writes it (PendingWrite)
+                    pending.tokens = n  # (the check above took any older one)
+                else:
+                    found = write_arguments.get(n)
+                    write(*(found if found is not None else write_arguments_of(n)))
             except Exception:
                 try:
                     manager.write_tokens(n)  # (the same launch, its error naming the argument)
@@ -368,13 +379,24 @@ class Installation:
     def mark_init_finished(self) -> None:
         for group in self.groups:
             group.manager.mark_init_finished()
+            if self.defer_writes:
+                group.manager.set_defer_writes(True)
         # The metrics now, not on the first serving forward: building them (prometheus_client's import and the
         # collectors' registration) took 11-17 ms, which the first request's forward paid and every forward's host
         # time averaged in (~1 launch unit over a 1000-forward window on the H200, 2026-12-03). Never raises.
         if self.metrics is None:
             self.metrics = metrics_for(self.manager.rank, self.model_name)
+        if self.defer_writes:
+            logger.info("kvcanary: eager decodes defer their record writes into the next forward's check launch")
         self.host_time = HostTime()  # warmup and graph capture are not serving
         self._sweep_at_init = self.sweep_tally()
+
+    def flush_pending_writes(self) -> None:
+        """Launch every group's deferred write now, on the current stream (the forward's, in an adapter's forward
+        hooks): before an adapter concern changes K/V bytes, records or ``req_to_token`` outside the managers (fault
+        injection), so the last forward's write still sees them as that forward left them."""
+        for group in self.groups:
+            group.manager.flush_pending_write()
 
     def sweep_tally(self) -> SweepTally:
         """Every group's sweeps so far (differences of two give a period's)."""

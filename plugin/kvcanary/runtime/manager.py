@@ -6,6 +6,18 @@ batch's token, position and slot arrays because some models mutate them) runs be
 enqueue device work with fixed capacities and stable buffers, so they can sit inside a captured CUDA graph (two
 nodes per forward), and neither ever synchronises with the host.
 
+Deferred writes (issue 25, :meth:`CanaryManager.set_defer_writes`, off by default). Each Python -> C++ call costs
+~10-20 us of host time in an engine's loop. With deferral on, ``after_forward`` of an eager forward only records the
+write's token count, and the next ``before_forward``'s one launch runs that write first (from C++, same stream), then
+the check: one crossing per forward instead of two. Only for an engine whose every forward calls ``before_forward``
+eagerly: a CUDA-graph replay runs its captured check node with no Python call in which to launch a pending write, so
+an adapter turns deferral on only when no graph will replay the model, after ``mark_init_finished``. Everything that
+reads or writes records, attribution or the write's inputs outside the check launches the pending write first
+(``flush_pending_write``): sweeps, host-tier copies, ``rewrite_last_forward``, ``poll``, ``flush``, ``close``,
+``mark_init_finished``, a writer-serial upload, and a ``before_forward`` that does not start a new forward; a capture
+that begins with a write pending is refused (an adapter bug). The drain may see a deferred write's rows and counters
+one forward later (each row carries its forward number).
+
 ``step()`` is the host half, called after each forward outside any graph capture: it sweeps the prefix cache every
 ``sweep_interval`` forwards, drains violations and counters on the ``drain_every`` cadence and reports them (log
 lines, JSONL, or an exception in raise mode), runs the health check on every drained snapshot, and logs the stats
@@ -36,7 +48,7 @@ from kvcanary.kernels.tags import LaunchTag
 from kvcanary.report.record import Violation
 from kvcanary.report.reporter import Reporter
 from kvcanary.runtime.config import Config
-from kvcanary.runtime.device_state import DeviceState, EagerLaunches
+from kvcanary.runtime.device_state import DeviceState, EagerLaunches, PendingWrite
 from kvcanary.runtime.drain import CanaryStats, ViolationDrain
 from kvcanary.runtime.health import HealthMonitor, StatsLogger, expected_launch_tags
 from kvcanary.runtime.host_tier import HostTierRecords
@@ -179,6 +191,8 @@ class CanaryManager:
         # k (read-only outside the manager; a plain attribute: an adapter's hot path reads it every forward).
         self.steps = 0
         self._validated_batch: BatchView | None = None
+        self._defer_writes = False  # set_defer_writes
+        self._defer_this_write = False  # the last before_forward's verdict: its after_forward may defer the write
         self._chain_position_assert_armed = False  # set by mark_init_finished (the device flag's host copy)
         logger.info(
             "kvcanary: manager on %s: %d slots, batch<=%d, tokens<=%d, %d real-KV source(s) (%s); %s",
@@ -219,20 +233,39 @@ class CanaryManager:
         # long) and the write plan (max_batch_size rows) (csrc canary_check_step). Checking them here first too cost
         # ~3 us per forward; a launch that refuses the batch is answered with the error naming the BatchView field, or
         # the capacity it exceeds.
+        if self._cuda and capturing is None:
+            capturing = torch.cuda.is_current_stream_capturing()
+        # (on the CPU nothing is captured: ``capturing`` is only the caller's word, which the deferral guard takes)
+        state = self.device_state
+        if (capturing or not new_forward) and state.pending_write >= 0:
+            self._settle_before_unusual_forward(bool(capturing))
         try:
             if batch.__class__ is not BatchView or batch.kind.__class__ is not ForwardKind:
                 self._validate(batch)  # (a subclass passes; anything else raises naming what is wrong)
-            self.device_state.check_batch(
-                batch, 1 if new_forward else 0,
-                # captured: -1, each replay adds 1
-                -1 if self._cuda and (torch.cuda.is_current_stream_capturing() if capturing is None else capturing)
-                else self.steps + 1,
-            )
+            # (a deferred write pending from the last forward is launched first, inside this one call)
+            state.check_batch(batch, 1 if new_forward else 0,
+                              -1 if self._cuda and capturing else self.steps + 1)  # captured: -1, each replay adds 1
         except Exception:
+            self._defer_this_write = False
             self._validate(batch)  # a malformed batch: its error names the field
             self._check_fits(batch)  # one too large for the buffers: the error names the capacity
             raise  # (else the original error stands)
         self._validated_batch = batch  # the launch accepted it: after_forward need not check it again
+        # A new forward outside capture may leave its write for the next check launch to run (set_defer_writes).
+        self._defer_this_write = self._defer_writes and new_forward and not capturing
+
+    def _settle_before_unusual_forward(self, capturing: bool) -> None:
+        """A write is pending at a before_forward that does not start a new eager forward. Captured: refuse (a
+        RuntimeError naming it): launching it now would capture it into the graph (every replay would write that
+        forward's records again), and the captured check cannot launch it either (a replay makes no call). Not a
+        new forward (an adapter re-planning a forward already counted): launch it first, on its own."""
+        if capturing:
+            raise RuntimeError(
+                f"CanaryManager.before_forward: a deferred write of {self.device_state.pending_write} tokens is "
+                "pending while a CUDA graph is being captured; an adapter must not defer writes (set_defer_writes) "
+                "while graphs are captured or replayed: call flush_pending_write() or set_defer_writes(False) before "
+                "a capture")
+        self.device_state.flush_pending_write()
 
     def _check_fits(self, batch: BatchView) -> None:
         """Raise a ValueError naming the capacity a (well-formed) batch exceeds: max_tokens_per_forward, then
@@ -243,13 +276,46 @@ class CanaryManager:
             raise ValueError(f"CanaryManager: batch has {bs} rows, more than max_batch_size={self._max_batch_size}")
 
     def after_forward(self, batch: BatchView) -> None:
-        """Write the new records (after the model wrote KV). Graph-capturable; never synchronises."""
+        """Write the new records (after the model wrote KV). Graph-capturable; never synchronises. With deferral on
+        (:meth:`set_defer_writes`) and the forward eager, only the write's token count is recorded: the next
+        ``before_forward``'s launch runs the write (no call into C++ here)."""
         if batch is not self._validated_batch:
             self._validate(batch)
         n = batch.input_ids.numel()
         if n > self.max_tokens_per_forward:  # (the write takes the snapshot's first n tokens: a slice never fails)
             self._check_tokens_fit(n)
-        self.device_state.write_tokens(n)
+        if self._defer_this_write and PendingWrite.defers(n, batch.batch_size):
+            self.device_state.defer_write(n)
+        else:
+            self.device_state.write_tokens(n)
+
+    # ------------------------------------------------------------------------------------------ deferred writes
+    def set_defer_writes(self, on: bool) -> None:
+        """Defer each eager forward's write into the next ``before_forward``'s launch (module docstring): one
+        Python -> C++ call per forward instead of two. Only for a caller that runs every forward eagerly through
+        ``before_forward`` (no CUDA graph replays the model), and only once warm-up and capture are over
+        (``mark_init_finished``). Turning it off launches a pending write now."""
+        self._defer_writes = bool(on)
+        self.device_state.pending.on = self._defer_writes  # (an adapter's eager hot path reads it there)
+        if not on:
+            self._defer_this_write = False
+            self.device_state.flush_pending_write()
+
+    @property
+    def defer_writes(self) -> bool:
+        """Whether eager forwards defer their writes (:meth:`set_defer_writes`)."""
+        return self._defer_writes
+
+    @property
+    def pending_write(self) -> int:
+        """The token count of the deferred write not launched yet (-1: none pending)."""
+        return self.device_state.pending_write
+
+    def flush_pending_write(self) -> None:
+        """Launch the deferred write now, on the current stream (nothing when none is pending): before anything the
+        manager does not do itself reads or changes records, attribution, or KV bytes of the last forward's slots
+        (e.g. an engine adapter's fault injection). Outside graph capture."""
+        self.device_state.flush_pending_write()
 
     def write_tokens(self, num_tokens: int) -> None:
         """:meth:`after_forward`'s write, for a forward of ``num_tokens`` tokens whose check launch ran (an adapter's
@@ -268,7 +334,8 @@ class CanaryManager:
 
     def mark_init_finished(self) -> None:
         """Warmup and capture are over: switch the write chain-position assert on, and set the forward counter to
-        the host's step count (warm-up runs without a ``step()`` moved it; replays count from here)."""
+        the host's step count (warm-up runs without a ``step()`` moved it; replays count from here). A pending
+        deferred write is launched first (it reads both as its forward left them)."""
         self.device_state.mark_init_finished(self.steps)
         self._chain_position_assert_armed = True  # host copy, for chain_position_assert_on()
         logger.info("kvcanary: init finished; chain-position assert on")
@@ -314,16 +381,23 @@ class CanaryManager:
                        host_slots: torch.Tensor | Sequence[int]) -> None:
         """The engine is copying device slot ``device_slots[i]`` to host slot ``host_slots[i]``: their records
         follow (on the current stream, which must be ordered after the forwards that wrote those slots; never
-        synchronises). Needs :meth:`attach_host_tier`."""
-        self._host_tier().backup(device_slots, host_slots)
+        synchronises). Needs :meth:`attach_host_tier`. A pending deferred write goes first: it writes records
+        the backup copies."""
+        tier = self._host_tier()
+        self.device_state.flush_pending_write()
+        tier.backup(device_slots, host_slots)
 
     def load_from_host(self, host_slots: torch.Tensor | Sequence[int],
                        device_slots: torch.Tensor | Sequence[int]) -> None:
         """The engine is loading host slot ``host_slots[i]`` into device slot ``device_slots[i]``: their records
         follow, marked as loaded from the host tier (``via=host_tier`` on a violation). Enqueue it before the
         forward that verifies those slots, on that forward's stream; the K/V itself must have landed before that
-        forward's verify reads it (the adapter waits for the engine's load). Needs :meth:`attach_host_tier`."""
-        self._host_tier().load(host_slots, device_slots)
+        forward's verify reads it (the adapter waits for the engine's load). Needs :meth:`attach_host_tier`. A
+        pending deferred write goes first: it may write records of slots the load then takes over (a freed slot
+        reused), which must not land on top of the loaded ones."""
+        tier = self._host_tier()
+        self.device_state.flush_pending_write()
+        tier.load(host_slots, device_slots)
 
     def _host_tier(self) -> HostTierRecords:
         if self.host_tier is None:
@@ -379,7 +453,9 @@ class CanaryManager:
         Each argument is an int sequence or a 1-D int64 tensor on any device (a prefix cache that keeps its slots
         on the GPU hands them over without a device -> host copy). The very tensors of the previous sweep (the same
         objects, never changed in place) are not copied again: their entries are verified from the plan that holds
-        them. Host-called, outside graph capture; the copies are non-blocking.
+        them. Host-called, outside graph capture; the copies are non-blocking. A pending deferred write is launched
+        first (:meth:`DeviceState.sweep <kvcanary.runtime.device_state.DeviceState.sweep>`: the sweep verifies its
+        records).
         """
         self.sweeper.run(slots, prevs, positions)
         self.stats.sweeps += 1
@@ -430,13 +506,22 @@ class CanaryManager:
         )
 
     def poll(self) -> list[Violation]:
-        """Drain whatever the device has announced, without counting a forward."""
+        """Drain whatever the device has announced, without counting a forward (a pending deferred write is
+        launched first, so what it finds is announced too)."""
         if _is_capturing(self.device):
             return []
+        self.device_state.flush_pending_write()
         return self.violation_drain.drain(self.steps)
 
     def flush(self) -> list[Violation]:
-        """Synchronise and drain everything (shutdown / tests only: this blocks)."""
+        """Launch a pending deferred write, synchronise and drain everything (shutdown / tests only: this
+        blocks). Callable from any stream: a pending write is launched only once the device is idle (its forward's
+        K/V, which it fingerprints, may have been written on another stream: an engine's forward stream), and the
+        drain's synchronisation completes it before the next check launch can overwrite what it reads."""
+        state = self.device_state
+        if state.pending_write >= 0:
+            state.synchronize()
+            state.flush_pending_write()
         return self.violation_drain.flush(self.steps)
 
     def close(self) -> None:
@@ -475,11 +560,19 @@ class CanaryManager:
         in the snapshot: stream-ordered after everything already enqueued, no host sync. ``batch`` is that
         forward's batch (only its token count is read). Valid until the next ``before_forward`` replaces plan and
         snapshot; host-called, outside graph capture. Fault injection uses it to undo a position skew, so the
-        successor written next is not reported too.
+        successor written next is not reported too. A deferred write of that forward is launched first, with the
+        snapshot as its check stored it (the forward's own write, as without deferral); the rewrite is launched at
+        once, never deferred.
         """
         n = batch.num_tokens
-        for index, position in positions_fix.items():
+        for index in positions_fix:
             if not 0 <= index < n:
                 raise ValueError(f"CanaryManager.rewrite_last_forward: token index {index} outside [0, {n})")
+        self.device_state.flush_pending_write()
+        for index, position in positions_fix.items():
             self.device_state.set_snapshot_position(index, position)
-        self.after_forward(batch)
+        defer, self._defer_this_write = self._defer_this_write, False
+        try:
+            self.after_forward(batch)
+        finally:
+            self._defer_this_write = defer

@@ -26,7 +26,10 @@ class FaultInjectingHooks(AdapterHooks):
 
     def fault_injection(self, inst: Installation, report_rank: int, role) -> SglangFaultInjection | None:
         plan = fault_plan_for_rank(report_rank) if role is None or role.inject_faults else None
-        return None if plan is None else SglangFaultInjection(plan, inst.manager.reporter)
+        # settle: deferral stays allowed with faults (issue 25); the installation's pending writes are launched
+        # before each injection and undo, in the forward hooks, on the forward's stream (FaultInjectionState.settle)
+        return None if plan is None else SglangFaultInjection(plan, inst.manager.reporter,
+                                                              settle=inst.flush_pending_writes)
 
     def before_model(self, state: RunnerState, forward_batch) -> None:
         super().before_model(state, forward_batch)

@@ -9,7 +9,8 @@ version's targets with the bound hook (built once, so ``HookRegistry`` sees the 
 * ``around_forward``: the host half of each real forward (drain, health, stats, sweep; fault injection in the layer
   :mod:`kvcanary.sglang.fault_hooks` registers instead of these hooks when ``KVCANARY_FAULT`` is set);
 * ``after_initialize``: init finished (warm-up and graph capture are over): the version's after-init checks
-  (``check_after_initialize``), then the chain-position assert goes on;
+  (``check_after_initialize``), then the chain-position assert goes on, and with ``--disable-cuda-graph`` (no EAGLE)
+  the managers start deferring each forward's write into the next forward's launch (:func:`defers_writes`);
 * ``after_populate``: with an EAGLE pool, zero the padded rows' ``req_pool_indices`` of a decode graph that 0.5.12
   leaves stale (without one nothing: the plan treats a row whose first token is on the padding slot as padding);
 * ``after_init_cache``: the prefix cache becomes the sweep source (the version's ``sweep_source``);
@@ -146,6 +147,7 @@ class AdapterHooks:
             req_to_token=r2t,
             model_name=getattr(v.server_args_of(runner), "served_model_name", None),  # the metrics' model_name label
         )
+        inst.defer_writes = defers_writes(v.server_args_of(runner), role)  # (from mark_init_finished on)
         state = RunnerState(inst, faults=self.fault_injection(inst, report_rank, role),
                             token_upload=inst.expected_token_upload())
         inst.step_hooks = state.faults  # an injection's undo actions run around the managers' step
@@ -409,6 +411,20 @@ class AdapterHooks:
         finally:
             inst.account_batch_init(time.perf_counter_ns() - t0)  # per batch, in the scheduler: HostTime
         return result
+
+
+def defers_writes(server_args, role) -> bool:
+    """Whether a runner's managers may defer each forward's write into the next forward's check launch (issue 25:
+    one Python -> C++ call per eager forward instead of two; ``Installation.defer_writes``): only when no CUDA graph
+    replays the model once init is over (``--disable-cuda-graph``: every forward runs the ``model.forward`` wrapper
+    eagerly; a piecewise prefill graph runs around the wrapper, whose launches stay eager), and never for an EAGLE
+    target or draft pool (``role``, or any ``--speculative-algorithm``): their draft and verify graph replays run
+    their captured check with no call that could launch a pending write, and a pending write would be lost or land
+    after the next forward's check. Fault injection keeps it (its injections and undos launch pending writes first:
+    ``FaultInjectionState.settle``)."""
+    if role is not None or getattr(server_args, "speculative_algorithm", None):
+        return False
+    return bool(getattr(server_args, "disable_cuda_graph", False))
 
 
 _ROW_OF = operator.attrgetter("req_pool_idx")

@@ -803,11 +803,15 @@ class Simulator:
 
 def build_sim(sim_cfg: SimConfig, *, mode: str = "raise", sweep_interval: int = 10, real_kv: str = "partial",
               hook: Callable[[str, Simulator], None] | None = None, drain_every: int = 1,
-              device: torch.device | str = "cpu") -> Simulator:
+              device: torch.device | str = "cpu", defer_writes: bool = False) -> Simulator:
     """A simulator driving a fresh ``CanaryManager`` on ``device`` (init finished: the chain-position assert is on).
 
     ``drain_every=1`` (the default here, not the runtime's) reports each violation after the forward that found
-    it, so a fault driver can attribute it to that forward.
+    it, so a fault driver can attribute it to that forward. ``defer_writes``: the manager defers each forward's
+    write into the next forward's check launch (``CanaryManager.set_defer_writes``, as an eager engine adapter runs
+    it; every simulator forward is eager): a violation the write finds is then reported one forward later. A hook
+    that changes K/V bytes, records or ``req_to_token`` outside the manager launches the pending write first
+    (``mgr.flush_pending_write()``; :class:`kvcanary.sim.injector.FaultDriver` does).
     """
     from kvcanary.kernels.layout import RealKvHashMode
     from kvcanary.runtime.config import Config
@@ -820,4 +824,5 @@ def build_sim(sim_cfg: SimConfig, *, mode: str = "raise", sweep_interval: int = 
     sim = Simulator(sim_cfg, mgr_factory=lambda **kw: CanaryManager(config, token_mail=sim_cfg.token_mail, **kw),
                     hook=hook, device=device)
     sim.mgr.mark_init_finished()
+    sim.mgr.set_defer_writes(defer_writes)  # (after init, as an adapter turns it on)
     return sim

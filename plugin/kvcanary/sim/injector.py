@@ -29,6 +29,11 @@ A :class:`FaultDriver` is the simulator's hook. Protocol:
   whose chain it corrupted: that request's next writes build on the bad record), or of one closed fewer than
   ``grace`` forwards ago (the same fault still draining); anything else is a false positive.
 
+* Deferred writes (``build_sim(defer_writes=True)``): the last forward's write may still be pending when the driver
+  injects or repairs, and it fingerprints the K/V of that forward's slots when it runs. The driver launches it first
+  (``mgr.flush_pending_write()``) before every injection attempt and every repair, so a flip of a slot the last
+  forward wrote is not taken into its record, and a repair does not rewrite bytes a pending write has yet to read.
+
 Each injector uses only :mod:`kvcanary.runtime.faults` and the simulator's own state; which row or slot is hit is drawn
 from a seeded ``random.Random``, so a run is reproducible.
 """
@@ -183,6 +188,8 @@ class FaultDriver:
             self.score(sim)
             return
         if point == "post_load":
+            if self._after_load:
+                self._settle(sim)
             for undo in self._after_load:
                 undo()
             self._after_load.clear()
@@ -194,7 +201,14 @@ class FaultDriver:
             raise ValueError(f"FaultDriver: {fault} needs a simulator with a host tier (SimConfig.host_pages > 0)")
         at, inject = self._inject[fault]
         if point == at:
+            self._settle(sim)
             inject(sim)
+
+    @staticmethod
+    def _settle(sim: Simulator) -> None:
+        """Launch the manager's pending deferred write (module docstring) before the driver changes engine state."""
+        if sim.mgr is not None:
+            sim.mgr.flush_pending_write()
 
     def note_action(self, record: dict) -> None:
         """A protect-mode ``kvcanary.action/1`` record: counted for the open injection, else the last closed."""
@@ -236,6 +250,7 @@ class FaultDriver:
                     owner.first_detection = v
         o = self.open
         if o is not None and (o.detected_step is not None or sim.step_no - o.step >= self.deadline):
+            self._settle(sim)
             o.repair()
             self.closed.append(o)
             self._counts[o.injection.fault] += 1
