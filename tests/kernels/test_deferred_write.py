@@ -203,30 +203,36 @@ def _plan_aliases(kw: dict[str, Any]) -> bool:
     return len(set(slots)) != len(slots) or bool(seeds & set(slots))
 
 
-def _aliasing_free(case: dict[str, Any]) -> bool:
-    """No forward of the case's sequence plans an aliasing write (checked on the CPU, forward by forward)."""
+def _comparable_on_cuda(case: dict[str, Any]) -> bool:
+    """Whether a CUDA run of the case's sequence has one outcome to compare with the CPU's: no forward plans an
+    aliasing write, and the ring neither overflows nor is reused (which rows a full ring keeps, and which rows a reuse
+    keeps when the host's acknowledgement falls inside one launch's appends, depend on the order of that launch's
+    appends, unspecified on CUDA). Checked on the CPU, forward by forward."""
     kw = _on_cpu(case)
+    epoch = int(kw["state"][layout.STATE_RING_EPOCH])
+    capacity = (kw["state"].shape[0] - H) // layout.VIOLATION_FIELDS
     check, write = _launches(kw)
     for batch, new_forward, step in _forwards(kw):
         check.of_batch(batch, new_forward, step, -1)
         if _plan_aliases(kw):
             return False
         write(int(batch.input_ids.shape[0]))
-    return True
+    index = int(kw["state"][layout.STATE_WRITE_INDEX]) & 0xFFFFFFFF
+    return int(kw["state"][layout.STATE_RING_EPOCH]) == epoch and index <= capacity
 
 
 @pytest.mark.gpu
 def test_deferred_write_runs_on_the_calls_stream_on_cuda() -> None:
     """The launch's opener writes (one thread per request) while every other block waits at the gate; on a side
-    stream kept busy first; the results equal the CPU's separate writes. Only sequences whose writes keep the write's
-    aliasing rule compare (the rest are unspecified: the CPU writes requests in order, the opener all at once)."""
+    stream kept busy first; the results equal the CPU's separate writes. Only sequences with one specified outcome
+    compare (:func:`_comparable_on_cuda`: the CPU writes requests in order, the opener all at once)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     side = torch.cuda.Stream()
     compared = 0
-    for scenario in range(40):
+    for scenario in range(60):
         case = _case(9000 + scenario)
-        if not _aliasing_free(case):
+        if not _comparable_on_cuda(case):
             continue
         want = _on_cpu(case)
         _run(want, deferred=False)
@@ -239,4 +245,4 @@ def test_deferred_write_runs_on_the_calls_stream_on_cuda() -> None:
         # (ring rows as a multiset: on CUDA the order of one launch's appends depends on which atomics won)
         assert_same(_results(got), _results(want), f"scenario {scenario}", ordered=False)
         compared += 1
-    assert compared >= 8, f"only {compared} of 40 sequences keep the aliasing rule"
+    assert compared >= 8, f"only {compared} of 60 sequences are comparable"
