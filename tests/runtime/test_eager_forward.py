@@ -120,6 +120,36 @@ def test_the_hot_path_leaves_what_the_general_path_leaves(monkeypatch) -> None:
     assert hot.host_time.in_forward_ns > 0
 
 
+def test_the_hot_path_defers_decode_writes_as_the_general_path_does(monkeypatch) -> None:
+    """Deferral on (issue 25): the hot path records each decode's write for the next check launch (no write call) and
+    launches an extend's at once, as the general path does; after a flush both leave what no deferral leaves."""
+    hot, hot_model, hot_kv = _installation()
+    general, general_model, general_kv = _installation(hot_path=False)
+    plain, plain_model, plain_kv = _installation()
+    for inst in (hot, general):
+        inst.manager.set_defer_writes(True)
+    writes = []
+    launches = hot.manager.eager_launches()
+
+    def write(*args):
+        writes.append(int(args[0].shape[0]))
+        launches.write(*args)
+
+    monkeypatch.setattr(hot.manager, "eager_launches", lambda: EagerLaunches(
+        launches.check, write, launches.write_arguments, launches.write_arguments_of, launches.pending))
+    hot_model.forward = hot_model.forward.__wrapped__  # (unwrap, so the wrapper is rebuilt with the spied write)
+    hot.wrap_model_forward(hot_model)
+    _requests(hot, hot_model, hot_kv)
+    _requests(general, general_model, general_kv)
+    _requests(plain, plain_model, plain_kv)
+    assert writes == [4, 4]  # the two extends; the decodes' writes went with the next check launch
+    assert hot.manager.pending_write == general.manager.pending_write == 2  # the last decode's, pending
+    for inst in (hot, general, plain):
+        assert inst.manager.flush() == []
+    for a, b, c in zip(_state(hot), _state(general), _state(plain), strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
 def test_the_hot_path_detects_what_the_general_path_detects() -> None:
     """A byte of slot 2's K flipped between two forwards: the next decode's verify (the hot path's check) finds it."""
     inst, model, kv = _installation()
@@ -180,7 +210,7 @@ def _failing_write(manager: CanaryManager, monkeypatch, fails: list[str]) -> Non
         launches.write(*args)
 
     monkeypatch.setattr(manager, "eager_launches", lambda: EagerLaunches(
-        launches.check, write, launches.write_arguments, launches.write_arguments_of))
+        launches.check, write, launches.write_arguments, launches.write_arguments_of, launches.pending))
 
 
 def test_a_failed_write_is_made_again_through_the_manager(monkeypatch) -> None:
