@@ -12,16 +12,7 @@ import torch
 
 from kvcanary.kernels import call, layout
 from kvcanary.kernels.batch import BatchView
-from kvcanary.kernels.call import (
-    INT,
-    OPTIONAL,
-    REAL_KV,
-    Arg,
-    KernelSpec,
-    RealKvLaunch,
-    plan_args,
-    prepare_real_kv,
-)
+from kvcanary.kernels.call import INT, OPTIONAL, REAL_KV, Arg, KernelSpec, RealKvLaunch, plan_args, prepare_real_kv
 from kvcanary.kernels.plan import WritePlan
 from kvcanary.kernels.real_kv import RealKvSource
 

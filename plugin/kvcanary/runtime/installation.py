@@ -175,8 +175,8 @@ class Installation:
     # Log mode: why kvcanary stopped on this runner after an error in its part of a forward (None: running). Every
     # per-forward entry point (the model.forward wrapper, the adapter's hooks) then calls straight through.
     stopped: str | None = None
-    # Whether the managers defer each eager forward's write into the next forward's check launch (issue 25: one
-    # Python -> C++ call per forward instead of two; CanaryManager.set_defer_writes), from mark_init_finished on
+    # Whether the managers defer each eager decode's write into the next forward's check launch (issue 25: one
+    # launch per eager decode instead of two; CanaryManager.set_defer_writes), from mark_init_finished on
     # (warm-up and graph capture are over). The adapter sets it only where every forward runs the wrapper eagerly:
     # a CUDA-graph replay runs its captured check with no call that could launch a pending write.
     defer_writes: bool = False

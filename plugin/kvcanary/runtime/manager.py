@@ -6,10 +6,11 @@ batch's token, position and slot arrays because some models mutate them) runs be
 enqueue device work with fixed capacities and stable buffers, so they can sit inside a captured CUDA graph (two
 nodes per forward), and neither ever synchronises with the host.
 
-Deferred writes (issue 25, :meth:`CanaryManager.set_defer_writes`, off by default). Each Python -> C++ call costs
-~10-20 us of host time in an engine's loop. With deferral on, ``after_forward`` of an eager forward only records the
-write's token count, and the next ``before_forward``'s one launch runs that write first (from C++, same stream), then
-the check: one crossing per forward instead of two. Only for an engine whose every forward calls ``before_forward``
+Deferred writes (issue 25, :meth:`CanaryManager.set_defer_writes`, off by default). Each launch costs an eager
+forward ~1.5 torch launches of host time in an engine's loop. With deferral on, ``after_forward`` of an eager decode
+(at most one token a row) only records the write's token count, and the next ``before_forward``'s launch runs that
+write inside its own kernel before it verifies anything: one launch per eager decode instead of two (an extend's
+write is launched at once). Only for an engine whose every forward calls ``before_forward``
 eagerly: a CUDA-graph replay runs its captured check node with no Python call in which to launch a pending write, so
 an adapter turns deferral on only when no graph will replay the model, after ``mark_init_finished``. Everything that
 reads or writes records, attribution or the write's inputs outside the check launches the pending write first
@@ -291,8 +292,8 @@ class CanaryManager:
 
     # ------------------------------------------------------------------------------------------ deferred writes
     def set_defer_writes(self, on: bool) -> None:
-        """Defer each eager forward's write into the next ``before_forward``'s launch (module docstring): one
-        Python -> C++ call per forward instead of two. Only for a caller that runs every forward eagerly through
+        """Defer each eager decode's write into the next ``before_forward``'s launch (module docstring): one launch
+        per eager decode instead of two. Only for a caller that runs every forward eagerly through
         ``before_forward`` (no CUDA graph replays the model), and only once warm-up and capture are over
         (``mark_init_finished``). Turning it off launches a pending write now."""
         self._defer_writes = bool(on)

@@ -415,7 +415,7 @@ class AdapterHooks:
 
 def defers_writes(server_args, role) -> bool:
     """Whether a runner's managers may defer each forward's write into the next forward's check launch (issue 25:
-    one Python -> C++ call per eager forward instead of two; ``Installation.defer_writes``): only when no CUDA graph
+    one launch per eager decode instead of two; ``Installation.defer_writes``): only when no CUDA graph
     replays the model once init is over (``--disable-cuda-graph``: every forward runs the ``model.forward`` wrapper
     eagerly; a piecewise prefill graph runs around the wrapper, whose launches stay eager), and never for an EAGLE
     target or draft pool (``role``, or any ``--speculative-algorithm``): their draft and verify graph replays run
