@@ -158,9 +158,12 @@ class StandInModel(torch.nn.Module):
 class StandInRunner:
     """A ModelRunner as ``kvcanary.sglang.v0_5_12.runner_parts`` / ``runner_ranks`` read it."""
 
-    def __init__(self, rows: int, context: int, slots: int, device: torch.device) -> None:
+    def __init__(self, rows: int, context: int, slots: int, device: torch.device, *,
+                 disable_cuda_graph: bool = False) -> None:
+        # disable_cuda_graph: the adapter defers each decode's write into the next check launch (issue 25)
         self.server_args = types.SimpleNamespace(cuda_graph_max_bs=0, disable_piecewise_cuda_graph=True,
-                                                 served_model_name="bench", dp_size=1)
+                                                 served_model_name="bench", dp_size=1,
+                                                 disable_cuda_graph=disable_cuda_graph)
         self.req_to_token_pool = types.SimpleNamespace(
             req_to_token=torch.zeros((rows, context), dtype=torch.int32, device=device), size=rows - 1)
         self.token_to_kv_pool = StandInMHAPool(slots, device)
@@ -263,12 +266,13 @@ class Case:
     sweep: int  # sweep interval, 0: off
     tree_changes: bool = False  # the prefix cache changes every forward (StandInRadixCache.churn)
     walk: bool = False  # the sweep walks the tree on every sweep (the source before issue 25) instead of following it
+    deferred: bool = False  # --disable-cuda-graph: each decode's write runs in the next check launch (issue 25)
 
     @property
     def name(self) -> str:
         extras = [self.real_kv.upper()] + (["tokens"] if self.tokens else []) + (
             [f"sweep {self.sweep}" + (" (tree changing)" if self.tree_changes else "") + (" walk" if self.walk else "")]
-            if self.sweep else [])
+            if self.sweep else []) + (["deferred write"] if self.deferred else [])
         return f"{self.kind} bs{BS} {' + '.join(extras)}"
 
 
@@ -282,6 +286,8 @@ def all_cases() -> list[Case]:
     # for a RadixCache), and walked on every sweep (the source before issue 25, and a HiRadixCache's today)
     out += [Case("decode", "partial", False, 10, tree_changes=True), Case("decode", "partial", True, 10, True),
             Case("decode", "partial", False, 10, tree_changes=True, walk=True)]
+    # an eager engine with --disable-cuda-graph: one launch per decode (the write inside the next check launch)
+    out += [Case("decode", "partial", False, 0, deferred=True), Case("decode", "partial", True, 0, deferred=True)]
     return out
 
 
@@ -541,7 +547,7 @@ def run_case(case: Case, args, device: torch.device) -> dict:
 def _run_case(case: Case, args, device: torch.device, pieces: Pieces) -> dict:
     forwards, rounds = args.forwards, args.rounds
     work = Workload(case, forwards, device)
-    runner = StandInRunner(work.rows, work.context, work.slots, device)
+    runner = StandInRunner(work.rows, work.context, work.slots, device, disable_cuda_graph=case.deferred)
     work.fill_r2t(runner.req_to_token_pool.req_to_token)
     hooks = AdapterHooks(bench_version())
     hooks.after_init_memory_pool(None, runner)
