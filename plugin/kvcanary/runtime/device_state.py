@@ -7,7 +7,7 @@ forward's snapshot of token ids, positions and slots. Every buffer keeps its add
 (CUDA-graph capture). Every kernel launch of the runtime (the per-kernel wrappers in ``kvcanary.kernels``) happens here,
 and only here (host → device uploads live with their owners: the token table, the sweep plan):
 
-* :meth:`DeviceState.check_batch`: one ``canary_check_step`` launch (plan + verify of every batch row's prefix, the
+* ``DeviceState.check_batch``: one ``canary_check_step`` launch (plan + verify of every batch row's prefix, the
   write plan, the snapshot of token ids, positions and slots, the forward counter, the drained-ring reuse), which
   also runs the deferred write when one is pending (below);
 * ``DeviceState.write_tokens(num_tokens)``: write;
@@ -16,7 +16,7 @@ and only here (host → device uploads live with their owners: the token table, 
 Deferred writes (issue 25). Each launch costs an eager forward ~1.5 torch launches of host time in an engine's loop
 (tvm-ffi's call, the driver's launch, from cold caches), and an eager forward makes two (check, write).
 :meth:`DeviceState.defer_write` only records a decode's write (its token count, in :attr:`DeviceState.pending`); the
-next :meth:`check_batch` passes it to the bound check call, whose one kernel runs that write before anything it
+next ``check_batch`` passes it to the bound check call, whose one kernel runs that write before anything it
 verifies (csrc/canary_check.cuh), so an eager decode pays one launch. The write reads what it always read (the write
 plan and snapshot the previous check stored, the device forward counter still holding that forward's number), before
 the launch overwrites or verifies anything. The price: it fingerprints the decode's K/V when the next forward's check
@@ -62,7 +62,6 @@ from typing import NamedTuple
 import torch
 
 from kvcanary.kernels import layout
-from kvcanary.kernels.batch import BatchView
 from kvcanary.kernels.call import prepare_real_kv
 from kvcanary.kernels.check import CheckLaunch
 from kvcanary.kernels.plan import VerifyPlan, WritePlan
@@ -110,7 +109,7 @@ class StateHeader(NamedTuple):
 class EagerLaunches:
     """A forward's two launches as the bound tvm-ffi calls themselves, for an adapter's per-forward hot path (every
     Python frame between an engine's forward and the launch is host time a CPU-bound serving loop pays, several µs
-    each from the engine's cold caches). Same launches as :meth:`DeviceState.check_batch` / ``write_tokens``:
+    each from the engine's cold caches). Same launches as ``DeviceState.check_batch`` / ``write_tokens``:
 
     * ``check(req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc, new_forward,
       forward_step_value, pending_write_tokens)``: ints for the last three (see ``check_batch``; the last
@@ -272,13 +271,6 @@ class DeviceState:
         # The two per-forward launches, their fixed arguments bound once (a forward's host time is the product's cost).
         # The check also binds what the write takes beyond its own arguments (the chain-position flag, the row
         # serials): it runs a deferred write inside its launch.
-        self._write = WriteLaunch(
-            canary_buf=self.canary_buf, write_plan=self.write_plan, input_ids=self.input_ids_snapshot,
-            positions=self.positions_snapshot, out_cache_loc=self.out_cache_loc_snapshot, kernel_kind=LaunchTag.WRITE,
-            **self._build_counter_views(LaunchTag.WRITE),
-            enable_chain_position_assert=self.enable_chain_position_assert, real_kv_sources=self._real_kv_launch,
-            real_kv_hash_mode=real_kv_mode,
-        )
         self._check = CheckLaunch(
             state=self.state, status_mirror=self.status_mirror, canary_buf=self.canary_buf, write_plan=self.write_plan,
             req_to_token=req_to_token,
@@ -293,7 +285,22 @@ class DeviceState:
             real_kv_hash_mode=real_kv_mode, check_tokens=self._expected_tokens is not None,
             deferred_write_chain_assert=self.enable_chain_position_assert, deferred_write_row_serials=self.row_serials,
         )
-        self._of_batch = self._check.of_batch
+        self._write = WriteLaunch(
+            canary_buf=self.canary_buf, write_plan=self.write_plan, input_ids=self.input_ids_snapshot,
+            positions=self.positions_snapshot, out_cache_loc=self.out_cache_loc_snapshot, kernel_kind=LaunchTag.WRITE,
+            **self._build_counter_views(LaunchTag.WRITE),
+            enable_chain_position_assert=self.enable_chain_position_assert, real_kv_sources=self._real_kv_launch,
+            real_kv_hash_mode=real_kv_mode,
+        )
+        # ``check_batch(batch, count_forward, forward_step_value, pending_write_tokens=-1)``: everything that runs
+        # before the model writes KV, as ONE launch (``canary_check_step``): the pending deferred write, if any (pass
+        # ``pending.tokens``, then set it to -1: a call that raises enqueued nothing), then plan and verify every batch
+        # row's prefix, store the write plan, snapshot the batch's token ids, positions and slots, set the forward
+        # counter (``count_forward`` 1: to ``forward_step_value``, or the counter + 1 when that is -1, i.e. captured)
+        # and empty a ring the host acknowledged in full. The batch was validated and fits the capacities (the manager
+        # checks both when the launch refuses it); its arrays may be int32 or int64. The bound call itself (a frame
+        # fewer than a method: a forward's host time is the product's cost).
+        self.check_batch = self._check.of_batch
         self.pending = PendingWrite()
         # ``write_tokens(num_tokens)``: write the records of the last planned forward's ``num_tokens`` tokens from the
         # snapshot (after the model wrote KV): one launch, the bound call itself (a frame fewer than a method: a
@@ -303,19 +310,8 @@ class DeviceState:
                                             self._write.arguments_of, self.pending)
 
     # ------------------------------------------------------------------------------------------ launches
-    def check_batch(self, batch: BatchView, count_forward: int, forward_step_value: int) -> None:
-        """Everything that runs before the model writes KV, as ONE launch (``canary_check_step``): the pending deferred
-        write, if any, then plan and verify every batch row's prefix, store the write plan, snapshot the batch's token
-        ids, positions and slots, set the forward counter (``count_forward`` 1: to ``forward_step_value``, or the
-        counter + 1 when that is -1, i.e. captured) and empty a ring the host acknowledged in full. The batch was
-        validated and fits the capacities (the manager checks both when the launch refuses it); its arrays may be
-        int32 or int64. A batch the launch refuses enqueues nothing: a pending write stays pending."""
-        pending = self.pending
-        self._of_batch(batch, count_forward, forward_step_value, pending.tokens)
-        pending.tokens = -1
-
     def defer_write(self, num_tokens: int) -> None:
-        """Record the write of the last planned forward's ``num_tokens`` tokens for the next :meth:`check_batch` to
+        """Record the write of the last planned forward's ``num_tokens`` tokens for the next ``check_batch`` to
         run (no device work, no C++ call now). A write already pending is launched first: it was planned by the
         same check (no check ran between), and a write is never dropped."""
         if self.pending.tokens >= 0:

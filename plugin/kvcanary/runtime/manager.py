@@ -192,7 +192,6 @@ class CanaryManager:
         # k (read-only outside the manager; a plain attribute: an adapter's hot path reads it every forward).
         self.steps = 0
         self._validated_batch: BatchView | None = None
-        self._defer_writes = False  # set_defer_writes
         self._defer_this_write = False  # the last before_forward's verdict: its after_forward may defer the write
         self._chain_position_assert_armed = False  # set by mark_init_finished (the device flag's host copy)
         logger.info(
@@ -243,9 +242,12 @@ class CanaryManager:
         try:
             if batch.__class__ is not BatchView or batch.kind.__class__ is not ForwardKind:
                 self._validate(batch)  # (a subclass passes; anything else raises naming what is wrong)
-            # (a deferred write pending from the last forward is launched first, inside this one call)
+            # (a decode's write deferred by the last forward runs inside this launch; a refused batch keeps it pending)
+            pending = state.pending
             state.check_batch(batch, 1 if new_forward else 0,
-                              -1 if self._cuda and capturing else self.steps + 1)  # captured: -1, each replay adds 1
+                              -1 if self._cuda and capturing else self.steps + 1,  # captured: -1, each replay adds 1
+                              pending.tokens)
+            pending.tokens = -1
         except Exception:
             self._defer_this_write = False
             self._validate(batch)  # a malformed batch: its error names the field
@@ -253,7 +255,7 @@ class CanaryManager:
             raise  # (else the original error stands)
         self._validated_batch = batch  # the launch accepted it: after_forward need not check it again
         # A new forward outside capture may leave its write for the next check launch to run (set_defer_writes).
-        self._defer_this_write = self._defer_writes and new_forward and not capturing
+        self._defer_this_write = state.pending.on and new_forward and not capturing
 
     def _settle_before_unusual_forward(self, capturing: bool) -> None:
         """A write is pending at a before_forward that does not start a new eager forward. Captured: refuse (a
@@ -296,8 +298,7 @@ class CanaryManager:
         per eager decode instead of two. Only for a caller that runs every forward eagerly through
         ``before_forward`` (no CUDA graph replays the model), and only once warm-up and capture are over
         (``mark_init_finished``). Turning it off launches a pending write now."""
-        self._defer_writes = bool(on)
-        self.device_state.pending.on = self._defer_writes  # (an adapter's eager hot path reads it there)
+        self.device_state.pending.on = bool(on)  # (an adapter's eager hot path reads it there)
         if not on:
             self._defer_this_write = False
             self.device_state.flush_pending_write()
@@ -305,7 +306,7 @@ class CanaryManager:
     @property
     def defer_writes(self) -> bool:
         """Whether eager forwards defer their writes (:meth:`set_defer_writes`)."""
-        return self._defer_writes
+        return self.device_state.pending.on
 
     @property
     def pending_write(self) -> int:
