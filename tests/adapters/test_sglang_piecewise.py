@@ -252,9 +252,9 @@ def test_piecewise_forwards_are_counted_apart_in_the_host_time(piecewise_run, ea
 # --------------------------------------------------------------------------------------------- order, capture, trace
 def test_canary_launches_run_before_and_after_the_replayed_layer_stack(piecewise_run, monkeypatch) -> None:
     """Stream order on the forward's stream: the replay's copies into the static buffers, then the check launch
-    (plan + verify + the snapshot of ids/positions/slots), then the layer stack (the pieces), then write; with
-    deferred writes (--disable-cuda-graph: issue 25) the write's token count is recorded there and the next forward's
-    check launch runs it first (tests/kernels/test_deferred_write.py: the same records as a write launched here)."""
+    (plan + verify + the snapshot of ids/positions/slots), then the layer stack (the pieces), then write. The
+    fixture's engine runs with --disable-cuda-graph, so decodes defer their writes into the next check launch (issue
+    25); this extend's write is launched here all the same (only a decode defers)."""
     run, events = piecewise_run, []
     manager = run.inst.manager
     runs = manager.kernel_run_counters  # (the CPU kernels run inline: a launch has counted when its call returns)
