@@ -69,6 +69,14 @@ DEVICE_ENV = "E2E_LOOP_PROBE_KVC_DEVICE"
 # Same work (one token more per row than the mirror holds), another moment: what the requests' cold caches cost. The
 # second build is host time of the loop, not kvcanary's accounting; off by default.
 TOKENS_AFTER_RESULT_ENV = "E2E_LOOP_PROBE_TOKENS_AFTER_RESULT"
+# "0": time sglang's loop and the launch unit only, none of kvcanary's pieces (KVCANARY_PIECES, the reported ones,
+# torch's event record and stream wait). Why: each piece is wrapped in a timing frame of the probe's own (two clock
+# reads and a counter update, ~1-3 µs from the engine's cold caches), and the pieces nest inside kvcanary's own host
+# time: host_after and step inside every forward's hooks, the token columns, their upload and the mail's post
+# inside every batch hook, a dozen inside each sweep. With them on, the `kvcanary host time` line carries the
+# probe's cost too (issue 25, eighteenth session); the headline figures of a target are measured with "0", the
+# pieces in a run of their own.
+KVC_PIECES_ENV = "E2E_LOOP_PROBE_KVC_PIECES"
 
 # kvcanary's own pieces, timed where they are looked up at call time (so the plugins' load order does not
 # matter): (module, class, method, counter). A name a version of kvcanary lacks is skipped. Pieces nest: step
@@ -354,7 +362,7 @@ def install() -> None:
     if os.environ.get(TOKENS_AFTER_RESULT_ENV) == "1":
         _build_tokens_after_result(Scheduler)
     _time_gc()
-    patched = install_kvcanary_pieces()
+    patched = install_kvcanary_pieces() if os.environ.get(KVC_PIECES_ENV) != "0" else 0
     print(f"[e2e-probe] installed pid={os.getpid()} kvcanary pieces={patched}", flush=True)
 
 

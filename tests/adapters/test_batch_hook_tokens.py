@@ -138,3 +138,86 @@ def test_writer_attribution_follows_each_batch_s_mode_on_one_hooks_object() -> N
         batch = types.SimpleNamespace(forward_mode=mode, reqs=[types.SimpleNamespace(req_pool_idx=i, rid=f"r{i}")])
         assert hooks.after_forward_batch_init("result", None, batch, runner) == "result"
     assert calls == [[0], [3], [5], [7], [9]]
+
+
+def _mail_installation() -> Installation:
+    """One group whose token table has the token mail, open (what the adapter builds for a plain runner)."""
+    cfg = Config(mode=Mode.RAISE, stats_every=0, verify_tokens=True)
+    r2t = torch.zeros((ROWS, WIDTH), dtype=torch.int32)
+    manager = CanaryManager(cfg, num_slots=64, req_to_token=r2t, device="cpu", max_batch_size=ROWS,
+                            max_tokens_per_forward=64, token_mail=True)
+    return Installation(config=cfg, groups=[Group(GroupSpec("g0", 64, ()), manager)], to_views=lambda *a: [],
+                        req_to_token=r2t)
+
+
+def test_a_decode_batch_is_posted_to_the_mail_with_no_upload_call() -> None:
+    """With the token mail, a decode batch (one token per row) goes from the hook straight to the mail's post (no
+    ``update_columns`` frame per batch: issue 25), as the records the upload would have posted; any other batch
+    (a prompt, a retraction's re-send) is uploaded as before. Random serving, checked batch by batch against the
+    columns a second mirror gives for the same requests."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from kvcanary.sglang.tokens import expected_token_columns
+
+    rng = random.Random(5)
+    inst = _mail_installation()
+    mail = inst.groups[0].manager.token_table.mail
+    assert mail is not None and mail.is_open and inst.expected_token_post() == mail.post
+    uploads = []
+    state = installed.RunnerState(inst, token_upload=lambda *columns: uploads.append(columns),
+                                  token_post=inst.expected_token_post())
+    runner = types.SimpleNamespace(**{installed.INSTALL_ATTR: inst, installed.RUNNER_STATE_ATTR: state})
+    hooks = adapter_hooks.AdapterHooks(v0_5_12)
+    shadow: dict = {}
+    tokens = iter(range(100, 1 << 30))
+    reqs = {r: Req(f"r{r}", r, [next(tokens) for _ in range(rng.randint(1, 40))], []) for r in range(1, ROWS)}
+    posted_batches = uploaded_batches = 0
+    for _ in range(200):
+        for req in reqs.values():
+            if rng.random() < 0.97:
+                req.output_ids.append(next(tokens))
+            elif req.output_ids:
+                del req.output_ids[-1:]  # a retraction: the row is sent again from where it differs
+        # every running request (a decode batch), now and then a part of them (those left out gain several tokens)
+        running = list(reqs.values())
+        batch = running if rng.random() < 0.85 else rng.sample(running, rng.randint(1, ROWS - 1))
+        rows, starts, counts, runs = expected_token_columns(shadow, batch)
+        written, before = mail.written, len(uploads)
+        fb = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, reqs=batch)
+        assert hooks.after_forward_batch_init("result", None, fb, runner) == "result"
+        if rows and counts == [1] * len(rows):
+            posted_batches += 1
+            assert len(uploads) == before and mail.written == written + len(rows)
+            records = mail.records[:3, written:written + len(rows)].tolist()
+            assert records == [rows, starts, runs[0]]
+        else:
+            uploaded_batches += 1
+            assert mail.written == written and uploads[before:] == [(rows, starts, counts, runs)]
+    assert inst.stopped is None and posted_batches > 100 and uploaded_batches > 10
+
+
+def test_a_post_the_mail_refuses_is_uploaded() -> None:
+    """A decode batch the mail does not take (full, closed, a row outside the table: ``post`` says False) is sent
+    through the upload, which launches it: nothing is lost."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    posts, uploads = [], []
+    inst = _installation(1)
+
+    def refusing_post(rows, starts, tokens) -> bool:
+        posts.append((list(rows), list(starts), list(tokens)))
+        return False
+
+    state = installed.RunnerState(inst, token_upload=lambda *columns: uploads.append(columns), token_post=refusing_post)
+    runner = types.SimpleNamespace(**{installed.INSTALL_ATTR: inst, installed.RUNNER_STATE_ATTR: state})
+    hooks = adapter_hooks.AdapterHooks(v0_5_12)
+    reqs = [Req("a", 1, [5, 6, 7], []), Req("b", 2, [8, 9], [])]
+    prefill = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, reqs=reqs)
+    hooks.after_forward_batch_init(None, None, prefill, runner)
+    assert posts == [] and uploads == [([1, 2], [0, 0], [3, 2], [[5, 6, 7, 8, 9]])]
+    for req, token in zip(reqs, (10, 11), strict=True):
+        req.output_ids.append(token)
+    decode = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, reqs=reqs)
+    hooks.after_forward_batch_init(None, None, decode, runner)
+    assert posts == [([1, 2], [3, 2], [10, 11])]
+    assert uploads[1:] == [([1, 2], [3, 2], [1, 1], [[10, 11]])]

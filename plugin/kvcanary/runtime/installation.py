@@ -32,6 +32,9 @@ from kvcanary.runtime.token_table import TokenColumns
 
 # (rows, starts, counts, token_runs) -> None: one batch's expected-token updates as columns, sent to every group's table
 TokenColumnsUpload = Callable[[Sequence[int], Sequence[int], Sequence[int], Sequence[Sequence[int]]], None]
+# (rows, starts, tokens) -> whether posted: one token per row (a decode batch) into the token mail; False (nothing
+# posted): the caller sends the batch through its TokenColumnsUpload instead
+TokenAppendPost = Callable[[Sequence[int], Sequence[int], Sequence[int]], bool]
 # (forward_batch, positions) -> (req_pool_indices, prefix_lens, extend_lens, out_cache_loc), the check launch's arrays
 # read straight from an engine's batch, or None when that batch takes the general path (a BatchView per group)
 BatchArrays = Callable[[object, torch.Tensor], "tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None"]
@@ -475,6 +478,20 @@ class Installation:
             self.update_expected_tokens(TokenColumns(rows, starts, counts, token_runs))
 
         return upload
+
+    def expected_token_post(self) -> TokenAppendPost | None:
+        """What posts a batch of one token per row (a decode batch) straight to the token mail: with one group whose
+        table has the mail, the mail's own ``post`` (True: posted, the next check launch applies it; False: nothing
+        posted, send the batch through :meth:`expected_token_upload`, which launches it). None otherwise.
+
+        Why beside :meth:`expected_token_upload`, whose ``update_columns`` posts such a batch itself: called
+        directly it saves that call's frame and its one-token-per-row test on every decode batch (several µs of a
+        batch's host time from the engine's cold caches; issue 25). Asked once, like the upload."""
+        if not self.verify_tokens or len(self.groups) != 1:
+            return None
+        table = self.groups[0].manager.token_table
+        mail = None if table is None else table.mail
+        return None if mail is None else mail.post
 
     @property
     def verify_tokens(self) -> bool:

@@ -149,7 +149,7 @@ class AdapterHooks:
         )
         inst.defer_writes = defers_writes(v.server_args_of(runner), role)  # (from mark_init_finished on)
         state = RunnerState(inst, faults=self.fault_injection(inst, report_rank, role),
-                            token_upload=inst.expected_token_upload())
+                            token_upload=inst.expected_token_upload(), token_post=inst.expected_token_post())
         inst.step_hooks = state.faults  # an injection's undo actions run around the managers' step
         # set before piecewise graphs capture (they call the wrapper); each version classifies calls its own way
         inst.wrapper_call = v.wrapper_gate(inst)
@@ -404,7 +404,12 @@ class AdapterHooks:
                 if self._has_batch_facts:  # (the fault layer's; the plain hooks make no call for it)
                     self.batch_facts(state, reqs)
                 if upload is not None:
-                    upload(*expected_token_columns(state.token_mirror, reqs))
+                    rows, starts, counts, runs = expected_token_columns(state.token_mirror, reqs)
+                    # A decode batch (one run, one token per update: every update has at least one) straight to the
+                    # token mail; anything else, or a post refused, through the upload (which launches it)
+                    post = state.token_post
+                    if post is None or len(runs) != 1 or len(runs[0]) != len(rows) or not post(rows, starts, runs[0]):
+                        upload(rows, starts, counts, runs)
         except Exception as exc:
             if not inst.keeps_serving(exc, "in the batch hook (writer attribution, token uploads)"):
                 raise

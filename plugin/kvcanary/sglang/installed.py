@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvcanary.runtime.faults import FaultInjectionState
-from kvcanary.runtime.installation import Installation, TokenColumnsUpload
+from kvcanary.runtime.installation import Installation, TokenAppendPost, TokenColumnsUpload
 
 if TYPE_CHECKING:  # (leaf modules: neither imports this one)
     from kvcanary.sglang.hicache import HostTierFollower
@@ -40,6 +40,9 @@ class RunnerState:
     # ... and what sends a batch's updates to every group's table (Installation.expected_token_upload; None: the token
     # check is off)
     token_upload: TokenColumnsUpload | None = None
+    # ... and what posts a decode batch (one token per row) to the token mail directly
+    # (Installation.expected_token_post; None: no mail, every batch goes through token_upload)
+    token_post: TokenAppendPost | None = None
     # The prefix cache the sweep reads (set with the sweep source in after_init_cache; the fault injector's
     # cached_idle_corruption picks its idle slots there)
     prefix_cache: object | None = None
