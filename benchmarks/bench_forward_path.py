@@ -502,7 +502,8 @@ def instrument(inst: Installation, state: RunnerState, pieces: Pieces) -> Callab
     patch(inst, "account_forward", "account_forward")
     if state.token_upload is not None:  # (the batch hook's upload: the token table's, called directly)
         patch(state, "token_upload", "token table upload")
-    if getattr(state, "token_post", None) is not None:  # (a decode batch's post to the token mail, straight from the batch hook)
+    # (a decode batch's post to the token mail, straight from the batch hook; an older kvcanary has none)
+    if getattr(state, "token_post", None) is not None:
         patch(state, "token_post", "token mail post")
     old = hooks_module.expected_token_columns
     hooks_module.expected_token_columns = pieces.wrap("expected_token_updates", old)
@@ -691,8 +692,8 @@ def round_split(t: Timing, host: dict[str, int]) -> dict[str, dict[str, float]]:
 
 # ------------------------------------------------------------------------------------------------ output
 PIECE_COLUMNS = ("BatchConverter", "before_forward", "after_forward", "step", "sweep (in step)", "metrics",
-                 "account_forward", "assign_requests", "expected_token_updates", "token table upload", "token mail post",
-                 "kernels")
+                 "account_forward", "assign_requests", "expected_token_updates", "token table upload",
+                 "token mail post", "kernels")
 
 
 def launch_unit_us(device: torch.device, n: int = 2000) -> float:
