@@ -661,7 +661,7 @@ def _run_case(case: Case, args, device: torch.device, pieces: Pieces) -> dict:
                              f"{reporter.total_health_errors} health errors: the synthetic forwards are wrong")
     for mail, _ in mails:  # (the device's part played above: a full mail means the bench timed the fallback)
         if mail.full:
-            raise SystemExit(f"bench_forward_path: {case.name}: the token mail refused {mail.full} batches for room")
+            raise SystemExit(f"bench_forward_path: {case.name}: the token mail refused {mail.full} posts for room")
     inst.close()
     n = forwards * rounds
     stat = min if args.stat == "min" else statistics.median

@@ -221,3 +221,38 @@ def test_a_post_the_mail_refuses_is_uploaded() -> None:
     hooks.after_forward_batch_init(None, None, decode, runner)
     assert posts == [([1, 2], [3, 2], [10, 11])]
     assert uploads[1:] == [([1, 2], [3, 2], [1, 1], [[10, 11]])]
+
+
+def test_a_decode_batch_a_full_mail_refuses_is_launched(monkeypatch) -> None:
+    """A real mail with no room (no check launch has read it): the hook's post is refused, the batch goes through
+    ``update_columns``, which offers it once more (refused again: ``full`` counts both posts) and launches it. The
+    table holds the batch's tokens at once (the CPU launch), nothing is lost, and the records the mail took before
+    are still waiting for their check launch."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from kvcanary.runtime import token_table
+
+    monkeypatch.setattr(token_table, "TOKEN_MAIL_CAPACITY", 4)
+    inst = _mail_installation()
+    table = inst.groups[0].manager.token_table
+    mail = table.mail
+    assert mail is not None and mail.capacity == 4
+    runner = _runner(inst)
+    runner_state = getattr(runner, installed.RUNNER_STATE_ATTR)
+    runner_state.token_post = inst.expected_token_post()
+    hooks = adapter_hooks.AdapterHooks(v0_5_12)
+    reqs = [Req("a", 1, [5, 6, 7], []), Req("b", 2, [8, 9], []), Req("c", 3, [4], [])]
+    hooks.after_forward_batch_init(None, None, types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, reqs=reqs),
+                                   runner)  # the prompts: uploaded (launched)
+    decode = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, reqs=reqs)
+    for token in (20, 30):
+        for req in reqs:
+            req.output_ids.append(token + req.req_pool_idx)
+        hooks.after_forward_batch_init(None, None, decode, runner)
+    assert mail.posted == 1 and mail.written == 3 and mail.full == 2  # the second batch: refused twice, launched
+    for req in reqs:  # the launched batch's tokens are in; the mailed one's wait for a check launch
+        row = req.req_pool_idx
+        tokens = req.origin_input_ids + req.output_ids
+        assert int(table.valid_lens_by_row[row]) == len(tokens)
+        assert table.expected_tokens[row, len(tokens) - 1].item() == tokens[-1]
+    assert mail.records[:3, :3].tolist() == [[1, 2, 3], [3, 2, 1], [21, 22, 23]]

@@ -188,7 +188,9 @@ class TokenMail:
         self._published_view = (ctypes.c_int64 * 1).from_address(self.published.data_ptr())
         self.written = 0  # records ever written (what ``published`` says once a batch is posted)
         self.posted = 0  # batches posted
-        self.full = 0  # batches refused for want of room (the caller launched them instead)
+        # posts refused for want of room: the caller launches the batch instead, or offers it once more first (the
+        # sglang batch hook's refused post goes through TokenTable.update_columns, which posts before it launches)
+        self.full = 0
         self._read: Sequence[int] | None = None  # the mirrored header the read cursor is read from (None: closed)
         self._read_at = 0
         self._steps: Any = None  # what counts the forwards (its ``steps``)
