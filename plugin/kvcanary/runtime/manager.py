@@ -237,13 +237,13 @@ class CanaryManager:
             capturing = torch.cuda.is_current_stream_capturing()
         # (on the CPU nothing is captured: ``capturing`` is only the caller's word, which the deferral guard takes)
         state = self.device_state
-        if (capturing or not new_forward) and state.pending_write >= 0:
+        pending = state.pending  # (read here, not through the pending_write property: a frame fewer per forward)
+        if (capturing or not new_forward) and pending.tokens >= 0:
             self._settle_before_unusual_forward(bool(capturing))
         try:
             if batch.__class__ is not BatchView or batch.kind.__class__ is not ForwardKind:
                 self._validate(batch)  # (a subclass passes; anything else raises naming what is wrong)
             # (a decode's write deferred by the last forward runs inside this launch; a refused batch keeps it pending)
-            pending = state.pending
             state.check_batch(batch, 1 if new_forward else 0,
                               -1 if self._cuda and capturing else self.steps + 1,  # captured: -1, each replay adds 1
                               pending.tokens)
@@ -255,7 +255,7 @@ class CanaryManager:
             raise  # (else the original error stands)
         self._validated_batch = batch  # the launch accepted it: after_forward need not check it again
         # A new forward outside capture may leave its write for the next check launch to run (set_defer_writes).
-        self._defer_this_write = state.pending.on and new_forward and not capturing
+        self._defer_this_write = pending.on and new_forward and not capturing
 
     def _settle_before_unusual_forward(self, capturing: bool) -> None:
         """A write is pending at a before_forward that does not start a new eager forward. Captured: refuse (a
