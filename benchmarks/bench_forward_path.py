@@ -134,15 +134,19 @@ class StandInSWAPool:
 
 
 class StandInModel(torch.nn.Module):
-    """The model: does nothing, and keeps its own host time (what the wrapper's time excludes).
+    """The model: does nothing (or, with ``launches``, that many one-element ``add_`` launches on the device: the
+    model's own launches, which put the check launch after the model's first one, where it is in the engine since
+    issue 25), and keeps its own host time (what the wrapper's time excludes).
 
     The time goes into a plain holder: ``self.inner_ns += ...`` on the module itself would run
     ``nn.Module.__setattr__`` (its Parameter / Buffer / Module isinstance checks: ~3.5 µs per forward on the CPU
     box) after the model's own clock stopped, i.e. inside what the bench counts as the canary's launches."""
 
-    def __init__(self) -> None:
+    def __init__(self, launches: int = 0, device: torch.device | None = None) -> None:
         super().__init__()
         self.clock = types.SimpleNamespace(ns=0)
+        self.launches = launches
+        self.x = torch.zeros(1, device=device) if launches else None
 
     @property
     def inner_ns(self) -> int:
@@ -151,6 +155,8 @@ class StandInModel(torch.nn.Module):
     def forward(self, input_ids, positions, forward_batch):
         t0 = time.perf_counter_ns()
         out = input_ids
+        for _ in range(self.launches):
+            self.x.add_(1)
         self.clock.ns += time.perf_counter_ns() - t0
         return out
 
@@ -159,7 +165,7 @@ class StandInRunner:
     """A ModelRunner as ``kvcanary.sglang.v0_5_12.runner_parts`` / ``runner_ranks`` read it."""
 
     def __init__(self, rows: int, context: int, slots: int, device: torch.device, *,
-                 disable_cuda_graph: bool = False) -> None:
+                 disable_cuda_graph: bool = False, model_launches: int = 0) -> None:
         # disable_cuda_graph: the adapter defers each decode's write into the next check launch (issue 25)
         self.server_args = types.SimpleNamespace(cuda_graph_max_bs=0, disable_piecewise_cuda_graph=True,
                                                  served_model_name="bench", dp_size=1,
@@ -167,7 +173,7 @@ class StandInRunner:
         self.req_to_token_pool = types.SimpleNamespace(
             req_to_token=torch.zeros((rows, context), dtype=torch.int32, device=device), size=rows - 1)
         self.token_to_kv_pool = StandInMHAPool(slots, device)
-        self.model = StandInModel()
+        self.model = StandInModel(model_launches, device)
         self.sliding_window_size = None
         self.tp_rank, self.tp_size = 0, 1
         self.model_outer_ns = 0  # around the (wrapped) model.forward call, as ModelRunner.forward makes it
@@ -550,7 +556,8 @@ def run_case(case: Case, args, device: torch.device) -> dict:
 def _run_case(case: Case, args, device: torch.device, pieces: Pieces) -> dict:
     forwards, rounds = args.forwards, args.rounds
     work = Workload(case, forwards, device)
-    runner = StandInRunner(work.rows, work.context, work.slots, device, disable_cuda_graph=case.deferred)
+    runner = StandInRunner(work.rows, work.context, work.slots, device, disable_cuda_graph=case.deferred,
+                           model_launches=args.model_launches)
     work.fill_r2t(runner.req_to_token_pool.req_to_token)
     hooks = AdapterHooks(bench_version())
     hooks.after_init_memory_pool(None, runner)
@@ -667,8 +674,9 @@ def _run_case(case: Case, args, device: torch.device, pieces: Pieces) -> dict:
     stat = min if args.stat == "min" else statistics.median
     bench = {k: stat(r["bench"][k] for r in per_round) for k in SPLIT}
     own = {k: stat(r["host_time"][k] for r in per_round) for k in SPLIT}
+    model = stat(r["model"] for r in per_round)
     return {"case": case.name, "kind": case.kind, "real_kv": case.real_kv, "tokens": case.tokens,
-            "sweep": case.sweep, "forwards": n, "bench_us": bench, "host_time_us": own,
+            "sweep": case.sweep, "forwards": n, "bench_us": bench, "host_time_us": own, "model_us": model,
             "agreement": own["total"] / bench["total"] if bench["total"] else None,
             "rounds": per_round, "pieces_us": {k: v / n / 1e3 for k, v in sorted(pieces.ns.items())},
             "python_calls_per_forward": calls_per_forward}
@@ -682,12 +690,13 @@ def round_split(t: Timing, host: dict[str, int]) -> dict[str, dict[str, float]]:
     n = max(t.forwards, 1)
     bench = {"hooks": (t.around_ns - t.outer_ns) / n / 1e3, "launches": (t.outer_ns - t.inner_ns) / n / 1e3,
              "batch_init": t.batch_init_ns / n / 1e3}
+    model = t.inner_ns / n / 1e3  # the stand-in model's own host time (its launches with --model-launches)
     hn = max(host["forwards"], 1)
     own = {"hooks": host["hook_ns"] / hn / 1e3, "launches": host["in_forward_ns"] / hn / 1e3,
            "batch_init": host.get("batch_init_ns", 0) / hn / 1e3}
     for split in (bench, own):
         split["total"] = split["hooks"] + split["launches"] + split["batch_init"]
-    return {"bench": bench, "host_time": own, "host_time_forwards": host["forwards"]}
+    return {"bench": bench, "host_time": own, "host_time_forwards": host["forwards"], "model": model}
 
 
 # ------------------------------------------------------------------------------------------------ output
@@ -756,6 +765,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cold", type=int, default=0, metavar="MB",
                     help="between two forwards (untimed) write a host buffer of MB MiB, as the engine's own work "
                          "between two batches does: kvcanary's code and data then run from cold caches (0: warm)")
+    ap.add_argument("--model-launches", type=int, default=0, metavar="N",
+                    help="the stand-in model launches N one-element add_ kernels (0: none); its host time is "
+                         "printed beside kvcanary's: an order of launches that moves a cost from kvcanary's launch "
+                         "to the model's first one shows there")
     ap.add_argument("--batch-size", type=int, default=64,
                     help="rows per forward (default 64; the 8B engine of issue 28 decoded 256 at once)")
     ap.add_argument("--json", default=None, help="write the results (and the markdown) here")
@@ -779,8 +792,8 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases:
         results.append(run_case(case, args, device))
         r = results[-1]
-        print(f"{case.name}: {r['bench_us']['total']:.1f} µs (HostTime {r['host_time_us']['total']:.1f})",
-              file=sys.stderr)
+        print(f"{case.name}: {r['bench_us']['total']:.1f} µs (HostTime {r['host_time_us']['total']:.1f}; launches "
+              f"{r['bench_us']['launches']:.1f}, the model {r['model_us']:.1f})", file=sys.stderr)
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     title = (f"kvcanary host µs per eager forward, sglang 0.5.12 call sequence ({dev_name}, torch {torch.__version__}, "
              f"kernels {args.kernels}, {args.stat} of {args.rounds} rounds x {args.forwards} forwards per case"

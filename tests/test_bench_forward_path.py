@@ -128,6 +128,26 @@ def test_the_stand_in_model_keeps_its_time_without_module_setattr(bench, monkeyp
     assert calls == [] and model.inner_ns >= 0
 
 
+def test_the_stand_in_model_launches_what_it_is_told(bench, tmp_path) -> None:
+    """``--model-launches N``: the stand-in model runs N ``add_`` per forward (the model's own launches) and its own
+    host time is reported beside kvcanary's, outside kvcanary's columns (how 2026-12-04's experiment with the check
+    launched after the model told whose cost the check's extra units were)."""
+    model = bench.StandInModel(3, torch.device("cpu"))
+    ids = torch.zeros(2, dtype=torch.int64)
+    for _ in range(4):
+        model.forward(ids, ids, None)
+    assert int(model.x.item()) == 12 and model.inner_ns > 0
+    out = tmp_path / "bench.json"
+    case = "decode bs64 PARTIAL + deferred write"
+    assert bench.main(["--quick", "--forwards", "3", "--rounds", "2", "--cases", case, "--model-launches", "5",
+                       "--json", str(out)]) == 0
+    result = json.loads(out.read_text())["cases"][0]
+    assert result["model_us"] > 0 and all(rnd["model"] > 0 for rnd in result["rounds"])
+    # (the model's time is not kvcanary's: HostTime's launches stay within the bench's, which exclude the model)
+    for rnd in result["rounds"]:
+        assert rnd["host_time"]["launches"] <= rnd["bench"]["launches"] + 1e-6
+
+
 def test_the_bench_version_installs_without_sglang(bench, monkeypatch) -> None:
     """Regression: the install's speculative check asks ``pools.pool_kind`` with the version's ``POOL_CLASSES``; the
     bench's version module kept 0.5.12's, whose sglang classes the bench (which runs without sglang) then imported:
