@@ -236,7 +236,9 @@ else
   # memcheck slows every launch, and the full suite already ran unsanitized in the kernels step.
   # No caching allocator under memcheck: each tensor is its own cudaMalloc, so an overrun is caught
   # at the tensor's edge instead of landing silently inside a pooled block.
-  run_step memcheck 150 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SANITIZER" --tool memcheck --error-exitcode 1 --target-processes all --print-limit 50 \
+  # (300 s: the selection's 45 tests took ~225 s under the sanitizer on the H200 in 2026-12; at 150 s the step timed
+  # out with 30 of them done)
+  run_step memcheck 300 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SANITIZER" --tool memcheck --error-exitcode 1 --target-processes all --print-limit 50 \
     "$PY" -m pytest -q -rs -p no:cacheprovider "${MEMCHECK_TESTS[@]}" -k "$MEMCHECK_K"
   mlog="$OUT_DIR/memcheck.log"
   unavailable="$(grep -m1 -iE 'device not supported|not supported on this (platform|device)|unable to find injection library|failed to (initialize|load) (the )?(injection|sanitizer)|CUDA driver version is insufficient|no CUDA-capable device|error: cuda initialization|Target application .* is not supported' "$mlog" | sed 's/^=* *//' | cut -c1-120)"
