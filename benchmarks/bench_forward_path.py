@@ -135,8 +135,8 @@ class StandInSWAPool:
 
 class StandInModel(torch.nn.Module):
     """The model: does nothing (or, with ``launches``, that many one-element ``add_`` launches on the device: the
-    model's own launches, which put the check launch after the model's first one, where it is in the engine since
-    issue 25), and keeps its own host time (what the wrapper's time excludes).
+    model's own launches, whose host time the bench prints beside kvcanary's), and keeps its own host time (what the
+    wrapper's time excludes).
 
     The time goes into a plain holder: ``self.inner_ns += ...`` on the module itself would run
     ``nn.Module.__setattr__`` (its Parameter / Buffer / Module isinstance checks: ~3.5 µs per forward on the CPU
