@@ -797,14 +797,15 @@ def main(argv: list[str] | None = None) -> int:
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     title = (f"kvcanary host µs per eager forward, sglang 0.5.12 call sequence ({dev_name}, torch {torch.__version__}, "
              f"kernels {args.kernels}, {args.stat} of {args.rounds} rounds x {args.forwards} forwards per case"
-             f"{f', caches cold: {args.cold} MiB written between forwards' if args.cold else ''})")
+             f"{f', caches cold: {args.cold} MiB written between forwards' if args.cold else ''}"
+             f"{f', the model {args.model_launches} launches per forward' if args.model_launches else ''})")
     unit = launch_unit_us(device)
     md = markdown(results, title, unit)
     print(md)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"device": dev_name, "torch": torch.__version__, "kernels": args.kernels, "stat": args.stat,
-                       "launch_unit_us": unit,
+                       "launch_unit_us": unit, "cold_mib": args.cold, "model_launches": args.model_launches,
                        "forwards": args.forwards, "rounds": args.rounds, "cases": results, "markdown": md}, fh,
                       indent=1)
     return 0

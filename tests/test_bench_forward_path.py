@@ -141,7 +141,9 @@ def test_the_stand_in_model_launches_what_it_is_told(bench, tmp_path) -> None:
     case = "decode bs64 PARTIAL + deferred write"
     assert bench.main(["--quick", "--forwards", "3", "--rounds", "2", "--cases", case, "--model-launches", "5",
                        "--json", str(out)]) == 0
-    result = json.loads(out.read_text())["cases"][0]
+    data = json.loads(out.read_text())
+    assert data["model_launches"] == 5 and "the model 5 launches per forward" in data["markdown"]
+    result = data["cases"][0]
     assert result["model_us"] > 0 and all(rnd["model"] > 0 for rnd in result["rounds"])
     # (the model's time is not kvcanary's: HostTime's launches stay within the bench's, which exclude the model)
     for rnd in result["rounds"]:
