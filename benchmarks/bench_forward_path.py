@@ -511,6 +511,9 @@ def instrument(inst: Installation, state: RunnerState, pieces: Pieces) -> Callab
     # (a decode batch's post to the token mail, straight from the batch hook; an older kvcanary has none)
     if getattr(state, "token_post", None) is not None:
         patch(state, "token_post", "token mail post")
+    # (... or, where the host extension loads, read from the requests and posted by one C call)
+    if getattr(state, "token_post_filled", None) is not None:
+        patch(state, "token_post_filled", "token decode post (C)")
     old = hooks_module.expected_token_columns
     hooks_module.expected_token_columns = pieces.wrap("expected_token_updates", old)
     undo.append(lambda: setattr(hooks_module, "expected_token_columns", old))
@@ -702,7 +705,7 @@ def round_split(t: Timing, host: dict[str, int]) -> dict[str, dict[str, float]]:
 # ------------------------------------------------------------------------------------------------ output
 PIECE_COLUMNS = ("BatchConverter", "before_forward", "after_forward", "step", "sweep (in step)", "metrics",
                  "account_forward", "assign_requests", "expected_token_updates", "token table upload",
-                 "token mail post", "kernels")
+                 "token mail post", "token decode post (C)", "kernels")
 
 
 def launch_unit_us(device: torch.device, n: int = 2000) -> float:

@@ -86,6 +86,8 @@ def test_wheel_carries_python_modules(wheel: Path) -> None:
                    "report/table", "cli/__init__", "cli/main", "cli/doctor", "cli/demo", "cli/check", "cli/summarize",
                    "cli/matcher", "sim/__init__", "sim/engine", "sim/injector", "sglang/__init__"):
         assert f"kvcanary/{module}.py" in names, sorted(names)
+    # the host extension's C source (kvcanary.runtime.host_ext builds it on the serving machine)
+    assert "kvcanary/runtime/decode_post.c" in names, sorted(names)
     # Sources live in plugin/ in the repo but install as the top-level kvcanary package.
     assert not any(n.startswith("plugin/") for n in names), sorted(names)
     assert not any(n.startswith("tests/") for n in names), sorted(names)

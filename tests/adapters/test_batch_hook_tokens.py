@@ -150,28 +150,42 @@ def _mail_installation() -> Installation:
                         req_to_token=r2t)
 
 
-def test_a_decode_batch_is_posted_to_the_mail_with_no_upload_call() -> None:
-    """With the token mail, a decode batch (one token per row) goes from the hook straight to the mail's post (no
-    ``update_columns`` frame per batch: issue 25), as the records the upload would have posted; any other batch
-    (a prompt, a retraction's re-send) is uploaded as before. Random serving, checked batch by batch against the
-    columns a second mirror gives for the same requests."""
+@pytest.mark.parametrize("native", [False, True], ids=["python", "host extension"])
+def test_a_decode_batch_is_posted_to_the_mail_with_no_upload_call(native: bool, monkeypatch) -> None:
+    """With the token mail, a decode batch (one token per row) goes from the hook straight to the mail (no
+    ``update_columns`` frame per batch: issue 25): through the mail's post of the Python columns, or, with the host
+    extension, read and posted by one C call with no Python columns built; either way as the records the upload
+    would have posted. Any other batch (a prompt, a retraction's re-send) is uploaded as before. Random serving,
+    checked batch by batch against the columns a second mirror gives for the same requests."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    from kvcanary.sglang.tokens import expected_token_columns
+    from kvcanary.sglang.tokens import decode_fill, expected_token_columns
 
     rng = random.Random(5)
     inst = _mail_installation()
     mail = inst.groups[0].manager.token_table.mail
     assert mail is not None and mail.is_open and inst.expected_token_post() == mail.post
+    assert inst.expected_token_post_filled() == mail.post_filled
     uploads = []
+    fill = decode_fill() if native else None
+    assert (fill is not None) == native
     state = installed.RunnerState(inst, token_upload=lambda *columns: uploads.append(columns),
-                                  token_post=inst.expected_token_post())
+                                  token_post=inst.expected_token_post(),
+                                  token_post_filled=inst.expected_token_post_filled() if native else None,
+                                  token_fill=fill)
+    python_columns = []
+
+    def counted_columns(mirror, reqs):
+        python_columns.append(len(reqs))
+        return expected_token_columns(mirror, reqs)
+
+    monkeypatch.setattr(adapter_hooks, "expected_token_columns", counted_columns)
     runner = types.SimpleNamespace(**{installed.INSTALL_ATTR: inst, installed.RUNNER_STATE_ATTR: state})
     hooks = adapter_hooks.AdapterHooks(v0_5_12)
     shadow: dict = {}
     tokens = iter(range(100, 1 << 30))
     reqs = {r: Req(f"r{r}", r, [next(tokens) for _ in range(rng.randint(1, 40))], []) for r in range(1, ROWS)}
-    posted_batches = uploaded_batches = 0
+    posted_batches = uploaded_batches = native_batches = 0
     for _ in range(200):
         for req in reqs.values():
             if rng.random() < 0.97:
@@ -184,9 +198,17 @@ def test_a_decode_batch_is_posted_to_the_mail_with_no_upload_call() -> None:
         rows, starts, counts, runs = expected_token_columns(shadow, batch)
         written, before = mail.written, len(uploads)
         fb = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, reqs=batch)
+        python_columns.clear()
         assert hooks.after_forward_batch_init("result", None, fb, runner) == "result"
         if rows and counts == [1] * len(rows):
             posted_batches += 1
+            # the C call read the requests (a row's first output token takes the Python path: its rule reads the
+            # token before it, output[-2])
+            if not native or any(len(req.output_ids) < 2 for req in batch):
+                assert python_columns == [len(batch)]
+            else:
+                assert python_columns == []
+                native_batches += 1
             assert len(uploads) == before and mail.written == written + len(rows)
             records = mail.records[:3, written:written + len(rows)].tolist()
             assert records == [rows, starts, runs[0]]
@@ -194,6 +216,7 @@ def test_a_decode_batch_is_posted_to_the_mail_with_no_upload_call() -> None:
             uploaded_batches += 1
             assert mail.written == written and uploads[before:] == [(rows, starts, counts, runs)]
     assert inst.stopped is None and posted_batches > 100 and uploaded_batches > 10
+    assert native_batches > 100 if native else native_batches == 0
 
 
 def test_a_post_the_mail_refuses_is_uploaded() -> None:
@@ -223,7 +246,8 @@ def test_a_post_the_mail_refuses_is_uploaded() -> None:
     assert uploads[1:] == [([1, 2], [3, 2], [1, 1], [[10, 11]])]
 
 
-def test_a_decode_batch_a_full_mail_refuses_is_launched(monkeypatch) -> None:
+@pytest.mark.parametrize("native", [False, True], ids=["python", "host extension"])
+def test_a_decode_batch_a_full_mail_refuses_is_launched(native: bool, monkeypatch) -> None:
     """A real mail with no room (no check launch has read it): the hook's post is refused, the batch goes through
     ``update_columns``, which offers it once more (refused again: ``full`` counts both posts) and launches it. The
     table holds the batch's tokens at once (the CPU launch), nothing is lost, and the records the mail took before
@@ -240,6 +264,10 @@ def test_a_decode_batch_a_full_mail_refuses_is_launched(monkeypatch) -> None:
     runner = _runner(inst)
     runner_state = getattr(runner, installed.RUNNER_STATE_ATTR)
     runner_state.token_post = inst.expected_token_post()
+    if native:  # (the C call is not made without room, and its refusal is not counted: full counts 2 either way)
+        from kvcanary.sglang.tokens import decode_fill
+
+        runner_state.token_post_filled, runner_state.token_fill = inst.expected_token_post_filled(), decode_fill()
     hooks = adapter_hooks.AdapterHooks(v0_5_12)
     reqs = [Req("a", 1, [5, 6, 7], []), Req("b", 2, [8, 9], []), Req("c", 3, [4], [])]
     hooks.after_forward_batch_init(None, None, types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, reqs=reqs),

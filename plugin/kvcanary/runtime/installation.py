@@ -28,13 +28,15 @@ from kvcanary.report.metrics import CanaryMetrics, NoMetrics, metrics_for
 from kvcanary.runtime.config import Config
 from kvcanary.runtime.manager import CanaryManager, SweepSource
 from kvcanary.runtime.sweep import SweepTally
-from kvcanary.runtime.token_table import TokenColumns
+from kvcanary.runtime.token_table import TokenColumns, TokenMail
 
 # (rows, starts, counts, token_runs) -> None: one batch's expected-token updates as columns, sent to every group's table
 TokenColumnsUpload = Callable[[Sequence[int], Sequence[int], Sequence[int], Sequence[Sequence[int]]], None]
 # (rows, starts, tokens) -> whether posted: one token per row (a decode batch) into the token mail; False (nothing
 # posted): the caller sends the batch through its TokenColumnsUpload instead
 TokenAppendPost = Callable[[Sequence[int], Sequence[int], Sequence[int]], bool]
+# TokenMail.post_filled: (n, fill, *fill's leading arguments) -> posted
+TokenFilledPost = Callable[..., bool]
 # (forward_batch, positions) -> (req_pool_indices, prefix_lens, extend_lens, out_cache_loc), the check launch's arrays
 # read straight from an engine's batch, or None when that batch takes the general path (a BatchView per group)
 BatchArrays = Callable[[object, torch.Tensor], "tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None"]
@@ -487,11 +489,22 @@ class Installation:
         Why beside :meth:`expected_token_upload`, whose ``update_columns`` posts such a batch itself: called
         directly it saves that call's frame and its one-token-per-row test on every decode batch (several µs of a
         batch's host time from the engine's cold caches; issue 25). Asked once, like the upload."""
+        mail = self._token_mail()
+        return None if mail is None else mail.post
+
+    def expected_token_post_filled(self) -> TokenFilledPost | None:
+        """Where :meth:`expected_token_post` is not None, the same mail's ``post_filled``: a batch whose records a
+        fill function writes into the mail itself (the adapter's decode batch read from its requests in C, no
+        columns built in Python). None otherwise. Asked once, like the upload."""
+        mail = self._token_mail()
+        return None if mail is None else mail.post_filled
+
+    def _token_mail(self) -> TokenMail | None:
+        """The token mail of the one group's table; None with the token check off, several groups or no mail."""
         if not self.verify_tokens or len(self.groups) != 1:
             return None
         table = self.groups[0].manager.token_table
-        mail = None if table is None else table.mail
-        return None if mail is None else mail.post
+        return None if table is None else table.mail
 
     @property
     def verify_tokens(self) -> bool:

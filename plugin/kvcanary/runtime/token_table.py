@@ -182,6 +182,10 @@ class TokenMail:
         self.records = torch.zeros((_MAIL_FIELDS, capacity), dtype=torch.int64, pin_memory=pinned)
         self.published = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
         self._records_view = (ctypes.c_char * (capacity * _MAIL_RECORD_BYTES)).from_address(self.records.data_ptr())
+        # the addresses of the row, start, token and step columns (what post_filled's fill writes)
+        self._column_addresses = tuple(self.records[field].data_ptr() for field in (
+            layout.TOKEN_MAIL_FIELD_ROW, layout.TOKEN_MAIL_FIELD_START, layout.TOKEN_MAIL_FIELD_TOKEN,
+            layout.TOKEN_MAIL_FIELD_STEP))
         # each column's byte offset in the view: row, start, token, step
         self._column = tuple(field * capacity * _VALUE_BYTES for field in range(_MAIL_FIELDS))
         self._packers: dict[int, tuple[Callable[..., None], ...]] = {}  # n -> its packs (_packer), once per size
@@ -253,6 +257,30 @@ class TokenMail:
         except struct.error:  # a negative row or start (or a token outside int64)
             return False
         # Published after the records (x86 stores become visible in program order; the kernel loads the count first)
+        self.written = written + n
+        self._published_view[0] = written + n
+        self.posted += 1
+        return True
+
+    def post_filled(self, n: int, fill: Callable[..., int], *args: Any) -> bool:
+        """Post the ``n`` records that ``fill(*args, columns, at, capacity, rows, width, step)`` writes into the ring
+        itself (:func:`kvcanary.runtime.host_ext.decode_fill`: a decode batch read from its requests in C): slots
+        ``at .. at + n - 1`` (mod ``capacity``) of the int64 columns whose addresses ``columns`` gives (rows, starts,
+        tokens, steps), each record inside ``rows`` and ``width``, with the step ``step``; it returns ``n`` when it
+        wrote them all, anything else to refuse the batch (nothing is published).
+
+        False with no call when the mail is closed or lacks room for ``n``: a refusal here is not counted in
+        ``full`` (the caller then offers the batch to :meth:`post`, which counts it)."""
+        header = self._read
+        if header is None or n < 1:
+            return False
+        written = self.written
+        if written + n - header[self._read_at] > self.capacity:
+            return False
+        if fill(*args, self._column_addresses, written % self.capacity, self.capacity, self._rows, self._width,
+                self._steps.steps + 1) != n:
+            return False
+        # Published after the records, as in post
         self.written = written + n
         self._published_view[0] = written + n
         self.posted += 1

@@ -39,7 +39,7 @@ from kvcanary.sglang.batches import BatchConverter, mode_name, mode_name_of, uns
 from kvcanary.sglang.contract import VersionModule
 from kvcanary.sglang.installed import RUNNER_STATE_ATTR, RunnerState, installation_of, keep, runner_states
 from kvcanary.sglang.targets import Target
-from kvcanary.sglang.tokens import expected_token_columns
+from kvcanary.sglang.tokens import DECODE_NAMES, decode_fill, expected_token_columns
 
 if TYPE_CHECKING:  # (the fault-injection layer's: the serving path imports none of it)
     from kvcanary.sglang.fault_injection import SglangFaultInjection
@@ -148,8 +148,11 @@ class AdapterHooks:
             model_name=getattr(v.server_args_of(runner), "served_model_name", None),  # the metrics' model_name label
         )
         inst.defer_writes = defers_writes(v.server_args_of(runner), role)  # (from mark_init_finished on)
+        post_filled = inst.expected_token_post_filled()
+        fill = None if post_filled is None else decode_fill()
         state = RunnerState(inst, faults=self.fault_injection(inst, report_rank, role),
-                            token_upload=inst.expected_token_upload(), token_post=inst.expected_token_post())
+                            token_upload=inst.expected_token_upload(), token_post=inst.expected_token_post(),
+                            token_post_filled=None if fill is None else post_filled, token_fill=fill)
         inst.step_hooks = state.faults  # an injection's undo actions run around the managers' step
         # set before piecewise graphs capture (they call the wrapper); each version classifies calls its own way
         inst.wrapper_call = v.wrapper_gate(inst)
@@ -404,12 +407,19 @@ class AdapterHooks:
                 if self._has_batch_facts:  # (the fault layer's; the plain hooks make no call for it)
                     self.batch_facts(state, reqs)
                 if upload is not None:
-                    rows, starts, counts, runs = expected_token_columns(state.token_mirror, reqs)
-                    # A decode batch (one run, one token per update: every update has at least one) straight to the
-                    # token mail; anything else, or a post refused, through the upload (which launches it)
-                    post = state.token_post
-                    if post is None or len(runs) != 1 or len(runs[0]) != len(rows) or not post(rows, starts, runs[0]):
-                        upload(rows, starts, counts, runs)
+                    # A decode batch read and posted to the token mail by one C call (the host extension: no columns
+                    # built in Python); anything else (a prefill, a row that is not a decode row, a refused post)
+                    # takes the Python path, which applies the same rule: its columns, then a decode batch (one
+                    # run, one token per update: every update has at least one) posted to the mail, and anything
+                    # else, or a post refused, through the upload (which launches it)
+                    post_filled = state.token_post_filled
+                    if post_filled is None or not post_filled(len(reqs), state.token_fill, reqs, state.token_mirror,
+                                                              DECODE_NAMES):
+                        rows, starts, counts, runs = expected_token_columns(state.token_mirror, reqs)
+                        post = state.token_post
+                        if (post is None or len(runs) != 1 or len(runs[0]) != len(rows)
+                                or not post(rows, starts, runs[0])):
+                            upload(rows, starts, counts, runs)
         except Exception as exc:
             if not inst.keeps_serving(exc, "in the batch hook (writer attribution, token uploads)"):
                 raise

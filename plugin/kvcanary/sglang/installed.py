@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvcanary.runtime.faults import FaultInjectionState
-from kvcanary.runtime.installation import Installation, TokenAppendPost, TokenColumnsUpload
+from kvcanary.runtime.host_ext import DecodeFill
+from kvcanary.runtime.installation import Installation, TokenAppendPost, TokenColumnsUpload, TokenFilledPost
 
 if TYPE_CHECKING:  # (leaf modules: neither imports this one)
     from kvcanary.sglang.hicache import HostTierFollower
@@ -43,6 +44,11 @@ class RunnerState:
     # ... and what posts a decode batch (one token per row) to the token mail directly
     # (Installation.expected_token_post; None: no mail, every batch goes through token_upload)
     token_post: TokenAppendPost | None = None
+    # ... and, where the host extension loads, what posts a decode batch read from its requests in C: the mail's
+    # post_filled (Installation.expected_token_post_filled) and the extension's fill_decode
+    # (kvcanary.sglang.tokens.decode_fill); both None or both set (None: every batch takes the Python path)
+    token_post_filled: TokenFilledPost | None = None
+    token_fill: DecodeFill | None = None
     # The prefix cache the sweep reads (set with the sweep source in after_init_cache; the fault injector's
     # cached_idle_corruption picks its idle slots there)
     prefix_cache: object | None = None

@@ -4,15 +4,37 @@ last upload, from sglang's ``Req`` (``req_pool_idx``, ``origin_input_ids``, ``ou
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable, Sequence
 
+from kvcanary.runtime import host_ext
+from kvcanary.runtime.host_ext import DecodeFill
 from kvcanary.runtime.token_table import TokenColumns, TokenRuns
+
+logger = logging.getLogger(__name__)
 
 # The token check's state of one runner: per req_to_token row, [a weak reference to the request, tokens uploaded, the
 # last token uploaded], so a forward uploads only what each row appended since. A plain dict (and a list per row,
 # updated in place): the batch hook reads it once per request of every batch.
 TokenMirror = dict[int, list]
+
+# What the host extension's fill_decode reads of a request: its req_to_token row, and the two lists whose
+# concatenation is the row's expected tokens (a decode row's new token is the last of the second)
+DECODE_NAMES = ("req_pool_idx", "origin_input_ids", "output_ids")
+
+
+def decode_fill() -> DecodeFill | None:
+    """The host extension's ``fill_decode`` (:mod:`kvcanary.runtime.host_ext`): a decode batch's rule of
+    :func:`expected_token_columns` and its mail post in one C call, with :data:`DECODE_NAMES`. None where it cannot
+    be built or loaded (logged, with why): the batch hook then takes the Python path, the same rule at ~2 launch
+    units more host time per decode forward."""
+    try:
+        return host_ext.decode_fill()
+    except host_ext.HostExtError as exc:
+        logger.warning("kvcanary: the token check's decode batches take the Python path (more host time per "
+                       "forward, the same checks): the host extension is not available: %s", exc)
+        return None
 
 
 def _ref_of(req: object) -> Callable[[], object]:
