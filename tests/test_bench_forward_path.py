@@ -101,8 +101,9 @@ def test_bench_and_host_time_measure_the_same_forwards(bench, tmp_path, case) ->
     if case.startswith("decode"):
         assert pieces.get("token decode post (C)", 0) > 0, pieces
         assert "expected_token_updates" not in pieces and "token table upload" not in pieces, pieces
-    else:
+    else:  # (a batch that can bring new requests is not offered to the C call)
         assert pieces.get("expected_token_updates", 0) > 0 and pieces.get("token table upload", 0) > 0, pieces
+        assert "token decode post (C)" not in pieces, pieces
     # the wrapper's eager hot path launches every timed forward: no BatchView, no before_forward / after_forward
     assert not {"BatchConverter", "before_forward", "after_forward"} & set(pieces), pieces
     assert ("assign_requests" in pieces) == case.startswith("mixed")  # new requests: extend rows only

@@ -408,13 +408,14 @@ class AdapterHooks:
                     self.batch_facts(state, reqs)
                 if upload is not None:
                     # A decode batch read and posted to the token mail by one C call (the host extension: no columns
-                    # built in Python); anything else (a prefill, a row that is not a decode row, a refused post)
+                    # built in Python; a batch that can bring new requests is not offered: its new rows fail the
+                    # C call's rule); anything else (a prefill, a row that is not a decode row, a refused post)
                     # takes the Python path, which applies the same rule: its columns, then a decode batch (one
                     # run, one token per update: every update has at least one) posted to the mail, and anything
                     # else, or a post refused, through the upload (which launches it)
                     post_filled = state.token_post_filled
-                    if post_filled is None or not post_filled(len(reqs), state.token_fill, reqs, state.token_mirror,
-                                                              DECODE_NAMES):
+                    if post_filled is None or facts[1] or not post_filled(len(reqs), state.token_fill, reqs,
+                                                                          state.token_mirror, DECODE_NAMES):
                         rows, starts, counts, runs = expected_token_columns(state.token_mirror, reqs)
                         post = state.token_post
                         if (post is None or len(runs) != 1 or len(runs[0]) != len(rows)
