@@ -116,6 +116,21 @@ def test_cli_in_process_passes() -> None:
     assert main(["doctor"], out=out) == 0, out.getvalue()
     assert CPU_ROW.search(out.getvalue()), out.getvalue()
     assert "all backends passed" in out.getvalue()
+    assert "host extension: ok (" in out.getvalue(), out.getvalue()  # (CI has a compiler and the Python headers)
+
+
+def test_a_host_extension_that_cannot_be_built_is_a_note_saying_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not a failure (the token check's decode batches take the Python path), but said, with the cause."""
+    from kvcanary.runtime import host_ext
+
+    def no_headers(*args, **kwargs):
+        raise host_ext.HostExtError("no Python.h in '/nowhere' (install the Python development headers)")
+
+    monkeypatch.setattr(host_ext, "build", no_headers)
+    out = io.StringIO()
+    assert main(["doctor"], out=out) == 0, out.getvalue()
+    assert "host extension: not available (no Python.h in '/nowhere'" in out.getvalue(), out.getvalue()
+    assert "take the Python path" in out.getvalue()
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ from kvcanary.kernels.hash_ref import mix3 as _mix3
 from kvcanary.kernels.hash_ref import splitmix64 as _splitmix64
 from kvcanary.kernels.hash_ref import to_i64 as _signed
 from kvcanary.kernels.real_kv import RealKvSource
+from kvcanary.runtime import host_ext
 from kvcanary.settings import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -531,4 +532,18 @@ def run_doctor(
             )
         else:
             report.notes.append("cuda: skipped (no CUDA device, no nvcc)")
+    report.notes.append(host_extension_note())
     return report
+
+
+def host_extension_note() -> str:
+    """The host extension's line (kvcanary.runtime.host_ext, built here if it is not in the cache): where it is, or
+    why it is not available (not a failure: the token check's decode batches then take the Python path)."""
+    try:
+        library = host_ext.build()
+        host_ext.load()
+    except host_ext.HostExtError as exc:
+        return (f"host extension: not available ({exc}); the token check's decode batches take the Python path "
+                "(the same checks, more host time per forward)")
+    return f"host extension: ok ({library})"
+
