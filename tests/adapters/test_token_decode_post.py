@@ -226,6 +226,37 @@ def test_a_row_that_only_looks_like_a_decode_row_is_refused(fill, case) -> None:
     del keep
 
 
+def test_python_code_a_request_runs_that_drops_its_mirror_entry_is_survived(fill) -> None:
+    """A request whose ``output_ids`` is a property that drops the mirror's entries and the batch list's items while
+    the call reads it (sglang's requests run no such code, but the call must not read freed memory if one did): the
+    C call holds what it reads, and its outcome is the Python path's (the entry, dropped from the mirror, updated)."""
+
+    class Meddling:
+        def __init__(self, row: int, mirror: dict, batch: list) -> None:
+            self.req_pool_idx, self.origin_input_ids, self._output = row, [1, 2], [3, 4]
+            self._mirror, self._batch = mirror, batch
+
+        @property
+        def output_ids(self):
+            self._mirror.clear()
+            self._batch.clear()
+            return self._output
+
+    results = []
+    for native in (True, False):
+        mail, _ = _mail()
+        mirror: dict = {}
+        batch: list = []
+        req = Meddling(5, mirror, batch)
+        mirror[5] = [weakref.ref(req), 3, 3]  # (nothing else holds the entry: dropped from the mirror, it is freed)
+        batch += [req, Req(6, [1], [2, 3])]
+        posted = (mail.post_filled(2, fill, batch, mirror, DECODE_NAMES) if native
+                  else _python_post(mail, mirror, list(batch)))
+        results.append((posted, dict(mirror), mail.written))
+    assert results[0] == (False, {}, 0)  # (the second request has no entry: not a decode row; nothing posted)
+    assert results[1][1] == {6: results[1][1][6]}  # (the Python path sends row 6 whole: not a one-token post)
+
+
 def test_rows_and_starts_outside_the_table_are_refused(fill) -> None:
     """The mail's bounds, as its Python post applies them: a row at or past the table's rows, a start at or past its
     width (the C call refuses the batch; the Python path's post then refuses it too and the upload clips it)."""

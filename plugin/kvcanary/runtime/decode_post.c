@@ -31,7 +31,7 @@ enum { kColumns = 4 }; /* rows, starts, tokens, steps */
 
 /* A mirror entry changed by this call, and what it held, to put back when a later request is refused. */
 typedef struct {
-  PyObject *entry; /* borrowed: the mirror holds it */
+  PyObject *entry; /* owned: held while the call runs (Python code a request's attribute runs could drop the mirror's) */
   PyObject *sent;  /* owned: the entry's old [1] */
   PyObject *last;  /* owned: the entry's old [2] */
 } Undo;
@@ -74,17 +74,24 @@ static int as_int64(PyObject *value, int64_t *out) {
   return 0;
 }
 
-/* One request's record when it is a decode row (0; *entry_out borrowed, *token_out new), else -1 (no error set).
+/* One request's record when it is a decode row (0; *entry_out and *token_out new references), else -1 (no error set).
  * The rule of the Python fast path, in its order: row attribute, mirror entry, the same request, one token more,
  * the token before it the last one sent. */
 static int decode_record(PyObject *req, PyObject *mirror, PyObject *const names[3], int64_t rows, int64_t width,
                          int64_t record[3], PyObject **entry_out, PyObject **token_out, int64_t *total_out) {
   int result = -1;
-  PyObject *row = NULL, *first = NULL, *second = NULL, *referenced = NULL, *before = NULL, *token = NULL;
+  PyObject *row = NULL, *entry = NULL, *last = NULL, *first = NULL, *second = NULL, *referenced = NULL,
+           *before = NULL, *token = NULL;
   row = PyObject_GetAttr(req, names[0]);
   if (row == NULL || !PyLong_CheckExact(row)) goto done; /* (a row that is not an int: the Python path) */
-  PyObject *entry = PyDict_GetItemWithError(mirror, row); /* borrowed */
-  if (entry == NULL || !PyList_CheckExact(entry) || PyList_GET_SIZE(entry) != 3) goto done;
+  entry = PyDict_GetItemWithError(mirror, row); /* borrowed, then owned */
+  if (entry == NULL || !PyList_CheckExact(entry) || PyList_GET_SIZE(entry) != 3) {
+    entry = NULL;
+    goto done;
+  }
+  Py_INCREF(entry);
+  last = PyList_GET_ITEM(entry, 2);
+  Py_INCREF(last); /* (the comparison below may run Python code) */
   int64_t sent;
   if (as_int64(PyList_GET_ITEM(entry, 1), &sent) != 0) goto done;
   referenced = referent(PyList_GET_ITEM(entry, 0));
@@ -99,7 +106,7 @@ static int decode_record(PyObject *req, PyObject *mirror, PyObject *const names[
   if (total != sent + 1) goto done;
   before = PySequence_GetItem(second, n_second - 2);
   if (before == NULL) goto done;
-  int same = PyObject_RichCompareBool(before, PyList_GET_ITEM(entry, 2), Py_EQ);
+  int same = PyObject_RichCompareBool(before, last, Py_EQ);
   if (same != 1) goto done;
   token = PySequence_GetItem(second, n_second - 1);
   if (token == NULL) goto done;
@@ -110,14 +117,17 @@ static int decode_record(PyObject *req, PyObject *mirror, PyObject *const names[
   record[0] = row_value;
   record[1] = sent;
   record[2] = token_value;
+  if (PyList_GET_SIZE(entry) != 3) goto done; /* (changed by Python code the reads above ran) */
   *entry_out = entry;
   *token_out = token;
   *total_out = total;
-  token = NULL; /* handed to the caller */
+  entry = token = NULL; /* handed to the caller */
   result = 0;
 done:
   if (result != 0) PyErr_Clear(); /* a request that does not fit is the Python path's to handle, not an error */
   Py_XDECREF(row);
+  Py_XDECREF(entry);
+  Py_XDECREF(last);
   Py_XDECREF(first);
   Py_XDECREF(second);
   Py_XDECREF(referenced);
@@ -126,11 +136,13 @@ done:
   return result;
 }
 
-/* Put back every entry changed so far, in reverse (a row twice in one batch: its first old values last). */
+/* Put back every entry changed so far, in reverse (a row twice in one batch: its first old values last), and let go
+ * of the entries. */
 static void undo_all(Undo *undo, Py_ssize_t count) {
   for (Py_ssize_t i = count - 1; i >= 0; --i) {
     PyList_SetItem(undo[i].entry, 1, undo[i].sent); /* steals the references */
     PyList_SetItem(undo[i].entry, 2, undo[i].last);
+    Py_DECREF(undo[i].entry);
   }
 }
 
@@ -182,14 +194,15 @@ static PyObject *fill_decode(PyObject *module, PyObject *const *args, Py_ssize_t
       return NULL;
     }
   }
-  PyObject *seq = PySequence_Fast(reqs, "fill_decode: reqs must be a sequence");
+  /* a tuple (a list is copied): its items stay put whatever Python code a request's attribute runs */
+  PyObject *seq = PySequence_Tuple(reqs);
   if (seq == NULL) return NULL;
-  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  Py_ssize_t n = PyTuple_GET_SIZE(seq);
   if (n == 0 || n > capacity) {
     Py_DECREF(seq);
     return PyLong_FromLong(-1);
   }
-  PyObject **items = PySequence_Fast_ITEMS(seq);
+  PyObject **items = &PyTuple_GET_ITEM(seq, 0);
   Undo *undo = PyMem_Malloc((size_t)n * sizeof(Undo));
   if (undo == NULL) {
     Py_DECREF(seq);
@@ -204,6 +217,7 @@ static PyObject *fill_decode(PyObject *module, PyObject *const *args, Py_ssize_t
     if (decode_record(items[done], mirror, name_items, rows, width, record, &entry, &token, &total) != 0) break;
     PyObject *total_obj = PyLong_FromLongLong(total);
     if (total_obj == NULL) {
+      Py_DECREF(entry);
       Py_DECREF(token);
       undo_all(undo, done);
       PyMem_Free(undo);
@@ -233,6 +247,7 @@ static PyObject *fill_decode(PyObject *module, PyObject *const *args, Py_ssize_t
   for (Py_ssize_t i = 0; i < n; ++i) {
     Py_DECREF(undo[i].sent);
     Py_DECREF(undo[i].last);
+    Py_DECREF(undo[i].entry);
   }
   PyMem_Free(undo);
   Py_DECREF(seq);
