@@ -219,6 +219,25 @@ def test_a_decode_batch_is_posted_to_the_mail_with_no_upload_call(native: bool, 
     assert native_batches > 100 if native else native_batches == 0
 
 
+def test_only_one_group_with_an_open_mail_posts_decode_batches() -> None:
+    """The mail's post and post_filled (the C decode post) are offered only where one group's table has the mail:
+    not without the token check, not for a table without the mail (an EAGLE pool's: its appends are launched), not
+    for several groups (each table would need the batch: they take the upload, which reaches every table)."""
+    with_mail = _mail_installation()
+    mail = with_mail.groups[0].manager.token_table.mail
+    assert with_mail.expected_token_post() == mail.post and with_mail.expected_token_post_filled() == mail.post_filled
+    for inst in (_installation(1), _installation(2), _installation(1, verify_tokens=False)):
+        assert inst.expected_token_post() is None and inst.expected_token_post_filled() is None
+    cfg = Config(mode=Mode.RAISE, stats_every=0, verify_tokens=True)
+    r2t = torch.zeros((ROWS, WIDTH), dtype=torch.int32)
+    two_with_mail = Installation(config=cfg, groups=[
+        Group(GroupSpec(f"g{i}", 64, ()), CanaryManager(cfg, num_slots=64, req_to_token=r2t, device="cpu",
+                                                         max_batch_size=ROWS, max_tokens_per_forward=64,
+                                                         token_mail=True)) for i in range(2)],
+        to_views=lambda *a: [], req_to_token=r2t)
+    assert two_with_mail.expected_token_post() is None and two_with_mail.expected_token_post_filled() is None
+
+
 def test_a_post_the_mail_refuses_is_uploaded() -> None:
     """A decode batch the mail does not take (full, closed, a row outside the table: ``post`` says False) is sent
     through the upload, which launches it: nothing is lost."""

@@ -15,12 +15,14 @@ import weakref
 
 import pytest
 
+from kvcanary.kernels import layout
 from kvcanary.runtime import host_ext
 from kvcanary.runtime.token_table import TokenMail
 from kvcanary.sglang import tokens as sglang_tokens
 from kvcanary.sglang.tokens import DECODE_NAMES, expected_token_columns
 
 ROWS, WIDTH = 16, 1 << 12
+READ_AT = layout.STATE_TOKEN_MAIL_READ  # the header index of the device's read cursor
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +67,7 @@ def _python_post(mail: TokenMail, mirror: dict, reqs: list) -> bool:
 def test_the_extension_builds_without_a_warning(tmp_path) -> None:
     """The source compiles with -Wall -Werror for this Python (the runtime build leaves -Werror out: a newer
     Python's headers may warn)."""
-    include = sysconfig.get_paths()["include"]
-    out = tmp_path / "ext.so"
-    command = [*host_ext._compiler(), "-O2", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror",
-               f"-I{include}", str(host_ext.SOURCE), "-o", str(out)]
+    command = host_ext.compile_command(host_ext.SOURCE, tmp_path / "ext.so", "-Wextra", "-Werror")
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     assert done.returncode == 0, f"{shlex.join(command)}\n{done.stderr}"
 
@@ -120,8 +119,8 @@ def test_random_decode_batches_post_what_the_python_path_posts(fill) -> None:
             live[row] = Req(row, list(live[row].origin_input_ids), list(live[row].output_ids))
         # the device's read cursor moves now and then (by then the kernel applied those records)
         if rng.random() < 0.7:
-            native_header[TokenMail_read_at()] = native_mail.written
-            python_header[TokenMail_read_at()] = python_mail.written
+            native_header[READ_AT] = native_mail.written
+            python_header[READ_AT] = python_mail.written
         before = _mirror_state(python_mirror)
         assert before == _mirror_state(native_mirror)
         try:
@@ -156,14 +155,8 @@ def _unread(mail: TokenMail, header: list[int]) -> list[list[int]]:
     """The published records the device has not read yet, oldest first: all a check launch reads (a refused C call
     may have written the slots after them, which the device read long ago and reads again only once published)."""
     records = mail.records.tolist()
-    slots = [i % mail.capacity for i in range(header[TokenMail_read_at()], mail.written)]
+    slots = [i % mail.capacity for i in range(header[READ_AT], mail.written)]
     return [[column[i] for i in slots] for column in records]
-
-
-def TokenMail_read_at() -> int:  # noqa: N802  (the header index of the device's read cursor)
-    from kvcanary.kernels import layout
-
-    return layout.STATE_TOKEN_MAIL_READ
 
 
 def _decoding(n: int, row0: int = 0) -> tuple[list[Req], dict]:
@@ -286,7 +279,7 @@ def test_records_wrap_at_the_ring_s_end_and_a_full_ring_is_not_called(fill) -> N
         return fill(*args)
 
     assert not mail.post_filled(4, counting, second, more, DECODE_NAMES) and calls == [] and mail.full == 0
-    header[TokenMail_read_at()] = 4  # the device read the first batch
+    header[READ_AT] = 4  # the device read the first batch
     assert mail.post_filled(4, counting, second, more, DECODE_NAMES) and len(calls) == 1
     assert mail.records[0].tolist() == [6, 7, 2, 3, 4, 5]  # slots 4, 5 then 0, 1
     assert int(mail.published[0]) == 8
@@ -295,7 +288,7 @@ def test_records_wrap_at_the_ring_s_end_and_a_full_ring_is_not_called(fill) -> N
 def test_bad_calls_raise_and_a_closed_mail_posts_nothing(fill) -> None:
     mail, _ = _mail()
     reqs, mirror = _decoding(2)
-    columns = mail._column_addresses
+    columns = tuple(column.data_ptr() for column in mail.records)  # (rows, starts, tokens, steps)
     with pytest.raises(TypeError, match="mirror must be a dict"):
         fill(reqs, [], DECODE_NAMES, columns, 0, 8, ROWS, WIDTH, 1)
     with pytest.raises(TypeError, match="names"):

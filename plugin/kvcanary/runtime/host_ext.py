@@ -41,10 +41,13 @@ class HostExtError(RuntimeError):
     """The extension could not be built or loaded (the message says why: no compiler, no Python.h, ...)."""
 
 
-def _compiler() -> list[str]:
-    """The C compiler Python was built with (``sysconfig``'s CC, e.g. ``gcc -pthread``), else ``cc``; ``$CC`` wins."""
-    raw = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
-    return shlex.split(raw)
+def compile_command(source: Path, output: Path, *extra_flags: str) -> list[str]:
+    """The command that builds ``source`` into the extension ``output``: the C compiler Python was built with
+    (``sysconfig``'s CC, e.g. ``gcc -pthread``; ``$CC`` wins; else ``cc``), this Python's headers, ``extra_flags``
+    last (the tests add ``-Werror``)."""
+    compiler = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+    include = sysconfig.get_paths().get("include") or ""
+    return [*compiler, *_FLAGS, *extra_flags, f"-I{include}", str(source), "-o", str(output)]
 
 
 def library_path(source: Path = SOURCE) -> Path:
@@ -67,7 +70,7 @@ def build(source: Path = SOURCE) -> Path:
     except OSError as exc:
         raise HostExtError(f"cannot create {str(library.parent)!r}: {exc.strerror or exc}") from exc
     tmp = library.with_name(f"{library.name}.{os.getpid()}.tmp")  # ranks may build at once: each its own file
-    command = [*_compiler(), *_FLAGS, f"-I{include}", str(source), "-o", str(tmp)]
+    command = compile_command(source, tmp)
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=_BUILD_SECONDS, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:

@@ -182,12 +182,10 @@ class TokenMail:
         self.records = torch.zeros((_MAIL_FIELDS, capacity), dtype=torch.int64, pin_memory=pinned)
         self.published = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
         self._records_view = (ctypes.c_char * (capacity * _MAIL_RECORD_BYTES)).from_address(self.records.data_ptr())
-        # the addresses of the row, start, token and step columns (what post_filled's fill writes)
-        self._column_addresses = tuple(self.records[field].data_ptr() for field in (
-            layout.TOKEN_MAIL_FIELD_ROW, layout.TOKEN_MAIL_FIELD_START, layout.TOKEN_MAIL_FIELD_TOKEN,
-            layout.TOKEN_MAIL_FIELD_STEP))
         # each column's byte offset in the view: row, start, token, step
         self._column = tuple(field * capacity * _VALUE_BYTES for field in range(_MAIL_FIELDS))
+        # ... and its address (what post_filled's fill writes)
+        self._column_addresses = tuple(self.records.data_ptr() + offset for offset in self._column)
         self._packers: dict[int, tuple[Callable[..., None], ...]] = {}  # n -> its packs (_packer), once per size
         self._published_view = (ctypes.c_int64 * 1).from_address(self.published.data_ptr())
         self.written = 0  # records ever written (what ``published`` says once a batch is posted)
